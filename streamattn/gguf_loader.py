@@ -1,0 +1,311 @@
+"""Read a GGUF model file: metadata -> :class:`ModelConfig`, tensors -> float32 weights.
+
+Built on llama.cpp's own ``gguf`` package (``GGUFReader`` for the container, ``gguf.quants.dequantize``
+for Q4_1, Q8_0, Q4_K, Q5_0, Q6_K, ...). Nothing here parses bytes by hand.
+
+Facts about the files this module relies on (see DESIGN.md §5):
+
+- llama: ``attn_q``/``attn_k`` rows are stored permuted by llama.cpp's converter so that RoPE rotates
+  *adjacent* pairs (2i, 2i+1) of each head ("interleaved", llama.cpp's ROPE_TYPE_NORM). We keep that
+  order and rotate adjacent pairs; q·k is unchanged by a permutation applied to both, so the cache and
+  attention never need to know.
+- gemma3: rows are not permuted; RoPE rotates the two halves of each head ("neox" style). Norm weights
+  are stored already shifted (1 + w), so every RMSNorm is a plain ``x * w``. The file carries neither
+  the local RoPE base, nor the sliding-window pattern, nor a chat template: llama.cpp hard-codes
+  base 1e4 on local layers and one global layer in every 6; so do we (``GEMMA3_*`` constants below).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+SUPPORTED_ARCHS = ("llama", "gemma3")
+GEMMA3_ROPE_BASE_LOCAL = 10_000.0
+GEMMA3_GLOBAL_EVERY = 6          # layers 5, 11, 17, ... are global; the others slide
+
+
+class ModelFileError(ValueError):
+    """A model file is missing, truncated, corrupt or of an unsupported architecture."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a decoder-only transformer, read from GGUF metadata.
+
+    Parameters
+    ----------
+    arch : {"llama", "gemma3"}
+    n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff, vocab_size : int
+    norm_eps : float
+        RMSNorm epsilon.
+    rope_base : float
+        RoPE base of global (full-attention) layers.
+    rope_base_local : float
+        RoPE base of sliding-window layers (equal to ``rope_base`` for llama).
+    rope_style : {"interleaved", "neox"}
+        Which dimensions RoPE pairs: adjacent (2i, 2i+1) or halves (i, i + head_dim/2).
+    layer_windows : tuple of (int or None)
+        Per layer: the model's own sliding window n_c (keys incl. the current one), None for global.
+    attn_scale : float
+        Multiplies q·k (1/sqrt(head_dim) for both families here).
+    embed_scale : float
+        Multiplies the token embedding (sqrt(d_model) for gemma3, 1 for llama).
+    activation : {"silu", "gelu_tanh"}
+        Gate activation of the gated MLP.
+    qk_norm, post_norms : bool
+        gemma3's per-head RMSNorm of q and k; its norms after attention and after the MLP.
+    context_length : int
+    bos_id, eos_id : int
+    name : str
+    """
+
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    vocab_size: int
+    norm_eps: float
+    rope_base: float
+    rope_base_local: float
+    rope_style: str
+    layer_windows: tuple
+    attn_scale: float
+    embed_scale: float
+    activation: str
+    qk_norm: bool
+    post_norms: bool
+    context_length: int
+    bos_id: int
+    eos_id: int
+    name: str = ""
+
+    def __post_init__(self):
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"arch must be one of {SUPPORTED_ARCHS} (got {self.arch!r})")
+        for f in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be a positive integer (got {v!r})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE (got {self.head_dim})")
+        if self.rope_style not in ("interleaved", "neox"):
+            raise ValueError(f"rope_style must be 'interleaved' or 'neox' (got {self.rope_style!r})")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation must be 'silu' or 'gelu_tanh' (got {self.activation!r})")
+        if len(self.layer_windows) != self.n_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries, expected n_layers="
+                             f"{self.n_layers}")
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise ValueError(f"layer_windows entries must be None or >= 1 (got {self.layer_windows})")
+        if not (0 <= self.bos_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):
+            raise ValueError(f"bos_id={self.bos_id}/eos_id={self.eos_id} outside vocab 0..{self.vocab_size - 1}")
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass
+class GGUFModel:
+    """A loaded model file: config, float32 weights, and the raw metadata (for the tokenizer).
+
+    ``weights`` maps GGUF tensor names to float32 arrays in GGUF's numpy layout:
+    matrices are ``[out_features, in_features]``, e.g. ``blk.0.attn_q.weight: [n_heads*head_dim, d_model]``.
+    """
+
+    path: str
+    config: ModelConfig
+    weights: dict = field(repr=False)
+    metadata: dict = field(repr=False)
+
+
+def _field(reader, key, default=None, *, path):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is None:
+            raise ModelFileError(f"{path}: metadata key {key!r} is missing; the file is not a complete "
+                                 "GGUF model (re-download it, e.g. `streamattn pull`)")
+        return default
+    return f.contents()
+
+
+def read_metadata(reader, path: str) -> dict:
+    """All scalar/string/array metadata of a GGUFReader as plain Python values."""
+    out = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = f.contents()
+        except Exception as e:  # noqa: BLE001 - any decode failure means a corrupt field
+            raise ModelFileError(f"{path}: metadata field {key!r} cannot be decoded ({e}); the file is "
+                                 "corrupt") from e
+    return out
+
+
+def config_from_metadata(md: dict, path: str = "<metadata>") -> ModelConfig:
+    """Build a :class:`ModelConfig` from GGUF metadata (a dict as returned by :func:`read_metadata`).
+
+    Raises
+    ------
+    ModelFileError
+        Unsupported architecture, missing keys, or RoPE scaling this engine does not implement.
+    """
+    arch = md.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelFileError(f"{path}: architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ARCHS)}")
+
+    def get(key, default=None):
+        k = f"{arch}.{key}"
+        if k in md:
+            return md[k]
+        if default is None:
+            raise ModelFileError(f"{path}: metadata key {k!r} is missing for architecture {arch!r}")
+        return default
+
+    scaling = md.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or (scaling == "linear" and get("rope.scaling.factor", 1.0) != 1.0):
+        raise ModelFileError(f"{path}: RoPE scaling {scaling!r} is not supported (only unscaled RoPE)")
+    n_layers = int(get("block_count"))
+    d_model = int(get("embedding_length"))
+    n_heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", d_model // n_heads))
+    tokens = md.get("tokenizer.ggml.tokens")
+    vocab = int(md.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
+    common = dict(
+        arch=arch, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+        n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
+        d_ff=int(get("feed_forward_length")), vocab_size=vocab,
+        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        context_length=int(get("context_length", 2048)),
+        bos_id=int(md.get("tokenizer.ggml.bos_token_id", 1)),
+        eos_id=int(md.get("tokenizer.ggml.eos_token_id", 2)),
+        name=str(md.get("general.name", "")),
+        attn_scale=1.0 / math.sqrt(head_dim),
+    )
+    if arch == "llama":
+        base = float(get("rope.freq_base", 10_000.0))
+        return ModelConfig(**common, rope_base=base, rope_base_local=base, rope_style="interleaved",
+                           layer_windows=(None,) * n_layers, embed_scale=1.0, activation="silu",
+                           qk_norm=False, post_norms=False)
+    window = int(get("attention.sliding_window"))
+    windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(n_layers))
+    return ModelConfig(**common, rope_base=float(get("rope.freq_base", 1_000_000.0)),
+                       rope_base_local=GEMMA3_ROPE_BASE_LOCAL, rope_style="neox", layer_windows=windows,
+                       embed_scale=math.sqrt(d_model), activation="gelu_tanh", qk_norm=True,
+                       post_norms=True)
+
+
+def _open(path: str):
+    import gguf
+
+    if not os.path.exists(path):
+        raise ModelFileError(f"{path}: no such file; give --model PATH.gguf or run "
+                             "`streamattn pull smollm2-135m`")
+    if os.path.isdir(path):
+        raise ModelFileError(f"{path}: is a directory, expected a .gguf file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ModelFileError(f"{path}: not a GGUF file (first bytes {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # noqa: BLE001 - gguf raises ValueError/IndexError/... on damaged files
+        raise ModelFileError(f"{path}: the GGUF container cannot be read ({type(e).__name__}: {e}); the "
+                             "file is truncated or corrupt - re-download it") from e
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != t.n_bytes:
+            raise ModelFileError(f"{path}: tensor {t.name!r} ends at byte {end} but the file has {size} "
+                                 "bytes; the file is truncated - re-download it")
+    return reader
+
+
+def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None) -> GGUFModel:
+    """Load a GGUF model: validate, read the config, dequantize every tensor to float32.
+
+    Parameters
+    ----------
+    path : str
+        The ``.gguf`` file.
+    progress : callable(done, total, tensor_name), optional
+        Called after each tensor is dequantized.
+
+    Returns
+    -------
+    GGUFModel
+        ``weights[name]`` float32, matrices ``[out_features, in_features]``.
+
+    Raises
+    ------
+    ModelFileError
+        Missing file, not GGUF, truncated, corrupt (non-finite weights), unsupported architecture.
+
+    Examples
+    --------
+    >>> m = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")   # doctest: +SKIP
+    >>> m.config.n_layers, m.weights["blk.0.attn_q.weight"].shape
+    (30, (576, 576))
+    """
+    from gguf.quants import dequantize
+
+    path = os.fspath(path)
+    reader = _open(path)
+    md = read_metadata(reader, path)
+    config = config_from_metadata(md, path)
+    weights = {}
+    total = len(reader.tensors)
+    for i, t in enumerate(reader.tensors):
+        try:
+            w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except Exception as e:  # noqa: BLE001
+            raise ModelFileError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name} cannot be "
+                                 f"dequantized ({e})") from e
+        if not np.isfinite(w).all():
+            raise ModelFileError(f"{path}: tensor {t.name!r} holds NaN or inf after dequantization; the "
+                                 "file is corrupt - re-download it")
+        weights[t.name] = w
+        if progress is not None:
+            progress(i + 1, total, t.name)
+    _check_tensors(config, weights, path)
+    return GGUFModel(path=path, config=config, weights=weights, metadata=md)
+
+
+def _check_tensors(c: ModelConfig, w: dict, path: str) -> None:
+    expect = {"token_embd.weight": (c.vocab_size, c.d_model), "output_norm.weight": (c.d_model,)}
+    for i in range(c.n_layers):
+        p = f"blk.{i}."
+        expect.update({
+            p + "attn_norm.weight": (c.d_model,), p + "ffn_norm.weight": (c.d_model,),
+            p + "attn_q.weight": (c.q_dim, c.d_model), p + "attn_k.weight": (c.kv_dim, c.d_model),
+            p + "attn_v.weight": (c.kv_dim, c.d_model), p + "attn_output.weight": (c.d_model, c.q_dim),
+            p + "ffn_gate.weight": (c.d_ff, c.d_model), p + "ffn_up.weight": (c.d_ff, c.d_model),
+            p + "ffn_down.weight": (c.d_model, c.d_ff)})
+        if c.qk_norm:
+            expect[p + "attn_q_norm.weight"] = expect[p + "attn_k_norm.weight"] = (c.head_dim,)
+        if c.post_norms:
+            expect[p + "post_attention_norm.weight"] = expect[p + "post_ffw_norm.weight"] = (c.d_model,)
+    if "output.weight" in w:
+        expect["output.weight"] = (c.vocab_size, c.d_model)
+    for name, shape in expect.items():
+        if name not in w:
+            raise ModelFileError(f"{path}: tensor {name!r} is missing (architecture {c.arch}, "
+                                 f"{c.n_layers} layers)")
+        if w[name].shape != shape:
+            raise ModelFileError(f"{path}: tensor {name!r} has shape {w[name].shape}, expected {shape}")

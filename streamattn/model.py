@@ -1,0 +1,250 @@
+"""Decoder-only transformer forward pass (llama family and Gemma-3) on streamattn's KV caches.
+
+The model owns weights and arithmetic; it never touches cache slots. Each layer: project q/k/v, apply
+RoPE at absolute positions (``cache.lengths`` before the append), ``cache.append(k, v)`` ("write, then
+attend"), ``attend(q, cache)``, project out, MLP. Written once against an array module ``xp`` (numpy
+on the CPU; CuPy on the GPU once weights are moved with :meth:`Transformer.to`).
+
+Layer recipe (pre-norm; gemma3 extras in brackets)::
+
+    x = embed[tok] [* sqrt(d_model)]
+    for each layer:
+        h = rmsnorm(x) @ Wqkv.T -> q, k, v        # fused: one matmul
+        [q, k = rmsnorm_per_head(q), rmsnorm_per_head(k)]
+        q, k = rope(q, pos), rope(k, pos)          # base per layer (gemma3: 1e4 local, 1e6 global)
+        a = attend(q, cache.append(k, v)) @ Wo.T   # scale 1/sqrt(head_dim)
+        x = x + [rmsnorm_post_attn](a)
+        g, u = rmsnorm(x) @ Wgu.T                  # fused: one matmul
+        x = x + [rmsnorm_post_ffw](act(g) * u @ Wdown.T)   # act: silu (llama) / gelu-tanh (gemma3)
+    logits = rmsnorm(x) @ embed.T (tied) or @ output.T
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from streamattn import CacheSpec, KVCache, attend
+from streamattn.gguf_loader import GGUFModel, ModelConfig
+
+CACHE_MODES = ("full", "window", "sinks")
+
+
+@dataclass
+class LayerWeights:
+    """One block's weights, matrices ``[out, in]`` (multiply as ``x @ W.T``)."""
+
+    attn_norm: object   # [d_model]
+    wqkv: object        # [q_dim + 2*kv_dim, d_model]  (q rows, then k rows, then v rows)
+    wo: object          # [d_model, q_dim]
+    ffn_norm: object    # [d_model]
+    wgu: object         # [2*d_ff, d_model]  (gate rows, then up rows)
+    wdown: object       # [d_model, d_ff]
+    q_norm: object = None          # [head_dim]  gemma3
+    k_norm: object = None          # [head_dim]  gemma3
+    post_attn_norm: object = None  # [d_model]   gemma3
+    post_ffw_norm: object = None   # [d_model]   gemma3
+
+
+def rms_norm(xp, x, w, eps):
+    """RMSNorm over the last axis: ``x / sqrt(mean(x²) + eps) * w``. x: [..., n], w: [n]."""
+    ms = (x * x).mean(axis=-1, keepdims=True)
+    return x * (1.0 / xp.sqrt(ms + eps)) * w
+
+
+def gelu_tanh(xp, x):
+    return 0.5 * x * (1.0 + xp.tanh(np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)))
+
+
+def silu(xp, x):
+    return x / (1.0 + xp.exp(-x))
+
+
+def rope(xp, x, cos, sin, style):
+    """Rotate x: [B, H, T, hd] by angles given as cos/sin: [B, 1, T, hd/2]; style 'interleaved'|'neox'."""
+    hd = x.shape[-1]
+    if style == "interleaved":          # pairs (2i, 2i+1) - llama.cpp's order for llama GGUFs
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = xp.empty_like(x)
+        out[..., 0::2] = a * cos - b * sin
+        out[..., 1::2] = a * sin + b * cos
+        return out
+    a, b = x[..., : hd // 2], x[..., hd // 2:]   # neox: pairs (i, i + hd/2)
+    return xp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+class Transformer:
+    """A GGUF model ready to run on streamattn caches.
+
+    Parameters
+    ----------
+    model : GGUFModel
+        From :func:`streamattn.gguf_loader.load_gguf`.
+    xp : module, optional
+        Array module (numpy default; cupy after :meth:`to`).
+
+    Examples
+    --------
+    >>> tf = Transformer(load_gguf(path))                           # doctest: +SKIP
+    >>> caches = tf.new_caches(batch=1, max_chunk=64)
+    >>> logits = tf.forward(np.array([[1, 2, 3]]), caches)          # [1, 3, vocab]
+    """
+
+    def __init__(self, model: GGUFModel, xp=np):
+        self.config: ModelConfig = model.config
+        self.xp = xp
+        c, w = self.config, model.weights
+        f32 = np.float32
+        self.embed = w["token_embd.weight"]                       # [vocab, d_model]
+        self.output = w.get("output.weight", self.embed)          # [vocab, d_model] (tied when absent)
+        self.output_norm = w["output_norm.weight"]                # [d_model]
+        self.layers = []
+        for i in range(c.n_layers):
+            p = f"blk.{i}."
+            self.layers.append(LayerWeights(
+                attn_norm=w[p + "attn_norm.weight"],
+                wqkv=np.ascontiguousarray(np.concatenate(
+                    [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]], 0), f32),
+                wo=w[p + "attn_output.weight"], ffn_norm=w[p + "ffn_norm.weight"],
+                wgu=np.ascontiguousarray(np.concatenate([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]], 0), f32),
+                wdown=w[p + "ffn_down.weight"],
+                q_norm=w.get(p + "attn_q_norm.weight"), k_norm=w.get(p + "attn_k_norm.weight"),
+                post_attn_norm=w.get(p + "post_attention_norm.weight"),
+                post_ffw_norm=w.get(p + "post_ffw_norm.weight")))
+        half = c.head_dim // 2
+        self._inv_freq = {base: (1.0 / base ** (np.arange(half, dtype=np.float64) * 2 / c.head_dim))
+                          for base in {c.rope_base, c.rope_base_local}}
+
+    def to(self, xp):
+        """Move every weight array to array module ``xp`` (e.g. cupy); returns self."""
+        conv = xp.asarray
+        self.embed = conv(self.embed)
+        self.output = self.embed if self.output is self.embed else conv(self.output)
+        self.output_norm = conv(self.output_norm)
+        for lw in self.layers:
+            for k, v in vars(lw).items():
+                if v is not None:
+                    setattr(lw, k, conv(v))
+        self.xp = xp
+        return self
+
+    # ------------------------------------------------------------------ caches
+    def layer_window(self, i: int, mode: str, window: int | None):
+        """Effective (window, sinks-enabled) of layer i under a user cache mode."""
+        own = self.config.layer_windows[i]
+        if own is not None:                       # the model's own sliding layers (gemma3 local)
+            return own if mode == "full" or window is None else min(own, window)
+        return None if mode == "full" else window
+
+    def new_caches(self, *, batch: int = 1, mode: str = "full", window: int | None = None, sinks: int = 0,
+                   max_chunk: int = 1, dtype: str = "float32", max_len: int | None = None) -> list:
+        """One KVCache per layer.
+
+        Parameters
+        ----------
+        batch : int
+        mode : {"full", "window", "sinks"}
+            "full": causal caches on global layers; "window": sliding window of ``window`` keys
+            everywhere; "sinks": window plus ``sinks`` attention-sink tokens. Layers the model itself
+            slides (gemma3 local layers) always keep their own window (or the smaller user one).
+        window, sinks : int
+        max_chunk : int
+            Largest chunk that ``forward`` will be given (prefill chunk size).
+        dtype : {"float32", "float16", "bfloat16"}
+        max_len : int, optional
+            Cap for causal caches.
+        """
+        if mode not in CACHE_MODES:
+            raise ValueError(f"mode must be one of {CACHE_MODES} (got {mode!r})")
+        if mode != "full" and (window is None or window < 1):
+            raise ValueError(f"mode={mode!r} needs window >= 1 (got {window!r})")
+        if mode == "sinks" and sinks < 1:
+            raise ValueError(f"mode='sinks' needs sinks >= 1 (got {sinks!r}); use mode='window' for none")
+        c = self.config
+        caches = []
+        for i in range(c.n_layers):
+            w = self.layer_window(i, mode, window)
+            s = sinks if (mode == "sinks" and w is not None) else 0
+            caches.append(KVCache(CacheSpec(batch=batch, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                                            dtype=dtype, window=w, sinks=s, max_chunk=max_chunk,
+                                            max_len=max_len if w is None else None)))
+        return caches
+
+    # ------------------------------------------------------------------ forward
+    def _rope_tables(self, pos, base):
+        xp = self.xp
+        ang = pos[:, None, :, None].astype(np.float64) * self._inv_freq[base]   # [B, 1, T, hd/2]
+        return xp.asarray(np.cos(ang), dtype=np.float32), xp.asarray(np.sin(ang), dtype=np.float32)
+
+    def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
+                attn_hook: Callable | None = None):
+        """Run T new tokens per sequence through every layer, appending their K/V to ``caches``.
+
+        Parameters
+        ----------
+        tokens : int array [B, T]
+            New tokens; row b's first ``counts[b]`` entries are real, the rest padding.
+        caches : list of KVCache
+            From :meth:`new_caches` (one per layer), ``max_chunk >= T``.
+        counts : int array [B], optional
+            Real tokens per sequence (ragged batch). Default: all T.
+        backend : str
+            Attention backend for :func:`streamattn.attend`.
+        last_only : bool
+            Return logits of each sequence's last real token only: [B, vocab].
+        attn_hook : callable(layer, q, k, v, out), optional
+            Sees each layer's post-RoPE q: [B, Hq, T, hd], k, v: [B, Hkv, T, hd] and attention output.
+
+        Returns
+        -------
+        logits : float32 [B, T, vocab] (or [B, vocab] with ``last_only``)
+        """
+        xp, c = self.xp, self.config
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, T] (got shape {tokens.shape})")
+        B, T = tokens.shape
+        if len(caches) != c.n_layers:
+            raise ValueError(f"caches has {len(caches)} entries, expected one per layer ({c.n_layers})")
+        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
+            raise ValueError(f"token ids must be in 0..{c.vocab_size - 1} (got {tokens.min()}..{tokens.max()})")
+        cnt = np.full(B, T, np.int64) if counts is None else np.asarray(counts, np.int64)
+        pos = np.asarray(caches[0].lengths, np.int64)[:, None] + np.arange(T)[None, :]   # [B, T]
+        tables = {base: self._rope_tables(pos, base) for base in self._inv_freq}
+        H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        x = xp.asarray(self.embed[tokens.reshape(-1)]).reshape(B, T, c.d_model)        # [B, T, d]
+        if c.embed_scale != 1.0:
+            x = x * np.float32(c.embed_scale)
+        attn_counts = None if counts is None else cnt
+        for i, (lw, cache) in enumerate(zip(self.layers, caches)):
+            h = rms_norm(xp, x, lw.attn_norm, c.norm_eps) @ lw.wqkv.T                   # [B, T, qd+2kvd]
+            q = h[..., : H * hd].reshape(B, T, H, hd).transpose(0, 2, 1, 3)            # [B, H, T, hd]
+            k = h[..., H * hd: (H + Hk) * hd].reshape(B, T, Hk, hd).transpose(0, 2, 1, 3)
+            v = h[..., (H + Hk) * hd:].reshape(B, T, Hk, hd).transpose(0, 2, 1, 3)     # [B, Hk, T, hd]
+            if c.qk_norm:
+                q = rms_norm(xp, q, lw.q_norm, c.norm_eps)
+                k = rms_norm(xp, k, lw.k_norm, c.norm_eps)
+            cos, sin = tables[c.rope_base if c.layer_windows[i] is None else c.rope_base_local]
+            q = rope(xp, q, cos, sin, c.rope_style)
+            k = rope(xp, k, cos, sin, c.rope_style)
+            v = xp.ascontiguousarray(v)
+            cache.append(k, v, counts=attn_counts)                                      # write, then attend
+            o, _ = attend(q, cache, backend=backend, scale=c.attn_scale, counts=attn_counts)  # [B, H, T, hd]
+            if attn_hook is not None:
+                attn_hook(i, q, k, v, o)
+            a = o.transpose(0, 2, 1, 3).reshape(B, T, H * hd) @ lw.wo.T                # [B, T, d]
+            if c.post_norms:
+                a = rms_norm(xp, a, lw.post_attn_norm, c.norm_eps)
+            x = x + a
+            gu = rms_norm(xp, x, lw.ffn_norm, c.norm_eps) @ lw.wgu.T                    # [B, T, 2*d_ff]
+            g, u = gu[..., : c.d_ff], gu[..., c.d_ff:]
+            m = ((gelu_tanh(xp, g) if c.activation == "gelu_tanh" else silu(xp, g)) * u) @ lw.wdown.T
+            if c.post_norms:
+                m = rms_norm(xp, m, lw.post_ffw_norm, c.norm_eps)
+            x = x + m                                                                   # [B, T, d]
+        if last_only:
+            x = x[np.arange(B), cnt - 1]                                                # [B, d]
+        return rms_norm(xp, x, self.output_norm, c.norm_eps) @ self.output.T           # [..., vocab]

@@ -1,0 +1,225 @@
+"""Tokenizer rebuilt from GGUF metadata with HF ``tokenizers``, chat templates, streaming detokenizer.
+
+Two GGUF tokenizer families (``tokenizer.ggml.model``):
+
+- ``gpt2`` (SmolLM2): byte-level BPE from ``tokens`` + ``merges``; pre-tokenizer = individual digits,
+  then GPT-2 byte-level split (``tokenizer.ggml.pre == "smollm"``). Control tokens (type 3) are special.
+- ``llama`` (Gemma-3): SentencePiece BPE with byte fallback. GGUF stores pieces and scores but no
+  merges; merges are derived the way HF's converter does (every split of a piece into two pieces,
+  ranked by the merged piece's score). Spaces become "▁"; no prefix space.
+
+Chat templates: the GGUF's ``tokenizer.chat_template`` is rendered with jinja2 (sandboxed, as HF does)
+when jinja2 is importable; otherwise, and for files without a template (the Gemma-3 GGUF has none),
+a built-in ChatML or Gemma turn format is used, chosen from the vocabulary.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+GEMMA_TEMPLATE = "gemma"
+CHATML_TEMPLATE = "chatml"
+
+
+def _bytes_to_unicode() -> dict:
+    """GPT-2's reversible byte -> printable character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+@dataclass
+class Tokenizer:
+    """Text <-> token ids for one GGUF model.
+
+    Build with :meth:`from_metadata`. ``token_bytes[i]`` is the raw UTF-8 bytes token i stands for
+    (empty for control tokens), used by :class:`StreamDecoder`.
+    """
+
+    hf: HFTokenizer
+    family: str                 # "gpt2" | "llama"
+    bos_id: int
+    eos_id: int
+    add_bos: bool
+    special_ids: frozenset
+    token_bytes: list
+    chat_template: str | None   # jinja source from the file, or None
+    stop_ids: frozenset = frozenset()
+
+    @classmethod
+    def from_metadata(cls, md: dict) -> "Tokenizer":
+        """Rebuild the tokenizer from GGUF metadata (dict from :func:`gguf_loader.read_metadata`)."""
+        family = md.get("tokenizer.ggml.model")
+        tokens = list(md.get("tokenizer.ggml.tokens") or [])
+        if not tokens:
+            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens; cannot build a tokenizer")
+        types = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+        if family == "gpt2":
+            hf, tb = _build_bpe(tokens, types, md)
+        elif family == "llama":
+            hf, tb = _build_spm(tokens, types, md)
+        else:
+            raise ValueError(f"tokenizer.ggml.model={family!r} is not supported (expected 'gpt2' or 'llama')")
+        special = frozenset(i for i, t in enumerate(types) if t == CONTROL)
+        eos = int(md.get("tokenizer.ggml.eos_token_id", 0))
+        stops = {eos}
+        for name in ("<|im_end|>", "<end_of_turn>", "<|endoftext|>", "<eos>"):
+            i = hf.token_to_id(name)
+            if i is not None:
+                stops.add(i)
+        return cls(hf=hf, family=family, bos_id=int(md.get("tokenizer.ggml.bos_token_id", 0)), eos_id=eos,
+                   add_bos=bool(md.get("tokenizer.ggml.add_bos_token", family == "llama")),
+                   special_ids=special, token_bytes=tb, chat_template=md.get("tokenizer.chat_template"),
+                   stop_ids=frozenset(stops))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.token_bytes)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list:
+        """Token ids of ``text``; special-token strings in it (``<|im_start|>``) map to their ids."""
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids, *, skip_special: bool = True) -> str:
+        """Text of ``ids`` (control tokens dropped unless ``skip_special=False``)."""
+        return self.hf.decode(list(map(int, ids)), skip_special_tokens=skip_special)
+
+    def template_family(self) -> str:
+        if self.hf.token_to_id("<start_of_turn>") is not None:
+            return GEMMA_TEMPLATE
+        return CHATML_TEMPLATE
+
+    def apply_chat(self, messages: list, *, add_generation_prompt: bool = True) -> str:
+        """Render chat ``messages`` ([{"role": ..., "content": ...}]) into the model's prompt text.
+
+        Uses the file's jinja template when present and jinja2 is installed; otherwise the built-in
+        ChatML (SmolLM2) or Gemma turn format.
+        """
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"each message must be a dict with 'role' and 'content' (got {m!r})")
+        if self.chat_template:
+            try:
+                import jinja2.sandbox
+            except ImportError:
+                jinja2 = None
+            if jinja2 is not None:
+                def _raise(msg):
+                    raise ValueError(f"chat template: {msg}")
+                env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise
+                bos = self.hf.id_to_token(self.bos_id) or ""
+                eos = self.hf.id_to_token(self.eos_id) or ""
+                return env.from_string(self.chat_template).render(
+                    messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                    eos_token=eos)
+        if self.template_family() == GEMMA_TEMPLATE:
+            out = []
+            for m in messages:
+                role = "model" if m["role"] == "assistant" else m["role"]
+                if role == "system":          # Gemma has no system turn: prepend to the first user turn
+                    out.append(f"<start_of_turn>user\n{m['content']}\n\n")
+                    continue
+                if role == "user" and out and out[-1].startswith("<start_of_turn>user\n") and not out[-1].endswith("<end_of_turn>\n"):
+                    out[-1] += f"{m['content']}<end_of_turn>\n"
+                    continue
+                out.append(f"<start_of_turn>{role}\n{m['content']}<end_of_turn>\n")
+            return "".join(out) + ("<start_of_turn>model\n" if add_generation_prompt else "")
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _build_bpe(tokens, types, md):
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges") or []]
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if md.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact", "default", None):
+        pre.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    hf.pre_tokenizer = pre_tokenizers.Sequence(pre)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty == CONTROL])
+    tb = [b"" if ty == CONTROL else bytes(_BYTE_DECODER.get(ch, 0) for ch in t) for t, ty in zip(tokens, types)]
+    return hf, tb
+
+
+def _build_spm(tokens, types, md):
+    scores = list(md.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    normal = {t: s for t, s, ty in zip(tokens, scores, types) if ty == NORMAL}
+    merges = []                                   # HF's SentencePieceExtractor rule
+    for piece, score in normal.items():
+        local = [(piece[:j], piece[j:], score) for j in range(1, len(piece))
+                 if piece[:j] in normal and piece[j:] in normal]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: -m[2])
+    unk = int(md.get("tokenizer.ggml.unknown_token_id", 0))
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], unk_token=tokens[unk],
+                                fuse_unk=True, byte_fallback=True))
+    hf.normalizer = normalizers.Replace(" ", "▁")
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty == CONTROL])
+    tb = []
+    for t, ty in zip(tokens, types):
+        if ty == CONTROL or ty == UNUSED:
+            tb.append(b"")
+        elif ty == BYTE:
+            tb.append(bytes([int(t[3:-1], 16)]))
+        else:
+            tb.append(t.replace("▁", " ").encode("utf-8"))
+    return hf, tb
+
+
+class StreamDecoder:
+    """Turn a stream of token ids into text pieces that are always whole UTF-8 characters.
+
+    A character that spans several byte-level tokens (an emoji is often 2-4 tokens) is held back
+    until its last byte arrives; :meth:`flush` ends the stream (an incomplete tail becomes U+FFFD).
+
+    Examples
+    --------
+    >>> dec = StreamDecoder(tok)                                 # doctest: +SKIP
+    >>> "".join(dec.push(i) for i in tok.encode("héllo 👋")) + dec.flush()
+    'héllo 👋'
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True):
+        self.tb = tokenizer.token_bytes
+        self.special = tokenizer.special_ids if skip_special else frozenset()
+        self.tok = tokenizer
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Text completed by this token ('' while a character is still incomplete)."""
+        token_id = int(token_id)
+        if token_id in self.special:
+            return ""
+        b = self.tb[token_id]
+        if not b and token_id in self.tok.special_ids:           # shown special token (skip_special=False)
+            return self._dec.decode(b"") + (self.tok.hf.id_to_token(token_id) or "")
+        return self._dec.decode(b)
+
+    def flush(self) -> str:
+        """Whatever is pending, with an incomplete trailing character replaced by U+FFFD."""
+        return self._dec.decode(b"", final=True)
