@@ -1,0 +1,105 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty; seeded numpy RNG.
+
+Order of operations (as in llama.cpp / HF): repetition penalty on the raw logits, then temperature,
+then the top-k / top-p / min-p filters on the resulting distribution, then one draw. ``temperature=0``
+means greedy (argmax after the repetition penalty); the filters then do nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token.
+
+    Parameters
+    ----------
+    temperature : float
+        0 = greedy; > 0 divides the logits.
+    top_k : int
+        Keep the k most likely tokens (0 = off).
+    top_p : float
+        Keep the smallest set whose probability reaches p (1.0 = off).
+    min_p : float
+        Drop tokens whose probability is below ``min_p * p_max`` (0 = off).
+    repetition_penalty : float
+        > 1 discourages tokens already in the context (CTRL rule: positive logits divided, negative
+        multiplied); 1.0 = off.
+    seed : int or None
+        Seed of the numpy Generator (None: fresh entropy).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not (self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy")
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (got {self.top_k!r}); 0 disables it")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p}); 1.0 disables it")
+        if not (0 <= self.min_p < 1):
+            raise ValueError(f"min_p must be in [0, 1) (got {self.min_p}); 0 disables it")
+        if not (self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0 (got {self.repetition_penalty}); 1.0 disables it")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_repetition_penalty(logits, seen, penalty: float):
+    """Penalise ids in ``seen`` (int array) in a copy of ``logits`` [vocab]."""
+    if penalty == 1.0 or len(seen) == 0:
+        return logits
+    logits = logits.copy()
+    ids = np.unique(np.asarray(seen, dtype=np.int64))
+    x = logits[ids]
+    logits[ids] = np.where(x > 0, x / penalty, x * penalty)
+    return logits
+
+
+def filtered_probs(logits, p: SamplingParams):
+    """Probabilities [vocab] (float64) after temperature, top-k, top-p and min-p."""
+    z = logits.astype(np.float64) / p.temperature
+    z -= z.max()
+    if p.top_k and p.top_k < z.shape[0]:
+        kth = np.partition(z, -p.top_k)[-p.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    probs = np.exp(z)
+    probs /= probs.sum()
+    if p.min_p > 0:
+        probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        csum = np.cumsum(probs[order])
+        keep = csum - probs[order] < p.top_p * csum[-1]     # smallest prefix reaching top_p (first always kept)
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[keep]] = True
+        probs = np.where(mask, probs, 0.0)
+    return probs / probs.sum()
+
+
+def sample(logits, params: SamplingParams, rng: np.random.Generator, seen=()) -> int:
+    """Pick one token id from ``logits`` [vocab] (numpy float); ``seen``: ids for the repetition penalty.
+
+    Examples
+    --------
+    >>> sample(np.array([0.1, 3.0, 0.2]), SamplingParams(), np.random.default_rng(0))
+    1
+    """
+    logits = np.asarray(logits)
+    logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return int(np.argmax(logits))
+    probs = filtered_probs(logits, params)
+    return int(rng.choice(probs.shape[0], p=probs))
