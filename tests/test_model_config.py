@@ -1,0 +1,92 @@
+"""GGUF metadata -> ModelConfig, and the loader's errors on bad files."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from _model_util import need_smollm2, smollm2_path, write_tiny_gguf
+from streamattn.gguf_loader import (ModelConfig, ModelFileError, config_from_metadata, load_gguf,
+                                    read_metadata)
+
+
+@need_smollm2
+def test_smollm2_metadata_to_config():
+    import gguf
+    md = read_metadata(gguf.GGUFReader(smollm2_path()), smollm2_path())
+    c = config_from_metadata(md)
+    assert (c.arch, c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim) == ("llama", 30, 576, 9, 3, 64)
+    assert (c.d_ff, c.vocab_size, c.rope_base, c.rope_style) == (1536, 49152, 1e5, "interleaved")
+    assert c.norm_eps == pytest.approx(1e-5) and c.attn_scale == pytest.approx(1 / 8)
+    assert c.layer_windows == (None,) * 30 and c.embed_scale == 1.0 and not c.qk_norm
+    assert md["tokenizer.chat_template"].startswith("{% for message in messages %}")
+
+
+def gemma_md(**over):
+    md = {"general.architecture": "gemma3", "gemma3.block_count": 18, "gemma3.embedding_length": 640,
+          "gemma3.attention.head_count": 4, "gemma3.attention.head_count_kv": 1,
+          "gemma3.attention.key_length": 256, "gemma3.feed_forward_length": 2048,
+          "gemma3.attention.layer_norm_rms_epsilon": 1e-6, "gemma3.rope.freq_base": 1e6,
+          "gemma3.attention.sliding_window": 512, "gemma3.context_length": 32768,
+          "tokenizer.ggml.tokens": ["x"] * 262144, "tokenizer.ggml.bos_token_id": 2,
+          "tokenizer.ggml.eos_token_id": 1}
+    md.update(over)
+    return md
+
+
+def test_gemma3_metadata_to_config():
+    c = config_from_metadata(gemma_md())
+    assert (c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size) == (18, 4, 1, 256, 262144)
+    # five sliding layers of 512 for every global one: layers 5, 11, 17 are global
+    assert [i for i, w in enumerate(c.layer_windows) if w is None] == [5, 11, 17]
+    assert set(w for w in c.layer_windows if w is not None) == {512}
+    assert (c.rope_base, c.rope_base_local, c.rope_style) == (1e6, 1e4, "neox")
+    assert c.embed_scale == pytest.approx(np.sqrt(640)) and c.attn_scale == pytest.approx(1 / 16)
+    assert c.qk_norm and c.post_norms and c.activation == "gelu_tanh"
+
+
+def test_unsupported_architecture_and_missing_key():
+    with pytest.raises(ModelFileError, match="architecture 'mamba' is not supported"):
+        config_from_metadata({"general.architecture": "mamba"}, "m.gguf")
+    md = gemma_md()
+    del md["gemma3.block_count"]
+    with pytest.raises(ModelFileError, match="gemma3.block_count"):
+        config_from_metadata(md, "m.gguf")
+    with pytest.raises(ModelFileError, match="RoPE scaling 'yarn'"):
+        config_from_metadata(gemma_md(**{"gemma3.rope.scaling.type": "yarn"}), "m.gguf")
+
+
+def test_config_validation():
+    base = config_from_metadata(gemma_md())
+    kw = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        ModelConfig(**{**kw, "n_kv_heads": 3})
+    with pytest.raises(ValueError, match="layer_windows has 2 entries"):
+        ModelConfig(**{**kw, "layer_windows": (None, 4)})
+    with pytest.raises(ValueError, match="rope_style"):
+        ModelConfig(**{**kw, "rope_style": "other"})
+
+
+def test_tiny_gguf_loads(tmp_path):
+    m = load_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    assert m.config.arch == "gemma3" and m.config.layer_windows == (4, 4, 4, 4, 4, None)
+    assert m.weights["blk.0.attn_q.weight"].shape == (64, 32)
+    assert all(w.dtype == np.float32 for w in m.weights.values())
+
+
+def test_missing_not_gguf_truncated_corrupt(tmp_path):
+    with pytest.raises(ModelFileError, match="nope.gguf: no such file"):
+        load_gguf(tmp_path / "nope.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"PK\x03\x04 not a model")
+    with pytest.raises(ModelFileError, match="junk.gguf: not a GGUF file"):
+        load_gguf(junk)
+    good = write_tiny_gguf(tmp_path / "good.gguf")
+    cut = tmp_path / "cut.gguf"
+    shutil.copy(good, cut)
+    os.truncate(cut, os.path.getsize(good) - 1000)
+    with pytest.raises(ModelFileError, match="cut.gguf: .*truncated"):
+        load_gguf(cut)
+    with pytest.raises(ModelFileError, match="bad.gguf: tensor 'blk.2.ffn_up.weight' holds NaN"):
+        load_gguf(write_tiny_gguf(tmp_path / "bad.gguf", nan_tensor="blk.2.ffn_up.weight"))
