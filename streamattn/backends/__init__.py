@@ -1,0 +1,54 @@
+"""Backends: one signature, picked by name.
+
+Every backend is ``fn(q, k, v, lengths, counts, *, window, sinks, scale, kind) -> (out, lse)`` over the
+ring storage of one layer (see ``streamattn.backends.cpu.attend`` for the argument contract).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..cache import slot_positions, widen_bf16
+from .. import reference
+
+BACKENDS = ("reference", "cpu", "gpu")
+
+
+def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind):
+    """The float64 oracle applied to what the ring holds (slots decoded to positions)."""
+    xp_get = (lambda a: a.get()) if hasattr(k, "get") else (lambda a: a)
+    q, k, v = xp_get(q), xp_get(k), xp_get(v)
+    wide = (lambda a: widen_bf16(a)) if kind == "bfloat16" else (lambda a: a.astype(np.float64))
+    B, Hq, T, D = q.shape
+    out = np.zeros((B, Hq, T, D), np.float64)
+    lse = np.full((B, Hq, T), -np.inf, np.float64)
+    for b in range(B):
+        c = int(counts[b])
+        if c == 0:
+            continue
+        pos = slot_positions(int(lengths[b]), slots=k.shape[2], sinks=sinks)  # [slots], -1 = empty
+        held = np.nonzero(pos >= 0)[0]
+        q_pos = np.arange(lengths[b] - c, lengths[b])
+        out[b, :, :c], lse[b, :, :c] = reference.attention(
+            q[b, :, :c], wide(k[b][:, held]), wide(v[b][:, held]), q_pos,
+            window=window or None, sinks=sinks, scale=scale, k_pos=pos[held])
+    return out.astype(q.dtype), lse.astype(np.float32)
+
+
+def get(name: str, device: str):
+    """The backend function called ``name`` ("reference", "cpu", "gpu" or "auto") for a cache on ``device``."""
+    if name == "auto":
+        name = "gpu" if device == "gpu" else "cpu"
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)} (got {name!r})")
+    if name == "gpu" and device != "gpu":
+        raise ValueError("backend='gpu' needs a cache built with device='gpu' (this one lives on the cpu)")
+    if name == "cpu" and device != "cpu":
+        raise ValueError("backend='cpu' needs a cache built with device='cpu' (this one lives on the gpu)")
+    if name == "reference":
+        return reference_backend
+    if name == "cpu":
+        from . import cpu
+        return cpu.attend
+    from . import gpu
+    return gpu.attend

@@ -1,0 +1,324 @@
+"""Numba CPU backend: split-K attention straight from the ring slots, exact (out, lse) merge.
+
+Work items are (sequence, kv head, key split), run with ``prange``; each item computes the whole GQA
+group's query rows against tiles of TILE keys, so every K/V row is read from memory once per group and
+the group's dot products reuse it from L1. 16-bit storage is widened to float32 one tile at a time by
+two tiny LLVM intrinsics (Numba has no float16 arithmetic on the CPU): float16 through fpext, which
+vectorises to the hardware conversion, bfloat16 through a 16-bit shift; float32 tiles are read in place. Each item writes only its own partial rows;
+a second kernel merges the splits exactly with their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+from llvmlite import ir
+
+TILE = 64           # keys per tile: [TILE, head_dim] float32 stays in L1 for head_dim <= 256
+MIN_SPLIT_KEYS = 512  # do not split a sequence's keys finer than this
+# Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
+# masked scores are -inf on purpose.
+FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
+KIND = {"float32": 0, "float16": 1, "bfloat16": 2}
+_LOG2E = np.float32(1.4426950408889634)
+
+
+@intrinsic
+def _f16_to_f32(typingctx, bits):
+    """float16 bits (uint16) -> float32 with LLVM's fpext; vectorises to vcvtph2ps (exact, inf/NaN kept)."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _bf16_to_f32(typingctx, bits):
+    """bfloat16 bits (uint16) -> float32: the top half of a float32's bits."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+def _tile(src, buf, n, kind):
+    """Float32 rows of the storage tile ``src[:n]`` ([n, D]): ``src`` itself for float32 storage,
+    else widened into ``buf`` ([TILE, D] float32)."""
+
+
+@overload(_tile, inline="always")
+def _tile_impl(src, buf, n, kind):
+    if src.dtype == types.float32:
+        return lambda src, buf, n, kind: src
+
+    def widen(src, buf, n, kind):
+        d = src.shape[1]
+        for r in range(n):
+            s = src[r]
+            f = buf[r]
+            if kind == 1:
+                for i in range(d):
+                    f[i] = _f16_to_f32(s[i])
+            else:
+                for i in range(d):
+                    f[i] = _bf16_to_f32(s[i])
+        return buf
+    return widen
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _exp_rows(x, n, ebits, escale):
+    """x[:n] <- exp(x[:n]) for x <= 0, vectorisable (libm's exp is a scalar call).
+
+    2^y = 2^k * 2^f with k = round(y), f in [-1/2, 1/2]: 2^f from a degree-6 polynomial (Cephes exp2f
+    coefficients, relative error ~2e-7), 2^k by writing k + 127 into a float32's exponent bits.
+    Weights under 2^-126 of the running max are flushed to 0, which also maps -inf (masked) to 0.
+    """
+    for j in range(n):
+        y = x[j] * _LOG2E
+        keep = y >= -126.0
+        k = np.floor(max(y, np.float32(-126.0)) + np.float32(0.5))
+        x[j] = y - k if keep else np.float32(0.0)
+        ebits[j] = (np.uint32(np.int32(k) + 127) << 23) if keep else np.uint32(0)
+    for j in range(n):
+        f = x[j]
+        p = np.float32(1.535336188319500e-4)
+        p = p * f + np.float32(1.339887440266574e-3)
+        p = p * f + np.float32(9.618437357674640e-3)
+        p = p * f + np.float32(5.550332471162809e-2)
+        p = p * f + np.float32(2.402264791363012e-1)
+        p = p * f + np.float32(6.931472028550421e-1)
+        p = p * f + np.float32(1.0)
+        x[j] = p * escale[j]
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _scores(qr, kt, n, out):
+    """out[j] = qr . kt[j] for j < n; four keys per pass so each q element is loaded once for four."""
+    D = qr.shape[0]
+    n4 = n - n % 4
+    for j in range(0, n4, 4):
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        k0, k1, k2, k3 = kt[j], kt[j + 1], kt[j + 2], kt[j + 3]
+        for i in range(D):
+            qi = qr[i]
+            a0 += qi * k0[i]
+            a1 += qi * k1[i]
+            a2 += qi * k2[i]
+            a3 += qi * k3[i]
+        out[j], out[j + 1], out[j + 2], out[j + 3] = a0, a1, a2, a3
+    for j in range(n4, n):
+        a = np.float32(0.0)
+        kj = kt[j]
+        for i in range(D):
+            a += qr[i] * kj[i]
+        out[j] = a
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _accumulate(acc, p, vt, n):
+    """acc[:] += sum_j p[j] vt[j] for j < n; four rows of V per pass so acc is loaded/stored once for four."""
+    D = acc.shape[0]
+    n4 = n - n % 4
+    for j in range(0, n4, 4):
+        p0, p1, p2, p3 = p[j], p[j + 1], p[j + 2], p[j + 3]
+        v0, v1, v2, v3 = vt[j], vt[j + 1], vt[j + 2], vt[j + 3]
+        for i in range(D):
+            acc[i] += (p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i])
+    for j in range(n4, n):
+        pj = p[j]
+        vj = vt[j]
+        for i in range(D):
+            acc[i] += pj * vj[i]
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_out, part_lse):
+    """Partial attention per (sequence, kv head, split).
+
+    q: [B, Hq, T, D] float32, already multiplied by the scale
+    k, v: [B, Hkv, S, D] float32, or uint16 bits of float16/bfloat16 (``kind`` 1/2)
+    lengths, counts: int64 [B]; query t < counts[b] sits at position lengths[b] - counts[b] + t
+    window: n_c, or 0 for causal; sinks: n_s
+    part_out: [B, Hq, T, nsplit, D] float32, part_lse: [B, Hq, T, nsplit] float32 (outputs)
+    """
+    B, Hkv, S, D = k.shape
+    Hq, T = q.shape[1], q.shape[2]
+    G = Hq // Hkv
+    ring = S - sinks  # causal: sinks = 0 and ring = S, so slot == position
+    for item in prange(B * Hkv * nsplit):
+        b = item // (Hkv * nsplit)
+        h = (item // nsplit) % Hkv
+        sp = item % nsplit
+        L = lengths[b]
+        nq = counts[b]
+        rows = G * nq                                    # query rows of this item: r = g * nq + t
+        part_lse[b, h * G:(h + 1) * G, :, sp] = -np.inf
+        part_out[b, h * G:(h + 1) * G, :, sp, :] = 0.0
+        if nq == 0:
+            continue
+        p_first = L - nq
+        p_last = L - 1
+        # Keys any query of this item may see: the sink segment [0, min(n_s, p_last+1)) and the main
+        # range [lo, p_last]; the main range is cut into nsplit contiguous pieces, split 0 adds sinks.
+        lo = max(sinks, p_first - window + 1) if window > 0 else 0
+        n_main = p_last + 1 - lo
+        per = (n_main + nsplit - 1) // nsplit
+        a = lo + sp * per
+        z = min(p_last + 1, a + per)
+        n_sink = min(sinks, p_last + 1) if (window > 0 and sp == 0) else 0
+
+        qf = np.empty((rows, D), np.float32)             # [rows, D] the group's queries
+        qpos = np.empty(rows, np.int64)                  # [rows] absolute position of each row
+        qlo = np.empty(rows, np.int64)                   # [rows] first main-range key it may see
+        for g in range(G):
+            for t in range(nq):
+                r = g * nq + t
+                qf[r] = q[b, h * G + g, t]
+                qpos[r] = p_first + t
+                qlo[r] = max(0, p_first + t - window + 1) if window > 0 else 0
+        m = np.full(rows, -np.inf, np.float32)           # [rows] running max
+        l = np.zeros(rows, np.float32)                   # [rows] running sum of exp
+        acc = np.zeros((rows, D), np.float32)            # [rows, D] running weighted sum of V
+        kf = np.empty((TILE, D), np.float32)             # [TILE, D] widened K tile (16-bit storage)
+        vf = np.empty((TILE, D), np.float32)             # [TILE, D] widened V tile
+        sc = np.empty((rows, TILE), np.float32)          # [rows, TILE] scores, then probabilities
+        eb = np.empty(TILE, np.uint32)                   # [TILE] exponent bits for _exp_rows
+        ef = eb.view(np.float32)
+
+        # Segments of positions: sinks first, then the main piece; each tile stays inside one run of
+        # contiguous slots (a ring wraps at most once per segment).
+        for seg in range(2):
+            pos = 0 if seg == 0 else a
+            end = n_sink if seg == 0 else z
+            while pos < end:
+                slot = pos if pos < sinks else sinks + (pos - sinks) % ring
+                n = min(TILE, end - pos, S - slot)
+                kt = _tile(k[b, h, slot:slot + n], kf, n, kind)   # [n, D] float32
+                for r in range(rows):
+                    sr = sc[r]
+                    _scores(qf[r], kt, n, sr)
+                    # keys pos..pos+n-1 visible to row r: j <= qpos[r], and j >= qlo[r] unless a sink
+                    hi = min(n, qpos[r] - pos + 1)
+                    jlo = 0 if seg == 0 else min(max(qlo[r] - pos, 0), n)
+                    for j in range(n):
+                        if j < jlo or j >= hi:
+                            sr[j] = -np.inf
+                vt = _tile(v[b, h, slot:slot + n], vf, n, kind)   # [n, D] float32
+                for r in range(rows):
+                    sr = sc[r]
+                    mt = m[r]
+                    for j in range(n):
+                        mt = max(mt, sr[j])
+                    if mt == -np.inf:
+                        continue
+                    alpha = np.float32(math.exp(m[r] - mt))
+                    m[r] = mt
+                    for j in range(n):
+                        sr[j] -= mt
+                    _exp_rows(sr, n, eb, ef)
+                    tot = np.float32(0.0)
+                    for j in range(n):
+                        tot += sr[j]
+                    l[r] = l[r] * alpha + tot
+                    ar = acc[r]
+                    for i in range(D):
+                        ar[i] *= alpha
+                    _accumulate(ar, sr, vt, n)
+                pos += n
+        for g in range(G):
+            for t in range(nq):
+                r = g * nq + t
+                if l[r] > 0:
+                    part_lse[b, h * G + g, t, sp] = m[r] + math.log(l[r])
+                    inv = np.float32(1.0) / l[r]
+                    for i in range(D):
+                        part_out[b, h * G + g, t, sp, i] = acc[r, i] * inv
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _merge_splits(part_out, part_lse, out, lse):
+    """Exact merge: out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s.
+
+    part_out: [B, Hq, T, nsplit, D], part_lse: [B, Hq, T, nsplit] -> out: [B, Hq, T, D], lse: [B, Hq, T]
+    """
+    B, Hq, T, nsplit, D = part_out.shape
+    for item in prange(B * Hq):
+        b = item // Hq
+        hq = item % Hq
+        for t in range(T):
+            mx = -np.inf
+            for s in range(nsplit):
+                mx = max(mx, part_lse[b, hq, t, s])
+            o = out[b, hq, t]
+            o[:] = 0.0
+            if mx == -np.inf:
+                lse[b, hq, t] = -np.inf
+                continue
+            tot = 0.0
+            for s in range(nsplit):
+                w = math.exp(part_lse[b, hq, t, s] - mx)
+                tot += w
+                po = part_out[b, hq, t, s]
+                for i in range(D):
+                    o[i] += w * po[i]
+            for i in range(D):
+                o[i] /= tot
+            lse[b, hq, t] = mx + math.log(tot)
+
+
+def choose_splits(batch: int, kv_heads: int, keys: int, threads: int) -> int:
+    """Key splits per (sequence, kv head): enough items for every thread twice, none under MIN_SPLIT_KEYS."""
+    want = math.ceil(2 * threads / (batch * kv_heads))
+    return max(1, min(want, keys // MIN_SPLIT_KEYS))
+
+
+def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, kind: str):
+    """Attention of the newest ``counts[b]`` tokens of each sequence over a ring KV cache.
+
+    Parameters
+    ----------
+    q : [batch, q_heads, T, head_dim] float array
+    k, v : [batch, kv_heads, slots, head_dim] storage arrays (float32, float16, or uint16 bf16 bits)
+    lengths, counts : int [batch]; query t < counts[b] is at position lengths[b] - counts[b] + t
+    window : n_c, or 0 for full causal; sinks : n_s
+    scale : multiplier of q.k
+    kind : storage dtype name, "float32" | "float16" | "bfloat16"
+
+    Returns
+    -------
+    out : [batch, q_heads, T, head_dim] in q's dtype (rows t >= counts[b] are 0)
+    lse : [batch, q_heads, T] float32 (-inf on padding rows)
+    """
+    B, Hq, T, D = q.shape
+    qs = np.ascontiguousarray(q, dtype=np.float32) * np.float32(scale)       # [B, Hq, T, D]
+    kb = k.view(np.float32 if kind == "float32" else np.uint16)
+    vb = v.view(kb.dtype)
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    span = int((counts.max() + (window - 1 if window else lengths.max())) if lengths.size else 0)
+    nsplit = choose_splits(B, k.shape[1], span, _threads())
+    part_out = np.empty((B, Hq, T, nsplit, D), np.float32)
+    part_lse = np.empty((B, Hq, T, nsplit), np.float32)
+    _attend_splits(qs, kb, vb, lengths, counts, window, sinks, nsplit, KIND[kind], part_out, part_lse)
+    out = np.empty((B, Hq, T, D), np.float32)
+    lse = np.empty((B, Hq, T), np.float32)
+    _merge_splits(part_out, part_lse, out, lse)
+    return out.astype(q.dtype, copy=False), lse
+
+
+def _threads() -> int:
+    from numba import get_num_threads
+    return get_num_threads() or os.cpu_count() or 1

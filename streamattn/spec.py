@@ -1,0 +1,109 @@
+"""CacheSpec: what one layer's KV cache holds, validated once.
+
+Modes (absolute 0-based positions; query at position i may see key j when):
+
+    ============  ==========================  ===============================
+    mode          visible j                   spec
+    ============  ==========================  ===============================
+    causal        0 <= j <= i                 window=None
+    window n_c    i - n_c < j <= i            window=n_c      (n_c keys, i included)
+    sinks + win   j < n_s  or  i - n_c < j <= i   window=n_c, sinks=n_s
+    ============  ==========================  ===============================
+
+The window is inclusive of the current token, as in V_[i-n_c+1, i]. In the neighbours' terms:
+flash-attn ``window_size=(n_c - 1, 0)``, FlashInfer ``window_left = n_c - 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+# Storage dtype of each spec dtype. bfloat16 is kept as its raw uint16 bits so that Numba (which has no
+# bfloat16) and CuPy (likewise) read the same bytes; widening is a 16-bit shift.
+STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+           "bfloat16": np.dtype(np.uint16)}
+
+
+def _positive_int(name: str, value, *, minimum: int, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum} (got {value!r}){hint}")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Shape and policy of one layer's KV cache.
+
+    Parameters
+    ----------
+    batch, kv_heads, head_dim : int
+        Storage is ``[batch, kv_heads, slots, head_dim]`` for K and for V.
+    dtype : {"float32", "float16", "bfloat16"}
+        Storage dtype; attention arithmetic is float32 whatever the storage.
+    window : int or None
+        ``None`` for full causal attention, else n_c >= 1 keys, the current one included.
+    sinks : int
+        n_s attention-sink tokens (positions 0..n_s-1) kept for ever; only with a window.
+    max_chunk : int
+        C, the most tokens one ``append`` may carry. A window ring gets C - 1 slots of slack.
+    max_len : int or None
+        Causal caches only: a hard cap on the tokens per sequence (storage never grows past it).
+    check_finite : bool
+        Reject appends whose K or V hold NaN or inf (checked on the new chunk only).
+
+    Examples
+    --------
+    >>> CacheSpec(batch=2, kv_heads=3, head_dim=64, window=512, sinks=4).slots
+    516
+    """
+
+    batch: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+    window: int | None = None
+    sinks: int = 0
+    max_chunk: int = 1
+    max_len: int | None = None
+    check_finite: bool = True
+
+    def __post_init__(self):
+        _positive_int("batch", self.batch, minimum=1)
+        _positive_int("kv_heads", self.kv_heads, minimum=1)
+        _positive_int("head_dim", self.head_dim, minimum=1)
+        _positive_int("max_chunk", self.max_chunk, minimum=1)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES} (got {self.dtype!r})")
+        if self.window is not None:
+            _positive_int("window", self.window, minimum=1,
+                          hint="; use window=None for full causal attention")
+        _positive_int("sinks", self.sinks, minimum=0)
+        if self.sinks and self.window is None:
+            raise ValueError(f"sinks={self.sinks} needs a window; with window=None every token is kept "
+                             "and sinks mean nothing")
+        if self.max_len is not None:
+            _positive_int("max_len", self.max_len, minimum=1)
+            if self.window is not None:
+                raise ValueError(f"max_len={self.max_len} applies to causal caches only; a window cache "
+                                 "already has fixed memory (window + sinks + max_chunk - 1 slots)")
+
+    @property
+    def mode(self) -> str:
+        """``"causal"``, ``"window"`` or ``"sinks"``."""
+        if self.window is None:
+            return "causal"
+        return "sinks" if self.sinks else "window"
+
+    @property
+    def slots(self) -> int | None:
+        """Fixed slot count of a window cache (n_s + n_c + C - 1); None for causal (it grows)."""
+        if self.window is None:
+            return None
+        return self.sinks + self.window + self.max_chunk - 1
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        return STORAGE[self.dtype]

@@ -1,0 +1,55 @@
+"""Test support: the full K/V history kept beside a cache, and the tolerances, stated once."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from streamattn.reference import attention
+
+# max |out - oracle| / max |oracle|, against float64 attention over the ORIGINAL float32 history
+# (storage rounding included).
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+LSE_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}  # absolute, natural log
+
+
+class History:
+    """Every K/V row ever appended, per sequence, in temporal order: what full attention sees."""
+
+    def __init__(self, batch: int):
+        self.k = [[] for _ in range(batch)]   # per sequence: list of [kv_heads, t, d]
+        self.v = [[] for _ in range(batch)]
+
+    def append(self, k, v, counts):
+        for b, c in enumerate(counts):
+            if c:
+                self.k[b].append(np.asarray(k[b, :, :c], np.float64))
+                self.v[b].append(np.asarray(v[b, :, :c], np.float64))
+
+    def reset(self, b):
+        self.k[b], self.v[b] = [], []
+
+    def length(self, b):
+        return sum(x.shape[1] for x in self.k[b])
+
+    def expected(self, q, b, c, spec, scale=None):
+        """Oracle (out, lse) for the newest ``c`` queries of sequence b: q [q_heads, c, d]."""
+        k = np.concatenate(self.k[b], axis=1)
+        v = np.concatenate(self.v[b], axis=1)
+        L = k.shape[1]
+        return attention(q, k, v, np.arange(L - c, L), window=spec.window, sinks=spec.sinks, scale=scale)
+
+
+def check(out, lse, q, hist, counts, spec, scale=None, what=""):
+    """Assert every real row of (out, lse) equals the oracle within the dtype's tolerance; padding is 0."""
+    out = out.get() if hasattr(out, "get") else out
+    lse = lse.get() if hasattr(lse, "get") else lse
+    for b, c in enumerate(counts):
+        c = int(c)
+        assert np.all(out[b, :, c:] == 0), f"{what}: padding rows of sequence {b} are not zero"
+        if c == 0:
+            continue
+        ro, rl = hist.expected(q[b, :, :c], b, c, spec, scale)
+        err = np.abs(out[b, :, :c].astype(np.float64) - ro).max() / max(np.abs(ro).max(), 1e-30)
+        assert err <= TOL[spec.dtype], f"{what}: sequence {b}: relative error {err:.3g} > {TOL[spec.dtype]}"
+        lerr = np.abs(lse[b, :, :c] - rl).max()
+        assert lerr <= LSE_TOL[spec.dtype], f"{what}: sequence {b}: lse error {lerr:.3g}"

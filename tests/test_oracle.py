@@ -1,0 +1,105 @@
+"""Every backend equals float64 full masked attention over the whole history, after every append."""
+
+import numpy as np
+import pytest
+
+from streamattn import CacheSpec, KVCache, attend
+from oracle import History, check
+
+BACKENDS = ["cpu", "reference"]
+
+
+def stream(spec, q_heads, steps, backend, *, seed=0, chunks=None, ragged=False, scale=None):
+    """Append ``steps`` chunks (sizes from ``chunks`` or 1), checking every output against the oracle."""
+    rng = np.random.default_rng(seed)
+    cache, hist = KVCache(spec), History(spec.batch)
+    for step in range(steps):
+        T = int(chunks[step % len(chunks)]) if chunks else 1
+        shape = (spec.batch, spec.kv_heads, T, spec.head_dim)
+        k = rng.standard_normal(shape).astype(np.float32)
+        v = rng.standard_normal(shape).astype(np.float32)
+        counts = rng.integers(0 if ragged else T, T + 1, size=spec.batch) if ragged else np.full(spec.batch, T)
+        cache.append(k, v, counts=counts)
+        hist.append(k, v, counts)
+        q = rng.standard_normal((spec.batch, q_heads, T, spec.head_dim)).astype(np.float32)
+        out, lse = attend(q, cache, backend=backend, scale=scale)
+        check(out, lse, q, hist, counts, spec, scale, what=f"{backend} step {step}")
+    return cache
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("window,sinks", [(None, 0), (1, 0), (3, 0), (19, 0), (5, 2), (19, 3)])
+def test_decode_every_mode_and_dtype(backend, dtype, window, sinks):
+    spec = CacheSpec(batch=2, kv_heads=3, head_dim=64, dtype=dtype, window=window, sinks=sinks)
+    steps = 3 * (spec.slots or 20) + 7  # >= 3 full wraps of the ring
+    stream(spec, 9, steps, backend, seed=hash((dtype, window, sinks)) % 1000)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window,sinks,C", [(None, 0, 4), (3, 0, 3), (19, 0, 7), (5, 2, 5), (1, 1, 3)])
+def test_chunks_of_every_size_up_to_C(backend, window, sinks, C):
+    """Write the chunk, then attend: exact for every chunk size 1..C (the ring's C-1 slack)."""
+    spec = CacheSpec(batch=2, kv_heads=1, head_dim=64, window=window, sinks=sinks, max_chunk=C)
+    chunks = list(range(1, C + 1)) + list(range(C, 0, -1))
+    stream(spec, 4, 6 * C + 5, backend, chunks=chunks, seed=C)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_ragged_batch_gqa_mqa(dtype):
+    for kv_heads, q_heads in [(3, 9), (1, 4), (2, 2)]:
+        spec = CacheSpec(batch=3, kv_heads=kv_heads, head_dim=64, dtype=dtype, window=11, sinks=2, max_chunk=4)
+        stream(spec, q_heads, 25, "cpu", chunks=[1, 4, 3, 2], ragged=True, seed=kv_heads)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("window", [None, 99])
+def test_head_dims_and_long_history(head_dim, window):
+    """Long enough that the key range is split across threads (exact split-K merge)."""
+    spec = CacheSpec(batch=1, kv_heads=2, head_dim=head_dim, window=window, max_chunk=64)
+    stream(spec, 8, 40, "cpu", chunks=[64, 1, 37, 64, 3], seed=head_dim)
+
+
+def test_split_merge_with_many_splits():
+    """B=1, one KV head, 3000 keys: the backend splits the keys; the merge must stay exact."""
+    from streamattn.backends import cpu
+    assert cpu.choose_splits(1, 1, 3000, 2) > 1
+    spec = CacheSpec(batch=1, kv_heads=1, head_dim=64, window=None, max_chunk=1000)
+    stream(spec, 1, 4, "cpu", chunks=[1000, 1000, 999, 1])
+
+
+def test_scale_override():
+    spec = CacheSpec(batch=2, kv_heads=2, head_dim=64, window=7, sinks=1)
+    stream(spec, 4, 20, "cpu", scale=0.37)
+    stream(spec, 4, 20, "reference", scale=0.37)
+
+
+def test_odd_sizes_and_queries_in_float16():
+    """q in float16: output comes back in q's dtype, still equal to the oracle."""
+    rng = np.random.default_rng(5)
+    spec = CacheSpec(batch=1, kv_heads=1, head_dim=64, dtype="float16", window=3)
+    cache, hist = KVCache(spec), History(1)
+    for _ in range(11):
+        k = rng.standard_normal((1, 1, 1, 64)).astype(np.float16)
+        v = rng.standard_normal((1, 1, 1, 64)).astype(np.float16)
+        cache.append(k, v)
+        hist.append(k, v, [1])
+        q = rng.standard_normal((1, 3, 1, 64)).astype(np.float16)
+        out, lse = attend(q, cache, backend="cpu")
+        assert out.dtype == np.float16
+        check(out.astype(np.float32), lse, q.astype(np.float32), hist, [1], spec)
+
+
+def test_sinks_never_overwritten():
+    rng = np.random.default_rng(1)
+    spec = CacheSpec(batch=1, kv_heads=1, head_dim=64, window=3, sinks=2)
+    cache = KVCache(spec)
+    first = rng.standard_normal((1, 1, 2, 64)).astype(np.float32)
+    cache.append(first[:, :, :1], first[:, :, :1])
+    cache.append(first[:, :, 1:], first[:, :, 1:])
+    for _ in range(50):
+        x = rng.standard_normal((1, 1, 1, 64)).astype(np.float32)
+        cache.append(x, x)
+    assert np.array_equal(cache.k[0, 0, :2], first[0, 0])
+    k, _, pos = cache.temporal_view(0)
+    assert pos.tolist() == [0, 1, 49, 50, 51]
