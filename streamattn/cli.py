@@ -149,7 +149,7 @@ def _inspect_configure(p):
 
 
 def _inspect_run(args) -> int:
-    from streamattn.attn_report import report
+    from streamattn.introspect import inspect_attention
 
     gen, tf, tok = _load(args)
     ids = gen.encode_prompt(args.prompt, chat=args.chat)
@@ -179,11 +179,14 @@ def _inspect_run(args) -> int:
           f"window = last {n_window} positions")
     print("layer head  sink   window  top positions (pos:weight token)")
     for i in layers:
-        q = np.asarray(captured[i])[0, :, 0]             # [H, hd]
-        for r in report(i, q, gen.caches[i], 0, scale=tf.config.attn_scale, query_pos=qpos,
-                        n_sinks=args.sink_tokens, n_window=n_window, top=args.top):
-            tops = "  ".join(f"{p}:{w:.2f} {tok.decode([seq[p]], skip_special=False)!r}" for p, w in r.top)
-            print(f"{r.layer:5d} {r.head:4d}  {r.sink_mass:.3f}  {r.window_mass:.3f}   {tops}")
+        r = inspect_attention(captured[i], gen.caches[i], b=0, scale=tf.config.attn_scale)  # core introspection
+        w, pos = r.weights[:, -1], r.positions                                  # [H, n], [n]
+        for h in range(w.shape[0]):
+            sink = w[h][pos < max(args.sink_tokens, gen.caches[i].spec.sinks)].sum()
+            win = w[h][pos > qpos - n_window].sum()
+            tops = "  ".join(f"{p}:{x:.2f} {tok.decode([seq[p]], skip_special=False)!r}"
+                             for p, x in r.top(h, -1, args.top))
+            print(f"{i:5d} {h:4d}  {sink:.3f}  {win:.3f}   {tops}")
     return 0
 
 

@@ -170,7 +170,8 @@ class Transformer:
             s = sinks if (mode == "sinks" and w is not None) else 0
             caches.append(KVCache(CacheSpec(batch=batch, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                             dtype=dtype, window=w, sinks=s, max_chunk=max_chunk,
-                                            max_len=max_len if w is None else None)))
+                                            max_len=max_len if w is None else None),
+                                  device="cpu" if self.xp is np else "gpu"))
         return caches
 
     # ------------------------------------------------------------------ forward
