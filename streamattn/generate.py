@@ -118,14 +118,14 @@ class Generator:
         return np.stack(last)
 
     def stream(self, prompt, *, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
-               stop: tuple = (), chat: bool = False, progress=None) -> Iterator[TokenEvent]:
+               stop: tuple = (), chat: bool = False, progress=None, ignore_eos: bool = False) -> Iterator[TokenEvent]:
         """Yield each new token of one prompt. See :meth:`stream_batch` (this is its batch of one)."""
         yield from self.stream_batch([prompt], max_tokens=max_tokens, sampling=sampling, stop=stop, chat=chat,
-                                     progress=progress)
+                                     progress=progress, ignore_eos=ignore_eos)
 
     def stream_batch(self, prompts: list, *, max_tokens: int = 128,
                      sampling: SamplingParams = SamplingParams(), stop: tuple = (), chat: bool = False,
-                     progress=None) -> Iterator[TokenEvent]:
+                     progress=None, ignore_eos: bool = False) -> Iterator[TokenEvent]:
         """Decode several prompts together as one ragged batch, yielding tokens as they come.
 
         Parameters
@@ -142,6 +142,8 @@ class Generator:
             Wrap string prompts in the model's chat template.
         progress : callable(done_tokens, total_tokens), optional
             Prefill progress.
+        ignore_eos : bool
+            Keep going past end-of-sequence tokens (benchmarks: a fixed number of tokens).
 
         Yields
         ------
@@ -172,7 +174,7 @@ class Generator:
                 nxt[b] = tid
                 seen[b].append(tid)
                 finish, piece = None, ""
-                if tid in self.tok.stop_ids:
+                if tid in self.tok.stop_ids and not ignore_eos:
                     finish, piece = "eos", decoders[b].flush()
                 else:
                     piece = decoders[b].push(tid)

@@ -1,0 +1,100 @@
+"""End-to-end decode speed on SmolLM2-135M and where a decode step's time goes.
+
+    PYTHONPATH=. python scripts/bench_decode.py [--tokens 256] [--repeats 3] [--model PATH]
+
+Greedy decode of N new tokens after a short prompt (EOS ignored, so every run decodes N tokens), with
+dequantized float32 weights. The read-bandwidth ceiling is probed right beside each run (DESIGN.md §6).
+The breakdown replays one decode step's parts at the final cache length: all weight matmuls (incl. the
+tied lm_head), all layers' attention calls, the sampler; the rest of the measured step is Python and
+elementwise work (norms, RoPE, activations, reshapes).
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from streamattn.ceiling import Ceiling
+from streamattn.generate import Generator
+from streamattn.gguf_loader import load_gguf
+from streamattn.hub import resolve_model
+from streamattn.model import Transformer
+from streamattn.sampling import SamplingParams, sample
+from streamattn.tokenizer import Tokenizer
+from streamattn import attend
+
+
+def best_of(fn, n):
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--prompt", default="The history of Rome")
+    args = ap.parse_args()
+    m = load_gguf(resolve_model(args.model, quiet=True))
+    tf, tok = Transformer(m), Tokenizer.from_metadata(m.metadata)
+    gen = Generator(tf, tok, prefill_chunk=16)
+    ceiling = Ceiling(256 << 20)
+    list(gen.stream(args.prompt, max_tokens=16, ignore_eos=True))            # warm-up (JIT, caches)
+    rates, ceils, steps = [], [], []
+    for _ in range(args.repeats):
+        ceils.append(ceiling.probe())
+        list(gen.stream(args.prompt, max_tokens=args.tokens, ignore_eos=True))
+        st = gen.stats.decode_steps_s
+        rates.append(len(st) / sum(st))
+        steps.append(statistics.median(st))
+    c = tf.config
+    wbytes = sum(a.nbytes for lw in tf.layers for a in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)) + tf.output.nbytes
+    print(f"model {c.name}: {c.n_layers} layers, float32 weights read per token {wbytes / 1e6:.0f} MB")
+    print(f"decode {args.tokens} tokens after {len(tok.encode(args.prompt))} prompt tokens: "
+          f"{statistics.median(rates):.1f} tok/s (runs: {', '.join(f'{r:.1f}' for r in rates)}); "
+          f"ceiling probes {', '.join(f'{x:.0f}' for x in ceils)} GB/s")
+
+    # --- breakdown of one step at the final length
+    step = statistics.median(steps)
+    x = np.random.default_rng(0).standard_normal((1, c.d_model)).astype(np.float32)
+    a = np.random.default_rng(1).standard_normal((1, c.q_dim)).astype(np.float32)
+    h = np.random.default_rng(2).standard_normal((1, c.d_ff)).astype(np.float32)
+
+    def matmuls():
+        for lw in tf.layers:
+            x @ lw.wqkv.T
+            a @ lw.wo.T
+            x @ lw.wgu.T
+            h @ lw.wdown.T
+        x @ tf.output.T
+
+    q = np.random.default_rng(3).standard_normal((1, c.n_heads, 1, c.head_dim)).astype(np.float32)
+
+    def attention():
+        for cache in gen.caches:
+            attend(q, cache, backend="cpu", scale=c.attn_scale)
+
+    logits = np.random.default_rng(4).standard_normal(c.vocab_size).astype(np.float32)
+    rng = np.random.default_rng(0)
+    t_mm = best_of(matmuls, 20)
+    t_att = best_of(attention, 20)
+    t_smp = best_of(lambda: sample(logits, SamplingParams(), rng, []), 50)
+    rest = step - t_mm - t_att - t_smp
+    L = int(gen.caches[0].lengths[0])
+    print(f"one decode step (median) {step * 1e3:.2f} ms at length {L}:")
+    for name, t in (("weight matmuls (30 layers + lm_head)", t_mm), (f"attention (30 layers, L={L})", t_att),
+                    ("sampling (greedy)", t_smp), ("python + elementwise (rest)", rest)):
+        print(f"  {name:40s} {t * 1e3:7.2f} ms  {100 * t / step:5.1f}%")
+    print(f"  matmul bandwidth {wbytes / t_mm / 1e9:.1f} GB/s (ceiling probe {ceiling.probe():.0f} GB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
