@@ -22,6 +22,7 @@ from streamattn.gguf_loader import load_gguf
 from streamattn.hub import resolve_model
 from streamattn.model import Transformer
 from streamattn.sampling import SamplingParams, sample
+from streamattn.threads import set_threads
 from streamattn.tokenizer import Tokenizer
 from streamattn import attend
 
@@ -41,7 +42,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompt", default="The history of Rome")
+    ap.add_argument("--threads", type=int, default=1, help="OpenBLAS + Numba threads (streamattn/threads.py)")
     args = ap.parse_args()
+    set_threads(args.threads)
     m = load_gguf(resolve_model(args.model, quiet=True))
     tf, tok = Transformer(m), Tokenizer.from_metadata(m.metadata)
     gen = Generator(tf, tok, prefill_chunk=16)
@@ -56,7 +59,7 @@ def main():
         steps.append(statistics.median(st))
     c = tf.config
     wbytes = sum(a.nbytes for lw in tf.layers for a in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)) + tf.output.nbytes
-    print(f"model {c.name}: {c.n_layers} layers, float32 weights read per token {wbytes / 1e6:.0f} MB")
+    print(f"threads {args.threads}; model {c.name}: {c.n_layers} layers, float32 weights read per token {wbytes / 1e6:.0f} MB")
     print(f"decode {args.tokens} tokens after {len(tok.encode(args.prompt))} prompt tokens: "
           f"{statistics.median(rates):.1f} tok/s (runs: {', '.join(f'{r:.1f}' for r in rates)}); "
           f"ceiling probes {', '.join(f'{x:.0f}' for x in ceils)} GB/s")

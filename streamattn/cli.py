@@ -39,6 +39,9 @@ def _model_args(p):
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per forward call")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for matmuls and attention (default 1: fastest for one sequence on a "
+                        "busy 2-core host, see streamattn/threads.py)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -50,6 +53,9 @@ def _load(args):
     from streamattn.model import Transformer
     from streamattn.tokenizer import Tokenizer
 
+    from streamattn.threads import set_threads
+
+    set_threads(args.threads)
     path = resolve_model(args.model, quiet=args.quiet)
     t0 = time.perf_counter()
 
