@@ -103,3 +103,20 @@ def test_sinks_never_overwritten():
     assert np.array_equal(cache.k[0, 0, :2], first[0, 0])
     k, _, pos = cache.temporal_view(0)
     assert pos.tolist() == [0, 1, 49, 50, 51]
+
+
+def test_vectorised_exp_is_accurate_and_flushes_masked_scores():
+    """The kernel's own exp (a polynomial, not libm): relative error <= 1e-6, -inf -> exactly 0."""
+    from streamattn.backends.cpu import _softmax_tile
+    x = np.concatenate([np.linspace(-87, 0, 997), [-np.inf, -200.0, -1e-30]]).astype(np.float32)
+    ref = np.exp(x.astype(np.float64) - 0.25)
+    buf = np.empty(x.size, np.float32)
+    got = x.copy()
+    total = _softmax_tile(got, x.size, np.float32(0.25), buf, buf.view(np.uint32))
+    rel = np.abs(got / np.where(ref > 0, ref, 1) - 1)
+    # Near the running max (the weights that matter) 1e-6; far below it float32's rounding of
+    # (x - max) * log2(e) itself costs ~|y| * 2^-24 relative, still far inside the f32 tolerance.
+    assert rel[x >= -10].max() <= 1e-6
+    assert rel[(ref > 1e-30) & (x < -10)].max() <= 1e-5
+    assert got[-3] == 0.0 and got[-2] == 0.0
+    assert abs(total / ref.sum() - 1) <= 1e-6

@@ -75,20 +75,23 @@ def _tile_impl(src, buf, n, kind):
     return widen
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _exp_rows(x, n, ebits, escale):
-    """x[:n] <- exp(x[:n]) for x <= 0, vectorisable (libm's exp is a scalar call).
+@njit(fastmath=FASTMATH, cache=True)
+def _softmax_tile(x, n, mx, fbuf, ubuf):
+    """x[:n] <- exp(x[:n] - mx) in place and return their sum; vectorisable (libm's exp is a scalar call).
 
-    2^y = 2^k * 2^f with k = round(y), f in [-1/2, 1/2]: 2^f from a degree-6 polynomial (Cephes exp2f
-    coefficients, relative error ~2e-7), 2^k by writing k + 127 into a float32's exponent bits.
-    Weights under 2^-126 of the running max are flushed to 0, which also maps -inf (masked) to 0.
+    2^y = 2^k * 2^f with k = floor(y + 1/2), f in [-1/2, 1/2]: 2^f from a degree-6 polynomial (Cephes
+    exp2f coefficients, relative error ~2e-7), 2^k by writing k + 127 into a float32's exponent bits.
+    y is clamped at -127, where those bits are 0: weights under 2^-127 of the running max become exactly
+    0, and so do masked (-inf) scores. (Not the 1.5 * 2^23 rounding trick: under 'reassoc' LLVM may fold
+    y - ((y + M) - M) to 0.)
+    fbuf/ubuf: [>= n] float32 scratch and its uint32 view.
     """
     for j in range(n):
-        y = x[j] * _LOG2E
-        keep = y >= -126.0
-        k = np.floor(max(y, np.float32(-126.0)) + np.float32(0.5))
-        x[j] = y - k if keep else np.float32(0.0)
-        ebits[j] = (np.uint32(np.int32(k) + 127) << 23) if keep else np.uint32(0)
+        y = max((x[j] - mx) * _LOG2E, np.float32(-127.0))
+        k = np.floor(y + np.float32(0.5))
+        x[j] = y - k                        # f in [-1/2, 1/2]
+        ubuf[j] = np.uint32(np.int32(k) + 127) << 23
+    tot = np.float32(0.0)
     for j in range(n):
         f = x[j]
         p = np.float32(1.535336188319500e-4)
@@ -98,7 +101,10 @@ def _exp_rows(x, n, ebits, escale):
         p = p * f + np.float32(2.402264791363012e-1)
         p = p * f + np.float32(6.931472028550421e-1)
         p = p * f + np.float32(1.0)
-        x[j] = p * escale[j]
+        e = p * fbuf[j]
+        x[j] = e
+        tot += e
+    return tot
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -127,21 +133,35 @@ def _scores(qr, kt, n, out):
         out[j] = a
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _accumulate(acc, p, vt, n):
-    """acc[:] += sum_j p[j] vt[j] for j < n; four rows of V per pass so acc is loaded/stored once for four."""
-    D = acc.shape[0]
-    n4 = n - n % 4
-    for j in range(0, n4, 4):
-        p0, p1, p2, p3 = p[j], p[j + 1], p[j + 2], p[j + 3]
+@njit(fastmath=FASTMATH - {"reassoc"}, cache=True)
+def _accumulate(acc, p, vt, n, rows):
+    """acc[r] += sum_j p[r, j] vt[j] for r < rows, j < n.
+
+    Eight V rows per pass and every query row inside it: acc is loaded and stored once per eight keys,
+    and the rows' chains are independent. No 'reassoc' here, or LLVM would fold the tree back into one
+    serial chain of FMAs through acc (latency-bound: 4 cycles per key).
+    acc: [rows, D], p: [rows, TILE], vt: [n, D]
+    """
+    D = acc.shape[1]
+    n4 = n - n % 8
+    for j in range(0, n4, 8):
         v0, v1, v2, v3 = vt[j], vt[j + 1], vt[j + 2], vt[j + 3]
-        for i in range(D):
-            acc[i] += (p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i])
+        v4, v5, v6, v7 = vt[j + 4], vt[j + 5], vt[j + 6], vt[j + 7]
+        for r in range(rows):
+            a = acc[r]
+            pr = p[r]
+            p0, p1, p2, p3 = pr[j], pr[j + 1], pr[j + 2], pr[j + 3]
+            p4, p5, p6, p7 = pr[j + 4], pr[j + 5], pr[j + 6], pr[j + 7]
+            for i in range(D):
+                a[i] += ((p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i])) + \
+                        ((p4 * v4[i] + p5 * v5[i]) + (p6 * v6[i] + p7 * v7[i]))
     for j in range(n4, n):
-        pj = p[j]
         vj = vt[j]
-        for i in range(D):
-            acc[i] += pj * vj[i]
+        for r in range(rows):
+            a = acc[r]
+            pj = p[r, j]
+            for i in range(D):
+                a[i] += pj * vj[i]
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -195,8 +215,8 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
         kf = np.empty((TILE, D), np.float32)             # [TILE, D] widened K tile (16-bit storage)
         vf = np.empty((TILE, D), np.float32)             # [TILE, D] widened V tile
         sc = np.empty((rows, TILE), np.float32)          # [rows, TILE] scores, then probabilities
-        eb = np.empty(TILE, np.uint32)                   # [TILE] exponent bits for _exp_rows
-        ef = eb.view(np.float32)
+        eb = np.empty(TILE, np.float32)                  # [TILE] scratch of _softmax_tile
+        ebu = eb.view(np.uint32)
 
         # Segments of positions: sinks first, then the main piece; each tile stays inside one run of
         # contiguous slots (a ring wraps at most once per segment).
@@ -213,30 +233,25 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
                     # keys pos..pos+n-1 visible to row r: j <= qpos[r], and j >= qlo[r] unless a sink
                     hi = min(n, qpos[r] - pos + 1)
                     jlo = 0 if seg == 0 else min(max(qlo[r] - pos, 0), n)
-                    for j in range(n):
-                        if j < jlo or j >= hi:
-                            sr[j] = -np.inf
-                vt = _tile(v[b, h, slot:slot + n], vf, n, kind)   # [n, D] float32
-                for r in range(rows):
-                    sr = sc[r]
+                    if jlo > 0 or hi < n:
+                        for j in range(n):
+                            if j < jlo or j >= hi:
+                                sr[j] = -np.inf
                     mt = m[r]
                     for j in range(n):
                         mt = max(mt, sr[j])
-                    if mt == -np.inf:
+                    if mt == -np.inf:       # nothing visible yet: weights 0, nothing to rescale
+                        sr[:n] = 0.0
                         continue
                     alpha = np.float32(math.exp(m[r] - mt))
                     m[r] = mt
-                    for j in range(n):
-                        sr[j] -= mt
-                    _exp_rows(sr, n, eb, ef)
-                    tot = np.float32(0.0)
-                    for j in range(n):
-                        tot += sr[j]
-                    l[r] = l[r] * alpha + tot
-                    ar = acc[r]
-                    for i in range(D):
-                        ar[i] *= alpha
-                    _accumulate(ar, sr, vt, n)
+                    l[r] = l[r] * alpha + _softmax_tile(sr, n, mt, eb, ebu)
+                    if alpha != 1.0:
+                        ar = acc[r]
+                        for i in range(D):
+                            ar[i] *= alpha
+                vt = _tile(v[b, h, slot:slot + n], vf, n, kind)   # [n, D] float32
+                _accumulate(acc, sc, vt, n, rows)
                 pos += n
         for g in range(G):
             for t in range(nq):
