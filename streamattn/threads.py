@@ -10,6 +10,7 @@ SmolLM2-135M at load average ~25: default pools 0.5–1.4 tok/s; OpenBLAS 1 thre
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -20,7 +21,7 @@ _SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads
             "openblas_set_num_threads")
 
 
-def _openblas():
+def _openblas(names=_SETTERS):
     here = os.path.dirname(np.__file__)
     for path in glob.glob(os.path.join(here, "..", "numpy.libs", "*openblas*")) + \
             glob.glob(os.path.join(here, ".dylibs", "*openblas*")):
@@ -28,7 +29,7 @@ def _openblas():
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for name in _SETTERS:
+        for name in names:
             if hasattr(lib, name):
                 return getattr(lib, name)
     return None
@@ -53,3 +54,19 @@ def set_threads(n: int) -> dict:
     if setter is not None:
         setter(n)
     return {"blas": setter is not None, "numba": n_numba}
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Context manager: :func:`set_threads` ``(n)`` inside, the previous counts restored after."""
+    import numba
+    getter = _openblas(tuple(s.replace("set_", "get_") for s in _SETTERS))
+    old_blas = int(getter()) if getter is not None else None
+    old_numba = numba.get_num_threads()
+    set_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(old_numba)
+        if old_blas is not None:
+            _openblas()(old_blas)

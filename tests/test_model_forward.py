@@ -9,10 +9,12 @@ bookkeeping is exact, including ring wrap-around.
 import numpy as np
 import pytest
 
-from _model_util import load, need_smollm2, smollm2_path, write_tiny_gguf
+from _model_util import load, need_smollm2, smollm2_path, write_tiny_gguf, single_thread  # noqa: F401 (fixture)
 from streamattn.gguf_loader import load_gguf
 from streamattn.model import Transformer
 from streamattn.reference import attention
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def oracle_logits(m, tokens, *, user_window=None, sinks=0):

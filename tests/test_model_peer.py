@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from _model_util import gemma_path, load, smollm2_path
+from _model_util import gemma_path, load, smollm2_path, single_thread  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.peer
+pytestmark = [pytest.mark.peer, pytest.mark.usefixtures("single_thread")]
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -2,12 +2,14 @@
 
 import pytest
 
-from _model_util import gemma_path, need_gemma, need_smollm2, smollm2_path, tokenizer
+from _model_util import gemma_path, need_gemma, need_smollm2, smollm2_path, tokenizer, single_thread  # noqa: F401 (fixture)
 from streamattn.tokenizer import StreamDecoder
 
 TEXTS = ["Hello, world!", "The year 2024 had 366 days; 3.14159 is pi.", "emoji 👋🏽 and 日本語 and café",
          "def f(x):\n    return x ** 2  # square\n\tprint(f'{x!r}')", "  leading spaces and trailing  ",
          "mixed: Ünïcödé ✓ ∑ 🤖🚀"]
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def smol():
