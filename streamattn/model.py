@@ -216,7 +216,7 @@ class Transformer:
         pos = np.asarray(caches[0].lengths, np.int64)[:, None] + np.arange(T)[None, :]   # [B, T]
         tables = {base: self._rope_tables(pos, base) for base in self._inv_freq}
         H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
-        x = xp.asarray(self.embed[tokens.reshape(-1)]).reshape(B, T, c.d_model)        # [B, T, d]
+        x = self.embed[xp.asarray(tokens.reshape(-1))].reshape(B, T, c.d_model)        # [B, T, d]
         if c.embed_scale != 1.0:
             x = x * np.float32(c.embed_scale)
         attn_counts = None if counts is None else cnt
@@ -247,5 +247,5 @@ class Transformer:
                 m = rms_norm(xp, m, lw.post_ffw_norm, c.norm_eps)
             x = x + m                                                                   # [B, T, d]
         if last_only:
-            x = x[np.arange(B), cnt - 1]                                                # [B, d]
+            x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
         return rms_norm(xp, x, self.output_norm, c.norm_eps) @ self.output.T           # [..., vocab]
