@@ -127,7 +127,8 @@ def _generate_run(args) -> int:
 
     def progress(done, total):
         if not args.quiet and total > args.prefill_chunk and (done == total or sys.stderr.isatty()):
-            print(f"\rprefill {done}/{total} tokens", end="\n" if done == total else "", file=sys.stderr, flush=True)
+            print(f"\rprefill {done}/{total} tokens", end="\n" if done == total else "", file=sys.stderr,
+                  flush=True)
 
     if not args.chat:
         sys.stdout.write(prompt)

@@ -87,7 +87,8 @@ class Generator:
                 raise ValueError("prompt is an empty list of token ids")
             return ids
         if chat:
-            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            msgs = [{"role": "system", "content": system}] if system else []
+            msgs.append({"role": "user", "content": prompt})
             prompt = self.tok.apply_chat(msgs)
         ids = self.tok.encode(prompt)
         if not ids:
@@ -118,7 +119,8 @@ class Generator:
         return np.stack(last)
 
     def stream(self, prompt, *, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
-               stop: tuple = (), chat: bool = False, progress=None, ignore_eos: bool = False) -> Iterator[TokenEvent]:
+               stop: tuple = (), chat: bool = False, progress=None,
+               ignore_eos: bool = False) -> Iterator[TokenEvent]:
         """Yield each new token of one prompt. See :meth:`stream_batch` (this is its batch of one)."""
         yield from self.stream_batch([prompt], max_tokens=max_tokens, sampling=sampling, stop=stop, chat=chat,
                                      progress=progress, ignore_eos=ignore_eos)
@@ -189,7 +191,8 @@ class Generator:
                     active[b] = False
             sample_s = time.perf_counter() - t0
             for b, tid, piece, finish in events:
-                yield TokenEvent(seq=int(b), step=step, token_id=int(tid), text=piece, step_s=step_s, finish=finish)
+                yield TokenEvent(seq=int(b), step=step, token_id=int(tid), text=piece, step_s=step_s,
+                                 finish=finish)
             if not active.any():
                 break
             t0 = time.perf_counter()

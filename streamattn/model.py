@@ -109,7 +109,8 @@ class Transformer:
                 wqkv=np.ascontiguousarray(np.concatenate(
                     [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]], 0), f32),
                 wo=w[p + "attn_output.weight"], ffn_norm=w[p + "ffn_norm.weight"],
-                wgu=np.ascontiguousarray(np.concatenate([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]], 0), f32),
+                wgu=np.ascontiguousarray(
+                    np.concatenate([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]], 0), f32),
                 wdown=w[p + "ffn_down.weight"],
                 q_norm=w.get(p + "attn_q_norm.weight"), k_norm=w.get(p + "attn_k_norm.weight"),
                 post_attn_norm=w.get(p + "post_attention_norm.weight"),
@@ -133,7 +134,7 @@ class Transformer:
 
     # ------------------------------------------------------------------ caches
     def layer_window(self, i: int, mode: str, window: int | None):
-        """Effective (window, sinks-enabled) of layer i under a user cache mode."""
+        """Window n_c of layer i under a user cache mode (None: causal)."""
         own = self.config.layer_windows[i]
         if own is not None:                       # the model's own sliding layers (gemma3 local)
             return own if mode == "full" or window is None else min(own, window)

@@ -28,7 +28,7 @@ CHATML_TEMPLATE = "chatml"
 
 def _bytes_to_unicode() -> dict:
     """GPT-2's reversible byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -137,7 +137,9 @@ class Tokenizer:
                 if role == "system":          # Gemma has no system turn: prepend to the first user turn
                     out.append(f"<start_of_turn>user\n{m['content']}\n\n")
                     continue
-                if role == "user" and out and out[-1].startswith("<start_of_turn>user\n") and not out[-1].endswith("<end_of_turn>\n"):
+                open_turn = out and out[-1].startswith("<start_of_turn>user\n") \
+                    and not out[-1].endswith("<end_of_turn>\n")
+                if role == "user" and open_turn:
                     out[-1] += f"{m['content']}<end_of_turn>\n"
                     continue
                 out.append(f"<start_of_turn>{role}\n{m['content']}<end_of_turn>\n")
@@ -177,7 +179,8 @@ def _build_spm(tokens, types, md):
                                 fuse_unk=True, byte_fallback=True))
     hf.normalizer = normalizers.Replace(" ", "▁")
     hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    hf.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, ty in zip(tokens, types) if ty == USER_DEFINED])
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, ty in zip(tokens, types) if ty == CONTROL])
     tb = []
