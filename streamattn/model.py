@@ -43,16 +43,15 @@ class LayerWeights:
     ffn_norm: object    # [d_model]
     wgu: object         # [2*d_ff, d_model]  (gate rows, then up rows)
     wdown: object       # [d_model, d_ff]
-    q_norm: object = None          # [head_dim]  gemma3
-    k_norm: object = None          # [head_dim]  gemma3
+    qk_norm: object = None         # [n_heads + n_kv_heads, head_dim]  gemma3 (q_norm rows, then k_norm rows)
     post_attn_norm: object = None  # [d_model]   gemma3
     post_ffw_norm: object = None   # [d_model]   gemma3
 
 
 def rms_norm(xp, x, w, eps):
-    """RMSNorm over the last axis: ``x / sqrt(mean(x²) + eps) * w``. x: [..., n], w: [n]."""
-    ms = (x * x).mean(axis=-1, keepdims=True)
-    return x * (1.0 / xp.sqrt(ms + eps)) * w
+    """RMSNorm over the last axis: ``x / sqrt(mean(x²) + eps) * w``. x: [..., n], w: [n] (broadcast)."""
+    ms = (x * x).sum(axis=-1, keepdims=True) * np.float32(1.0 / x.shape[-1])
+    return x * (1.0 / xp.sqrt(ms + np.float32(eps))) * w
 
 
 def gelu_tanh(xp, x):
@@ -64,16 +63,28 @@ def silu(xp, x):
 
 
 def rope(xp, x, cos, sin, style):
-    """Rotate x: [B, H, T, hd] by angles given as cos/sin: [B, 1, T, hd/2]; style 'interleaved'|'neox'."""
+    """Rotate pairs of x: [..., hd] by full-width tables cos, sin: [..., hd] (see ``rope_tables``).
+
+    Each pair (a, b) becomes (a cos - b sin, a sin + b cos): ``x * cos + partner(x) * sin`` where
+    ``partner`` swaps each pair's members and ``sin`` carries the sign (-sin on a, +sin on b).
+    Pairs are (2i, 2i+1) for 'interleaved' (llama.cpp's llama GGUFs) and (i, i + hd/2) for 'neox'.
+    """
     hd = x.shape[-1]
-    if style == "interleaved":          # pairs (2i, 2i+1) - llama.cpp's order for llama GGUFs
-        a, b = x[..., 0::2], x[..., 1::2]
-        out = xp.empty_like(x)
-        out[..., 0::2] = a * cos - b * sin
-        out[..., 1::2] = a * sin + b * cos
-        return out
-    a, b = x[..., : hd // 2], x[..., hd // 2:]   # neox: pairs (i, i + hd/2)
-    return xp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    if style == "interleaved":
+        partner = x.reshape(*x.shape[:-1], hd // 2, 2)[..., ::-1].reshape(x.shape)
+    else:
+        partner = xp.concatenate([x[..., hd // 2:], x[..., : hd // 2]], axis=-1)
+    return x * cos + partner * sin
+
+
+def rope_tables(pos, inv_freq, style):
+    """Full-width (cos, signed sin) float32 tables [*pos.shape, hd] for :func:`rope`."""
+    ang = pos[..., None].astype(np.float64) * inv_freq                            # [..., hd/2]
+    c, s = np.cos(ang), np.sin(ang)
+    if style == "interleaved":
+        return (np.repeat(c, 2, axis=-1).astype(np.float32),
+                np.stack([-s, s], axis=-1).reshape(*s.shape[:-1], -1).astype(np.float32))
+    return (np.concatenate([c, c], -1).astype(np.float32), np.concatenate([-s, s], -1).astype(np.float32))
 
 
 class Transformer:
@@ -112,7 +123,9 @@ class Transformer:
                 wgu=np.ascontiguousarray(
                     np.concatenate([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]], 0), f32),
                 wdown=w[p + "ffn_down.weight"],
-                q_norm=w.get(p + "attn_q_norm.weight"), k_norm=w.get(p + "attn_k_norm.weight"),
+                qk_norm=None if not c.qk_norm else np.concatenate(
+                    [np.tile(w[p + "attn_q_norm.weight"], (c.n_heads, 1)),
+                     np.tile(w[p + "attn_k_norm.weight"], (c.n_kv_heads, 1))]),
                 post_attn_norm=w.get(p + "post_attention_norm.weight"),
                 post_ffw_norm=w.get(p + "post_ffw_norm.weight")))
         half = c.head_dim // 2
@@ -177,9 +190,8 @@ class Transformer:
 
     # ------------------------------------------------------------------ forward
     def _rope_tables(self, pos, base):
-        xp = self.xp
-        ang = pos[:, None, :, None].astype(np.float64) * self._inv_freq[base]   # [B, 1, T, hd/2]
-        return xp.asarray(np.cos(ang), dtype=np.float32), xp.asarray(np.sin(ang), dtype=np.float32)
+        cos, sin = rope_tables(pos[:, :, None], self._inv_freq[base], self.config.rope_style)  # [B, T, 1, hd]
+        return self.xp.asarray(cos), self.xp.asarray(sin)
 
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
                 attn_hook: Callable | None = None):
@@ -223,16 +235,14 @@ class Transformer:
         attn_counts = None if counts is None else cnt
         for i, (lw, cache) in enumerate(zip(self.layers, caches)):
             h = rms_norm(xp, x, lw.attn_norm, c.norm_eps) @ lw.wqkv.T                   # [B, T, qd+2kvd]
-            q = h[..., : H * hd].reshape(B, T, H, hd).transpose(0, 2, 1, 3)            # [B, H, T, hd]
-            k = h[..., H * hd: (H + Hk) * hd].reshape(B, T, Hk, hd).transpose(0, 2, 1, 3)
-            v = h[..., (H + Hk) * hd:].reshape(B, T, Hk, hd).transpose(0, 2, 1, 3)     # [B, Hk, T, hd]
+            qk = h[..., : (H + Hk) * hd].reshape(B, T, H + Hk, hd)                      # q heads, then k heads
             if c.qk_norm:
-                q = rms_norm(xp, q, lw.q_norm, c.norm_eps)
-                k = rms_norm(xp, k, lw.k_norm, c.norm_eps)
+                qk = rms_norm(xp, qk, lw.qk_norm, c.norm_eps)
             cos, sin = tables[c.rope_base if c.layer_windows[i] is None else c.rope_base_local]
-            q = rope(xp, q, cos, sin, c.rope_style)
-            k = rope(xp, k, cos, sin, c.rope_style)
-            v = xp.ascontiguousarray(v)
+            qk = rope(xp, qk, cos, sin, c.rope_style)                                   # one rotation for q and k
+            q = xp.ascontiguousarray(qk[:, :, :H].transpose(0, 2, 1, 3))               # [B, H, T, hd]
+            k = qk[:, :, H:].transpose(0, 2, 1, 3)                                      # [B, Hk, T, hd]
+            v = xp.ascontiguousarray(h[..., (H + Hk) * hd:].reshape(B, T, Hk, hd).transpose(0, 2, 1, 3))
             cache.append(k, v, counts=attn_counts)                                      # write, then attend
             o, _ = attend(q, cache, backend=backend, scale=c.attn_scale, counts=attn_counts)  # [B, H, T, hd]
             if attn_hook is not None:
