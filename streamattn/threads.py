@@ -1,11 +1,15 @@
 """CPU thread counts of the two pools a decode step uses: OpenBLAS (weight matmuls) and Numba (attention).
 
-Why this exists: a decode step alternates ~120 tiny BLAS calls with 30 Numba parallel launches. Both
-pools spin-wait between calls, so with 2 threads each on a 2-core host they steal each other's cores,
-and on a shared, oversubscribed host every launch waits for a descheduled worker. Measured here on
-SmolLM2-135M at load average ~25: default pools 0.5–1.4 tok/s; OpenBLAS 1 thread + OMP passive wait
-~28 tok/s; everything single-threaded 41 tok/s. One sequence's decode is latency-bound, so
-``set_threads(1)`` is the CLI default; raise it for big batches or long prefill on a quiet machine.
+Why this exists: a decode step alternates ~120 small BLAS calls with 30 Numba parallel launches. Both
+pools spin-wait between calls, so with 2 threads each on a 2-core host they steal each other's cores.
+Measured on SmolLM2-135M (scripts/bench_decode.py), one decode step at L=259:
+
+    load avg ~3: 2+2 threads 468 ms (matmuls alone 17 ms, attention alone 1 ms: the pools thrash);
+                 1+1 threads 20-22 ms; BLAS 2 + Numba 1 25-32 ms; 2+2 with OMP_WAIT_POLICY=passive 21-24 ms
+    load avg ~25: 2+2 threads 0.5-1.4 tok/s; 1+1 threads 41 tok/s
+
+One sequence's decode is latency-bound, so ``set_threads(1)`` is the CLI default; try more threads only
+for big batches or long prefills, on a quiet machine, and measure.
 """
 
 from __future__ import annotations
