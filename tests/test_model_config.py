@@ -88,5 +88,7 @@ def test_missing_not_gguf_truncated_corrupt(tmp_path):
     os.truncate(cut, os.path.getsize(good) - 1000)
     with pytest.raises(ModelFileError, match="cut.gguf: .*truncated"):
         load_gguf(cut)
+    with pytest.raises(ModelFileError, match="mamba.gguf: architecture 'mamba' is not supported"):
+        load_gguf(write_tiny_gguf(tmp_path / "mamba.gguf", arch="mamba"))
     with pytest.raises(ModelFileError, match="bad.gguf: tensor 'blk.2.ffn_up.weight' holds NaN"):
         load_gguf(write_tiny_gguf(tmp_path / "bad.gguf", nan_tensor="blk.2.ffn_up.weight"))
