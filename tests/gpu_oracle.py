@@ -89,7 +89,7 @@ def case(rng, *, batch, q_heads, kv_heads, head_dim, lengths, counts, T, window,
     k_store, k_val = storage(k_hist, dtype)
     v_store, v_val = storage(v_hist, dtype)
     if window:
-        slots = sinks + window + int(counts.max()) - 1
+        slots = sinks + window + max(int(counts.max()), 1) - 1
     else:
         slots = n + 3  # spare slots past the longest sequence are never visible
     k, v = fill_cache(k_store, v_store, lengths, window=window, sinks=sinks, slots=slots)

@@ -59,7 +59,7 @@ def validate(q, k, v, lengths, counts, *, window: int, sinks: int) -> None:
                          f"(got counts={cnts.tolist()}, lengths={lens.tolist()})")
     if window == 0 and (lens > slots).any():
         raise ValueError(f"causal lengths must be <= slots ({slots}) (got {lens.tolist()})")
-    need = sinks + window + int(cnts.max(initial=1)) - 1
+    need = sinks + window + max(int(cnts.max(initial=1)), 1) - 1
     if window and slots < need:
         raise ValueError(f"a window ring must hold sinks + window + chunk - 1 = {need} slots so a chunk "
                          f"written before it is attended overwrites nothing it needs (got {slots})")
@@ -102,8 +102,8 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
     if k.dtype.name == "bfloat16":  # ml_dtypes on the host: the kernels read raw bits
         k, v = k.view(np.uint16), v.view(np.uint16)
     qf = xp.ascontiguousarray(q, dtype=xp.float32)  # [batch, q_heads, T, head_dim]; q is tiny
-    lens = xp.ascontiguousarray(lengths, dtype=xp.int32)  # [batch]
-    cnts = xp.ascontiguousarray(counts, dtype=xp.int32)  # [batch]
+    lens = xp.ascontiguousarray(xp.asarray(lengths), dtype=xp.int32)  # [batch]; host arrays are copied over
+    cnts = xp.ascontiguousarray(xp.asarray(counts), dtype=xp.int32)  # [batch]
     i32, f32 = np.int32, np.float32
     scale_log2 = f32(scale * LOG2E)  # kernels work in log2 units: exp2f is one instruction
     out = xp.empty((batch, q_heads, rows, head_dim), dtype=xp.float32)
