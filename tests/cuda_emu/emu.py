@@ -41,26 +41,34 @@ def build(out_dir: Path, *, sources: dict[str, str] | None = None, specs: list[s
     extra_flags : tuple of str
         More g++ flags, e.g. ``("-fsanitize=thread",)``.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sources = sources or {kind: gpu_source.source(kind) for kind in gpu_source.SOURCES}
-    specs = specs or gpu_source.all_specs()
-    lines = ['#include "cuda_emu.h"']
-    for kind, text in sources.items():
-        (out_dir / f"{kind}.cu").write_text(text)
-        lines.append(f'#include "{kind}.cu"')
-    rows = [f'        {{"{name}", emu::entry(&{gpu_source.name_expression(name)})}},' for name in specs
-            if name.split("_")[0] in sources]
-    lines += ["const std::map<std::string, emu::Entry>& emu_table() {",
-              "    static const std::map<std::string, emu::Entry> table = {", *rows, "    };",
-              "    return table;", "}", ""]
-    unit = out_dir / "emu_unit.cpp"
-    unit.write_text("\n".join(lines))
+    unit = write_unit(out_dir, sources=sources, specs=specs)
     lib = out_dir / "libemu.so"
     cmd = ["g++", *CXX_FLAGS, *extra_flags, f"-I{HERE}", f"-I{out_dir}", str(unit), "-o", str(lib)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"g++ failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
     return lib
+
+
+def write_unit(out_dir: Path, *, sources: dict[str, str] | None = None, specs: list[str] | None = None) -> Path:
+    """Write the kernel texts and the translation unit that includes them; return the unit's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sources = sources or {kind: gpu_source.source(kind) for kind in gpu_source.SOURCES}
+    specs = specs or gpu_source.all_specs()
+    lines = ['#include "cuda_emu.h"']
+    for kind, text in sources.items():
+        # Each kind in its own namespace with the include guard reset: like NVRTC's separate programs,
+        # every kernel sees its own copy of the shared header (a planted change stays in its kind).
+        (out_dir / f"{kind}.cu").write_text(text)
+        lines += [f"namespace sa_{kind} {{", "#undef STREAMATTN_COMMON_CUH", f'#include "{kind}.cu"', "}"]
+    rows = [f'        {{"{name}", emu::entry(&sa_{name.split("_")[0]}::{gpu_source.name_expression(name)})}},'
+            for name in specs if name.split("_")[0] in sources]
+    lines += ["const std::map<std::string, emu::Entry>& emu_table() {",
+              "    static const std::map<std::string, emu::Entry> table = {", *rows, "    };",
+              "    return table;", "}", ""]
+    unit = out_dir / "emu_unit.cpp"
+    unit.write_text("\n".join(lines))
+    return unit
 
 
 class Emulator:
@@ -99,3 +107,16 @@ class Emulator:
         """The GPU backend's attend, emulated (same plan, same kernels)."""
         return gpu_plan.attend_with(np, self.launch, q, k, v, np.asarray(lengths), np.asarray(counts),
                                     window=window, sinks=sinks, scale=scale, sm_count=sm_count, splits=splits)
+
+
+def build_tsan_program(out_dir: Path, *, sources: dict[str, str] | None = None) -> Path:
+    """Compile tsan_main.cpp with the kernels under ThreadSanitizer; return the executable's path."""
+    write_unit(out_dir, sources=sources, specs=["decode_f16_hd64", "prefill_bf16_hd64"])
+    exe = out_dir / "tsan_check"
+    flags = [f for f in CXX_FLAGS if f not in ("-shared", "-fPIC", "-O2")]
+    cmd = ["g++", *flags, "-O1", "-g", "-fsanitize=thread", f"-I{HERE}", f"-I{out_dir}",
+           str(out_dir / "emu_unit.cpp"), str(HERE / "tsan_main.cpp"), "-o", str(exe)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"g++ failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+    return exe
