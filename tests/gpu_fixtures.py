@@ -7,8 +7,8 @@ from cuda_emu import emu
 
 
 @pytest.fixture(scope="session")
-def emulator(tmp_path_factory):
-    """The emulation library built from the loader's exact kernel text, every specialisation."""
+def runner(tmp_path_factory):
+    """The emulator (library built from the loader's exact kernel text, every specialisation)."""
     if not emu.have_compiler():
         pytest.skip("g++ (C++20) is needed for the CUDA emulation harness")
     return emu.Emulator(emu.build(tmp_path_factory.mktemp("cuda_emu")))

@@ -98,7 +98,7 @@ def compile_kind(kind: str, arch: str, *, source: str | None = None) -> Compiled
     try:
         for name in names:
             binding.addNameExpression(prog, gpu_source.name_expression(name))
-        options = [*gpu_source.NVRTC_OPTIONS, f"-arch={arch}", "-Xptxas", "-v", *include_options()]
+        options = [*gpu_source.NVRTC_OPTIONS, *gpu_source.CUPY_ADDED_OPTIONS, f"-arch={arch}", "-Xptxas", "-v", *include_options()]
         try:
             binding.compileProgram(prog, options)
         except binding.NVRTCError as err:

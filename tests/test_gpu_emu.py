@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 import gpu_oracle as go
-from gpu_fixtures import emulator  # noqa: F401  (fixture)
+from gpu_fixtures import runner  # noqa: F401  (fixture)
 
 MODES = {"causal": (0, 0), "window": (5, 0), "sinks": (5, 2)}  # name -> (window n_c, sinks n_s)
 DTYPES = ("float32", "float16", "bfloat16")
 
 
-def check(emulator, c, *, splits=None, dtype):
-    out, lse = emulator.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=c["window"],
+def check(runner, c, *, splits=None, dtype):
+    out, lse = runner.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=c["window"],
                                sinks=c["sinks"], scale=c["scale"], splits=splits)
     assert out.dtype == c["q"].dtype and out.shape == c["q"].shape and lse.dtype == np.float32
     assert go.rel_err(out, c["ref_out"]) <= go.TOL[dtype], "out differs from the float64 oracle"
@@ -28,62 +28,62 @@ def check(emulator, c, *, splits=None, dtype):
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", MODES)
-def test_decode(emulator, mode, dtype, head_dim):
+def test_decode(runner, mode, dtype, head_dim):
     """T == 1, ragged batch (one padding row), GQA 6/2, ring wrapped 5x; split-K with 1 and 3 splits."""
     window, sinks = MODES[mode]
     rng = np.random.default_rng(head_dim + len(mode) + len(dtype))
     c = go.case(rng, batch=4, q_heads=6, kv_heads=2, head_dim=head_dim, lengths=[29, 1, 3, 19],
                 counts=[1, 1, 1, 0], T=1, window=window, sinks=sinks, dtype=dtype)
-    check(emulator, c, splits=1, dtype=dtype)
-    assert emulator.launches[-1] == f"decode_{dict(float32='f32', float16='f16', bfloat16='bf16')[dtype]}_hd{head_dim}"
-    check(emulator, c, splits=3, dtype=dtype)
-    assert emulator.launches[-1] == f"merge_hd{head_dim}"
+    check(runner, c, splits=1, dtype=dtype)
+    assert runner.launches[-1] == f"decode_{dict(float32='f32', float16='f16', bfloat16='bf16')[dtype]}_hd{head_dim}"
+    check(runner, c, splits=3, dtype=dtype)
+    assert runner.launches[-1] == f"merge_hd{head_dim}"
 
 
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", MODES)
-def test_prefill_chunk(emulator, mode, dtype, head_dim):
+def test_prefill_chunk(runner, mode, dtype, head_dim):
     """T == 4: a first chunk, a wrapped ring, a short chunk with padding rows, a chunk below the sinks."""
     window, sinks = MODES[mode]
     rng = np.random.default_rng(7 * head_dim + len(mode) + len(dtype))
     c = go.case(rng, batch=4, q_heads=4, kv_heads=2, head_dim=head_dim, lengths=[4, 30, 21, 2],
                 counts=[4, 4, 2, 2], T=4, window=window, sinks=sinks, dtype=dtype)
-    check(emulator, c, dtype=dtype)
-    assert emulator.launches[-1].startswith("prefill_")
+    check(runner, c, dtype=dtype)
+    assert runner.launches[-1].startswith("prefill_")
 
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(8, 1), (10, 2), (3, 3)])
 @pytest.mark.parametrize("T", (1, 3))
-def test_gqa_groups(emulator, q_heads, kv_heads, T):
+def test_gqa_groups(runner, q_heads, kv_heads, T):
     """MQA, a group larger than one decode block serves (SA_MAX_GROUP = 4), and MHA."""
     rng = np.random.default_rng(q_heads * 10 + T)
     c = go.case(rng, batch=2, q_heads=q_heads, kv_heads=kv_heads, head_dim=64, lengths=[23, 9],
                 counts=[T, 1], T=T, window=6, sinks=1, dtype="float16")
-    check(emulator, c, splits=2, dtype="float16")
+    check(runner, c, splits=2, dtype="float16")
 
 
-def test_float16_queries_and_many_empty_splits(emulator):
+def test_float16_queries_and_many_empty_splits(runner):
     """q in float16 gives out in float16; more splits than keys leaves empty splits the merge skips."""
     rng = np.random.default_rng(5)
     c = go.case(rng, batch=3, q_heads=4, kv_heads=1, head_dim=128, lengths=[2, 5, 40], counts=[1, 1, 1],
                 T=1, window=0, sinks=0, dtype="bfloat16", q_dtype="float16")
-    check(emulator, c, splits=7, dtype="float16")
+    check(runner, c, splits=7, dtype="float16")
 
 
-def test_every_padding_row(emulator):
+def test_every_padding_row(runner):
     """A batch where no sequence has a real row: zeros and lse = -inf everywhere, no NaN."""
     rng = np.random.default_rng(6)
     for T in (1, 2):
         c = go.case(rng, batch=2, q_heads=2, kv_heads=1, head_dim=64, lengths=[3, 8], counts=[0, 0], T=T,
                     window=4, sinks=1, dtype="float32")
-        out, lse = emulator.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=4, sinks=1,
+        out, lse = runner.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=4, sinks=1,
                                    scale=c["scale"], splits=2)
         assert np.all(out == 0) and np.all(lse == -np.inf)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_streaming_chunks_through_the_ring(emulator, mode):
+def test_streaming_chunks_through_the_ring(runner, mode):
     """Write chunks of 1..C tokens into one ring (C - 1 slack), attend after each, compare every step.
 
     Three sequences advance by different chunk sizes (ragged counts with padding rows); the ring wraps
@@ -114,7 +114,7 @@ def test_streaming_chunks_through_the_ring(emulator, mode):
         for b in range(batch):
             q_pos[b, :counts[b]] = lengths[b] - counts[b] + np.arange(counts[b])
         ref_out, ref_lse = go.attention(q, k_hist, v_hist, q_pos, window=window, sinks=sinks, scale=d ** -0.5)
-        out, lse = emulator.attend(q, k, v, lengths, counts, window=window, sinks=sinks, scale=d ** -0.5,
+        out, lse = runner.attend(q, k, v, lengths, counts, window=window, sinks=sinks, scale=d ** -0.5,
                                    splits=2)
         assert go.rel_err(out, ref_out) <= go.TOL["float32"], f"step {step}, lengths {lengths}"
         assert go.rel_err(lse, ref_lse) <= go.TOL["float32"], f"step {step}, lengths {lengths}"

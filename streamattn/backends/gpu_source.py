@@ -27,6 +27,9 @@ KV_KINDS = {"f32": 0, "f16": 1, "bf16": 2}  # storage dtype tag -> KIND template
 SOURCES = {"decode": "decode.cu", "prefill": "prefill.cu", "merge": "merge.cu"}
 # Options for every NVRTC compile (backend and compile check alike); the arch is added per device.
 NVRTC_OPTIONS = ("-std=c++17",)
+# What cupy.RawModule appends on its own (CuPy 13/14 compiler.py): the compile check adds these too, so
+# it compiles what a device compiles.
+CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
 BLOCK_THREADS = 128  # SA_THREADS in kernels/streamattn_common.cuh
 MERGE_THREADS = 64  # SA_MERGE_THREADS in kernels/merge.cu
