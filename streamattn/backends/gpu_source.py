@@ -35,7 +35,10 @@ BLOCK_THREADS = 128  # SA_THREADS in kernels/streamattn_common.cuh
 MERGE_THREADS = 64  # SA_MERGE_THREADS in kernels/merge.cu
 MAX_GROUP = 4  # SA_MAX_GROUP: query heads one decode block serves
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (merge, launch tail) outweighs its parallelism
-BLOCKS_PER_SM = 4  # decode grid target: enough resident warps per SM to keep HBM busy
+# Decode grid target, in blocks per SM. About 4 decode blocks fit on an SM at once (120-128 registers x
+# 128 threads), so 16 per SM is ~4 waves: the last, partial wave costs little, and the merge stays small
+# (it reads splits x head_dim floats per query head, against L x head_dim x 2 storage values).
+BLOCKS_PER_SM = 16
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
@@ -131,7 +134,7 @@ def all_specs() -> list[str]:
 def choose_splits(max_keys: int, blocks_per_split: int, sm_count: int) -> int:
     """Number of key splits for a decode launch.
 
-    Long caches are split so the grid holds about BLOCKS_PER_SM x SM-count blocks (at least 2 x; a
+    Long caches are split so the grid holds about BLOCKS_PER_SM x SM-count blocks (at least 2 x SM count; a
     single (sequence, kv head) is otherwise one block reading the whole cache), but no split gets
     fewer than MIN_KEYS_PER_SPLIT keys.
 
