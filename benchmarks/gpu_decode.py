@@ -11,7 +11,7 @@ For L in {4k, 32k, 128k}, B in {1, 16}, GQA 32/8, head_dim 128, fp16 and bf16 st
   copy bandwidth ((read + written bytes) / time of a large cudaMemcpy D2D).
 Prints one table, writes JSON. Needs CuPy and a CUDA device; no network.
 
-Usage: python benchmarks/gpu_decode.py [--json out/gpu_decode.json] [--launches 50] [--quick]
+Usage: python benchmarks/gpu_decode.py [--json out/gpu_decode.json] [--launches 60] [--lengths ...] [--batches ...]
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from streamattn.backends import gpu, gpu_plan  # noqa: E402
 
-Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
     long long start = clock64();
@@ -58,7 +57,7 @@ def to_float(cp, a, dtype: str):
 
 def check(cp, q, k, v, out, lse, dtype, scale) -> float:
     """Relative error of sequence 0 against a float32 reference (causal, every key visible)."""
-    group = Q_HEADS // KV_HEADS
+    group = q.shape[1] // k.shape[1]
     kf = cp.repeat(to_float(cp, k[0], dtype), group, axis=0)  # [q_heads, L, d]
     vf = cp.repeat(to_float(cp, v[0], dtype), group, axis=0)
     s = cp.einsum("hd,hld->hl", q[0, :, 0].astype(cp.float32), kf) * scale  # [q_heads, L]
@@ -87,17 +86,17 @@ def copy_bandwidth(cp, nbytes: int, launches: int) -> float:
     return 2 * nbytes / float(np.median(times)) / 1e9
 
 
-def bench_config(cp, spin, *, length, batch, dtype, launches, l2_bytes, sm_count):
-    scale = HEAD_DIM ** -0.5
-    cache_bytes = 2 * batch * KV_HEADS * length * HEAD_DIM * 2  # K + V
+def bench_config(cp, spin, *, length, batch, dtype, launches, l2_bytes, sm_count, q_heads, kv_heads, head_dim):
+    scale = head_dim ** -0.5
+    cache_bytes = 2 * batch * kv_heads * length * head_dim * 2  # K + V, 2 bytes each
     sets = max(2, min(16, math.ceil(3 * l2_bytes / cache_bytes)))  # rotate: every launch starts L2-cold
     lengths = np.full(batch, length)
     counts = np.ones(batch, np.int64)
     plans = []
     for i in range(sets):
-        k = fill(cp, (batch, KV_HEADS, length, HEAD_DIM), dtype)
-        v = fill(cp, (batch, KV_HEADS, length, HEAD_DIM), dtype)
-        q = cp.random.standard_normal((batch, Q_HEADS, 1, HEAD_DIM), dtype=cp.float32).astype(cp.float16)
+        k = fill(cp, (batch, kv_heads, length, head_dim), dtype)  # [batch, kv_heads, slots, head_dim]
+        v = fill(cp, (batch, kv_heads, length, head_dim), dtype)
+        q = cp.random.standard_normal((batch, q_heads, 1, head_dim), dtype=cp.float32).astype(cp.float16)
         captured = []
 
         def capture(name, grid, block, args, captured=captured):
@@ -139,8 +138,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="out/gpu_decode.json", help="where to write the results")
     parser.add_argument("--launches", type=int, default=60, help="timed launches per config (>= 50)")
-    parser.add_argument("--quick", action="store_true", help="only L = 4k and 32k")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768, 131072], help="cache lengths L")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="batch sizes B")
+    parser.add_argument("--heads", default="32/8", help="q_heads/kv_heads")
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
+    parser.add_argument("--copy-bytes", type=int, default=2 << 30, help="size of the D2D copy probe")
     args = parser.parse_args(argv)
+    q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
     if not gpu.available():
         print("gpu_decode: no CUDA device through CuPy", file=sys.stderr)
         return 2
@@ -152,26 +156,26 @@ def main(argv=None) -> int:
     sm_count, l2_bytes = gpu.sm_count(dev.id), int(dev.attributes["L2CacheSize"])
     spin = cp.RawKernel(_SPIN, "spin")
     started = time.time()
-    copy_before = copy_bandwidth(cp, 2 << 30, 20)
+    copy_before = copy_bandwidth(cp, args.copy_bytes, 20)
     rows = []
-    lengths = (4096, 32768) if args.quick else (4096, 32768, 131072)
     for dtype in ("float16", "bfloat16"):
-        for length in lengths:
-            for batch in (1, 16):
+        for length in args.lengths:
+            for batch in args.batches:
                 rows.append(bench_config(cp, spin, length=length, batch=batch, dtype=dtype, launches=args.launches,
-                                         l2_bytes=l2_bytes, sm_count=sm_count))
-    copy_after = copy_bandwidth(cp, 2 << 30, 20)
+                                         l2_bytes=l2_bytes, sm_count=sm_count, q_heads=q_heads,
+                                         kv_heads=kv_heads, head_dim=args.head_dim))
+    copy_after = copy_bandwidth(cp, args.copy_bytes, 20)
     copy_bw = max(copy_before, copy_after)
     print(f"{name}: {sm_count} SMs, L2 {l2_bytes >> 20} MiB; D2D copy {copy_before:.0f} / {copy_after:.0f} GB/s "
-          f"(before / after); GQA {Q_HEADS}/{KV_HEADS}, head_dim {HEAD_DIM}")
+          f"(before / after); GQA {q_heads}/{kv_heads}, head_dim {args.head_dim}")
     print(f"{'dtype':9s} {'L':>7s} {'B':>3s} {'splits':>6s} {'median us':>10s} {'GB/s':>8s} {'% copy':>7s} {'err':>9s}")
     for r in rows:
         r["pct_of_copy"] = 100 * r["gbps"] / copy_bw
         print(f"{r['dtype']:9s} {r['length']:7d} {r['batch']:3d} {r['splits']:6d} {r['median_us']:10.1f} "
               f"{r['gbps']:8.0f} {r['pct_of_copy']:6.1f}% {r['error']:9.1e}")
     result = dict(device=name, sm_count=sm_count, l2_bytes=l2_bytes, copy_gbps_before=copy_before,
-                  copy_gbps_after=copy_after, copy_note="(read + written bytes) / time of a 2 GiB D2D memcpy",
-                  q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, launches=args.launches,
+                  copy_gbps_after=copy_after, copy_note=f"(read + written bytes) / median time of a {args.copy_bytes} B D2D memcpy",
+                  q_heads=q_heads, kv_heads=kv_heads, head_dim=args.head_dim, launches=args.launches,
                   seconds=time.time() - started, rows=rows)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
