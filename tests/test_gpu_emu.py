@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import gpu_oracle as go
 from gpu_fixtures import runner  # noqa: F401  (fixture)
@@ -120,3 +122,21 @@ def test_streaming_chunks_through_the_ring(runner, mode):
         assert go.rel_err(lse, ref_lse) <= go.TOL["float32"], f"step {step}, lengths {lengths}"
         step += 1
     assert window == 0 or lengths.min() > sinks + 3 * (slots - sinks)  # >= 3 wraps of the ring
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_property_random_shapes(runner, data):
+    """Random modes (window 1.., sinks 0..), sizes, groups, dtypes, chunks and splits against the oracle."""
+    draw = data.draw
+    batch, kv_heads, group = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 5))
+    T = draw(st.integers(1, 4))
+    window = draw(st.sampled_from([0, 1, 2, 3, 7]))
+    sinks = draw(st.integers(0, 3)) if window else 0
+    counts = [draw(st.integers(0, T)) for _ in range(batch)]
+    lengths = [draw(st.integers(max(c, 1), 41)) for c in counts]
+    dtype = draw(st.sampled_from(DTYPES))
+    c = go.case(np.random.default_rng(draw(st.integers(0, 2**16))), batch=batch, q_heads=group * kv_heads,
+                kv_heads=kv_heads, head_dim=draw(st.sampled_from([64, 128, 256])), lengths=lengths, counts=counts,
+                T=T, window=window, sinks=sinks, dtype=dtype)
+    check(runner, c, splits=draw(st.integers(1, 4)), dtype=dtype)

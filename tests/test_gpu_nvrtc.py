@@ -20,9 +20,10 @@ except Exception as err:  # ImportError without CuPy, OSError/CUDA errors withou
 
 if MISSING and os.environ.get("STREAMATTN_REQUIRE_NVRTC") == "1":
     raise RuntimeError(MISSING)
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+needs_nvrtc = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("arch", nvrtc_check.ARCHS if not MISSING else ("sm_90",))
 @pytest.mark.parametrize("kind", sorted(gpu_source.SOURCES))
 def test_compiles_clean_without_spills(kind, arch):
@@ -46,9 +47,8 @@ def test_every_backend_specialisation_is_checked():
             assert {f"decode_{tag}_hd{hd}", f"prefill_{tag}_hd{hd}", f"merge_hd{hd}"} <= set(specs)
 
 
+@needs_nvrtc
 def test_planted_syntax_error_fails_the_check():
-    if MISSING:
-        pytest.skip(MISSING)
     broken = gpu_source.source("merge").replace("float den = 0.0f, num = 0.0f;", "float den = 0.0f num = 0.0f;")
     with pytest.raises(RuntimeError, match="NVRTC failed"):
         nvrtc_check.compile_kind("merge", "sm_90", source=broken)
