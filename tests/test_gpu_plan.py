@@ -91,6 +91,14 @@ def test_validation_of_shapes(change, message):
         gpu_plan.validate(q, k, v, np.array([3, 3]), np.array([1, 1]), window=0, sinks=0)
 
 
+def test_validation_of_alignment():
+    q, k, v = arrays()
+    raw = np.zeros(k.size + 8, np.float16)
+    shifted = raw[1:1 + k.size].reshape(k.shape)  # C-contiguous, but 2 bytes off the vector grid
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        gpu_plan.validate(q, shifted, v, np.array([3, 3]), np.array([1, 1]), window=0, sinks=0)
+
+
 @pytest.mark.parametrize("lengths,counts,window,sinks,message", [
     ([3, 20], [1, 1], 0, 0, "causal lengths must be <= slots"),
     ([3, 3], [1, 2], 0, 0, "counts must satisfy"),

@@ -20,6 +20,12 @@ def _host(a):
     return None if hasattr(a, "__cuda_array_interface__") else np.asarray(a)
 
 
+def _address(a) -> int:
+    """Address of an array's first element (device or host)."""
+    interface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return int(interface["data"][0])
+
+
 def validate(q, k, v, lengths, counts, *, window: int, sinks: int) -> None:
     """Check shapes, dtypes and (for host arrays) values; raise ValueError/TypeError naming the argument."""
     if q.ndim != 4:
@@ -42,6 +48,10 @@ def validate(q, k, v, lengths, counts, *, window: int, sinks: int) -> None:
         raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
     if not (k.flags.c_contiguous and v.flags.c_contiguous):
         raise ValueError("k and v must be C-contiguous: the kernels index rows as slot * head_dim")
+    for name, arr in (("k", k), ("v", v)):
+        if _address(arr) % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary for the kernels' vector loads "
+                             f"(address {_address(arr):#x}); pass the whole cache array or a row-aligned view")
     if window < 0 or sinks < 0:
         raise ValueError(f"window and sinks must be >= 0 (got window={window}, sinks={sinks})")
     if window == 0 and sinks:
