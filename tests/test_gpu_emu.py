@@ -140,3 +140,19 @@ def test_property_random_shapes(runner, data):
                 kv_heads=kv_heads, head_dim=draw(st.sampled_from([64, 128, 256])), lengths=lengths, counts=counts,
                 T=T, window=window, sinks=sinks, dtype=dtype)
     check(runner, c, splits=draw(st.integers(1, 4)), dtype=dtype)
+
+
+@pytest.mark.parametrize("T", (1, 3))
+def test_window_one_sees_only_the_current_token(runner, T):
+    """window = 1 (n_c counts the current token): out is exactly v at the query's own position."""
+    rng = np.random.default_rng(21)
+    c = go.case(rng, batch=2, q_heads=2, kv_heads=1, head_dim=64, lengths=[13, 5], counts=[T, T], T=T, window=1,
+                sinks=0, dtype="float32")
+    out, _ = runner.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=1, sinks=0, scale=c["scale"],
+                           splits=2)
+    slots = c["k"].shape[2]
+    for b in range(2):
+        for t in range(T):
+            pos = c["lengths"][b] - T + t
+            own = c["v"][b, 0, go.slot_of(pos, window=1, sinks=0, slots=slots)]
+            np.testing.assert_allclose(out[b, :, t], np.broadcast_to(own, out[b, :, t].shape), rtol=1e-6, atol=1e-6)
