@@ -1,10 +1,9 @@
-"""A small float64 oracle and ring-filling helpers for the GPU tests (independent of the kernels).
-
-To be replaced by streamattn.reference.attention once the core lands it; keep it in this one place.
-"""
+"""The float64 oracle in the batched form the GPU tests use, and ring-filling helpers (independent of the kernels)."""
 from __future__ import annotations
 
 import numpy as np
+
+from streamattn import reference
 
 try:
     import ml_dtypes
@@ -15,27 +14,21 @@ TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # max abs diff / m
 
 
 def attention(q, k_hist, v_hist, q_pos, *, window, sinks, scale):
-    """Full masked attention in float64 over the whole history in temporal order.
+    """Batched front of streamattn.reference.attention (the project's one float64 oracle).
 
     q: [batch, q_heads, T, d]; k_hist, v_hist: [batch, kv_heads, n, d] (position j at index j);
     q_pos: [batch, T] absolute positions, -1 for a padding row (zeros, lse = -inf).
     Returns out [batch, q_heads, T, d] float64 and lse [batch, q_heads, T] float64.
     """
-    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k_hist, v_hist))
-    group = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [batch, q_heads, n, d]
-    j = np.arange(k.shape[2])[None, None, :]  # key positions
-    p = np.asarray(q_pos)[:, :, None]  # [batch, T, 1]
-    seen = (j <= p) & (p >= 0)
-    if window:
-        seen &= (j < sinks) | (j > p - window)
-    s = np.einsum("bhtd,bhnd->bhtn", q, k) * scale
-    s = np.where(seen[:, None], s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    w = np.where(seen[:, None], np.exp(s - np.where(np.isfinite(m), m, 0)), 0.0)
-    den = w.sum(axis=-1)
-    out = np.einsum("bhtn,bhnd->bhtd", w, v) / np.where(den > 0, den, 1)[..., None]
-    lse = np.where(den > 0, np.log(np.where(den > 0, den, 1)) + m[..., 0], -np.inf)
+    q_pos = np.asarray(q_pos)
+    out = np.zeros(q.shape, np.float64)
+    lse = np.full(q.shape[:3], -np.inf)
+    for b in range(q.shape[0]):
+        rows = np.nonzero(q_pos[b] >= 0)[0]
+        if rows.size:
+            out[b][:, rows], lse[b][:, rows] = reference.attention(
+                q[b][:, rows], k_hist[b], v_hist[b], q_pos[b][rows], window=window or None, sinks=sinks,
+                scale=scale)
     return out, lse
 
 
