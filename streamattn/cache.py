@@ -81,8 +81,9 @@ class KVCache:
     Parameters
     ----------
     spec : CacheSpec
-    device : {"cpu", "gpu"}
-        Where K and V live: numpy arrays, or CuPy arrays on the current device.
+    device : {"cpu", "gpu", "auto"}
+        Where K and V live: numpy arrays, or CuPy arrays on the current device; "auto" picks the GPU
+        when CuPy sees a device, else the CPU. ``attend(..., backend="auto")`` follows the cache.
 
     Attributes
     ----------
@@ -102,8 +103,11 @@ class KVCache:
     def __init__(self, spec: CacheSpec, *, device: str = "cpu"):
         if not isinstance(spec, CacheSpec):
             raise TypeError(f"spec must be a CacheSpec (got {type(spec).__name__})")
+        if device == "auto":
+            from .backends import gpu
+            device = "gpu" if gpu.available() else "cpu"
         if device not in ("cpu", "gpu"):
-            raise ValueError(f"device must be 'cpu' or 'gpu' (got {device!r})")
+            raise ValueError(f"device must be 'cpu', 'gpu' or 'auto' (got {device!r})")
         self.spec = spec
         self.device = device
         if device == "gpu":

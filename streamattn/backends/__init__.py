@@ -37,7 +37,7 @@ def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind):
 
 def get(name: str, device: str):
     """The backend function called ``name`` ("reference", "cpu", "gpu" or "auto") for a cache on ``device``."""
-    if name == "auto":
+    if name == "auto":  # the cache's device decides: a GPU cache is built only where CuPy sees a device
         name = "gpu" if device == "gpu" else "cpu"
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS + ('auto',)} (got {name!r})")
@@ -51,4 +51,7 @@ def get(name: str, device: str):
         from . import cpu
         return cpu.attend
     from . import gpu
-    return gpu.attend
+
+    def gpu_attend(q, k, v, lengths, counts, *, window, sinks, scale, kind):
+        return gpu.attend(q, k, v, lengths, counts, window=window, sinks=sinks, scale=scale)  # dtype from k
+    return gpu_attend

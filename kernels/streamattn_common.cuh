@@ -1,0 +1,116 @@
+// streamattn_common.cuh: pieces shared by decode.cu, merge.cu and prefill.cu.
+//
+// Header-free on purpose: NVRTC needs no -I (no cuda_fp16.h); float16 is converted with one PTX
+// instruction and bfloat16 by a shift. The CPU emulation harness (tests/cuda_emu/) defines
+// STREAMATTN_EMULATION and supplies the few CUDA builtins used here; everything else is the same text.
+//
+// Storage kinds (template parameter KIND): 0 = float32, 1 = float16, 2 = bfloat16 (uint16 bits).
+// Cache layout: k, v: [batch, kv_heads, slots, head_dim], C-contiguous. Arithmetic in float32.
+#ifndef STREAMATTN_COMMON_CUH
+#define STREAMATTN_COMMON_CUH
+
+#ifndef SA_THREADS
+#define SA_THREADS 128  // threads per block of the decode and prefill kernels (4 warps)
+#endif
+#ifndef SA_MAX_GROUP
+#define SA_MAX_GROUP 4  // query heads one decode block serves per K/V load; larger groups use more blocks
+#endif
+#ifndef SA_UNROLL
+#define SA_UNROLL 2  // keys each thread row-group loads before it computes (bytes in flight)
+#endif
+
+#define SA_LN2 0.6931471805599453f
+
+#ifndef STREAMATTN_EMULATION
+__device__ __forceinline__ float sa_half_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+#endif
+
+__device__ __forceinline__ float sa_neg_inf() { return __uint_as_float(0xff800000u); }
+
+// Bytes of one stored element, per storage kind.
+template <int KIND> struct SaKind { static constexpr int BYTES = (KIND == 0) ? 4 : 2; };
+
+// How a block's threads cover one key row with 16-byte vectors.
+template <int KIND, int HD> struct SaRow {
+    static constexpr int E = 16 / SaKind<KIND>::BYTES;     // elements per 16-byte vector (4 or 8)
+    static constexpr int VECS = HD / E;                    // vectors per row
+    static constexpr int TPR = VECS < 32 ? VECS : 32;      // threads per row (a row never spans warps)
+    static constexpr int VPT = VECS / TPR;                 // vectors per thread (1, or 2 for f32 hd256)
+    static constexpr int EPT = VPT * E;                    // elements per thread
+    static constexpr int GROUPS = SA_THREADS / TPR;        // rows a block works on at once
+    static_assert(HD % E == 0 && VECS % TPR == 0, "head_dim must be a multiple of the vector width");
+};
+
+// Unpack one 16-byte vector of storage KIND into float lanes out[0 .. E).
+template <int KIND> __device__ __forceinline__ void sa_unpack(const uint4 u, float* out) {
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (KIND == 0) {
+            out[i] = __uint_as_float(w[i]);
+        } else if (KIND == 1) {
+            out[2 * i] = sa_half_to_float((unsigned short)(w[i] & 0xffffu));
+            out[2 * i + 1] = sa_half_to_float((unsigned short)(w[i] >> 16));
+        } else {
+            out[2 * i] = __uint_as_float(w[i] << 16);  // bf16 is the top half of a float32
+            out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+}
+
+template <int KIND> __device__ __forceinline__ uint4 sa_load16(const void* base, long long elem) {
+    return *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(base) +
+                                           elem * SaKind<KIND>::BYTES);
+}
+
+// The key positions a launch row may see, as one list of n indices i: positions [0, n_sink) (sinks),
+// then [lo, lo + n - n_sink) (the window, or everything for causal). For a chunk whose first query
+// sits at first_q, this is the union over the chunk; per-query masks trim it (sa_visible).
+// In window mode all these positions sit in distinct ring slots, because the ring holds
+// slots - sinks >= window + chunk - 1 positions (the C - 1 slack of DESIGN.md §2).
+struct SaKeys { int n_sink; int lo; int n; };
+
+__device__ __forceinline__ SaKeys sa_keys(int length, int first_q, int window, int sinks) {
+    SaKeys r;
+    if (window == 0) {  // causal: every written position [0, length)
+        r.n_sink = 0; r.lo = 0; r.n = length;
+        return r;
+    }
+    r.n_sink = min(sinks, length);
+    r.lo = max(first_q - window + 1, sinks);
+    r.n = r.n_sink + max(length - r.lo, 0);
+    return r;
+}
+
+__device__ __forceinline__ int sa_key_pos(const SaKeys& r, int i) {
+    return i < r.n_sink ? i : r.lo + (i - r.n_sink);
+}
+
+// Slot of absolute position pos: causal slot = pos; sinks keep slots [0, sinks); the rest is a ring.
+__device__ __forceinline__ int sa_slot(int pos, int window, int sinks, int slots) {
+    if (window == 0 || pos < sinks) return pos;
+    return sinks + (pos - sinks) % (slots - sinks);
+}
+
+// May the query at position qpos see the key at position pos? (DESIGN.md §1 table.)
+__device__ __forceinline__ bool sa_visible(int pos, int qpos, int window, int sinks) {
+    return pos <= qpos && (window == 0 || pos < sinks || pos > qpos - window);
+}
+
+template <typename T> __device__ __forceinline__ T sa_warp_sum(T x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+template <typename T> __device__ __forceinline__ T sa_warp_max(T x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+    return x;
+}
+
+#endif  // STREAMATTN_COMMON_CUH

@@ -1,0 +1,109 @@
+"""GPU backend: CuPy raw kernels compiled from the .cu files in kernels/.
+
+Same signature and results as the CPU backend. T == 1 runs the split-K flash-decoding kernel plus an
+exact (out, lse) merge; T > 1 runs the prefill-chunk kernel. Each specialisation (storage dtype x
+head_dim x kind, e.g. ``decode_f16_hd128``) is compiled once per process and device through
+``cupy.RawModule(name_expressions=...)``. CuPy is imported lazily, so importing this module never
+needs it. The launch plan lives in gpu_plan.py and the sources in gpu_source.py; the CPU emulation
+harness of the tests runs both unchanged.
+"""
+from __future__ import annotations
+
+import functools
+
+from . import gpu_plan, gpu_source
+
+
+def _cupy():
+    """The cupy module, after checking that a CUDA device is there."""
+    try:
+        import cupy
+    except ImportError as err:
+        raise RuntimeError("the gpu backend needs CuPy: pip install 'streamattn[gpu-cuda12]' "
+                           "(or gpu-cuda13), or use backend='cpu'") from err
+    try:
+        devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # CUDARuntimeError without a driver
+        raise RuntimeError(f"the gpu backend needs a CUDA device; CuPy found none ({err}); "
+                           "use backend='cpu'") from err
+    if devices == 0:
+        raise RuntimeError("the gpu backend needs a CUDA device; CuPy found none; use backend='cpu'")
+    return cupy
+
+
+def available() -> bool:
+    """True when CuPy is installed and sees at least one CUDA device (what backend "auto" asks)."""
+    try:
+        _cupy()
+    except RuntimeError:
+        return False
+    return True
+
+
+@functools.cache
+def kernel(name: str, device: int):
+    """Compiled kernel of specialisation ``name`` (e.g. ``"decode_f16_hd128"``) on device ``device``.
+
+    Built once per process and device: NVRTC compiles the loader's text with only this name
+    expression instantiated, and CuPy keeps the module.
+    """
+    cupy = _cupy()
+    expression = gpu_source.name_expression(name)
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=gpu_source.source(name.split("_")[0]), options=gpu_source.NVRTC_OPTIONS,
+                                name_expressions=[expression])
+        return module.get_function(expression)
+
+
+@functools.cache
+def sm_count(device: int) -> int:
+    """Multiprocessors of device ``device``."""
+    return int(_cupy().cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def _launch(name: str, grid, block, args) -> None:
+    device = _cupy().cuda.Device().id
+    kernel(name, device)(tuple(int(x) for x in grid), tuple(int(x) for x in block), tuple(args))
+
+
+def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, splits: int | None = None):
+    """Attention of a chunk of queries against a ring KV cache on the GPU ("write, then attend").
+
+    Parameters
+    ----------
+    q : cupy.ndarray [batch, q_heads, T, head_dim], float32 or float16
+        Query row t < counts[b] sits at position lengths[b] - counts[b] + t; other rows are padding.
+    k, v : cupy.ndarray [batch, kv_heads, slots, head_dim], C-contiguous
+        float32, float16, or bfloat16 as uint16 bits. head_dim in {64, 128, 256};
+        q_heads = group x kv_heads (GQA/MQA). The newest chunk is already written.
+    lengths : array [batch] of int
+        Tokens each sequence has seen, the chunk included. A numpy array is preferred: its values
+        are validated and size the split count without a device sync.
+    counts : array [batch] of int
+        Real query rows per sequence (<= T).
+    window : int
+        0 for full causal attention, else n_c keys visible, the current one included.
+    sinks : int
+        n_s always-visible first positions (only with window > 0).
+    scale : float
+        Multiplies q . k (1/sqrt(head_dim) by convention).
+    splits : int, optional
+        Number of key splits of a decode launch; by default chosen from the keys and SM count.
+
+    Returns
+    -------
+    out : cupy.ndarray [batch, q_heads, T, head_dim], q's dtype (zeros on padding rows)
+    lse : cupy.ndarray [batch, q_heads, T], float32
+        log sum_j exp(scale q . k_j) over visible keys; -inf on padding rows.
+
+    Examples
+    --------
+    >>> out, lse = attend(q, k, v, np.array([4096]), np.array([1]), window=0, sinks=0,
+    ...                   scale=128 ** -0.5)  # doctest: +SKIP
+    """
+    cupy = _cupy()
+    for name, arr in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(arr, cupy.ndarray):
+            raise TypeError(f"{name} must be a cupy.ndarray on the device (got {type(arr).__name__})")
+    return gpu_plan.attend_with(cupy, _launch, q, k, v, lengths, counts, window=window, sinks=sinks,
+                                scale=scale, sm_count=sm_count(cupy.cuda.Device().id), splits=splits)

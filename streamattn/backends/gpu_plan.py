@@ -1,0 +1,145 @@
+"""Launch plan of the GPU backend: validation, workspace, grids and kernel order, with no CuPy import.
+
+``attend_with`` runs on any array module ``xp`` (CuPy on a device; numpy in the CPU emulation
+harness of tests/cuda_emu/) through a ``launch(name, grid, block, args)`` callable, so the emulation
+tests exercise this exact orchestration, not a copy of it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .gpu_source import BLOCK_THREADS, HEAD_DIMS, MAX_GROUP, MERGE_THREADS, choose_splits, spec_name, storage_tag
+
+LOG2E = 1.4426950408889634
+
+
+def _host(a):
+    """numpy copy of a host array, or None for a device array (its values are not checked)."""
+    return None if hasattr(a, "__cuda_array_interface__") else np.asarray(a)
+
+
+def _address(a) -> int:
+    """Address of an array's first element (device or host)."""
+    interface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return int(interface["data"][0])
+
+
+def validate(q, k, v, lengths, counts, *, window: int, sinks: int) -> None:
+    """Check shapes, dtypes and (for host arrays) values; raise ValueError/TypeError naming the argument."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [batch, q_heads, T, head_dim] (got shape {tuple(q.shape)})")
+    if k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must both be [batch, kv_heads, slots, head_dim] "
+                         f"(got {tuple(k.shape)} and {tuple(v.shape)})")
+    if k.dtype != v.dtype:
+        raise TypeError(f"k and v must share one storage dtype (got {k.dtype} and {v.dtype})")
+    storage_tag(k.dtype)
+    if q.dtype.name not in ("float32", "float16"):
+        raise TypeError(f"q dtype must be float32 or float16 (got {q.dtype})")
+    batch, q_heads, _, head_dim = q.shape
+    kv_batch, kv_heads, slots, kv_dim = k.shape
+    if kv_batch != batch or kv_dim != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} (got {head_dim})")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
+    if not (k.flags.c_contiguous and v.flags.c_contiguous):
+        raise ValueError("k and v must be C-contiguous: the kernels index rows as slot * head_dim")
+    for name, arr in (("k", k), ("v", v)):
+        if _address(arr) % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary for the kernels' vector loads "
+                             f"(address {_address(arr):#x}); pass the whole cache array or a row-aligned view")
+    if window < 0 or sinks < 0:
+        raise ValueError(f"window and sinks must be >= 0 (got window={window}, sinks={sinks})")
+    if window == 0 and sinks:
+        raise ValueError(f"sinks={sinks} needs a window; window=0 means full causal attention")
+    if window and slots <= sinks:
+        raise ValueError(f"slots ({slots}) must exceed sinks ({sinks}): the ring needs room")
+    for name, arr in (("lengths", lengths), ("counts", counts)):
+        if tuple(arr.shape) != (batch,):
+            raise ValueError(f"{name} must be [batch] = ({batch},) (got {tuple(arr.shape)})")
+    lens, cnts = _host(lengths), _host(counts)
+    if lens is None or cnts is None:
+        return
+    if (cnts < 0).any() or (cnts > q.shape[2]).any() or (cnts > lens).any():
+        raise ValueError(f"counts must satisfy 0 <= counts <= min(T={q.shape[2]}, lengths) "
+                         f"(got counts={cnts.tolist()}, lengths={lens.tolist()})")
+    if window == 0 and (lens > slots).any():
+        raise ValueError(f"causal lengths must be <= slots ({slots}) (got {lens.tolist()})")
+    need = sinks + window + max(int(cnts.max(initial=1)), 1) - 1
+    if window and slots < need:
+        raise ValueError(f"a window ring must hold sinks + window + chunk - 1 = {need} slots so a chunk "
+                         f"written before it is attended overwrites nothing it needs (got {slots})")
+
+
+def max_visible_keys(lengths, *, window: int, sinks: int, slots: int) -> int:
+    """Upper bound of the keys one decode query sees (exact for host lengths)."""
+    lens = _host(lengths)
+    longest = int(lens.max(initial=0)) if lens is not None else slots
+    return longest if window == 0 else min(longest, sinks + window)
+
+
+def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int, scale: float,
+                sm_count: int, splits: int | None = None):
+    """Attention of q against the cache through ``launch``; see streamattn.backends.gpu.attend.
+
+    Parameters
+    ----------
+    xp : module
+        Array module of the arguments (cupy, or numpy for the emulation harness).
+    launch : callable
+        ``launch(name, grid, block, args)``: runs specialisation ``name`` (see gpu_source.spec_name).
+    q, k, v, lengths, counts, window, sinks, scale
+        As in ``streamattn.backends.gpu.attend``.
+    sm_count : int
+        Multiprocessors of the device; with the keys it sets the number of decode splits.
+    splits : int, optional
+        Force the number of decode splits (tests use it to exercise the merge on small caches).
+
+    Returns
+    -------
+    out : array [batch, q_heads, T, head_dim], q's dtype
+    lse : array [batch, q_heads, T], float32
+    """
+    validate(q, k, v, lengths, counts, window=window, sinks=sinks)
+    batch, q_heads, rows, head_dim = q.shape
+    kv_heads, slots = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    tag = storage_tag(k.dtype)
+    if k.dtype.name == "bfloat16":  # ml_dtypes on the host: the kernels read raw bits
+        k, v = k.view(np.uint16), v.view(np.uint16)
+    qf = xp.ascontiguousarray(q, dtype=xp.float32)  # [batch, q_heads, T, head_dim]; q is tiny
+    lens = xp.ascontiguousarray(xp.asarray(lengths), dtype=xp.int32)  # [batch]; host arrays are copied over
+    cnts = xp.ascontiguousarray(xp.asarray(counts), dtype=xp.int32)  # [batch]
+    i32, f32 = np.int32, np.float32
+    scale_log2 = f32(scale * LOG2E)  # kernels work in log2 units: exp2f is one instruction
+    out = xp.empty((batch, q_heads, rows, head_dim), dtype=xp.float32)
+    lse = xp.empty((batch, q_heads, rows), dtype=xp.float32)
+
+    if rows == 1:
+        chunks = math.ceil(group / MAX_GROUP)
+        n_splits = splits or choose_splits(max_visible_keys(lengths, window=window, sinks=sinks, slots=slots),
+                                           batch * kv_heads * chunks, sm_count)
+        if n_splits < 1:
+            raise ValueError(f"splits must be >= 1 (got {n_splits})")
+        if n_splits == 1:  # the single partial is the answer: same memory layout as out/lse
+            part_out, part_lse = out, lse
+        else:
+            part_out = xp.empty((batch, q_heads, n_splits, head_dim), dtype=xp.float32)
+            part_lse = xp.empty((batch, q_heads, n_splits), dtype=xp.float32)
+        launch(spec_name("decode", head_dim, tag), (n_splits, kv_heads * chunks, batch), (BLOCK_THREADS, 1, 1),
+               [qf, k, v, lens, cnts, part_out, part_lse, i32(q_heads), i32(kv_heads), i32(slots),
+                i32(window), i32(sinks), i32(n_splits), scale_log2])
+        if n_splits > 1:
+            launch(spec_name("merge", head_dim), (batch * q_heads, 1, 1), (MERGE_THREADS, 1, 1),
+                   [part_out, part_lse, out, lse, i32(n_splits)])
+    else:
+        block_rows = (2 if head_dim == 256 else 4) * (BLOCK_THREADS // 32)  # SaPrefillShape::ROWS
+        launch(spec_name("prefill", head_dim, tag), (math.ceil(rows * group / block_rows), kv_heads, batch),
+               (BLOCK_THREADS, 1, 1),
+               [qf, k, v, lens, cnts, out, lse, i32(q_heads), i32(kv_heads), i32(slots), i32(rows),
+                i32(window), i32(sinks), scale_log2])
+    return (out if q.dtype == xp.float32 else out.astype(q.dtype)), lse

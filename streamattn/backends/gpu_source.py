@@ -1,0 +1,158 @@
+"""Kernel sources and specialisations of the GPU backend, in plain Python (no CuPy needed).
+
+Everything here is shared by the GPU backend, the NVRTC compile check and the CPU emulation harness,
+so the three see the same source text, the same template instantiations and the same options.
+
+Specialisations
+---------------
+======== ================================ =========================
+kind     template (name expression)       readable name
+======== ================================ =========================
+decode   ``sa_decode_split<KIND, HD>``    ``decode_f16_hd128``
+prefill  ``sa_prefill<KIND, HD>``         ``prefill_bf16_hd64``
+merge    ``sa_merge<HD>``                 ``merge_hd256``
+======== ================================ =========================
+
+KIND is the K/V storage dtype: 0 float32, 1 float16, 2 bfloat16 (uint16 bits); HD is head_dim.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+from pathlib import Path
+
+HEAD_DIMS = (64, 128, 256)
+KV_KINDS = {"f32": 0, "f16": 1, "bf16": 2}  # storage dtype tag -> KIND template argument
+SOURCES = {"decode": "decode.cu", "prefill": "prefill.cu", "merge": "merge.cu"}
+# Options for every NVRTC compile (backend and compile check alike); the arch is added per device.
+NVRTC_OPTIONS = ("-std=c++17",)
+# What cupy.RawModule appends on its own (CuPy 13/14 compiler.py): the compile check adds these too, so
+# it compiles what a device compiles.
+CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+
+BLOCK_THREADS = 128  # SA_THREADS in kernels/streamattn_common.cuh
+MERGE_THREADS = 64  # SA_MERGE_THREADS in kernels/merge.cu
+MAX_GROUP = 4  # SA_MAX_GROUP: query heads one decode block serves
+MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (merge, launch tail) outweighs its parallelism
+# Decode grid target, in blocks per SM. About 4 decode blocks fit on an SM at once (120-128 registers x
+# 128 threads), so 16 per SM is ~4 waves: the last, partial wave costs little, and the merge stays small
+# (it reads splits x head_dim floats per query head, against L x head_dim x 2 storage values).
+BLOCKS_PER_SM = 16
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def kernel_dir() -> Path:
+    """Folder holding the .cu sources.
+
+    An installed wheel carries them as package data in ``streamattn/kernels/`` (copied there by
+    setup.py at build time); a source checkout keeps them in the top-level ``kernels/``.
+
+    Returns
+    -------
+    pathlib.Path
+        The first of those two folders that holds ``decode.cu``.
+    """
+    package = Path(__file__).resolve().parent.parent  # .../streamattn
+    for folder in (package / "kernels", package.parent / "kernels"):
+        if (folder / "decode.cu").is_file():
+            return folder
+    raise FileNotFoundError(
+        f"CUDA kernel sources not found in {package / 'kernels'} (installed wheel) nor in "
+        f"{package.parent / 'kernels'} (checkout); reinstall streamattn or run from a full checkout")
+
+
+def expand_includes(text: str, folder: Path, _seen: frozenset = frozenset()) -> str:
+    """Inline ``#include "local.cuh"`` lines (not ``<system>`` ones) from ``folder``, recursively.
+
+    The result is one self-contained text: NVRTC needs no include path, and CuPy's compile cache,
+    which keys on the source text, sees a header change.
+    """
+    def inline(match: re.Match) -> str:
+        name = match.group(1)
+        if name in _seen:  # include guards would make the second copy empty anyway
+            return ""
+        return expand_includes((folder / name).read_text(), folder, _seen | {name})
+    return _INCLUDE.sub(inline, text)
+
+
+@functools.cache
+def source(kind: str) -> str:
+    """Full source text (includes inlined) that the backend compiles for ``kind``.
+
+    Parameters
+    ----------
+    kind : {"decode", "prefill", "merge"}
+
+    Returns
+    -------
+    str
+    """
+    if kind not in SOURCES:
+        raise ValueError(f"kernel kind must be one of {sorted(SOURCES)} (got {kind!r})")
+    folder = kernel_dir()
+    return expand_includes((folder / SOURCES[kind]).read_text(), folder)
+
+
+def storage_tag(dtype) -> str:
+    """``"f32"``, ``"f16"`` or ``"bf16"`` for a K/V storage dtype (bf16 as uint16 bits or ml_dtypes)."""
+    name = getattr(dtype, "name", str(dtype))
+    tag = {"float32": "f32", "float16": "f16", "uint16": "bf16", "bfloat16": "bf16"}.get(name)
+    if tag is None:
+        raise TypeError(f"k/v dtype must be float32, float16 or bfloat16 stored as uint16 (got {name})")
+    return tag
+
+
+def spec_name(kind: str, head_dim: int, tag: str | None = None) -> str:
+    """Readable specialisation name, e.g. ``decode_f16_hd128`` or ``merge_hd64``."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} (got {head_dim})")
+    if kind == "merge":
+        return f"merge_hd{head_dim}"
+    if tag not in KV_KINDS:
+        raise ValueError(f"storage tag must be one of {sorted(KV_KINDS)} (got {tag!r})")
+    return f"{kind}_{tag}_hd{head_dim}"
+
+
+def name_expression(name: str) -> str:
+    """C++ name expression (for NVRTC ``name_expressions``) of a readable specialisation name."""
+    parts = name.split("_")
+    head_dim = int(parts[-1].removeprefix("hd"))
+    if parts[0] == "merge":
+        return f"sa_merge<{head_dim}>"
+    template = {"decode": "sa_decode_split", "prefill": "sa_prefill"}[parts[0]]
+    return f"{template}<{KV_KINDS[parts[1]]}, {head_dim}>"
+
+
+def all_specs() -> list[str]:
+    """Every specialisation the backend can request (what the compile check compiles)."""
+    names = [spec_name(kind, hd, tag) for kind in ("decode", "prefill") for tag in KV_KINDS for hd in HEAD_DIMS]
+    return names + [spec_name("merge", hd) for hd in HEAD_DIMS]
+
+
+def choose_splits(max_keys: int, blocks_per_split: int, sm_count: int) -> int:
+    """Number of key splits for a decode launch.
+
+    Long caches are split so the grid holds about BLOCKS_PER_SM x SM-count blocks (at least 2 x SM count; a
+    single (sequence, kv head) is otherwise one block reading the whole cache), but no split gets
+    fewer than MIN_KEYS_PER_SPLIT keys.
+
+    Parameters
+    ----------
+    max_keys : int
+        Visible keys of the longest sequence in the batch.
+    blocks_per_split : int
+        Blocks one split takes: batch x kv_heads x head chunks.
+    sm_count : int
+        Streaming multiprocessors of the device.
+
+    Returns
+    -------
+    int
+        At least 1.
+    """
+    if max_keys <= 0 or blocks_per_split <= 0:
+        return 1
+    wanted = math.ceil(BLOCKS_PER_SM * sm_count / blocks_per_split)
+    return max(1, min(wanted, max_keys // MIN_KEYS_PER_SPLIT))

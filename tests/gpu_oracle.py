@@ -1,0 +1,96 @@
+"""The float64 oracle in the batched form the GPU tests use, and ring-filling helpers (independent of the kernels)."""
+from __future__ import annotations
+
+import numpy as np
+
+from streamattn import reference
+
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes is a core dependency
+    ml_dtypes = None
+
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # max abs diff / max abs ref
+
+
+def attention(q, k_hist, v_hist, q_pos, *, window, sinks, scale):
+    """Batched front of streamattn.reference.attention (the project's one float64 oracle).
+
+    q: [batch, q_heads, T, d]; k_hist, v_hist: [batch, kv_heads, n, d] (position j at index j);
+    q_pos: [batch, T] absolute positions, -1 for a padding row (zeros, lse = -inf).
+    Returns out [batch, q_heads, T, d] float64 and lse [batch, q_heads, T] float64.
+    """
+    q_pos = np.asarray(q_pos)
+    out = np.zeros(q.shape, np.float64)
+    lse = np.full(q.shape[:3], -np.inf)
+    for b in range(q.shape[0]):
+        rows = np.nonzero(q_pos[b] >= 0)[0]
+        if rows.size:
+            out[b][:, rows], lse[b][:, rows] = reference.attention(
+                q[b][:, rows], k_hist[b], v_hist[b], q_pos[b][rows], window=window or None, sinks=sinks,
+                scale=scale)
+    return out, lse
+
+
+def slot_of(j: int, *, window: int, sinks: int, slots: int) -> int:
+    """Cache slot of absolute position j (DESIGN.md §2)."""
+    return j if window == 0 or j < sinks else sinks + (j - sinks) % (slots - sinks)
+
+
+def fill_cache(k_hist, v_hist, lengths, *, window, sinks, slots):
+    """Ring contents after writing positions 0..lengths[b]-1 in order: k, v [batch, kv_heads, slots, d]."""
+    batch, kv_heads, _, d = k_hist.shape
+    # Never-written slots hold NaN (bf16 bits 0x7fc0): a kernel that reads one poisons its output.
+    k = np.full((batch, kv_heads, slots, d), 0x7FC0 if k_hist.dtype == np.uint16 else np.nan, k_hist.dtype)
+    v = k.copy()
+    for b in range(batch):
+        for j in range(lengths[b]):
+            s = slot_of(j, window=window, sinks=sinks, slots=slots)
+            k[b, :, s], v[b, :, s] = k_hist[b, :, j], v_hist[b, :, j]
+    return k, v
+
+
+def storage(a, dtype: str):
+    """float64 array -> (stored array the kernels read, its float64 value) for dtype name."""
+    if dtype == "bfloat16":
+        stored = np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+        return stored.view(np.uint16), stored.astype(np.float64)
+    stored = np.asarray(a).astype(dtype)
+    return stored, stored.astype(np.float64)
+
+
+def rel_err(got, ref) -> float:
+    """max |got - ref| / max |ref| (lse compared on finite entries; -inf must match exactly)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if not np.array_equal(np.isfinite(got), np.isfinite(ref)):
+        return np.inf
+    fin = np.isfinite(ref)
+    if not fin.any():
+        return 0.0
+    return float(np.abs(got[fin] - ref[fin]).max() / max(np.abs(ref[fin]).max(), 1e-30))
+
+
+def case(rng, *, batch, q_heads, kv_heads, head_dim, lengths, counts, T, window, sinks, dtype, q_dtype="float32"):
+    """Random history, ring, queries and oracle answer for one attention call ("write, then attend").
+
+    Returns dict with q, k, v (stored), lengths, counts, ref_out, ref_lse, scale.
+    """
+    lengths, counts = np.asarray(lengths), np.asarray(counts)
+    n = int(lengths.max())
+    k_hist = rng.standard_normal((batch, kv_heads, n, head_dim))
+    v_hist = rng.standard_normal((batch, kv_heads, n, head_dim))
+    k_store, k_val = storage(k_hist, dtype)
+    v_store, v_val = storage(v_hist, dtype)
+    if window:
+        slots = sinks + window + max(int(counts.max()), 1) - 1
+    else:
+        slots = n + 3  # spare slots past the longest sequence are never visible
+    k, v = fill_cache(k_store, v_store, lengths, window=window, sinks=sinks, slots=slots)
+    q = rng.standard_normal((batch, q_heads, T, head_dim)).astype(q_dtype)
+    q_pos = np.full((batch, T), -1)
+    for b in range(batch):
+        q_pos[b, :counts[b]] = lengths[b] - counts[b] + np.arange(counts[b])
+    scale = 1.0 / np.sqrt(head_dim)
+    ref_out, ref_lse = attention(q.astype(np.float64), k_val, v_val, q_pos, window=window, sinks=sinks, scale=scale)
+    return dict(q=q, k=k, v=v, lengths=lengths, counts=counts, ref_out=ref_out, ref_lse=ref_lse, scale=scale,
+                window=window, sinks=sinks)

@@ -1,0 +1,72 @@
+"""The oracle tests of test_gpu_emu.py again, through real CuPy on a CUDA device (marker ``gpu``).
+
+Skipped as a whole where CuPy sees no device: the CPU emulation runs the same kernel text there.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpu_oracle as go
+from streamattn.backends import gpu, gpu_plan
+
+if not gpu.available():
+    pytest.skip("no CUDA device through CuPy (the emulation tests cover the same kernels)",
+                allow_module_level=True)
+
+import cupy  # noqa: E402
+
+# Collected again here, with the device runner below in place of the emulator.
+from test_gpu_emu import (  # noqa: E402,F401
+    test_decode, test_every_padding_row, test_float16_queries_and_many_empty_splits, test_gqa_groups,
+    test_prefill_chunk, test_streaming_chunks_through_the_ring,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+class DeviceRunner:
+    """Same interface as the emulator: numpy in, numpy out, names of the kernels launched."""
+
+    def __init__(self):
+        self.launches: list[str] = []
+
+    def _launch(self, name, grid, block, args):
+        self.launches.append(name)
+        gpu._launch(name, grid, block, args)
+
+    def attend(self, q, k, v, lengths, counts, *, window, sinks, scale, splits=None):
+        if k.dtype.name == "bfloat16":
+            k, v = k.view(np.uint16), v.view(np.uint16)
+        out, lse = gpu_plan.attend_with(cupy, self._launch, cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
+                                        np.asarray(lengths), np.asarray(counts), window=window, sinks=sinks,
+                                        scale=scale, sm_count=gpu.sm_count(cupy.cuda.Device().id), splits=splits)
+        return out.get(), lse.get()
+
+
+@pytest.fixture
+def runner():
+    return DeviceRunner()
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("window,sinks", [(0, 0), (4096, 4)])
+def test_long_cache_default_splits(runner, dtype, window, sinks):
+    """A 20k-token cache, GQA 32/8, head_dim 128: the split heuristic and the merge at real size."""
+    rng = np.random.default_rng(1)
+    c = go.case(rng, batch=2, q_heads=32, kv_heads=8, head_dim=128, lengths=[20000, 7001], counts=[1, 1], T=1,
+                window=window, sinks=sinks, dtype=dtype)
+    out, lse = runner.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=window, sinks=sinks,
+                             scale=c["scale"])
+    assert runner.launches[-1].startswith("merge_"), "a 20k cache must be split"
+    assert go.rel_err(out, c["ref_out"]) <= go.TOL[dtype] and go.rel_err(lse, c["ref_lse"]) <= go.TOL[dtype]
+
+
+def test_public_attend_returns_device_arrays():
+    rng = np.random.default_rng(2)
+    c = go.case(rng, batch=1, q_heads=4, kv_heads=1, head_dim=64, lengths=[9], counts=[3], T=3, window=0,
+                sinks=0, dtype="float16", q_dtype="float16")
+    out, lse = gpu.attend(cupy.asarray(c["q"]), cupy.asarray(c["k"]), cupy.asarray(c["v"]), c["lengths"],
+                          c["counts"], window=0, sinks=0, scale=c["scale"])
+    assert isinstance(out, cupy.ndarray) and out.dtype == cupy.float16 and lse.dtype == cupy.float32
+    assert go.rel_err(out.get(), c["ref_out"]) <= go.TOL["float16"]

@@ -1,0 +1,48 @@
+"""Dry runs of the GPU-only code (gpu.py, test_gpu_device.py, benchmarks/gpu_decode.py) without a GPU.
+
+tests/fake_cupy stands in for CuPy (numpy arrays, kernels launched in the CPU emulation), so a typo in
+a CuPy call, a wrong argument or a broken test wiring shows up here, not first on a lent GPU machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuda_emu import emu
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not emu.have_compiler(), reason="g++ (C++20) is needed for the emulation harness")
+
+
+@pytest.fixture(scope="module")
+def fake_env(tmp_path_factory):
+    lib = emu.build(tmp_path_factory.mktemp("fake_cupy_lib"))
+    env = dict(os.environ)
+    env.update(STREAMATTN_FAKE_CUPY_LIB=str(lib), PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
+    return env
+
+
+def test_device_tests_run_through_the_fake(fake_env):
+    selection = "sinks-bfloat16-128 or window-float16-64 or public or float16_queries or gqa_groups"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                           "tests/test_gpu_device.py", "-k", selection], cwd=ROOT, env=fake_env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+
+
+def test_benchmark_runs_through_the_fake(fake_env, tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "benchmarks/gpu_decode.py", "--lengths", "520", "--batches", "1",
+                           "--heads", "4/1", "--head-dim", "64", "--launches", "2", "--copy-bytes", "65536",
+                           "--json", str(out)], cwd=ROOT, env=fake_env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [r["dtype"] for r in result["rows"]] == ["float16", "bfloat16"]
+    assert all(r["splits"] == 2 and r["error"] < 2e-3 for r in result["rows"])
+    assert "% copy" in done.stdout

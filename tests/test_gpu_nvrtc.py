@@ -1,0 +1,54 @@
+"""Compile check of kernels/*.cu through NVRTC for sm_80 and sm_90, without a GPU.
+
+Skips when CuPy or the NVRTC wheel is missing, unless STREAMATTN_REQUIRE_NVRTC=1 (set it in CI, where
+the ``gpu-check`` extra is installed, so a broken install fails instead of skipping).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from streamattn.backends import gpu_source
+
+try:
+    import nvrtc_check
+    nvrtc_check.nvrtc()
+    MISSING = None
+except Exception as err:  # ImportError without CuPy, OSError/CUDA errors without libnvrtc
+    MISSING = f"NVRTC not usable ({type(err).__name__}: {err}); pip install '.[gpu-check]'"
+
+if MISSING and os.environ.get("STREAMATTN_REQUIRE_NVRTC") == "1":
+    raise RuntimeError(MISSING)
+needs_nvrtc = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", nvrtc_check.ARCHS if not MISSING else ("sm_90",))
+@pytest.mark.parametrize("kind", sorted(gpu_source.SOURCES))
+def test_compiles_clean_without_spills(kind, arch):
+    c = nvrtc_check.compile_kind(kind, arch)
+    assert "error" not in c.log.lower() and "warning" not in c.log.lower(), c.log
+    assert c.cubin_bytes > 0
+    for name, mangled in c.lowered.items():
+        assert mangled in c.entries, f"{name}: lowered name {mangled} has no ptxas entry in the log"
+        entry = c.entries[mangled]
+        assert entry.spill_stores == 0 and entry.spill_loads == 0, f"{name} on {arch} spills: {entry}"
+        assert 0 < entry.registers <= 255 and entry.smem <= 48 * 1024, f"{name} on {arch}: {entry}"
+
+
+def test_every_backend_specialisation_is_checked():
+    """The compile check covers what the plan can request: 3 dtypes x 3 head_dims x 2 kinds + 3 merges."""
+    specs = gpu_source.all_specs()
+    assert len(specs) == len(set(specs)) == 21
+    for dtype in ("float32", "float16", "uint16"):
+        for hd in gpu_source.HEAD_DIMS:
+            tag = gpu_source.storage_tag(dtype)
+            assert {f"decode_{tag}_hd{hd}", f"prefill_{tag}_hd{hd}", f"merge_hd{hd}"} <= set(specs)
+
+
+@needs_nvrtc
+def test_planted_syntax_error_fails_the_check():
+    broken = gpu_source.source("merge").replace("float den = 0.0f, num = 0.0f;", "float den = 0.0f num = 0.0f;")
+    with pytest.raises(RuntimeError, match="NVRTC failed"):
+        nvrtc_check.compile_kind("merge", "sm_90", source=broken)
