@@ -112,3 +112,11 @@ def test_cli_registration_point():
         cli.register("generate", "dup", lambda p: None, lambda a: 0)
     names = set(cli.build_parser()._subparsers._group_actions[0].choices)
     assert {"pull", "generate", "inspect"} <= names
+
+
+def test_stop_cut():
+    from streamattn.generate import _stop_cut
+    assert _stop_cut("Count: 1, 2,", " 3", ("3",)) == 1
+    assert _stop_cut("Hello wor", "ld!", ("world",)) == 0          # started in earlier text: cut the whole piece
+    assert _stop_cut("abc", "def", ("x", "")) is None
+    assert _stop_cut("", "a\nb", ("\n",)) == 1

@@ -2,7 +2,8 @@
 
 import pytest
 
-from _model_util import gemma_path, need_gemma, need_smollm2, smollm2_path, tokenizer, single_thread  # noqa: F401 (fixture)
+from _model_util import (gemma_path, need_gemma, need_smollm2, single_thread,  # noqa: F401 (fixture)
+                         smollm2_path, tokenizer)
 from streamattn.tokenizer import StreamDecoder
 
 TEXTS = ["Hello, world!", "The year 2024 had 366 days; 3.14159 is pi.", "emoji 👋🏽 and 日本語 and café",
@@ -154,3 +155,22 @@ def test_gemma_builtin_chat_format():
     text = tok.apply_chat([{"role": "user", "content": "Hi"}])
     assert text == "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert tok.encode(text)[:3] == [2, 105, 2364]
+
+
+@need_gemma
+def test_gemma_file_config_hybrid_windows():
+    from streamattn.gguf_loader import config_from_metadata
+    md, _ = tokenizer(gemma_path())
+    c = config_from_metadata(md)
+    assert (c.arch, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim) == ("gemma3", 18, 4, 1, 256)
+    assert c.layer_windows == tuple(None if i % 6 == 5 else 512 for i in range(18))
+    assert (c.rope_base, c.rope_base_local) == (1e6, 1e4)
+
+
+@need_smollm2
+def test_chat_without_a_template_falls_back_to_chatml():
+    import dataclasses
+    _, tok = smol()
+    bare = dataclasses.replace(tok, chat_template=None)
+    want = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert bare.apply_chat([{"role": "user", "content": "Hi"}]) == want
