@@ -92,7 +92,8 @@ def main():
     rest = step - t_mm - t_att - t_smp
     L = int(gen.caches[0].lengths[0])
     print(f"one decode step (median) {step * 1e3:.2f} ms at length {L}:")
-    for name, t in (("weight matmuls (30 layers + lm_head)", t_mm), (f"attention (30 layers, L={L})", t_att),
+    for name, t in ((f"weight matmuls ({c.n_layers} layers + lm_head)", t_mm),
+                    (f"attention ({c.n_layers} layers, L={L})", t_att),
                     ("sampling (greedy)", t_smp), ("python + elementwise (rest)", rest)):
         print(f"  {name:40s} {t * 1e3:7.2f} ms  {100 * t / step:5.1f}%")
     print(f"  matmul bandwidth {wbytes / t_mm / 1e9:.1f} GB/s (ceiling probe {ceiling.probe():.0f} GB/s)")

@@ -32,7 +32,8 @@ def _model_args(p):
                    help="a .gguf path or a model name (smollm2-135m, gemma3-270m); default smollm2-135m")
     p.add_argument("--cache", choices=("full", "window", "sinks"), default="full",
                    help="KV cache for the model's global layers (gemma3's local layers always slide)")
-    p.add_argument("--window", type=int, default=None, help="window n_c in keys, the current one included (default 256 with --cache window/sinks)")
+    p.add_argument("--window", type=int, default=None,
+                   help="window n_c in keys, the current one included (default 256 with --cache window/sinks)")
     p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens for --cache sinks")
     p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
     p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
