@@ -46,6 +46,7 @@ class GenerationStats:
 
     @property
     def decode_tok_s(self) -> float:
+        """Decode steps per second: tokens/s of each sequence (times the batch for all sequences)."""
         return len(self.decode_steps_s) / max(sum(self.decode_steps_s), 1e-12)
 
 

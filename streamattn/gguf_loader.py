@@ -133,16 +133,6 @@ class GGUFModel:
     metadata: dict = field(repr=False)
 
 
-def _field(reader, key, default=None, *, path):
-    f = reader.fields.get(key)
-    if f is None:
-        if default is None:
-            raise ModelFileError(f"{path}: metadata key {key!r} is missing; the file is not a complete "
-                                 "GGUF model (re-download it, e.g. `streamattn pull`)")
-        return default
-    return f.contents()
-
-
 def read_metadata(reader, path: str) -> dict:
     """All scalar/string/array metadata of a GGUFReader as plain Python values."""
     out = {}
