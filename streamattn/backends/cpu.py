@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from llvmlite import ir
 
@@ -48,6 +49,40 @@ def _bf16_to_f32(typingctx, bits):
         wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
         return builder.bitcast(wide, ir.FloatType())
     return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, offset):
+    """Ask the CPU to start loading the cache line at byte ``offset`` of ``arr``'s data (llvm.prefetch).
+
+    The kernel computes on one tile while the next one's lines are already on their way: without it
+    a thread alternates bursts of loads with bursts of arithmetic and reads well under its bandwidth.
+    """
+    if not isinstance(arr, types.Array) or not isinstance(offset, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+        i8p = ir.IntType(8).as_pointer()
+        addr = builder.gep(builder.bitcast(data, i8p), [args[1]])
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+        return context.get_dummy_value()
+    return types.void(arr, offset), codegen
+
+
+@njit(cache=True, inline="always")
+def _prefetch_rows(k, v, row, n):
+    """Prefetch rows ``row .. row+n-1`` of the flattened [B*Hkv*S, D] K and V storage."""
+    line = 64
+    rowbytes = k.shape[3] * k.itemsize
+    start = row * rowbytes
+    stop = min(row + n, k.shape[0] * k.shape[1] * k.shape[2]) * rowbytes
+    for off in range(start, stop, line):
+        _prefetch(k, off)
+        _prefetch(v, off)
 
 
 def _tile(src, buf, n, kind):
@@ -210,13 +245,18 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
                 qpos[r] = p_first + t
                 qlo[r] = max(0, p_first + t - window + 1) if window > 0 else 0
         m = np.full(rows, -np.inf, np.float32)           # [rows] running max
-        l = np.zeros(rows, np.float32)                   # [rows] running sum of exp
-        acc = np.zeros((rows, D), np.float32)            # [rows, D] running weighted sum of V
+        # Running sums in float64: 64k keys of float32 sums drift past the 1e-5 tolerance. Each tile
+        # is summed in float32 (tacc), then folded in; that costs O(D) per row per tile.
+        l = np.zeros(rows, np.float64)                   # [rows] running sum of exp
+        acc = np.zeros((rows, D), np.float64)            # [rows, D] running weighted sum of V
+        tacc = np.empty((rows, D), np.float32)           # [rows, D] this tile's weighted sum of V
+        alpha = np.empty(rows, np.float32)               # [rows] rescale of the running sums
         kf = np.empty((TILE, D), np.float32)             # [TILE, D] widened K tile (16-bit storage)
         vf = np.empty((TILE, D), np.float32)             # [TILE, D] widened V tile
         sc = np.empty((rows, TILE), np.float32)          # [rows, TILE] scores, then probabilities
         eb = np.empty(TILE, np.float32)                  # [TILE] scratch of _softmax_tile
         ebu = eb.view(np.uint32)
+        base = (b * Hkv + h) * S                         # row of slot 0 in the flattened storage
 
         # Segments of positions: sinks first, then the main piece; each tile stays inside one run of
         # contiguous slots (a ring wraps at most once per segment).
@@ -226,6 +266,7 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
             while pos < end:
                 slot = pos if pos < sinks else sinks + (pos - sinks) % ring
                 n = min(TILE, end - pos, S - slot)
+                _prefetch_rows(k, v, base + slot + n, TILE)    # the next tile, while this one computes
                 kt = _tile(k[b, h, slot:slot + n], kf, n, kind)   # [n, D] float32
                 for r in range(rows):
                     sr = sc[r]
@@ -242,23 +283,27 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
                         mt = max(mt, sr[j])
                     if mt == -np.inf:       # nothing visible yet: weights 0, nothing to rescale
                         sr[:n] = 0.0
+                        alpha[r] = 1.0
                         continue
-                    alpha = np.float32(math.exp(m[r] - mt))
+                    alpha[r] = np.float32(math.exp(m[r] - mt))
                     m[r] = mt
-                    l[r] = l[r] * alpha + _softmax_tile(sr, n, mt, eb, ebu)
-                    if alpha != 1.0:
-                        ar = acc[r]
-                        for i in range(D):
-                            ar[i] *= alpha
+                    l[r] = l[r] * alpha[r] + _softmax_tile(sr, n, mt, eb, ebu)
                 vt = _tile(v[b, h, slot:slot + n], vf, n, kind)   # [n, D] float32
-                _accumulate(acc, sc, vt, n, rows)
+                tacc[:] = 0.0
+                _accumulate(tacc, sc, vt, n, rows)
+                for r in range(rows):
+                    ar = acc[r]
+                    tr = tacc[r]
+                    al = alpha[r]
+                    for i in range(D):
+                        ar[i] = ar[i] * al + tr[i]
                 pos += n
         for g in range(G):
             for t in range(nq):
                 r = g * nq + t
                 if l[r] > 0:
                     part_lse[b, h * G + g, t, sp] = m[r] + math.log(l[r])
-                    inv = np.float32(1.0) / l[r]
+                    inv = 1.0 / l[r]
                     for i in range(D):
                         part_out[b, h * G + g, t, sp, i] = acc[r, i] * inv
 
