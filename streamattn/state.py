@@ -222,6 +222,8 @@ def _read(path):
     try:
         with open(path, "rb") as f:
             raw = f.read()
+        if not raw.startswith(b"PK"):  # every zip starts with a "PK" record; numpy would try pickle
+            raise ValueError(f"no zip header: the file starts with {raw[:8]!r}")
         z = np.load(io.BytesIO(raw), allow_pickle=False)
         if not isinstance(z, np.lib.npyio.NpzFile):
             raise ValueError("it holds one .npy array, not an .npz archive")
@@ -270,12 +272,12 @@ def _check_layer(m: dict, a: dict) -> dict:
         if a[n].dtype != s.storage_dtype or a[n].shape != (s.batch, s.kv_heads, used, s.head_dim):
             raise ValueError(f"{n} must be {s.storage_dtype} {(s.batch, s.kv_heads, used, s.head_dim)} "
                              f"(got {a[n].dtype} {a[n].shape})")
-    cap = s.slots if s.window is not None else (s.max_len or slots)
-    if not (slots == cap if s.window is not None else slots <= cap) or used != min(slots, int(L.max())):
-        raise ValueError(f"slots={slots}, used={used} do not fit the spec and lengths {L.tolist()}")
     if L.min() < 0 or (s.window is None and L.max() > slots) or (a["last_counts"] < 0).any() \
             or (a["last_counts"] > L).any():
         raise ValueError(f"lengths {L.tolist()} / last_counts {a['last_counts'].tolist()} out of range")
+    cap = s.slots if s.window is not None else (s.max_len or slots)
+    if not (slots == cap if s.window is not None else 1 <= slots <= cap) or used != min(slots, int(L.max())):
+        raise ValueError(f"slots={slots}, used={used} do not fit the spec and lengths {L.tolist()}")
     h = a["held_from"]
     if s.window is None and h.any() or s.window is not None and \
             ((h < s.sinks).any() or (h > np.maximum(s.sinks, L)).any() or (h < L - (slots - s.sinks)).any()):

@@ -28,6 +28,17 @@ class History:
     def reset(self, b):
         self.k[b], self.v[b] = [], []
 
+    def truncate(self, b, length):
+        """Keep the first ``length`` tokens of sequence b (what a rewind leaves)."""
+        if length < self.length(b):
+            k, v = (np.concatenate(x[b], axis=1)[:, :length] for x in (self.k, self.v))
+            self.k[b], self.v[b] = ([k], [v]) if length else ([], [])
+
+    def copy(self, src, dst, into=None):
+        """Sequence ``dst`` (of ``into``, default this history) becomes a copy of sequence ``src`` (a fork)."""
+        into = self if into is None else into
+        into.k[dst], into.v[dst] = list(self.k[src]), list(self.v[src])
+
     def length(self, b):
         return sum(x.shape[1] for x in self.k[b])
 
