@@ -444,3 +444,63 @@ def test_rewind_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"k must be an integer"):
         cache.rewind(0, int(cache.lengths[0]) + 1)
     assert_same_state(cache, keep)
+
+
+# -- the device="gpu" code path, through a strict stand-in for CuPy (no GPU here) -------------------
+def test_gpu_code_path_with_a_stand_in_device(tmp_path, monkeypatch):
+    """Save on the "GPU", load on the CPU and back, fork and rewind across devices: the same bits as a CPU
+    twin fed the same tokens. tests/fake_cupy.py refuses implicit host<->device conversions."""
+    import sys
+    import fake_cupy
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    spec = make_spec("sinks", "bfloat16", batch=2)
+    rng = np.random.default_rng(11)
+    cpu, gpu, hist = KVCache(spec), KVCache(spec, device="gpu"), History(2)
+    assert isinstance(gpu.k, fake_cupy.ndarray)
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.asarray(gpu.k)
+
+    def same(c, g):
+        assert_same_state(c, _hosted(g))
+
+    for step in range(3 * spec.slots):
+        T = 1 + step % spec.max_chunk
+        k, v = rng.standard_normal((2, 2, 2, T, 16)).astype(np.float32)
+        cpu.append(k, v)
+        gpu.append(fake_cupy.asarray(k), fake_cupy.asarray(v))
+        hist.append(k, v, [T, T])
+    same(cpu, gpu)
+    for c in (cpu, gpu):
+        c.rewind(1, 2)
+        c.fork(1, 0)
+    hist.truncate(1, hist.length(1) - 2)
+    hist.copy(1, 0)
+    same(cpu, gpu)
+    q = rng.standard_normal((2, Q_HEADS, 1, 16)).astype(np.float32)
+    counts = np.minimum(gpu.answerable(), 1)
+    out, lse = attend(fake_cupy.asarray(q), gpu, backend="reference", counts=counts)
+    check(out, lse, q, hist, counts, spec, what="reference backend on the stand-in device")
+
+    gpu.save(tmp_path / "g.npz")                                   # GPU -> file -> CPU
+    assert_same_state(cpu, KVCache.load(tmp_path / "g.npz", device="cpu"))
+    cpu.save(tmp_path / "c.npz")                                   # CPU -> file -> GPU
+    same(cpu, KVCache.load(tmp_path / "c.npz", device="gpu"))
+    other = KVCache(spec, device="gpu")
+    state.restore(other, tmp_path / "c.npz")
+    same(cpu, other)
+    state.save_sequence(tmp_path / "s.npz", gpu, 0)
+    back = KVCache(spec)
+    state.load_sequence(tmp_path / "s.npz", back, 1)
+    assert np.array_equal(back.k[1], cpu.k[0]) and back.lengths[1] == cpu.lengths[0]
+    one_cpu, one_gpu = KVCache(make_spec("sinks", "bfloat16", batch=1)), KVCache(make_spec("sinks", "bfloat16", batch=1), device="gpu")
+    gpu.fork(0, 0, into=one_cpu)                                   # GPU -> CPU
+    cpu.fork(0, 0, into=one_gpu)                                   # CPU -> GPU
+    assert_same_state(one_cpu, _hosted(one_gpu))
+    assert np.array_equal(one_cpu.k[0], cpu.k[0])
+
+
+def _hosted(cache):
+    """A CPU copy of a stand-in-device cache, to compare bits."""
+    c = copy.copy(cache)
+    c.k, c.v, c.device = cache.k.get(), cache.v.get(), "cpu"
+    return c
