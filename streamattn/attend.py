@@ -54,8 +54,8 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
     if spec.window is not None and counts.max() > spec.max_chunk:
         raise ValueError(f"counts {counts.tolist()} exceed max_chunk={spec.max_chunk}: queries older than "
                          "one chunk may have lost keys to the ring")
-    short = np.nonzero(counts > cache.answerable())[0]
-    if short.size:
+    short = np.nonzero(counts > cache.answerable())[0] if spec.window is not None else ()
+    if len(short):
         b = int(short[0])
         raise ValueError(f"sequence {b} can attend only its newest {int(cache.answerable()[b])} tokens exactly "
                          f"(asked for {int(counts[b])}): after a rewind its ring holds keys from position "

@@ -303,7 +303,8 @@ class KVCache:
 
     # -- inspection -----------------------------------------------------------------------------
     def temporal_view(self, b: int):
-        """The tokens sequence ``b`` still holds, in temporal order, widened to float32 on the host.
+        """The tokens sequence ``b`` still holds, in temporal order, widened to float32 on the host
+        (after a window rewind, ring positions below ``held_from[b]`` are not held).
 
         Returns
         -------
@@ -312,7 +313,8 @@ class KVCache:
         """
         pos = slot_positions(int(self.lengths[b]), slots=self.slots, sinks=self.spec.sinks)  # [slots]
         order = np.argsort(pos, kind="stable")
-        order = order[pos[order] >= 0]
+        p = pos[order]
+        order = order[(p >= 0) & ((p < self.spec.sinks) | (p >= self.held_from[b]))]  # lost to a rewind: not held
         out = []
         for store in (self.k, self.v):
             rows = store[b][:, self.xp.asarray(order)]  # [kv_heads, n, head_dim]

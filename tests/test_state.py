@@ -4,12 +4,11 @@ import copy
 import json
 import os
 import re
-import zipfile
 
 import numpy as np
 import pytest
 
-from streamattn import CacheSpec, KVCache, attend, backends, state
+from streamattn import CacheSpec, KVCache, attend, backends, snapshot, state
 from oracle import History, check
 
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -180,12 +179,12 @@ def test_write_is_atomic(tmp_path, monkeypatch):
     def crash(f, **arrays):              # dies half way through writing the archive
         f.write(b"PK\x03\x04 half an archive")
         raise OSError("disk full")
-    monkeypatch.setattr(state.np, "savez", crash)
+    monkeypatch.setattr(snapshot.np, "savez", crash)
     with pytest.raises(OSError, match="disk full"):
         cache.save(path)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["kv.npz"]   # old file, no temp left
     monkeypatch.undo()
-    monkeypatch.setattr(state.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("rename failed")))
+    monkeypatch.setattr(snapshot.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("rename failed")))
     with pytest.raises(OSError, match="rename failed"):
         cache.save(path)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["kv.npz"]
@@ -205,7 +204,7 @@ def rewrite(path, change):
 
 def reseal(members, meta):
     """Recompute the digest, as a hand-made file with consistent checksum would have."""
-    meta["sha256"] = state._digest(meta, {n: a for n, a in members.items() if n != "meta"})
+    meta["sha256"] = snapshot._digest(meta, {n: a for n, a in members.items() if n != "meta"})
 
 
 def truncate_to(n):
@@ -504,3 +503,17 @@ def _hosted(cache):
     c = copy.copy(cache)
     c.k, c.v, c.device = cache.k.get(), cache.v.get(), "cpu"
     return c
+
+
+def test_temporal_view_after_a_rewind_shows_only_held_positions():
+    spec = CacheSpec(batch=1, kv_heads=1, head_dim=16, window=3, sinks=2, max_chunk=2)   # R = 4
+    rng = np.random.default_rng(1)
+    cache, hist = KVCache(spec), History(1)
+    feed(cache, hist, rng, 12, ragged=False)
+    L = int(cache.lengths[0])
+    cache.rewind(0, 2)
+    hist.truncate(0, L - 2)
+    k, v, pos = cache.temporal_view(0)
+    assert pos.tolist() == [0, 1] + list(range(L - 4, L - 2))       # sinks, then held_from .. L' - 1
+    full = np.concatenate(hist.k[0], axis=1)
+    assert np.array_equal(k, full[:, pos].astype(np.float32))
