@@ -297,8 +297,11 @@ def _filled(xp, shape, rows):
     return out
 
 
+# -- shared with streamattn.state ------------------------------------------------------------------
 def host(a):
+    """A host (numpy) copy of a numpy or CuPy array."""
     return a.get() if hasattr(a, "get") else np.array(a)
+
 
 def put_sequence(cache: KVCache, b: int, k, v, length: int, last_count: int, held_from: int, *, reserve_only=False):
     """Make sequence b hold k, v ([kv_heads, n, head_dim], slots 0..n-1; zeros after) and these counters."""
@@ -314,7 +317,7 @@ def put_sequence(cache: KVCache, b: int, k, v, length: int, last_count: int, hel
     cache.v[b][:, :n] = xp.asarray(v)
     cache.lengths[b], cache.last_counts[b], cache.held_from[b] = length, last_count, held_from
 
-# -- helpers -------------------------------------------------------------------------------------
+
 def check_caches(caches):
     if not caches or not all(isinstance(c, KVCache) for c in caches):
         raise TypeError(f"expected a KVCache or a non-empty list of them (got {[type(c).__name__ for c in caches]})")

@@ -65,6 +65,7 @@ def fork(cache: KVCache, src: int, dst: int, *, into: KVCache | None = None) -> 
         k, v = host(k), host(v)
     put_sequence(target, dst, k, v, int(cache.lengths[src]), int(cache.last_counts[src]), int(cache.held_from[src]))
 
+
 # -- rewind --------------------------------------------------------------------------------------
 def rewind(cache: KVCache, b: int, k: int) -> None:
     """Drop the last ``k`` tokens of sequence ``b``: afterwards it is as if they were never appended.
@@ -91,8 +92,8 @@ def rewind(cache: KVCache, b: int, k: int) -> None:
       - k <= C: the ring holds R = n_c + C - 1 positions, R - k of them below L', and the next query
         needs n_c - 1 of those: R - k >= n_c - 1 <=> k <= C; or
       - L' <= n_s (back into the sinks, which are never overwritten) or n_c = 1 (a query sees itself).
-    In general held_from = H - R for H the longest length reached since the ring last refilled, so the
-    rule is L' >= H - C: rewinds add up (from a full ring, rewinding k1, appending T <= k1 and rewinding
+    In general, once the ring has wrapped, held_from = H - R for H the longest length reached since the
+    ring last refilled, so the rule is L' >= H - C: rewinds add up (from a full ring, rewinding k1, appending T <= k1 and rewinding
     k2 is allowed while k1 - T + k2 <= C) until R new tokens past H have refilled the ring.
     Dropped tokens' slots are zeroed (they never share a slot with a held position, since
     held_from >= L - R); ``last_counts[b]`` becomes 0; ``held_from[b]`` becomes max(n_s, min(held_from, L')).
@@ -137,8 +138,9 @@ def refusal(cache: KVCache, b: int, k: int) -> str | None:
     return (f"cannot rewind sequence {b} by {k} (length {L} -> {Lp}) in this window cache: the next query "
             f"(position {Lp}) needs keys from position {need}, but the ring (R={cache.ring} slots) still holds "
             f"only positions {held}..{L - 1}; rewind it to length >= {held + s.window - 1} (at most "
-            f"max_chunk={s.max_chunk} below the newest token the ring has held) or to length <= {s.sinks} (sinks only), "
-            "or build the cache with a larger max_chunk")
+            f"max_chunk={s.max_chunk} below the newest token the ring has held), "
+            + (f"or to length <= {s.sinks} (sinks only), " if s.sinks else "or reset it, ")
+            + "or build the cache with a larger max_chunk")
 
 
 def _drop(cache: KVCache, b: int, k: int) -> None:
