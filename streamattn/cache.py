@@ -267,8 +267,9 @@ class KVCache:
     # -- state (streamattn.state does the work) ---------------------------------------------------
     def answerable(self):
         """int64 [batch]: how many of its newest tokens each sequence can attend exactly now (``attend``'s
-        ``counts`` may not exceed it). ``lengths`` except in a window cache after a rewind, where query i
-        needs ring keys from ``i - n_c + 1`` and the ring holds only ``held_from`` onwards."""
+        ``counts`` may not exceed it). Query i needs ring keys from ``i - n_c + 1``; the ring holds them from
+        ``held_from`` on. So: ``lengths`` for a causal cache or a ring that never wrapped; max_chunk for a
+        wrapped ring (the C - 1 slack); fewer right after a rewind, until new tokens are appended."""
         if self.spec.window is None:
             return self.lengths.copy()
         wrapped = self.held_from > self.spec.sinks  # ring positions below held_from are gone
