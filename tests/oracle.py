@@ -12,6 +12,17 @@ TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 LSE_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}  # absolute, natural log
 
 
+def as_stored(x, dtype: str):
+    """float32 values of ``x`` as a cache of storage ``dtype`` holds them (round to nearest even; ml_dtypes for
+    bfloat16, independent of the cache's own conversion). An oracle over these isolates the kernels'
+    arithmetic from storage rounding, so it can be checked at the float32 tolerance at any head_dim."""
+    if dtype == "float32":
+        return np.asarray(x, np.float32)
+    import ml_dtypes
+    store = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    return np.asarray(x, np.float32).astype(store).astype(np.float32)
+
+
 class History:
     """Every K/V row ever appended, per sequence, in temporal order: what full attention sees."""
 

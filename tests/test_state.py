@@ -1,6 +1,7 @@
 """Cache state: snapshot/restore bit-exact, every bad file refused by name, fork and rewind against the oracle."""
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from streamattn import CacheSpec, KVCache, attend, backends, snapshot, state
-from oracle import History, check
+from oracle import History, as_stored, check
 
 DTYPES = ["float32", "float16", "bfloat16"]
 MODES = {  # name: spec keywords
@@ -34,20 +35,21 @@ def feed(cache, hist, rng, steps, *, ragged=True, check_backend=None):
         counts = rng.integers(0, T + 1, spec.batch) if ragged else np.full(spec.batch, T)
         k, v = rng.standard_normal((2, spec.batch, spec.kv_heads, T, spec.head_dim)).astype(np.float32)
         cache.append(k, v, counts=counts)
-        hist.append(k, v, counts)
+        hist.append(as_stored(k, spec.dtype), as_stored(v, spec.dtype), counts)
         if check_backend:
             probe(cache, hist, rng, backend=check_backend, counts=counts)
 
 
 def probe(cache, hist, rng, *, backend, counts=None, what=""):
-    """Attend ``counts`` (default: all the cache can answer, up to C) newest queries; check against the oracle."""
+    """Attend ``counts`` (default: all the cache can answer, up to C) newest queries; check against the oracle
+    over the stored values (``hist`` holds them) at the float32 tolerance: state adds no error of its own."""
     spec = cache.spec
     if counts is None:
         counts = np.minimum(cache.answerable(), spec.max_chunk)
     counts = np.asarray(counts, np.int64)
     q = rng.standard_normal((spec.batch, Q_HEADS, max(1, int(counts.max())), spec.head_dim)).astype(np.float32)
     out, lse = attend(q, cache, backend=backend, counts=counts)
-    check(out, lse, q, hist, counts, spec, what=what or backend)
+    check(out, lse, q, hist, counts, dataclasses.replace(spec, dtype="float32"), what=what or backend)
     return out
 
 
@@ -429,7 +431,7 @@ def test_speculative_decoding_rejects_drafts():
             hist.truncate(b, hist.length(b) - reject)
         x = rng.standard_normal((2, 2, 2, 1, 16)).astype(np.float32)    # the corrected token
         cache.append(*x)
-        hist.append(*x, [1, 1])
+        hist.append(*as_stored(x, spec.dtype), [1, 1])
         probe(cache, hist, rng, backend="cpu", counts=[1, 1])
 
 
@@ -467,7 +469,7 @@ def test_gpu_code_path_with_a_stand_in_device(tmp_path, monkeypatch):
         k, v = rng.standard_normal((2, 2, 2, T, 16)).astype(np.float32)
         cpu.append(k, v)
         gpu.append(fake_cupy.asarray(k), fake_cupy.asarray(v))
-        hist.append(k, v, [T, T])
+        hist.append(as_stored(k, spec.dtype), as_stored(v, spec.dtype), [T, T])
     same(cpu, gpu)
     for c in (cpu, gpu):
         c.rewind(1, 2)
@@ -478,7 +480,7 @@ def test_gpu_code_path_with_a_stand_in_device(tmp_path, monkeypatch):
     q = rng.standard_normal((2, Q_HEADS, 1, 16)).astype(np.float32)
     counts = np.minimum(gpu.answerable(), 1)
     out, lse = attend(fake_cupy.asarray(q), gpu, backend="reference", counts=counts)
-    check(out, lse, q, hist, counts, spec, what="reference backend on the stand-in device")
+    check(out, lse, q, hist, counts, dataclasses.replace(spec, dtype="float32"), what="reference backend on the stand-in device")
 
     gpu.save(tmp_path / "g.npz")                                   # GPU -> file -> CPU
     assert_same_state(cpu, KVCache.load(tmp_path / "g.npz", device="cpu"))
