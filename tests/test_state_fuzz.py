@@ -103,6 +103,7 @@ class CacheStateMachine(RuleBasedStateMachine):
             self._append(T, np.full(self.spec.batch, T))
 
     def _append(self, T, counts):
+        """Append and attend on every backend; False when a causal max_len refuses it (cache unchanged)."""
         s = self.spec
         k, v = self.rng.standard_normal((2, s.batch, s.kv_heads, T, s.head_dim)).astype(np.float32)
         if s.max_len is not None and (self.cache.lengths + counts > s.max_len).any():
@@ -110,7 +111,7 @@ class CacheStateMachine(RuleBasedStateMachine):
             with pytest.raises(ValueError, match=r"over max_len"):
                 self.cache.append(self.dev(k), self.dev(v), counts=counts)
             assert self.state_bits(self.cache) == before
-            return
+            return False
         self.cache.append(self.dev(k), self.dev(v), counts=counts)
         self.hist.append(as_stored(k, s.dtype), as_stored(v, s.dtype), counts)
         self.since_rewind += counts
@@ -118,6 +119,7 @@ class CacheStateMachine(RuleBasedStateMachine):
         for backend in self.backends:
             out, lse = attend(self.dev(q), self.cache, backend=backend)
             check(out, lse, q, self.hist, counts, self.exact, what=f"append T={T} counts={counts.tolist()} {backend}")
+        return True
 
     @rule(data=st.data(), now=st.integers(0, 3))
     def reset(self, data, now):
@@ -183,7 +185,8 @@ class CacheStateMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def speculate(self, data):
         """Speculative decoding: append a draft chunk of C tokens, attend it, reject a suffix of each draft."""
-        self._append(self.spec.max_chunk, np.full(self.spec.batch, self.spec.max_chunk))
+        if not self._append(self.spec.max_chunk, np.full(self.spec.batch, self.spec.max_chunk)):
+            return                      # over a causal max_len: refused, nothing to reject
         for b in range(self.spec.batch):
             reject = data.draw(st.integers(0, self.spec.max_chunk), label=f"reject[{b}]")
             self._rewind(b, reject)
