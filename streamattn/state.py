@@ -93,8 +93,9 @@ def rewind(cache: KVCache, b: int, k: int) -> None:
         needs n_c - 1 of those: R - k >= n_c - 1 <=> k <= C; or
       - L' <= n_s (back into the sinks, which are never overwritten) or n_c = 1 (a query sees itself).
     In general, once the ring has wrapped, held_from = H - R for H the longest length reached since the
-    ring last refilled, so the rule is L' >= H - C: rewinds add up (from a full ring, rewinding k1, appending T <= k1 and rewinding
-    k2 is allowed while k1 - T + k2 <= C) until R new tokens past H have refilled the ring.
+    ring last refilled, so the rule is L' >= H - C: rewinds add up (from a full ring, rewinding k1,
+    appending T <= k1 and rewinding k2 is allowed while k1 - T + k2 <= C) until R new tokens past H
+    have refilled the ring.
     Dropped tokens' slots are zeroed (they never share a slot with a held position, since
     held_from >= L - R); ``last_counts[b]`` becomes 0; ``held_from[b]`` becomes max(n_s, min(held_from, L')).
     Right after a rewind the newest remaining tokens can be re-attended only while their own keys are

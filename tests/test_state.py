@@ -240,8 +240,10 @@ BAD_FILES = {
     "other-format": (lambda p: rewrite(p, lambda m, meta: meta.update(format="kv-other")),
                      r"format 'kv-other' is not 'streamattn-kv': not a streamattn KV state file"),
     "no-meta": (lambda p: np.savez(open(p, "wb"), x=np.zeros(3)), r"no 'meta' member: not a streamattn-kv file"),
-    "npy-not-npz": (lambda p: np.save(open(p, "wb"), np.zeros(3)), RUINED + r" \(ValueError: no zip header: the file starts with b'\\x93NUMPY"),
-    "garbage": (lambda p: p.write_bytes(b"hello, not a zip"), RUINED + r" \(ValueError: no zip header: the file starts with b'hello, n'\)"),
+    "npy-not-npz": (lambda p: np.save(open(p, "wb"), np.zeros(3)),
+                    RUINED + r" \(ValueError: no zip header: the file starts with b'\\x93NUMPY"),
+    "garbage": (lambda p: p.write_bytes(b"hello, not a zip"),
+                RUINED + r" \(ValueError: no zip header: the file starts with b'hello, n'\)"),
     "inconsistent-but-sealed": (lambda p: rewrite(p, lambda m, meta: (m["layer0.lengths"].__setitem__(0, -4),
                                                                       reseal(m, meta))),
                                 r"layer 0: inconsistent contents \(ValueError: lengths \[-4, "),
@@ -480,7 +482,7 @@ def test_gpu_code_path_with_a_stand_in_device(tmp_path, monkeypatch):
     q = rng.standard_normal((2, Q_HEADS, 1, 16)).astype(np.float32)
     counts = np.minimum(gpu.answerable(), 1)
     out, lse = attend(fake_cupy.asarray(q), gpu, backend="reference", counts=counts)
-    check(out, lse, q, hist, counts, dataclasses.replace(spec, dtype="float32"), what="reference backend on the stand-in device")
+    check(out, lse, q, hist, counts, dataclasses.replace(spec, dtype="float32"), what="reference on the stand-in")
 
     gpu.save(tmp_path / "g.npz")                                   # GPU -> file -> CPU
     assert_same_state(cpu, KVCache.load(tmp_path / "g.npz", device="cpu"))
@@ -493,7 +495,8 @@ def test_gpu_code_path_with_a_stand_in_device(tmp_path, monkeypatch):
     back = KVCache(spec)
     state.load_sequence(tmp_path / "s.npz", back, 1)
     assert np.array_equal(back.k[1], cpu.k[0]) and back.lengths[1] == cpu.lengths[0]
-    one_cpu, one_gpu = KVCache(make_spec("sinks", "bfloat16", batch=1)), KVCache(make_spec("sinks", "bfloat16", batch=1), device="gpu")
+    one = make_spec("sinks", "bfloat16", batch=1)
+    one_cpu, one_gpu = KVCache(one), KVCache(one, device="gpu")
     gpu.fork(0, 0, into=one_cpu)                                   # GPU -> CPU
     cpu.fork(0, 0, into=one_gpu)                                   # CPU -> GPU
     assert_same_state(one_cpu, _hosted(one_gpu))

@@ -35,7 +35,8 @@ def specs(draw):
     mode = draw(st.sampled_from(["causal", "causal", "window", "sinks"]))
     window = None if mode == "causal" else draw(st.integers(1, 6))
     return CacheSpec(batch=draw(st.integers(1, 3)), kv_heads=draw(st.sampled_from([1, 2])),
-                     head_dim=draw(st.sampled_from([8, 16])), dtype=draw(st.sampled_from(["float32", "float16", "bfloat16"])),
+                     head_dim=draw(st.sampled_from([8, 16])),
+                     dtype=draw(st.sampled_from(["float32", "float16", "bfloat16"])),
                      window=window, sinks=draw(st.integers(1, 3)) if mode == "sinks" else 0,
                      max_chunk=draw(st.integers(1, 4)),
                      max_len=draw(st.sampled_from([None, None, 40])) if mode == "causal" else None)
