@@ -6,6 +6,7 @@ import json
 import os
 import re
 
+import numba
 import numpy as np
 import pytest
 
@@ -13,6 +14,17 @@ from streamattn import CacheSpec, KVCache, attend, backends, snapshot, state
 from oracle import History, as_stored, check
 
 DTYPES = ["float32", "float16", "bfloat16"]
+
+
+@pytest.fixture(autouse=True)
+def one_numba_thread():
+    """Sequences here are short (one key split per item), so a second thread only adds wake-up cost."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(before)
+
+
 MODES = {  # name: spec keywords
     "causal": dict(window=None, max_chunk=3),
     "causal-capped": dict(window=None, max_chunk=3, max_len=200),
