@@ -51,7 +51,7 @@ class CacheStateMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="streamattn-fuzz-")
-        self.saved = None          # (path, History, since_rewind) of the last snapshot
+        self.saved = None          # (path, History, since_rewind, bits) of the last snapshot
 
     def teardown(self):
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -235,6 +235,15 @@ class CacheStateMachine(RuleBasedStateMachine):
         settled = (self.since_rewind >= cache.ring) if s.window is not None else np.ones(s.batch, bool)
         expect = np.minimum(cache.lengths, s.max_chunk)
         assert (ans[settled] >= expect[settled]).all(), f"answerable {ans} < {expect} without a recent rewind"
+        for b in range(s.batch):                # what the cache says it holds is the history, bit for bit
+            k, v, pos = cache.temporal_view(b)
+            L = int(cache.lengths[b])
+            if settled[b]:
+                lo = max(s.sinks, L - cache.ring) if s.window is not None else 0
+                assert pos.tolist() == list(range(min(L, s.sinks))) + list(range(lo, L)), f"sequence {b} holds {pos}"
+            if L:
+                assert np.array_equal(k, np.concatenate(self.hist.k[b], axis=1)[:, pos]), f"K rows of sequence {b}"
+                assert np.array_equal(v, np.concatenate(self.hist.v[b], axis=1)[:, pos]), f"V rows of sequence {b}"
         counts = np.minimum(ans, s.max_chunk)   # every query the cache can still answer, up to a chunk
         q = self.rng.standard_normal((s.batch, self.q_heads, max(1, int(counts.max())), s.head_dim)).astype(np.float32)
         for backend in self.backends:
