@@ -54,6 +54,12 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
     if spec.window is not None and counts.max() > spec.max_chunk:
         raise ValueError(f"counts {counts.tolist()} exceed max_chunk={spec.max_chunk}: queries older than "
                          "one chunk may have lost keys to the ring")
+    short = np.nonzero(counts > cache.answerable())[0] if spec.window is not None else ()
+    if len(short):
+        b = int(short[0])
+        raise ValueError(f"sequence {b} can attend only its newest {int(cache.answerable()[b])} tokens exactly "
+                         f"(asked for {int(counts[b])}): after a rewind its ring holds keys from position "
+                         f"{int(cache.held_from[b])} on; append new tokens and attend those")
     scale = 1.0 / float(np.sqrt(spec.head_dim)) if scale is None else float(scale)
     return fn(q, cache.k, cache.v, cache.lengths, counts, window=spec.window or 0, sinks=spec.sinks,
               scale=scale, kind=spec.dtype)

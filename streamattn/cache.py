@@ -24,6 +24,12 @@ sum over keys, invariant to their order. Only the mask needs positions, and thos
 (slot, length). Nothing is ever re-rotated, which is what broke the sink caches of other engines.
 
 Every mutation validates first and writes second: a rejected call leaves the cache bit-for-bit unchanged.
+
+What a window ring still holds: ``held_from[b]``. A write at position j destroys position j - R (R = slots - n_s),
+so after appends alone the ring holds the last R positions, ``max(n_s, L - R) .. L - 1``. A rewind
+(streamattn.state) lowers L but cannot bring back what the dropped tokens overwrote, so the cache records the
+oldest ring position it still holds for each sequence; ``answerable()`` and ``state.rewind`` derive from it
+which queries can still be attended exactly. Slots that hold no current position are zero.
 """
 
 from __future__ import annotations
@@ -90,6 +96,8 @@ class KVCache:
     k, v : [batch, kv_heads, slots, head_dim] storage arrays (bf16 as uint16 bits)
     lengths : int64 [batch], tokens seen per sequence (its next absolute position); host memory
     last_counts : int64 [batch], tokens per sequence in the most recent append (the queries to attend)
+    held_from : int64 [batch], oldest ring position (>= n_s) whose K/V the ring still holds; host memory.
+        ``max(n_s, L - R)`` after appends alone (0 for causal caches); higher only after a rewind.
 
     Examples
     --------
@@ -123,6 +131,7 @@ class KVCache:
         self.v = self.xp.zeros(shape, dtype=spec.storage_dtype)  # [batch, kv_heads, slots, head_dim]
         self.lengths = np.zeros(spec.batch, dtype=np.int64)      # [batch]
         self.last_counts = np.zeros(spec.batch, dtype=np.int64)  # [batch]
+        self.held_from = np.full(spec.batch, spec.sinks, dtype=np.int64)  # [batch]
 
     # -- geometry -------------------------------------------------------------------------------
     @property
@@ -171,6 +180,8 @@ class KVCache:
             idx = xp.asarray(slots)
             self.k[b][:, idx] = ks[b, :, :c]
             self.v[b][:, idx] = vs[b, :, :c]
+        if spec.window is not None:  # the writes destroyed positions up to L + count - 1 - R
+            self.held_from = np.maximum(self.held_from, self.lengths + counts - self.ring)
         self.lengths += counts
         self.last_counts = counts
 
@@ -247,6 +258,7 @@ class KVCache:
             self.v[...] = 0
             self.lengths[:] = 0
             self.last_counts[:] = 0
+            self.held_from[:] = self.spec.sinks
             return
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < self.spec.batch:
             raise ValueError(f"b must be a sequence index in 0..{self.spec.batch - 1} (got {b!r})")
@@ -254,10 +266,50 @@ class KVCache:
         self.v[b] = 0
         self.lengths[b] = 0
         self.last_counts[b] = 0
+        self.held_from[b] = self.spec.sinks
+
+    # -- state (streamattn.state does the work) ---------------------------------------------------
+    def answerable(self):
+        """int64 [batch]: how many of its newest tokens each sequence can attend exactly now (``attend``'s
+        ``counts`` may not exceed it). Query i needs ring keys from ``i - n_c + 1``; the ring holds them from
+        ``held_from`` on. So: ``lengths`` for a causal cache or a ring that never wrapped; max_chunk for a
+        wrapped ring (the C - 1 slack); fewer right after a rewind, until new tokens are appended."""
+        if self.spec.window is None:
+            return self.lengths.copy()
+        wrapped = self.held_from > self.spec.sinks  # ring positions below held_from are gone
+        limit = self.lengths - self.held_from - self.spec.window + 1
+        return np.where(wrapped, np.clip(limit, 0, self.lengths), self.lengths)
+
+    def rewind(self, b: int, k: int) -> None:
+        """Drop the last ``k`` tokens of sequence ``b``; see :func:`streamattn.state.rewind` for when a
+        window cache allows it."""
+        from . import state
+        state.rewind(self, b, k)
+
+    def fork(self, src: int, dst: int, *, into: "KVCache | None" = None) -> None:
+        """Copy sequence ``src`` into sequence ``dst`` of this cache (or of ``into``); see
+        :func:`streamattn.state.fork`."""
+        from . import state
+        state.fork(self, src, dst, into=into)
+
+    def save(self, path) -> None:
+        """Snapshot this cache to ``path`` atomically; see :func:`streamattn.state.save`."""
+        from . import state
+        state.save(path, self)
+
+    @classmethod
+    def load(cls, path, *, spec: CacheSpec | None = None, device: str = "cpu") -> "KVCache":
+        """A new cache from a snapshot file; see :func:`streamattn.state.load`."""
+        from . import state
+        cache = state.load(path, spec=spec, device=device)
+        if not isinstance(cache, cls):
+            raise ValueError(f"{path}: holds {len(cache)} layers; use streamattn.state.load for a list")
+        return cache
 
     # -- inspection -----------------------------------------------------------------------------
     def temporal_view(self, b: int):
-        """The tokens sequence ``b`` still holds, in temporal order, widened to float32 on the host.
+        """The tokens sequence ``b`` still holds, in temporal order, widened to float32 on the host
+        (after a window rewind, ring positions below ``held_from[b]`` are not held).
 
         Returns
         -------
@@ -266,7 +318,8 @@ class KVCache:
         """
         pos = slot_positions(int(self.lengths[b]), slots=self.slots, sinks=self.spec.sinks)  # [slots]
         order = np.argsort(pos, kind="stable")
-        order = order[pos[order] >= 0]
+        p = pos[order]
+        order = order[(p >= 0) & ((p < self.spec.sinks) | (p >= self.held_from[b]))]  # lost to a rewind: not held
         out = []
         for store in (self.k, self.v):
             rows = store[b][:, self.xp.asarray(order)]  # [kv_heads, n, head_dim]

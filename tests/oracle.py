@@ -12,6 +12,17 @@ TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 LSE_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}  # absolute, natural log
 
 
+def as_stored(x, dtype: str):
+    """float32 values of ``x`` as a cache of storage ``dtype`` holds them (round to nearest even; ml_dtypes for
+    bfloat16, independent of the cache's own conversion). An oracle over these isolates the kernels'
+    arithmetic from storage rounding, so it can be checked at the float32 tolerance at any head_dim."""
+    if dtype == "float32":
+        return np.asarray(x, np.float32)
+    import ml_dtypes
+    store = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    return np.asarray(x, np.float32).astype(store).astype(np.float32)
+
+
 class History:
     """Every K/V row ever appended, per sequence, in temporal order: what full attention sees."""
 
@@ -27,6 +38,17 @@ class History:
 
     def reset(self, b):
         self.k[b], self.v[b] = [], []
+
+    def truncate(self, b, length):
+        """Keep the first ``length`` tokens of sequence b (what a rewind leaves)."""
+        if length < self.length(b):
+            k, v = (np.concatenate(x[b], axis=1)[:, :length] for x in (self.k, self.v))
+            self.k[b], self.v[b] = ([k], [v]) if length else ([], [])
+
+    def copy(self, src, dst, into=None):
+        """Sequence ``dst`` (of ``into``, default this history) becomes a copy of sequence ``src`` (a fork)."""
+        into = self if into is None else into
+        into.k[dst], into.v[dst] = list(self.k[src]), list(self.v[src])
 
     def length(self, b):
         return sum(x.shape[1] for x in self.k[b])

@@ -1,0 +1,330 @@
+"""Snapshots of cache state in a file: save, load, restore, and one sequence at a time.
+
+What is saved is the state ``streamattn.state`` defines (spec, K/V, lengths, last_counts, held_from), for one
+cache or a model's list of per-layer caches. Public names are re-exported by ``streamattn.state``.
+
+File format ``streamattn-kv``, version 1
+-----------------------------------------
+An uncompressed ``.npz`` (a zip of ``.npy`` members; read with ``allow_pickle=False``):
+
+    meta                         uint8 [n], UTF-8 JSON:
+                                 {"format": "streamattn-kv", "version": 1, "layout": "cache" | "layers",
+                                  "layers": [{"spec": {CacheSpec fields}, "slots": S, "used": U}, ...],
+                                  "sha256": "<hex digest of the payload>"}
+    layer{i}.k, layer{i}.v       [batch, kv_heads, U, head_dim], storage dtype: slots 0 .. U-1
+    layer{i}.lengths             int64 [batch]
+    layer{i}.last_counts         int64 [batch]
+    layer{i}.held_from           int64 [batch]
+
+``U = min(S, max(lengths))``. Slots at or past U hold zeros (a slot that holds no current position is
+zero: appends never write there, rewinds and resets zero what they drop), so a load allocates S zeroed
+slots and fills the first U: the restored arrays are bit-identical to the saved ones. S is stored
+because a causal cache's capacity grows. The digest is sha256 over the meta JSON without its "sha256"
+key (sorted keys) and then every array member in name order as name, dtype, shape and raw bytes; the
+zip's own CRC-32 also catches flipped bits. npz because numpy alone reads and writes it (no extra
+dependency; safetensors is not installed here) and it loads without pickle.
+
+Writes are atomic: a temporary file in the target's folder, flush + fsync, ``os.replace``, then an
+fsync of the folder. A crash leaves the old file or the new one under the final name, never half of one.
+Loads are all or nothing: the whole file is read and checked (checksum, version, shapes, spec) before
+anything is built or written, so a bad file raises ``StateFileError`` and the target cache is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import tempfile
+import zipfile
+
+import numpy as np
+
+from .cache import KVCache
+from .spec import CacheSpec
+
+FORMAT = "streamattn-kv"
+VERSION = 1
+_FIELDS = ("k", "v", "lengths", "last_counts", "held_from")
+IGNORED = ("check_finite",)  # spec fields that are input policy, not state: never compared
+
+
+class StateFileError(ValueError):
+    """A state file that cannot be used: the message names the file and the problem; nothing changed."""
+
+
+# -- save ----------------------------------------------------------------------------------------
+def save(path, caches) -> None:
+    """Snapshot a cache, or a model's list of per-layer caches, to one file, atomically.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        Written exactly as given (no suffix added); ``.npz`` is the natural suffix.
+    caches : KVCache or list of KVCache
+
+    Examples
+    --------
+    >>> cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=8, window=4))
+    >>> cache.save("/tmp/kv.npz"); KVCache.load("/tmp/kv.npz").lengths.tolist()
+    [0, 0]
+    """
+    layers = [caches] if isinstance(caches, KVCache) else list(caches)
+    _write(path, "cache" if isinstance(caches, KVCache) else "layers",
+           [_record(c, c.spec, slice(None)) for c in check_caches(layers)])
+
+
+def save_sequence(path, caches, b: int) -> None:
+    """Snapshot sequence ``b`` of a cache (or of every layer) as a batch-1 file (llama.cpp #5843).
+
+    Load it into any sequence of a cache with the same spec but any batch with :func:`load_sequence`,
+    or as a batch-1 cache with :func:`load`.
+    """
+    layers = [caches] if isinstance(caches, KVCache) else list(caches)
+    for c in check_caches(layers):
+        check_index("b", b, c.spec.batch)
+    _write(path, "cache" if isinstance(caches, KVCache) else "layers",
+           [_record(c, dataclasses.replace(c.spec, batch=1), slice(b, b + 1)) for c in layers])
+
+
+def _record(cache: KVCache, spec: CacheSpec, rows: slice):
+    lengths = cache.lengths[rows]
+    used = min(cache.slots, int(lengths.max()) if lengths.size else 0)
+    arrays = {"k": host(cache.k[rows, :, :used]), "v": host(cache.v[rows, :, :used]),
+              "lengths": lengths.copy(), "last_counts": cache.last_counts[rows].copy(),
+              "held_from": cache.held_from[rows].copy()}
+    return {"spec": dataclasses.asdict(spec), "slots": cache.slots, "used": used}, arrays
+
+
+def _write(path, layout: str, records) -> None:
+    arrays = {f"layer{i}.{name}": a for i, (_, layer) in enumerate(records) for name, a in layer.items()}
+    meta = {"format": FORMAT, "version": VERSION, "layout": layout, "layers": [m for m, _ in records]}
+    meta["sha256"] = _digest(meta, arrays)
+    arrays["meta"] = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8)
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable (not possible on every OS)
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def _digest(meta: dict, arrays: dict) -> str:
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True).encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.data)
+    return h.hexdigest()
+
+
+# -- load ----------------------------------------------------------------------------------------
+def load(path, *, spec=None, device: str = "cpu"):
+    """New cache(s) from a snapshot: a KVCache if a cache was saved, a list if a list was saved.
+
+    Parameters
+    ----------
+    spec : CacheSpec or list of CacheSpec, optional
+        What the caller expects; a file saved with another spec (``check_finite`` aside) is refused.
+    device : {"cpu", "gpu"}
+        Where the new caches live, whichever device the file was saved from.
+
+    Raises
+    ------
+    StateFileError
+        Truncated, corrupted (checksum), wrong format or version, inconsistent, or another spec.
+    """
+    meta, layers = _read(path)
+    want = None if spec is None else ([spec] if isinstance(spec, CacheSpec) else list(spec))
+    specs = [CacheSpec(**m["spec"]) for m in meta["layers"]]
+    if want is not None:
+        _match_all(path, specs, want, ignore=IGNORED)
+        specs = want
+    caches = []
+    for s, m, arrays in zip(specs, meta["layers"], layers):
+        cache = KVCache(s, device=device)
+        _install(cache, m["slots"], arrays)
+        caches.append(cache)
+    return caches[0] if meta["layout"] == "cache" else caches
+
+
+def restore(target, path) -> None:
+    """Restore a snapshot into existing cache(s) in place, all or nothing.
+
+    ``target`` is a KVCache or a list (one per layer); each must have the spec the file was saved with
+    (``check_finite`` aside). On any error the targets are bit-for-bit unchanged.
+    """
+    caches = [target] if isinstance(target, KVCache) else list(target)
+    meta, layers = _read(path)
+    _match_all(path, [CacheSpec(**m["spec"]) for m in meta["layers"]], [c.spec for c in check_caches(caches)],
+                ignore=IGNORED)
+    staged = []
+    for c, m, arrays in zip(caches, meta["layers"], layers):  # build everything first ...
+        shape = (c.spec.batch, c.spec.kv_heads, m["slots"], c.spec.head_dim)
+        staged.append([_filled(c.xp, shape, arrays[n]) for n in ("k", "v")])
+    for c, (k, v), arrays in zip(caches, staged, layers):     # ... then swap, which cannot fail
+        c.k, c.v = k, v
+        c.lengths, c.last_counts, c.held_from = (arrays[n].copy() for n in _FIELDS[2:])
+
+
+def load_sequence(path, caches, b: int) -> None:
+    """Load a :func:`save_sequence` file into sequence ``b`` of a cache (or of every layer), all or nothing.
+
+    The other sequences are untouched; the cache's spec must equal the file's apart from ``batch``.
+    """
+    layers = [caches] if isinstance(caches, KVCache) else list(caches)
+    meta, arrays = _read(path)
+    for c in check_caches(layers):
+        check_index("b", b, c.spec.batch)
+    specs = [CacheSpec(**m["spec"]) for m in meta["layers"]]
+    for i, s in enumerate(specs):
+        if s.batch != 1:
+            raise StateFileError(f"{path}: layer {i} holds a batch of {s.batch} sequences; load_sequence "
+                                 "needs a file from save_sequence (batch 1); use load or restore")
+    _match_all(path, specs, [c.spec for c in layers], ignore=IGNORED + ("batch",))
+    for c, a in zip(layers, arrays):
+        put_sequence(c, b, a["k"][0], a["v"][0], *(int(a[n][0]) for n in _FIELDS[2:]), reserve_only=True)
+    for c, a in zip(layers, arrays):
+        put_sequence(c, b, a["k"][0], a["v"][0], *(int(a[n][0]) for n in _FIELDS[2:]))
+
+
+def _read(path):
+    """(meta, [per-layer dict of host arrays]) of a state file, every check done; or StateFileError."""
+    def bad(problem):
+        return StateFileError(f"{os.fspath(path)}: {problem}")
+    with open(path, "rb") as f:  # a missing or unreadable file raises its own OSError, naming it
+        raw = f.read()
+    try:
+        if not raw.startswith(b"PK"):  # every zip starts with a "PK" record; numpy would try pickle
+            raise ValueError(f"no zip header: the file starts with {raw[:8]!r}")
+        z = np.load(io.BytesIO(raw), allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise ValueError("it holds one .npy array, not an .npz archive")
+        with z:
+            members = {name: z[name] for name in z.files}  # reads every member: zip CRC-32 checked
+    except (zipfile.BadZipFile, ValueError, EOFError, KeyError, OSError) as e:
+        raise bad(f"not a readable streamattn state file: truncated or corrupted ({type(e).__name__}: {e})") from e
+    if "meta" not in members:
+        raise bad(f"no 'meta' member: not a {FORMAT} file (members: {sorted(members)[:6]})")
+    try:
+        meta = json.loads(members.pop("meta").tobytes().decode())
+        fmt, version = meta.get("format"), meta.get("version")
+    except (UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise bad(f"its meta is not valid JSON: corrupted ({e})") from e
+    if fmt != FORMAT:
+        raise bad(f"format {fmt!r} is not {FORMAT!r}: not a streamattn KV state file")
+    if version != VERSION:
+        raise bad(f"format version {version!r} is not supported: this streamattn reads version {VERSION}; "
+                  "load it with the streamattn that wrote it and save it again")
+    digest = _digest(meta, members)
+    if digest != meta.get("sha256"):
+        raise bad(f"checksum mismatch: the payload hashes to sha256 {digest[:16]}..., the file records "
+                  f"{str(meta.get('sha256'))[:16]}...: the file is corrupted")
+    if meta.get("layout") not in ("cache", "layers") or not meta.get("layers") \
+            or (meta["layout"] == "cache" and len(meta["layers"]) != 1):
+        raise bad(f"layout {meta.get('layout')!r} with {len(meta.get('layers') or [])} layers is inconsistent")
+    layers = []
+    for i, m in enumerate(meta["layers"]):
+        try:
+            layers.append(_check_layer(m, {n: members[f"layer{i}.{n}"] for n in _FIELDS}))
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"layer {i}: inconsistent contents ({type(e).__name__}: {e})") from e
+    return meta, layers
+
+
+def _check_layer(m: dict, a: dict) -> dict:
+    s = CacheSpec(**m["spec"])
+    slots, used = m["slots"], m["used"]
+    L = a["lengths"]
+    for n in _FIELDS[2:]:
+        if a[n].dtype != np.int64 or a[n].shape != (s.batch,):
+            raise ValueError(f"{n} must be int64 [{s.batch}] (got {a[n].dtype} {a[n].shape})")
+    for n in ("k", "v"):
+        if a[n].dtype != s.storage_dtype or a[n].shape != (s.batch, s.kv_heads, used, s.head_dim):
+            raise ValueError(f"{n} must be {s.storage_dtype} {(s.batch, s.kv_heads, used, s.head_dim)} "
+                             f"(got {a[n].dtype} {a[n].shape})")
+    if L.min() < 0 or (s.window is None and L.max() > slots) or (a["last_counts"] < 0).any() \
+            or (a["last_counts"] > L).any():
+        raise ValueError(f"lengths {L.tolist()} / last_counts {a['last_counts'].tolist()} out of range")
+    cap = s.slots if s.window is not None else (s.max_len or slots)
+    if not (slots == cap if s.window is not None else 1 <= slots <= cap) or used != min(slots, int(L.max())):
+        raise ValueError(f"slots={slots}, used={used} do not fit the spec and lengths {L.tolist()}")
+    h = a["held_from"]
+    if s.window is None and h.any() or s.window is not None and \
+            ((h < s.sinks).any() or (h > np.maximum(s.sinks, L)).any() or (h < L - (slots - s.sinks)).any()):
+        raise ValueError(f"held_from {h.tolist()} impossible for lengths {L.tolist()}")
+    return a
+
+
+def _match_all(path, found, want, *, ignore) -> None:
+    if len(found) != len(want):
+        raise StateFileError(f"{os.fspath(path)}: holds {len(found)} layer(s), {len(want)} requested")
+    for i, (f, w) in enumerate(zip(found, want)):
+        diff = [f"{n}={getattr(f, n)!r} in the file, {getattr(w, n)!r} requested"
+                for n in (x.name for x in dataclasses.fields(CacheSpec))
+                if n not in ignore and getattr(f, n) != getattr(w, n)]
+        if diff:
+            raise StateFileError(f"{os.fspath(path)}: layer {i} was saved with another spec: " + "; ".join(diff))
+
+
+def _install(cache: KVCache, slots: int, arrays: dict) -> None:
+    s = cache.spec
+    shape = (s.batch, s.kv_heads, slots, s.head_dim)
+    cache.k, cache.v = (_filled(cache.xp, shape, arrays[n]) for n in ("k", "v"))
+    cache.lengths, cache.last_counts, cache.held_from = (arrays[n].copy() for n in _FIELDS[2:])
+
+
+def _filled(xp, shape, rows):
+    """Zeros of ``shape`` on xp's device with ``rows`` ([..., used, d], host) in the first slots."""
+    out = xp.zeros(shape, dtype=rows.dtype)
+    out[:, :, :rows.shape[2]] = xp.asarray(rows)
+    return out
+
+
+# -- shared with streamattn.state ------------------------------------------------------------------
+def host(a):
+    """A host (numpy) copy of a numpy or CuPy array."""
+    return a.get() if hasattr(a, "get") else np.array(a)
+
+
+def put_sequence(cache: KVCache, b: int, k, v, length: int, last_count: int, held_from: int, *, reserve_only=False):
+    """Make sequence b hold k, v ([kv_heads, n, head_dim], slots 0..n-1; zeros after) and these counters."""
+    n = k.shape[1]
+    if n > cache.slots:  # causal: grow first; it keeps every row, so a later failure changes nothing
+        cache.reserve(n)
+    if reserve_only:
+        return
+    xp = cache.xp
+    cache.k[b] = 0
+    cache.v[b] = 0
+    cache.k[b][:, :n] = xp.asarray(k)
+    cache.v[b][:, :n] = xp.asarray(v)
+    cache.lengths[b], cache.last_counts[b], cache.held_from[b] = length, last_count, held_from
+
+
+def check_caches(caches):
+    if not caches or not all(isinstance(c, KVCache) for c in caches):
+        raise TypeError(f"expected a KVCache or a non-empty list of them (got {[type(c).__name__ for c in caches]})")
+    return caches
+
+
+def check_index(name: str, value, batch: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < batch:
+        raise ValueError(f"{name} must be a sequence index in 0..{batch - 1} (got {value!r})")
+
