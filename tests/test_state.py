@@ -464,14 +464,14 @@ def test_rewind_rejects_bad_arguments():
 # -- the device="gpu" code path, through a strict stand-in for CuPy (no GPU here) -------------------
 def test_gpu_code_path_with_a_stand_in_device(tmp_path, monkeypatch):
     """Save on the "GPU", load on the CPU and back, fork and rewind across devices: the same bits as a CPU
-    twin fed the same tokens. tests/fake_cupy.py refuses implicit host<->device conversions."""
+    twin fed the same tokens. tests/strict_cupy.py refuses implicit host<->device conversions."""
     import sys
-    import fake_cupy
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    import strict_cupy
+    monkeypatch.setitem(sys.modules, "cupy", strict_cupy)
     spec = make_spec("sinks", "bfloat16", batch=2)
     rng = np.random.default_rng(11)
     cpu, gpu, hist = KVCache(spec), KVCache(spec, device="gpu"), History(2)
-    assert isinstance(gpu.k, fake_cupy.ndarray)
+    assert isinstance(gpu.k, strict_cupy.ndarray)
     with pytest.raises(TypeError, match="Implicit conversion"):
         np.asarray(gpu.k)
 
@@ -482,7 +482,7 @@ def test_gpu_code_path_with_a_stand_in_device(tmp_path, monkeypatch):
         T = 1 + step % spec.max_chunk
         k, v = rng.standard_normal((2, 2, 2, T, 16)).astype(np.float32)
         cpu.append(k, v)
-        gpu.append(fake_cupy.asarray(k), fake_cupy.asarray(v))
+        gpu.append(strict_cupy.asarray(k), strict_cupy.asarray(v))
         hist.append(as_stored(k, spec.dtype), as_stored(v, spec.dtype), [T, T])
     same(cpu, gpu)
     for c in (cpu, gpu):
@@ -493,7 +493,7 @@ def test_gpu_code_path_with_a_stand_in_device(tmp_path, monkeypatch):
     same(cpu, gpu)
     q = rng.standard_normal((2, Q_HEADS, 1, 16)).astype(np.float32)
     counts = np.minimum(gpu.answerable(), 1)
-    out, lse = attend(fake_cupy.asarray(q), gpu, backend="reference", counts=counts)
+    out, lse = attend(strict_cupy.asarray(q), gpu, backend="reference", counts=counts)
     check(out, lse, q, hist, counts, dataclasses.replace(spec, dtype="float32"), what="reference on the stand-in")
 
     gpu.save(tmp_path / "g.npz")                                   # GPU -> file -> CPU
