@@ -72,8 +72,10 @@ def plot(rows, path: str) -> bool:
         for impl in dict.fromkeys(r["impl"] for r in g):
             pts = sorted((r["L"], r["gbps"]) for r in g if r["impl"] == impl)
             ax.plot(*zip(*pts), "o-", label=impl)
-        ceil = sorted({(r["L"], r["ceiling_gbps"]) for r in g})
-        ax.plot(*zip(*ceil), "k--", lw=1, label="ceiling (probed beside)")
+        Ls = sorted({r["L"] for r in g})
+        ceil = [[r["ceiling_gbps"] for r in g if r["L"] == L] for L in Ls]   # every probe beside this L
+        ax.fill_between(Ls, [min(c) for c in ceil], [max(c) for c in ceil], color="k", alpha=0.12, lw=0)
+        ax.plot(Ls, [float(np.median(c)) for c in ceil], "k--", lw=1, label="read ceiling (probed beside)")
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
         ax.set_title(f"{phase}{' T=' + str(T) if phase == 'prefill' else ''} {mode} B={B} {hq}/{hkv} d={d} {dt}",
