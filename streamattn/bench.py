@@ -319,7 +319,8 @@ def measure(point: Point, caches, q, ceiling, *, warmup=3, min_reps=10, max_reps
     after = ceiling.probe(2)
     row.update(status="ok", median_s=med, reps=len(times), p10_s=float(np.percentile(times, 10)),
                p90_s=float(np.percentile(times, 90)), tokens_per_s=point.new_tokens / med,
-               gbps=point.bytes_read / med / 1e9, ceiling_before=before, ceiling_after=after,
+               gbps=point.bytes_read / med / 1e9, gbps_p10=point.bytes_read / float(np.percentile(times, 10)) / 1e9,
+               ceiling_before=before, ceiling_after=after,
                ceiling_gbps=max(before, after), caches=len(caches))
     row["pct_ceiling"] = 100 * row["gbps"] / row["ceiling_gbps"]
     return row

@@ -10,8 +10,10 @@ import numpy as np
 
 
 def table(rows) -> str:
+    """One line per point: median time, tokens/s, GB/s at the median and at the 10th percentile of times
+    (what the kernel reaches when no other job interrupts it), the ceiling, the median's % of it."""
     head = (f"{'impl':<6} {'phase':<9} {'mode':<6} {'B':>2} {'Hq/Hkv':>6} {'d':>4} {'dtype':<8} {'L':>6} {'T':>5} "
-            f"{'us/call':>10} {'tok/s':>10} {'GB/s':>7} {'ceil':>6} {'%ceil':>6} {'err':>8}")
+            f"{'us/call':>10} {'tok/s':>10} {'GB/s':>7} {'p10':>6} {'ceil':>6} {'%ceil':>6} {'err':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         base = (f"{r['impl']:<6} {r['phase']:<9} {r['mode']:<6} {r['batch']:>2} {r['q_heads']:>3}/{r['kv_heads']:<2} "
@@ -19,7 +21,7 @@ def table(rows) -> str:
         if r["status"] != "ok":
             lines.append(base + f"{'WRONG: oracle error ' + format(r['oracle_error'], '.3g'):>44}")
             continue
-        lines.append(base + f"{r['median_s'] * 1e6:>10.1f} {r['tokens_per_s']:>10.0f} {r['gbps']:>7.2f} "
+        lines.append(base + f"{r['median_s'] * 1e6:>10.1f} {r['tokens_per_s']:>10.0f} {r['gbps']:>7.2f} {r.get('gbps_p10', np.nan):>6.1f} "
                      f"{r['ceiling_gbps']:>6.1f} {r['pct_ceiling']:>5.1f}% {r['oracle_error']:>8.1e}")
     same = ("impl", "L", "batch", "q_heads", "kv_heads", "head_dim", "dtype", "mode")
     for r in rows:                     # the KV cache's reason to exist, as one row
