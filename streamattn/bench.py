@@ -131,6 +131,19 @@ def suite(name: str, impls) -> list[Point]:
     return out
 
 
+def select(points, where: str | None) -> list[Point]:
+    """Points whose fields match ``where`` ("L=16384,dtype=float32|float16"): the --where option."""
+    if not where:
+        return points
+    want = {}
+    for term in where.split(","):
+        field, _, values = term.partition("=")
+        if field not in Point.__dataclass_fields__:
+            raise ValueError(f"--where: unknown field {field!r}; fields are {', '.join(Point.__dataclass_fields__)}")
+        want[field] = set(values.split("|"))
+    return [p for p in points if all(str(getattr(p, f)) in v for f, v in want.items())]
+
+
 def available_impls() -> list[str]:
     """Implementations this machine can run: cpu and numpy always, gpu with a CUDA device, torch if installed."""
     impls = ["cpu", "numpy"]
@@ -314,6 +327,7 @@ def measure(point: Point, caches, q, ceiling, *, warmup=3, min_reps=10, max_reps
         return row
     if point.phase == "recompute":      # seconds per call; the checked call above was the warm-up
         warmup, min_reps, min_time = 0, 3, 0.0
+    row["loadavg_1min"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None   # other jobs on the host
     before = ceiling.probe(2)
     med, times = time_calls(fn, warmup=warmup, min_reps=min_reps, max_reps=max_reps, min_time=min_time)
     after = ceiling.probe(2)
@@ -366,6 +380,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default=None,
                    help="quick, decode, modes, batch, prefill, recompute or full (default full; quick with --quick)")
     p.add_argument("--impl", default=None, help="comma list of cpu,gpu,numpy,torch (default: all available)")
+    p.add_argument("--where", default=None, metavar="FIELD=V[|V..],...",
+                   help="keep the suite's points whose fields match, e.g. 'L=16384,head_dim=64,dtype=float32|float16'")
     p.add_argument("--threads", type=int, default=None, help="Numba threads (default: all cores)")
     p.add_argument("--out", default="out/bench", help="folder for bench.json and bench.png")
     p.add_argument("--min-time", type=float, default=None, help="seconds of timed calls per point")
@@ -380,7 +396,7 @@ def run_args(args) -> int:
     name = args.suite or ("quick" if args.quick else "full")
     impls = args.impl.split(",") if args.impl else available_impls()
     min_time = args.min_time if args.min_time is not None else (0.15 if name == "quick" else 0.4)
-    points = suite(name, impls)
+    points = select(suite(name, impls), args.where)
     info = benchreport.machine()
     print(f"streamattn bench: suite {name}, {len(points)} points, impls {','.join(impls)}, "
           f"{info['numba_threads']} Numba threads, {info['cpu']}", file=sys.stderr, flush=True)
