@@ -194,7 +194,8 @@ def plot(r: dict, path: str) -> bool:
     a.set_ylim(0, 2 * np.percentile(med, 99))
     a.set_ylabel("latency per token (us)")
     a.legend(fontsize=8)
-    a.set_title(summary_line(r).split(";")[0], fontsize=8)
+    a.set_title(summary_line(r).split(": latency")[0] + f"\nlatency at end / at 1k = {r['latency_ratio']:.3f} "
+                f"({r['latency_end_us']:.1f} / {r['latency_1k_us']:.1f} us per token)", fontsize=8)
     b.plot(r["rss_positions"], np.array(r["rss_bytes"]) / 2**20, "C1", lw=0.8)
     b.set_ylim(0, 1.2 * max(r["rss_bytes"]) / 2**20)
     b.set_ylabel("process RSS (MiB)")
