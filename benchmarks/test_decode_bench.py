@@ -17,8 +17,7 @@ import pytest
 
 from streamattn import bench
 
-IMPLS = [i for i in bench.available_impls() if i != "gpu"]   # the gpu ceiling is a different probe
-POINTS = bench.suite("decode", IMPLS)
+POINTS = bench.suite("decode", bench.available_impls())
 
 
 def _id(p):
@@ -26,13 +25,22 @@ def _id(p):
 
 
 @pytest.fixture(scope="module")
-def ceiling():
-    return bench.make_ceiling("cpu", 1 << 30)
+def ceilings():
+    """Per device, made on first use: the host read ceiling (1 GiB sum) or a GPU device copy."""
+    made = {}
+
+    def get(device):
+        if device not in made:
+            made[device] = bench.make_ceiling(device, 1 << 30)
+        return made[device]
+    return get
 
 
 @pytest.mark.parametrize("point", POINTS, ids=_id)
-def test_decode(benchmark, point, ceiling):
-    caches, q = bench.build(point, np.random.default_rng(0))
+def test_decode(benchmark, point, ceilings):
+    device = "gpu" if point.impl == "gpu" else "cpu"
+    ceiling = ceilings(device)
+    caches, q = bench.build(point, np.random.default_rng(0), device)
     fn = bench.runner(point, caches, q)
     err = bench.oracle_error(point, fn(0), caches[0], q)
     assert err <= bench.TOL[point.dtype], f"{_id(point)}: oracle error {err:.3g} > {bench.TOL[point.dtype]}"

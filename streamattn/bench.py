@@ -229,7 +229,7 @@ def oracle_error(point: Point, out, cache, q) -> float:
     q_pos = np.arange(L - T, L)[rows]
     err = 0.0
     for h in sorted({0, spec.kv_heads - 1}):
-        kv = [host(s[0, h:h + 1][:, held]) for s in (cache.k, cache.v)]   # [1, n, D] storage, slot order
+        kv = [host(s[0, h:h + 1])[:, held] for s in (cache.k, cache.v)]   # [1, n, D] storage, slot order
         kv = [widen_bf16(x) if spec.dtype == "bfloat16" else x for x in kv]
         ref, _ = reference.attention(q[0, h * G:(h + 1) * G, rows], kv[0], kv[1], q_pos, window=spec.window,
                                      sinks=spec.sinks, k_pos=pos[held])
