@@ -63,3 +63,16 @@ def test_stream_summary(one_thread):
 def test_time_step_hook():
     r = bench.time_step(lambda: None, tokens_per_call=8, warmup=1, min_reps=3, min_time=0)
     assert r["reps"] == 3 and r["tokens_per_s"] > 0
+
+
+def test_end_to_end_hook_times_a_model_engine():
+    calls = []
+
+    def make_engine(*, context, batch, cache):
+        if cache == "window" and context > 512:
+            return None                                  # a combination the model does not allow
+        return (lambda: calls.append(("prefill", context)), lambda: calls.append(("decode", batch)))
+    rows = bench.end_to_end(make_engine, contexts=(512, 4096), batches=(1, 8))
+    assert [(r["cache"], r["context"], r["batch"]) for r in rows] == \
+        [("full", 512, 1), ("full", 512, 8), ("full", 4096, 1), ("full", 4096, 8), ("window", 512, 1), ("window", 512, 8)]
+    assert all(r["prefill"]["tokens_per_s"] > 0 and r["decode"]["tokens_per_s"] > 0 for r in rows)
