@@ -1,4 +1,4 @@
-"""``streamattn`` command line: pull, generate, inspect (and later bench, stream).
+"""``streamattn`` command line: pull, generate, inspect, bench, stream.
 
 Adding a subcommand: write ``configure(parser)`` and ``run(args) -> int`` and add one
 ``register("name", "help", configure, run)`` line in the REGISTRATION block at the bottom.
@@ -203,6 +203,18 @@ register("pull", "fetch a model (smollm2-135m, gemma3-270m) into the per-user ca
 register("generate", "stream a completion of a prompt", _generate_configure, _generate_run)
 register("inspect", "per layer/head attention mass on sinks vs window, top positions", _inspect_configure,
          _inspect_run)
+
+
+def _module_command(module: str):
+    """(configure, run) of a subcommand that lives in streamattn.<module> (imported only when used)."""
+    import importlib
+    return (lambda p: importlib.import_module(f"streamattn.{module}").add_arguments(p),
+            lambda args: importlib.import_module(f"streamattn.{module}").run_args(args))
+
+
+register("bench", "attention throughput vs the read ceiling probed in the same run", *_module_command("bench"))
+register("stream", "stream >= 1M tokens through window caches: latency, RSS, oracle checks",
+         *_module_command("stream"))
 
 
 def build_parser() -> argparse.ArgumentParser:

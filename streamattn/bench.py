@@ -1,0 +1,426 @@
+"""Attention throughput over a KV cache, beside the machine's read ceiling probed in the same run.
+
+    python -m streamattn.bench --quick                  # < 2 minutes on a 2-core host
+    python -m streamattn.bench                          # every suite: table, out/bench/bench.json, bench.png
+    python -m streamattn.bench --suite decode --impl cpu,numpy --threads 2
+
+For every point: the implementation's output is checked against the float64 oracle on a slice (sequence
+0, first and last KV head's query group, newest <= 64 queries) BEFORE timing; then warm-up calls, then
+the median of many timed calls, each on the next of >= 2 caches whose total exceeds the L3 (64 MiB), so
+K and V come from memory as they do in a model with many layers. Achieved GB/s = bytes of K and V the
+queries must read / median time; "% ceil" divides it by the read ceiling (a Numba parallel sum over
+1 GiB, ``streamattn.ceiling``; on a GPU a device copy) probed right before and right after the point,
+the better of the two: on shared hosts the ceiling is bimodal (DESIGN.md §6), so a ceiling measured
+minutes earlier says little.
+
+``L`` is the number of keys the newest query sees, whatever the mode: causal caches hold L tokens;
+window caches have n_c = L (sinks: 4 + (L - 4)) and have wrapped their ring (3L + 17 tokens seen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from . import CacheSpec, KVCache, attend, benchreport, peers, reference
+from .cache import _to_storage, slot_positions, widen_bf16
+
+SINKS = 4
+ROTATE_BYTES = 64 << 20          # rotate caches until this much K+V: 2x the 32 MiB L3 of this machine kind
+CHECK_ROWS = 64                  # newest queries compared with the oracle before timing
+# Same numbers as tests/oracle.py (max |out - oracle| / max |oracle|); here the oracle sees the stored values.
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+MHA, GQA = (8, 8), (32, 8)
+K1, K4, K16, K64 = 1024, 4096, 16384, 65536
+
+
+@dataclass(frozen=True)
+class Point:
+    """One benchmark configuration for one implementation.
+
+    phase: "decode" (one query per sequence), "prefill" (a chunk of T queries that see the cache and,
+    causally, each other), "recompute" (all L queries of a causal history at once: what producing one
+    new token costs without a KV cache, K/V projections aside).
+    """
+
+    impl: str = "cpu"            # cpu | gpu | numpy | torch
+    phase: str = "decode"
+    L: int = K4
+    batch: int = 1
+    q_heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    mode: str = "causal"         # causal | window | sinks
+    T: int = 1                   # queries per sequence per call (recompute: L)
+
+    def spec(self) -> CacheSpec:
+        window = None if self.mode == "causal" else self.L - (SINKS if self.mode == "sinks" else 0)
+        return CacheSpec(batch=self.batch, kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+                         window=window, sinks=SINKS if self.mode == "sinks" else 0, max_chunk=self.T,
+                         check_finite=False)
+
+    @property
+    def length(self) -> int:
+        """Tokens each sequence has seen (a wrapped ring for window modes)."""
+        return self.L if self.mode == "causal" else 3 * self.L + 17
+
+    @property
+    def bytes_read(self) -> int:
+        """K and V bytes the call's queries must read: each visible key row once."""
+        keys = self.L if self.mode == "causal" else self.L + self.T - 1
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.batch * self.kv_heads * keys * self.head_dim * itemsize
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens whose output one call produces (recompute: one, the point of the comparison)."""
+        return self.batch * (self.T if self.phase == "prefill" else 1)
+
+    def config(self):
+        return replace(self, impl="")
+
+
+# -- the sweeps ---------------------------------------------------------------------------------------
+
+def suite(name: str, impls) -> list[Point]:
+    """Points of a named suite ("quick", "decode", "modes", "batch", "prefill", "recompute", "full")."""
+    pts: list[Point] = []
+    if name in ("decode", "full"):     # issue 2's grid: B=1, causal
+        for hq, hkv in (MHA, GQA):
+            for d in (64, 128):
+                for dt in ("float32", "float16"):
+                    pts += [Point(L=L, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=dt) for L in (K1, K4, K16, K64)]
+    if name in ("modes", "full"):      # window / sinks rings and bfloat16 storage
+        for mode in ("causal", "window", "sinks"):
+            for dt in ("float16", "bfloat16"):
+                pts += [Point(L=L, q_heads=32, kv_heads=8, dtype=dt, mode=mode) for L in (K1, K4, K16)]
+    if name in ("batch", "full"):
+        for hq, hkv in (MHA, GQA):
+            pts += [Point(L=K4, batch=B, q_heads=hq, kv_heads=hkv, dtype="float16") for B in (1, 2, 4, 8)]
+    if name in ("prefill", "full"):
+        for mode in ("causal", "window"):
+            for T in (16, 64):
+                pts += [Point(phase="prefill", L=L, T=T, q_heads=32, kv_heads=8, dtype="float16", mode=mode)
+                        for L in (K1, K4, K16)]
+    if name in ("recompute", "full", "quick"):
+        pts += [Point(L=K4), Point(phase="recompute", L=K4, T=K4)]
+    if name == "quick":
+        for hq, hkv in (MHA, GQA):
+            for dt in ("float32", "float16"):
+                pts += [Point(L=L, q_heads=hq, kv_heads=hkv, dtype=dt) for L in (K1, K16)]
+        pts += [Point(L=K4, q_heads=32, kv_heads=8, dtype="float16", mode=m) for m in ("window", "sinks")]
+        pts += [Point(phase="prefill", L=K4, T=64, q_heads=32, kv_heads=8, dtype="float16")]
+    if not pts:
+        raise ValueError(f"unknown suite {name!r}; choose from quick, decode, modes, batch, prefill, recompute, full")
+    seen, out = set(), []
+    for p in pts:
+        for impl in impls:
+            q = replace(p, impl=impl)
+            if name == "quick" and impl in ("numpy", "torch") and p.dtype != "float32":
+                continue                 # peers widen 16-bit caches whole: slow, and known to be (DESIGN §6)
+            if q not in seen:
+                seen.add(q)
+                out.append(q)
+    return out
+
+
+def select(points, where: str | None) -> list[Point]:
+    """Points whose fields match ``where`` ("L=16384,dtype=float32|float16"): the --where option."""
+    if not where:
+        return points
+    want = {}
+    for term in where.split(","):
+        field, _, values = term.partition("=")
+        if field not in Point.__dataclass_fields__:
+            raise ValueError(f"--where: unknown field {field!r}; fields are {', '.join(Point.__dataclass_fields__)}")
+        want[field] = set(values.split("|"))
+    return [p for p in points if all(str(getattr(p, f)) in v for f, v in want.items())]
+
+
+def available_impls() -> list[str]:
+    """Implementations this machine can run: cpu and numpy always, gpu with a CUDA device, torch if installed."""
+    impls = ["cpu", "numpy"]
+    if _gpu_available():
+        impls.insert(1, "gpu")
+    if peers.torch_available():
+        impls.append("torch")
+    return impls
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+        from .backends import gpu  # noqa: F401  (the CuPy backend, when this checkout has it)
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+# -- building caches ----------------------------------------------------------------------------------
+
+def build(point: Point, rng, device: str = "cpu", rotate_bytes: int = ROTATE_BYTES):
+    """Caches to rotate through (>= 2, > ``rotate_bytes`` in all, <= 256) and the queries [B, Hq, T, D] float32."""
+    spec = point.spec()
+    first = KVCache(spec, device=device)
+    if spec.window is None:
+        first.reserve(point.L)
+    n = point.L if spec.window is None else first.slots
+    for store in (first.k, first.v):
+        x = rng.standard_normal((spec.batch, spec.kv_heads, n, spec.head_dim), dtype=np.float32)
+        store[:, :, :n] = first.xp.asarray(_to_storage(x, spec.dtype, np))
+    caches = [first]
+    while len(caches) < 2 or (len(caches) * first.nbytes < rotate_bytes and len(caches) < 256):
+        c = KVCache(spec, device=device)
+        if spec.window is None:
+            c.reserve(point.L)
+        c.k[...] = first.k
+        c.v[...] = first.v
+        caches.append(c)
+    for c in caches:
+        # Benchmark shortcut: K/V were written straight into the storage (every slot a window ring has
+        # is full), so set the bookkeeping append() would have left: tokens seen, newest T to attend.
+        c.lengths[:] = point.length
+        c.last_counts[:] = point.T
+    q = rng.standard_normal((spec.batch, point.q_heads, point.T, spec.head_dim), dtype=np.float32)
+    return caches, (first.xp.asarray(q) if device == "gpu" else q)
+
+
+def runner(point: Point, caches, q):
+    """fn(i) -> out of the i-th call (on cache i mod n); blocks until the result exists."""
+    scale = 1.0 / float(np.sqrt(point.head_dim))
+    if point.impl in ("cpu", "gpu"):
+        sync = _gpu_sync if point.impl == "gpu" else (lambda: None)
+
+        def run(i):
+            out = attend(q, caches[i % len(caches)], backend=point.impl)[0]
+            sync()
+            return out
+        return run
+    peer = {"numpy": peers.numpy_attention, "torch": peers.torch_attention}[point.impl]
+    c0 = caches[0]
+    S = point.L if point.mode == "causal" else c0.slots    # causal storage beyond L was never written
+    mask = peers.visibility(c0.lengths, point.T, slots=c0.slots, sinks=c0.spec.sinks, window=c0.spec.window)
+    views = [(c.k[:, :, :S], c.v[:, :, :S]) for c in caches]
+    mask = np.ascontiguousarray(mask[:, :, :S])
+    return lambda i: peer(q, *views[i % len(views)], mask, scale=scale, kind=point.dtype)
+
+
+def _gpu_sync():
+    import cupy
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def oracle_error(point: Point, out, cache, q) -> float:
+    """max |out - oracle| / max |oracle| over sequence 0, first and last KV head's group, newest queries."""
+    host = (lambda a: a.get()) if cache.device == "gpu" else (lambda a: a)
+    out, q = host(out), host(q)
+    spec, G, T = cache.spec, point.q_heads // point.kv_heads, point.T
+    L = int(cache.lengths[0])
+    pos = slot_positions(L, slots=cache.slots, sinks=spec.sinks)    # [slots] absolute position, -1 empty
+    held = np.nonzero(pos >= 0)[0]
+    rows = slice(max(0, T - CHECK_ROWS), T)
+    q_pos = np.arange(L - T, L)[rows]
+    err = 0.0
+    for h in sorted({0, spec.kv_heads - 1}):
+        kv = [host(s[0, h:h + 1])[:, held] for s in (cache.k, cache.v)]   # [1, n, D] storage, slot order
+        kv = [widen_bf16(x) if spec.dtype == "bfloat16" else x for x in kv]
+        ref, _ = reference.attention(q[0, h * G:(h + 1) * G, rows], kv[0], kv[1], q_pos, window=spec.window,
+                                     sinks=spec.sinks, k_pos=pos[held])
+        got = out[0, h * G:(h + 1) * G, rows].astype(np.float64)
+        err = max(err, float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)))
+    return err
+
+
+# -- timing -------------------------------------------------------------------------------------------
+
+def time_calls(fn, *, warmup: int = 3, min_reps: int = 10, max_reps: int = 500, min_time: float = 0.3):
+    """Median seconds of ``fn(i)`` over >= min_reps calls and >= min_time seconds (<= max_reps), after warm-up."""
+    for i in range(warmup):
+        fn(i)
+    times = []
+    start = time.perf_counter()
+    i = warmup
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < min_time):
+        t = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t)
+        i += 1
+    return float(np.median(times)), times
+
+
+def time_step(step, *, tokens_per_call: int, warmup: int = 2, min_reps: int = 5, min_time: float = 1.0) -> dict:
+    """End-to-end hook: tokens/s of any blocking callable ``step()`` that processes ``tokens_per_call`` tokens.
+
+    The model engine plugs in here: ``step`` = one decode step of the whole batch (tokens_per_call = batch)
+    or one prefill (tokens_per_call = batch * prompt length). See :func:`end_to_end`.
+    """
+    med, times = time_calls(lambda i: step(), warmup=warmup, min_reps=min_reps, min_time=min_time)
+    return {"median_s": med, "tokens_per_s": tokens_per_call / med, "reps": len(times)}
+
+
+def end_to_end(make_engine, *, contexts=(512, 4096, 16384), batches=(1, 8), caches=("full", "window")):
+    """Prefill and decode tokens/s of a real model over contexts x batches x cache kinds.
+
+    ``make_engine(context=, batch=, cache=)`` returns ``(prefill, decode)``: ``prefill()`` runs a prompt of
+    ``context`` tokens per sequence from an empty cache, ``decode()`` one token per sequence after it;
+    both block until done; return None for a combination the model does not allow.
+    """
+    rows = []
+    for cache in caches:
+        for context in contexts:
+            for batch in batches:
+                engine = make_engine(context=context, batch=batch, cache=cache)
+                if engine is None:
+                    continue
+                prefill, decode = engine
+                row = {"cache": cache, "context": context, "batch": batch}
+                row["prefill"] = time_step(prefill, tokens_per_call=batch * context, warmup=1, min_reps=3)
+                row["decode"] = time_step(decode, tokens_per_call=batch)
+                rows.append(row)
+    return rows
+
+
+def make_ceiling(device: str, nbytes: int):
+    if device == "gpu":
+        return _GpuCopyCeiling(nbytes)
+    from .ceiling import Ceiling
+    return Ceiling(nbytes)
+
+
+class _GpuCopyCeiling:
+    """Device copy bandwidth, (read + written bytes) / time of a device-to-device copy."""
+
+    def __init__(self, nbytes: int):
+        import cupy
+        self.a = cupy.ones(nbytes // 4, cupy.float32)
+        self.b = cupy.empty_like(self.a)
+
+    def probe(self, repeats: int = 3) -> float:
+        import cupy
+        best = 0.0
+        for _ in range(repeats):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            self.b[...] = self.a
+            stop.record()
+            stop.synchronize()
+            best = max(best, 2 * self.a.nbytes / (cupy.cuda.get_elapsed_time(start, stop) * 1e-3) / 1e9)
+        return best
+
+
+def measure(point: Point, caches, q, ceiling, *, warmup=3, min_reps=10, max_reps=500, min_time=0.3) -> dict:
+    """Check, then time one point; the ceiling is probed right before and right after it."""
+    row = asdict(point)
+    row["bytes_read"] = point.bytes_read
+    fn = runner(point, caches, q)
+    err = oracle_error(point, fn(0), caches[0], q)
+    row["oracle_error"], row["tolerance"] = err, TOL[point.dtype]
+    if not err <= TOL[point.dtype]:
+        row["status"] = "WRONG"
+        return row
+    if point.phase == "recompute":      # seconds per call; the checked call above was the warm-up
+        warmup, min_reps, min_time = 0, 3, 0.0
+    row["loadavg_1min"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None   # other jobs on the host
+    before = ceiling.probe(2)
+    med, times = time_calls(fn, warmup=warmup, min_reps=min_reps, max_reps=max_reps, min_time=min_time)
+    after = ceiling.probe(2)
+    row.update(status="ok", median_s=med, reps=len(times), p10_s=float(np.percentile(times, 10)),
+               p90_s=float(np.percentile(times, 90)), tokens_per_s=point.new_tokens / med,
+               gbps=point.bytes_read / med / 1e9, gbps_p10=point.bytes_read / float(np.percentile(times, 10)) / 1e9,
+               ceiling_before=before, ceiling_after=after,
+               ceiling_gbps=max(before, after), caches=len(caches))
+    row["pct_ceiling"] = 100 * row["gbps"] / row["ceiling_gbps"]
+    return row
+
+
+def run(points, *, device_of=lambda impl: "gpu" if impl == "gpu" else "cpu", ceiling_bytes=1 << 30,
+        rotate_bytes=ROTATE_BYTES, seed=0, log=sys.stderr, **timing) -> list[dict]:
+    """Measure ``points``; caches are built once per configuration and shared by its implementations."""
+    rng = np.random.default_rng(seed)
+    ceilings, rows = {}, []
+    configs = {}
+    for p in points:
+        configs.setdefault((p.config(), device_of(p.impl)), []).append(p)
+    done = 0
+    for (cfg, device), group in configs.items():
+        if device not in ceilings:
+            print(f"probing the {device} read ceiling ({ceiling_bytes >> 20} MiB)...", file=log, flush=True)
+            ceilings[device] = make_ceiling(device, ceiling_bytes)
+        caches, q = build(cfg, rng, device, rotate_bytes)
+        for p in group:
+            done += 1
+            row = measure(p, caches, q, ceilings[device], **timing)
+            rows.append(row)
+            print(f"[{done}/{len(points)}] {_label(p):<52} " + (
+                f"{row['gbps']:7.2f} GB/s  {row['pct_ceiling']:5.1f}% of {row['ceiling_gbps']:.1f}"
+                if row["status"] == "ok" else f"WRONG: error {row['oracle_error']:.3g} > {row['tolerance']}"),
+                file=log, flush=True)
+        del caches, q
+    return rows
+
+
+def _label(p) -> str:
+    p = p if isinstance(p, dict) else asdict(p)
+    t = f" T={p['T']}" if p["phase"] == "prefill" else ""
+    return (f"{p['impl']:<6}{p['phase']:<10}{p['mode']:<7}B={p['batch']} {p['q_heads']}/{p['kv_heads']} "
+            f"d={p['head_dim']} {p['dtype']} L={p['L']}{t}")
+
+
+# -- command line -------------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="the small suite, short timings (< 2 min on 2 cores)")
+    p.add_argument("--suite", default=None,
+                   help="quick, decode, modes, batch, prefill, recompute or full (default full; quick with --quick)")
+    p.add_argument("--impl", default=None, help="comma list of cpu,gpu,numpy,torch (default: all available)")
+    p.add_argument("--where", default=None, metavar="FIELD=V[|V..],...",
+                   help="keep the suite's points whose fields match, e.g. 'L=16384,head_dim=64,dtype=float32|float16'")
+    p.add_argument("--threads", type=int, default=None, help="Numba threads (default: all cores)")
+    p.add_argument("--out", default="out/bench", help="folder for bench.json and bench.png")
+    p.add_argument("--min-time", type=float, default=None, help="seconds of timed calls per point")
+    p.add_argument("--ceiling-mib", type=int, default=1024, help="buffer the ceiling probe sums")
+
+
+def run_args(args) -> int:
+    """Run the benchmark described by parsed ``args`` (the ``streamattn bench`` subcommand)."""
+    if args.threads:
+        import numba
+        numba.set_num_threads(args.threads)
+    name = args.suite or ("quick" if args.quick else "full")
+    impls = args.impl.split(",") if args.impl else available_impls()
+    min_time = args.min_time if args.min_time is not None else (0.15 if name == "quick" else 0.4)
+    points = select(suite(name, impls), args.where)
+    info = benchreport.machine()
+    print(f"streamattn bench: suite {name}, {len(points)} points, impls {','.join(impls)}, "
+          f"{info['numba_threads']} Numba threads, {info['cpu']}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    rows = run(points, ceiling_bytes=args.ceiling_mib << 20, min_time=min_time,
+               max_reps=100 if name == "quick" else 500)
+    info["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    info["seconds"] = time.perf_counter() - t0
+    print(benchreport.table(rows))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"machine": info, "suite": name, "points": rows}, f, indent=1)
+    png = os.path.join(args.out, "bench.png")
+    drew = benchreport.plot(rows, png)
+    print(f"wrote {os.path.join(args.out, 'bench.json')}" + (f" and {png}" if drew else "") +
+          f" in {info['seconds']:.0f} s", file=sys.stderr)
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m streamattn.bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
