@@ -2,9 +2,12 @@
 
 Work items are (sequence, kv head, key split), run with ``prange``; each item computes the whole GQA
 group's query rows against tiles of TILE keys, so every K/V row is read from memory once per group and
-the group's dot products reuse it from L1. 16-bit storage is widened to float32 one tile at a time by
-two tiny LLVM intrinsics (Numba has no float16 arithmetic on the CPU): float16 through fpext, which
-vectorises to the hardware conversion, bfloat16 through a 16-bit shift; float32 tiles are read in place. Each item writes only its own partial rows;
+the group's dot products reuse it from L1. 16-bit storage is widened to float32 inside the dot-product
+and accumulation loops by two tiny LLVM intrinsics (Numba has no float16 arithmetic on the CPU):
+float16 through fpext, which vectorises to the hardware conversion, bfloat16 through a 16-bit shift.
+Widening a whole tile into a buffer first was half as fast from memory: the loads then came in bursts
+with no arithmetic to hide them behind (10 vs 22 GB/s on one thread, float16 MHA at 16k keys), and
+software prefetching of the next tile did not help (it slowed the fused loops down). Each item writes only its own partial rows;
 a second kernel merges the splits exactly with their log-sum-exps.
 """
 
@@ -15,7 +18,6 @@ import os
 
 import numpy as np
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from llvmlite import ir
 
@@ -51,63 +53,15 @@ def _bf16_to_f32(typingctx, bits):
     return types.float32(types.uint16), codegen
 
 
-@intrinsic
-def _prefetch(typingctx, arr, offset):
-    """Ask the CPU to start loading the cache line at byte ``offset`` of ``arr``'s data (llvm.prefetch).
-
-    The kernel computes on one tile while the next one's lines are already on their way: without it
-    a thread alternates bursts of loads with bursts of arithmetic and reads well under its bandwidth.
-    """
-    if not isinstance(arr, types.Array) or not isinstance(offset, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
-        i8p = ir.IntType(8).as_pointer()
-        addr = builder.gep(builder.bitcast(data, i8p), [args[1]])
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
-        builder.call(fn, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
-        return context.get_dummy_value()
-    return types.void(arr, offset), codegen
+def _wide(x, kind):
+    """One storage element as float32: itself for float32, else float16 (kind 1) or bfloat16 (kind 2) bits."""
 
 
-@njit(cache=True, inline="always")
-def _prefetch_rows(k, v, row, n):
-    """Prefetch rows ``row .. row+n-1`` of the flattened [B*Hkv*S, D] K and V storage."""
-    line = 64
-    rowbytes = k.shape[3] * k.itemsize
-    start = row * rowbytes
-    stop = min(row + n, k.shape[0] * k.shape[1] * k.shape[2]) * rowbytes
-    for off in range(start, stop, line):
-        _prefetch(k, off)
-        _prefetch(v, off)
-
-
-def _tile(src, buf, n, kind):
-    """Float32 rows of the storage tile ``src[:n]`` ([n, D]): ``src`` itself for float32 storage,
-    else widened into ``buf`` ([TILE, D] float32)."""
-
-
-@overload(_tile, inline="always")
-def _tile_impl(src, buf, n, kind):
-    if src.dtype == types.float32:
-        return lambda src, buf, n, kind: src
-
-    def widen(src, buf, n, kind):
-        d = src.shape[1]
-        for r in range(n):
-            s = src[r]
-            f = buf[r]
-            if kind == 1:
-                for i in range(d):
-                    f[i] = _f16_to_f32(s[i])
-            else:
-                for i in range(d):
-                    f[i] = _bf16_to_f32(s[i])
-        return buf
-    return widen
+@overload(_wide)
+def _wide_impl(x, kind):
+    if x == types.float32:
+        return lambda x, kind: x
+    return lambda x, kind: _f16_to_f32(x) if kind == 1 else _bf16_to_f32(x)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -142,9 +96,10 @@ def _softmax_tile(x, n, mx, fbuf, ubuf):
     return tot
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _scores(qr, kt, n, out):
-    """out[j] = qr . kt[j] for j < n; four keys per pass so each q element is loaded once for four."""
+@njit(fastmath=FASTMATH, cache=True)
+def _scores(qr, kt, n, out, kind):
+    """out[j] = qr . kt[j] for j < n, widening 16-bit storage as it is read (so the loads from memory
+    interleave with the arithmetic); four keys per pass so each q element is loaded once for four."""
     D = qr.shape[0]
     n4 = n - n % 4
     for j in range(0, n4, 4):
@@ -155,21 +110,21 @@ def _scores(qr, kt, n, out):
         k0, k1, k2, k3 = kt[j], kt[j + 1], kt[j + 2], kt[j + 3]
         for i in range(D):
             qi = qr[i]
-            a0 += qi * k0[i]
-            a1 += qi * k1[i]
-            a2 += qi * k2[i]
-            a3 += qi * k3[i]
+            a0 += qi * _wide(k0[i], kind)
+            a1 += qi * _wide(k1[i], kind)
+            a2 += qi * _wide(k2[i], kind)
+            a3 += qi * _wide(k3[i], kind)
         out[j], out[j + 1], out[j + 2], out[j + 3] = a0, a1, a2, a3
     for j in range(n4, n):
         a = np.float32(0.0)
         kj = kt[j]
         for i in range(D):
-            a += qr[i] * kj[i]
+            a += qr[i] * _wide(kj[i], kind)
         out[j] = a
 
 
 @njit(fastmath=FASTMATH - {"reassoc"}, cache=True)
-def _accumulate(acc, p, vt, n, rows):
+def _accumulate(acc, p, vt, n, rows, kind):
     """acc[r] += sum_j p[r, j] vt[j] for r < rows, j < n.
 
     Eight V rows per pass and every query row inside it: acc is loaded and stored once per eight keys,
@@ -188,15 +143,17 @@ def _accumulate(acc, p, vt, n, rows):
             p0, p1, p2, p3 = pr[j], pr[j + 1], pr[j + 2], pr[j + 3]
             p4, p5, p6, p7 = pr[j + 4], pr[j + 5], pr[j + 6], pr[j + 7]
             for i in range(D):
-                a[i] += ((p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i])) + \
-                        ((p4 * v4[i] + p5 * v5[i]) + (p6 * v6[i] + p7 * v7[i]))
+                a[i] += ((p0 * _wide(v0[i], kind) + p1 * _wide(v1[i], kind)) +
+                         (p2 * _wide(v2[i], kind) + p3 * _wide(v3[i], kind))) + \
+                        ((p4 * _wide(v4[i], kind) + p5 * _wide(v5[i], kind)) +
+                         (p6 * _wide(v6[i], kind) + p7 * _wide(v7[i], kind)))
     for j in range(n4, n):
         vj = vt[j]
         for r in range(rows):
             a = acc[r]
             pj = p[r, j]
             for i in range(D):
-                a[i] += pj * vj[i]
+                a[i] += pj * _wide(vj[i], kind)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -251,12 +208,9 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
         acc = np.zeros((rows, D), np.float64)            # [rows, D] running weighted sum of V
         tacc = np.empty((rows, D), np.float32)           # [rows, D] this tile's weighted sum of V
         alpha = np.empty(rows, np.float32)               # [rows] rescale of the running sums
-        kf = np.empty((TILE, D), np.float32)             # [TILE, D] widened K tile (16-bit storage)
-        vf = np.empty((TILE, D), np.float32)             # [TILE, D] widened V tile
         sc = np.empty((rows, TILE), np.float32)          # [rows, TILE] scores, then probabilities
         eb = np.empty(TILE, np.float32)                  # [TILE] scratch of _softmax_tile
         ebu = eb.view(np.uint32)
-        base = (b * Hkv + h) * S                         # row of slot 0 in the flattened storage
 
         # Segments of positions: sinks first, then the main piece; each tile stays inside one run of
         # contiguous slots (a ring wraps at most once per segment).
@@ -266,11 +220,10 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
             while pos < end:
                 slot = pos if pos < sinks else sinks + (pos - sinks) % ring
                 n = min(TILE, end - pos, S - slot)
-                _prefetch_rows(k, v, base + slot + n, TILE)    # the next tile, while this one computes
-                kt = _tile(k[b, h, slot:slot + n], kf, n, kind)   # [n, D] float32
+                kt = k[b, h, slot:slot + n]                     # [n, D] storage
                 for r in range(rows):
                     sr = sc[r]
-                    _scores(qf[r], kt, n, sr)
+                    _scores(qf[r], kt, n, sr, kind)
                     # keys pos..pos+n-1 visible to row r: j <= qpos[r], and j >= qlo[r] unless a sink
                     hi = min(n, qpos[r] - pos + 1)
                     jlo = 0 if seg == 0 else min(max(qlo[r] - pos, 0), n)
@@ -288,9 +241,9 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
                     alpha[r] = np.float32(math.exp(m[r] - mt))
                     m[r] = mt
                     l[r] = l[r] * alpha[r] + _softmax_tile(sr, n, mt, eb, ebu)
-                vt = _tile(v[b, h, slot:slot + n], vf, n, kind)   # [n, D] float32
+                vt = v[b, h, slot:slot + n]                     # [n, D] storage
                 tacc[:] = 0.0
-                _accumulate(tacc, sc, vt, n, rows)
+                _accumulate(tacc, sc, vt, n, rows, kind)
                 for r in range(rows):
                     ar = acc[r]
                     tr = tacc[r]
