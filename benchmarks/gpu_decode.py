@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from streamattn.backends import gpu, gpu_plan  # noqa: E402
+from streamattn.reference import TOLERANCE  # noqa: E402
 
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -107,7 +108,7 @@ def bench_config(cp, spin, *, length, batch, dtype, launches, l2_bytes, sm_count
                                         sm_count=sm_count)
         if i == 0:
             err = check(cp, q, k, v, out, lse, dtype, scale)
-            tol = 2e-3 if dtype == "float16" else 1.6e-2
+            tol = TOLERANCE[dtype]
             if not err <= tol:
                 raise AssertionError(f"decode L={length} B={batch} {dtype}: error {err:.2e} > {tol}")
         plans.append((captured, k, v, q, out, lse))

@@ -35,7 +35,7 @@ SINKS = 4
 ROTATE_BYTES = 64 << 20          # rotate caches until this much K+V: 2x the 32 MiB L3 of this machine kind
 CHECK_ROWS = 64                  # newest queries compared with the oracle before timing
 # Same numbers as tests/oracle.py (max |out - oracle| / max |oracle|); here the oracle sees the stored values.
-TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+from .reference import TOLERANCE as TOL
 MHA, GQA = (8, 8), (32, 8)
 K1, K4, K16, K64 = 1024, 4096, 16384, 65536
 

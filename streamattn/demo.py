@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from . import CacheSpec, KVCache, attend
-from .reference import attention
+from .reference import TOLERANCE, attention
 
 
 def main(argv=None) -> int:
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         shown = " ".join(f"{by_slot.get(s, '-'):>3}" for s in range(cache.slots))
         print(f"{step:5d}  {slot:4d}  [{shown:<47}]  {err:10.2e}  {abs(lse - ref_lse).max():8.1e}  {ms:5.2f}")
     print(f"worst relative error over {args.steps} steps: {worst:.2e} (tolerance for {args.dtype}: "
-          f"{ {'float32': 1e-5, 'float16': 2e-3, 'bfloat16': 1.6e-2}[args.dtype]})")
+          f"{TOLERANCE[args.dtype]})")
     return 0
 
 

@@ -10,7 +10,7 @@ try:
 except ImportError:  # pragma: no cover - ml_dtypes is a core dependency
     ml_dtypes = None
 
-TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # max abs diff / max abs ref
+TOL = reference.TOLERANCE  # max abs diff / max abs ref
 
 
 def attention(q, k_hist, v_hist, q_pos, *, window, sinks, scale):
