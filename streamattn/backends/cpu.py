@@ -123,6 +123,50 @@ def _scores(qr, kt, n, out, kind):
         out[j] = a
 
 
+@njit(fastmath=FASTMATH, cache=True)
+def _scores4(qf, r0, kt, n, sc, kind):
+    """sc[r0 + g, j] = qf[r0 + g] . kt[j] for g < 4, j < n: four query rows against two keys per pass.
+
+    Each K element is loaded (and widened) once for the four rows, and the eight dot products are
+    eight independent vector chains, so the GQA group's arithmetic no longer re-reads K per row.
+    """
+    D = kt.shape[1]
+    q0, q1, q2, q3 = qf[r0], qf[r0 + 1], qf[r0 + 2], qf[r0 + 3]
+    n2 = n - n % 2
+    for j in range(0, n2, 2):
+        ka = kt[j]
+        kb = kt[j + 1]
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        b0 = np.float32(0.0)
+        b1 = np.float32(0.0)
+        b2 = np.float32(0.0)
+        b3 = np.float32(0.0)
+        for i in range(D):
+            x = _wide(ka[i], kind)
+            y = _wide(kb[i], kind)
+            a0 += q0[i] * x
+            a1 += q1[i] * x
+            a2 += q2[i] * x
+            a3 += q3[i] * x
+            b0 += q0[i] * y
+            b1 += q1[i] * y
+            b2 += q2[i] * y
+            b3 += q3[i] * y
+        sc[r0, j], sc[r0 + 1, j], sc[r0 + 2, j], sc[r0 + 3, j] = a0, a1, a2, a3
+        sc[r0, j + 1], sc[r0 + 1, j + 1], sc[r0 + 2, j + 1], sc[r0 + 3, j + 1] = b0, b1, b2, b3
+    for j in range(n2, n):
+        for g in range(4):
+            a = np.float32(0.0)
+            qr = qf[r0 + g]
+            kj = kt[j]
+            for i in range(D):
+                a += qr[i] * _wide(kj[i], kind)
+            sc[r0 + g, j] = a
+
+
 @njit(fastmath=FASTMATH - {"reassoc"}, cache=True)
 def _accumulate(acc, p, vt, n, rows, kind):
     """acc[r] += sum_j p[r, j] vt[j] for r < rows, j < n.
@@ -221,9 +265,13 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
                 slot = pos if pos < sinks else sinks + (pos - sinks) % ring
                 n = min(TILE, end - pos, S - slot)
                 kt = k[b, h, slot:slot + n]                     # [n, D] storage
+                r4 = rows - rows % 4
+                for r in range(0, r4, 4):
+                    _scores4(qf, r, kt, n, sc, kind)
+                for r in range(r4, rows):
+                    _scores(qf[r], kt, n, sc[r], kind)
                 for r in range(rows):
                     sr = sc[r]
-                    _scores(qf[r], kt, n, sr, kind)
                     # keys pos..pos+n-1 visible to row r: j <= qpos[r], and j >= qlo[r] unless a sink
                     hi = min(n, qpos[r] - pos + 1)
                     jlo = 0 if seg == 0 else min(max(qlo[r] - pos, 0), n)
