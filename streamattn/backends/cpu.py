@@ -7,8 +7,8 @@ and accumulation loops by two tiny LLVM intrinsics (Numba has no float16 arithme
 float16 through fpext, which vectorises to the hardware conversion, bfloat16 through a 16-bit shift.
 Widening a whole tile into a buffer first was half as fast from memory: the loads then came in bursts
 with no arithmetic to hide them behind (10 vs 22 GB/s on one thread, float16 MHA at 16k keys), and
-software prefetching of the next tile did not help (it slowed the fused loops down). Each item writes only its own partial rows;
-a second kernel merges the splits exactly with their log-sum-exps.
+software prefetching of the next tile did not help (it slowed the fused loops down). Each item writes
+only its own partial rows; a second kernel merges the splits exactly with their log-sum-exps.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 from llvmlite import ir
 
-TILE = 64           # keys per tile: [TILE, head_dim] float32 stays in L1 for head_dim <= 256
+TILE = 64           # keys per tile: its K rows stay in L1 while every query row of the group reads them
 MIN_SPLIT_KEYS = 512  # do not split a sequence's keys finer than this
 # Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
 # masked scores are -inf on purpose.
