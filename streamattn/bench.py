@@ -265,12 +265,15 @@ def time_step(step, *, tokens_per_call: int, warmup: int = 2, min_reps: int = 5,
     return {"median_s": med, "tokens_per_s": tokens_per_call / med, "reps": len(times)}
 
 
-def end_to_end(make_engine, *, contexts=(512, 4096, 16384), batches=(1, 8), caches=("full", "window")):
+def end_to_end(make_engine, *, contexts=(512, 4096, 16384), batches=(1, 8), caches=("full", "window"),
+               prefill_warmup: int = 1, prefill_reps: int = 3):
     """Prefill and decode tokens/s of a real model over contexts x batches x cache kinds.
 
     ``make_engine(context=, batch=, cache=)`` returns ``(prefill, decode)``: ``prefill()`` runs a prompt of
     ``context`` tokens per sequence from an empty cache, ``decode()`` one token per sequence after it;
-    both block until done; return None for a combination the model does not allow.
+    both block until done; return None for a combination the model does not allow. Each prefill is
+    timed ``prefill_reps`` times after ``prefill_warmup`` untimed calls (long prompts: 0 and 1, after a
+    short warm-up of your own); decode steps run on the last prefill's caches.
     """
     rows = []
     for cache in caches:
@@ -281,7 +284,8 @@ def end_to_end(make_engine, *, contexts=(512, 4096, 16384), batches=(1, 8), cach
                     continue
                 prefill, decode = engine
                 row = {"cache": cache, "context": context, "batch": batch}
-                row["prefill"] = time_step(prefill, tokens_per_call=batch * context, warmup=1, min_reps=3)
+                row["prefill"] = time_step(prefill, tokens_per_call=batch * context, warmup=prefill_warmup,
+                                           min_reps=prefill_reps, min_time=0)
                 row["decode"] = time_step(decode, tokens_per_call=batch)
                 rows.append(row)
     return rows

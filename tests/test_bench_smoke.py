@@ -6,6 +6,7 @@ import numba
 import numpy as np
 import pytest
 
+from _model_util import load, need_smollm2, single_thread, smollm2_path  # noqa: F401 (fixture)
 from streamattn import bench, benchreport, peers, stream
 from streamattn.bench import Point
 
@@ -76,3 +77,19 @@ def test_end_to_end_hook_times_a_model_engine():
     assert [(r["cache"], r["context"], r["batch"]) for r in rows] == \
         [("full", 512, 1), ("full", 512, 8), ("full", 4096, 1), ("full", 4096, 8), ("window", 512, 1), ("window", 512, 8)]
     assert all(r["prefill"]["tokens_per_s"] > 0 and r["decode"]["tokens_per_s"] > 0 for r in rows)
+
+
+@need_smollm2
+def test_model_throughput_script_on_smollm2(single_thread):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "model_throughput.py")
+    spec = importlib.util.spec_from_file_location("model_throughput", path)
+    mt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mt)
+    res = mt.run(load(smollm2_path())[1], contexts=(16,), batches=(1, 2), caches=("full", "window"), window=8,
+                 chunk=8)
+    assert [(r["cache"], r["batch"]) for r in res["rows"]] == [("full", 1), ("full", 2), ("window", 1), ("window", 2)]
+    assert all(r[k]["tokens_per_s"] > 0 for r in res["rows"] for k in ("prefill", "decode"))
+    assert "decode ms/step" in mt.table(res["rows"])
+    json.dumps(res)
