@@ -200,6 +200,39 @@ def _accumulate(acc, p, vt, n, rows, kind):
                 a[i] += pj * _wide(vj[i], kind)
 
 
+@njit(fastmath=FASTMATH - {"reassoc"}, cache=True)
+def _accumulate4(acc, r0, p, vt, n, kind):
+    """acc[r0 + g] += sum_j p[r0 + g, j] vt[j] for g < 4, j < n: each V element is loaded (and widened)
+    once for four query rows; four keys per pass, tree sums as in :func:`_accumulate`."""
+    D = acc.shape[1]
+    a0, a1, a2, a3 = acc[r0], acc[r0 + 1], acc[r0 + 2], acc[r0 + 3]
+    p0, p1, p2, p3 = p[r0], p[r0 + 1], p[r0 + 2], p[r0 + 3]
+    n4 = n - n % 4
+    for j in range(0, n4, 4):
+        va, vb, vc, vd = vt[j], vt[j + 1], vt[j + 2], vt[j + 3]
+        w00, w01, w02, w03 = p0[j], p0[j + 1], p0[j + 2], p0[j + 3]
+        w10, w11, w12, w13 = p1[j], p1[j + 1], p1[j + 2], p1[j + 3]
+        w20, w21, w22, w23 = p2[j], p2[j + 1], p2[j + 2], p2[j + 3]
+        w30, w31, w32, w33 = p3[j], p3[j + 1], p3[j + 2], p3[j + 3]
+        for i in range(D):
+            x0 = _wide(va[i], kind)
+            x1 = _wide(vb[i], kind)
+            x2 = _wide(vc[i], kind)
+            x3 = _wide(vd[i], kind)
+            a0[i] += (w00 * x0 + w01 * x1) + (w02 * x2 + w03 * x3)
+            a1[i] += (w10 * x0 + w11 * x1) + (w12 * x2 + w13 * x3)
+            a2[i] += (w20 * x0 + w21 * x1) + (w22 * x2 + w23 * x3)
+            a3[i] += (w30 * x0 + w31 * x1) + (w32 * x2 + w33 * x3)
+    for j in range(n4, n):
+        vj = vt[j]
+        for i in range(D):
+            x = _wide(vj[i], kind)
+            a0[i] += p0[j] * x
+            a1[i] += p1[j] * x
+            a2[i] += p2[j] * x
+            a3[i] += p3[j] * x
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_out, part_lse):
     """Partial attention per (sequence, kv head, split).
@@ -291,7 +324,10 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
                     l[r] = l[r] * alpha[r] + _softmax_tile(sr, n, mt, eb, ebu)
                 vt = v[b, h, slot:slot + n]                     # [n, D] storage
                 tacc[:] = 0.0
-                _accumulate(tacc, sc, vt, n, rows, kind)
+                for r in range(0, r4, 4):
+                    _accumulate4(tacc, r, sc, vt, n, kind)
+                if r4 < rows:
+                    _accumulate(tacc[r4:], sc[r4:], vt, n, rows - r4, kind)
                 for r in range(rows):
                     ar = acc[r]
                     tr = tacc[r]
