@@ -98,24 +98,13 @@ def _softmax_tile(x, n, mx, fbuf, ubuf):
 
 @njit(fastmath=FASTMATH, cache=True)
 def _scores(qr, kt, n, out, kind):
-    """out[j] = qr . kt[j] for j < n, widening 16-bit storage as it is read (so the loads from memory
-    interleave with the arithmetic); four keys per pass so each q element is loaded once for four."""
+    """out[j] = qr . kt[j] for j < n (one query row), widening 16-bit storage as it is read.
+
+    One key row at a time, in memory order: reading four rows interleaved (to share q's loads) streamed
+    float32 K from memory ~20% slower on one thread (18.7 vs 23.0 GB/s, MHA at 16k keys).
+    """
     D = qr.shape[0]
-    n4 = n - n % 4
-    for j in range(0, n4, 4):
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        k0, k1, k2, k3 = kt[j], kt[j + 1], kt[j + 2], kt[j + 3]
-        for i in range(D):
-            qi = qr[i]
-            a0 += qi * _wide(k0[i], kind)
-            a1 += qi * _wide(k1[i], kind)
-            a2 += qi * _wide(k2[i], kind)
-            a3 += qi * _wide(k3[i], kind)
-        out[j], out[j + 1], out[j + 2], out[j + 3] = a0, a1, a2, a3
-    for j in range(n4, n):
+    for j in range(n):
         a = np.float32(0.0)
         kj = kt[j]
         for i in range(D):
