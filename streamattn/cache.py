@@ -70,7 +70,7 @@ def widen_bf16(bits, xp=np):
     return (bits.astype(xp.uint32) << 16).view(xp.float32)
 
 
-def _to_storage(x, dtype: str, xp):
+def to_storage(x, dtype: str, xp):
     """Cast a float array to the spec's storage (bf16: round-to-nearest-even raw bits)."""
     if dtype == "bfloat16":
         if x.dtype.name == "bfloat16":  # ml_dtypes input: already bf16
@@ -170,8 +170,8 @@ class KVCache:
         need = int((self.lengths + counts).max())
         if spec.window is None and need > self.slots:
             self._grow(need)
-        ks = _to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
-        vs = _to_storage(v, spec.dtype, xp)
+        ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
+        vs = to_storage(v, spec.dtype, xp)
         for b in range(spec.batch):
             c = int(counts[b])
             if c == 0:

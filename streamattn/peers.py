@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cache import slot_positions, widen_bf16
+from .reference import visible
 
 
 def visibility(lengths, T: int, *, slots: int, sinks: int, window: int | None):
@@ -23,10 +24,7 @@ def visibility(lengths, T: int, *, slots: int, sinks: int, window: int | None):
     for b in range(B):
         pos = slot_positions(int(lengths[b]), slots=slots, sinks=sinks)    # [slots], -1 = empty
         i = np.arange(lengths[b] - T, lengths[b])[:, None]                   # [T, 1]
-        ok = (pos >= 0) & (pos <= i)
-        if window:
-            ok &= (pos > i - window) | (pos < sinks)
-        mask[b] = ok
+        mask[b] = (pos >= 0) & visible(i[:, 0], pos, window=window, sinks=sinks)
     return mask
 
 
