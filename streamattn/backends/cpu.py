@@ -1,14 +1,18 @@
 """Numba CPU backend: split-K attention straight from the ring slots, exact (out, lse) merge.
 
 Work items are (sequence, kv head, key split), run with ``prange``; each item computes the whole GQA
-group's query rows against tiles of TILE keys, so every K/V row is read from memory once per group and
-the group's dot products reuse it from L1. 16-bit storage is widened to float32 inside the dot-product
-and accumulation loops by two tiny LLVM intrinsics (Numba has no float16 arithmetic on the CPU):
-float16 through fpext, which vectorises to the hardware conversion, bfloat16 through a 16-bit shift.
-Widening a whole tile into a buffer first was half as fast from memory: the loads then came in bursts
-with no arithmetic to hide them behind (10 vs 22 GB/s on one thread, float16 MHA at 16k keys), and
-software prefetching of the next tile did not help (it slowed the fused loops down). Each item writes
-only its own partial rows; a second kernel merges the splits exactly with their log-sum-exps.
+group's query rows against tiles of keys, so every K/V row is read from memory once per group and the
+group's dot products reuse it from cache. The hot loops are the vector micro-kernels of
+:mod:`.cpu_simd` (LLVM IR through Numba intrinsics: transpose-reduced scores, register accumulators,
+software prefetch for GQA groups); head_dims that are not a multiple of 16 take plain Numba loops.
+16-bit storage is widened to float32 as it is loaded, never into a tile buffer first (that was half as
+fast from memory: the loads came in bursts with no arithmetic to hide them behind).
+
+Tiles are up to TILE keys: K and V are read in alternating runs of a tile each, and runs of 64 keys
+(16 KiB of float32 K at head_dim 64) read memory ~12% slower than runs of 256 or more (a pure read of
+K and V in that order: 84–86% vs 95–100% of the ceiling). The tile shrinks for many query rows (prefill)
+so the [rows, tile] score buffer stays small. Each item writes only its own partial rows; a second kernel
+merges the splits exactly with their log-sum-exps.
 """
 
 from __future__ import annotations
@@ -18,39 +22,19 @@ import os
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
-from llvmlite import ir
+from numba.extending import overload
 
-TILE = 64           # keys per tile: its K rows stay in L1 while every query row of the group reads them
+from .cpu_simd import PV, QK, bf16_to_f32, f16_to_f32, pow2, row_max
+
+TILE = 1024           # most keys per tile (see the module docstring)
+MIN_TILE = 64         # fewest keys per tile, however many query rows
+SCORE_FLOATS = 8192   # the [rows, tile] score buffer's budget: tile = SCORE_FLOATS // rows within the bounds
 MIN_SPLIT_KEYS = 512  # do not split a sequence's keys finer than this
 # Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
 # masked scores are -inf on purpose.
 FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
 KIND = {"float32": 0, "float16": 1, "bfloat16": 2}
 _LOG2E = np.float32(1.4426950408889634)
-
-
-@intrinsic
-def _f16_to_f32(typingctx, bits):
-    """float16 bits (uint16) -> float32 with LLVM's fpext; vectorises to vcvtph2ps (exact, inf/NaN kept)."""
-    if bits != types.uint16:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def _bf16_to_f32(typingctx, bits):
-    """bfloat16 bits (uint16) -> float32: the top half of a float32's bits."""
-    if bits != types.uint16:
-        return None
-
-    def codegen(context, builder, signature, args):
-        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(wide, ir.FloatType())
-    return types.float32(types.uint16), codegen
 
 
 def _wide(x, kind):
@@ -61,11 +45,11 @@ def _wide(x, kind):
 def _wide_impl(x, kind):
     if x == types.float32:
         return lambda x, kind: x
-    return lambda x, kind: _f16_to_f32(x) if kind == 1 else _bf16_to_f32(x)
+    return lambda x, kind: f16_to_f32(x) if kind == 1 else bf16_to_f32(x)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _softmax_tile(x, n, mx, fbuf, ubuf):
+def _softmax_tile(x, n, mx):
     """x[:n] <- exp(x[:n] - mx) in place and return their sum; vectorisable (libm's exp is a scalar call).
 
     2^y = 2^k * 2^f with k = floor(y + 1/2), f in [-1/2, 1/2]: 2^f from a degree-6 polynomial (Cephes
@@ -73,16 +57,12 @@ def _softmax_tile(x, n, mx, fbuf, ubuf):
     y is clamped at -127, where those bits are 0: weights under 2^-127 of the running max become exactly
     0, and so do masked (-inf) scores. (Not the 1.5 * 2^23 rounding trick: under 'reassoc' LLVM may fold
     y - ((y + M) - M) to 0.)
-    fbuf/ubuf: [>= n] float32 scratch and its uint32 view.
     """
+    tot = np.float32(0.0)
     for j in range(n):
         y = max((x[j] - mx) * _LOG2E, np.float32(-127.0))
         k = np.floor(y + np.float32(0.5))
-        x[j] = y - k                        # f in [-1/2, 1/2]
-        ubuf[j] = np.uint32(np.int32(k) + 127) << 23
-    tot = np.float32(0.0)
-    for j in range(n):
-        f = x[j]
+        f = y - k                           # [-1/2, 1/2]
         p = np.float32(1.535336188319500e-4)
         p = p * f + np.float32(1.339887440266574e-3)
         p = p * f + np.float32(9.618437357674640e-3)
@@ -90,7 +70,7 @@ def _softmax_tile(x, n, mx, fbuf, ubuf):
         p = p * f + np.float32(2.402264791363012e-1)
         p = p * f + np.float32(6.931472028550421e-1)
         p = p * f + np.float32(1.0)
-        e = p * fbuf[j]
+        e = p * pow2(np.int32(k))
         x[j] = e
         tot += e
     return tot
@@ -112,50 +92,6 @@ def _scores(qr, kt, n, out, kind):
         out[j] = a
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def _scores4(qf, r0, kt, n, sc, kind):
-    """sc[r0 + g, j] = qf[r0 + g] . kt[j] for g < 4, j < n: four query rows against two keys per pass.
-
-    Each K element is loaded (and widened) once for the four rows, and the eight dot products are
-    eight independent vector chains, so the GQA group's arithmetic no longer re-reads K per row.
-    """
-    D = kt.shape[1]
-    q0, q1, q2, q3 = qf[r0], qf[r0 + 1], qf[r0 + 2], qf[r0 + 3]
-    n2 = n - n % 2
-    for j in range(0, n2, 2):
-        ka = kt[j]
-        kb = kt[j + 1]
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        b0 = np.float32(0.0)
-        b1 = np.float32(0.0)
-        b2 = np.float32(0.0)
-        b3 = np.float32(0.0)
-        for i in range(D):
-            x = _wide(ka[i], kind)
-            y = _wide(kb[i], kind)
-            a0 += q0[i] * x
-            a1 += q1[i] * x
-            a2 += q2[i] * x
-            a3 += q3[i] * x
-            b0 += q0[i] * y
-            b1 += q1[i] * y
-            b2 += q2[i] * y
-            b3 += q3[i] * y
-        sc[r0, j], sc[r0 + 1, j], sc[r0 + 2, j], sc[r0 + 3, j] = a0, a1, a2, a3
-        sc[r0, j + 1], sc[r0 + 1, j + 1], sc[r0 + 2, j + 1], sc[r0 + 3, j + 1] = b0, b1, b2, b3
-    for j in range(n2, n):
-        for g in range(4):
-            a = np.float32(0.0)
-            qr = qf[r0 + g]
-            kj = kt[j]
-            for i in range(D):
-                a += qr[i] * _wide(kj[i], kind)
-            sc[r0 + g, j] = a
-
-
 @njit(fastmath=FASTMATH - {"reassoc"}, cache=True)
 def _accumulate(acc, p, vt, n, rows, kind):
     """acc[r] += sum_j p[r, j] vt[j] for r < rows, j < n.
@@ -163,7 +99,7 @@ def _accumulate(acc, p, vt, n, rows, kind):
     Eight V rows per pass and every query row inside it: acc is loaded and stored once per eight keys,
     and the rows' chains are independent. No 'reassoc' here, or LLVM would fold the tree back into one
     serial chain of FMAs through acc (latency-bound: 4 cycles per key).
-    acc: [rows, D], p: [rows, TILE], vt: [n, D]
+    acc: [rows, D], p: [rows, >= n], vt: [n, D]
     """
     D = acc.shape[1]
     n4 = n - n % 8
@@ -189,37 +125,89 @@ def _accumulate(acc, p, vt, n, rows, kind):
                 a[i] += pj * _wide(vj[i], kind)
 
 
-@njit(fastmath=FASTMATH - {"reassoc"}, cache=True)
-def _accumulate4(acc, r0, p, vt, n, kind):
-    """acc[r0 + g] += sum_j p[r0 + g, j] vt[j] for g < 4, j < n: each V element is loaded (and widened)
-    once for four query rows; four keys per pass, tree sums as in :func:`_accumulate`."""
-    D = acc.shape[1]
-    a0, a1, a2, a3 = acc[r0], acc[r0 + 1], acc[r0 + 2], acc[r0 + 3]
-    p0, p1, p2, p3 = p[r0], p[r0 + 1], p[r0 + 2], p[r0 + 3]
-    n4 = n - n % 4
-    for j in range(0, n4, 4):
-        va, vb, vc, vd = vt[j], vt[j + 1], vt[j + 2], vt[j + 3]
-        w00, w01, w02, w03 = p0[j], p0[j + 1], p0[j + 2], p0[j + 3]
-        w10, w11, w12, w13 = p1[j], p1[j + 1], p1[j + 2], p1[j + 3]
-        w20, w21, w22, w23 = p2[j], p2[j + 1], p2[j + 2], p2[j + 3]
-        w30, w31, w32, w33 = p3[j], p3[j + 1], p3[j + 2], p3[j + 3]
-        for i in range(D):
-            x0 = _wide(va[i], kind)
-            x1 = _wide(vb[i], kind)
-            x2 = _wide(vc[i], kind)
-            x3 = _wide(vd[i], kind)
-            a0[i] += (w00 * x0 + w01 * x1) + (w02 * x2 + w03 * x3)
-            a1[i] += (w10 * x0 + w11 * x1) + (w12 * x2 + w13 * x3)
-            a2[i] += (w20 * x0 + w21 * x1) + (w22 * x2 + w23 * x3)
-            a3[i] += (w30 * x0 + w31 * x1) + (w32 * x2 + w33 * x3)
-    for j in range(n4, n):
-        vj = vt[j]
-        for i in range(D):
-            x = _wide(vj[i], kind)
-            a0[i] += p0[j] * x
-            a1[i] += p1[j] * x
-            a2[i] += p2[j] * x
-            a3[i] += p3[j] * x
+def _qk(R, qf, r0, kt, j, sc, kind):
+    """sc[r0 + g, j:j + 16 // R] for g < R: the vector kernel QK[R, kind] (kt's dtype and kind pick it)."""
+
+
+@overload(_qk, prefer_literal=True)
+def _qk_impl(R, qf, r0, kt, j, sc, kind):
+    R = R.literal_value
+    if kt.dtype == types.float32:
+        f = QK[R, 0]
+        return lambda R, qf, r0, kt, j, sc, kind: f(qf, r0, kt, j, sc)
+    f16, bf16 = QK[R, 1], QK[R, 2]
+
+    def impl(R, qf, r0, kt, j, sc, kind):
+        if kind == 1:
+            f16(qf, r0, kt, j, sc)
+        else:
+            bf16(qf, r0, kt, j, sc)
+    return impl
+
+
+def _pv(R, acc, r0, p, vt, n, kind):
+    """acc[r0:r0 + R] += p[r0:r0 + R, :n] @ vt[:n]: the vector kernel PV[R, kind]."""
+
+
+@overload(_pv, prefer_literal=True)
+def _pv_impl(R, acc, r0, p, vt, n, kind):
+    R = R.literal_value
+    if vt.dtype == types.float32:
+        f = PV[R, 0]
+        return lambda R, acc, r0, p, vt, n, kind: f(acc, r0, p, vt, n)
+    f16, bf16 = PV[R, 1], PV[R, 2]
+
+    def impl(R, acc, r0, p, vt, n, kind):
+        if kind == 1:
+            f16(acc, r0, p, vt, n)
+        else:
+            bf16(acc, r0, p, vt, n)
+    return impl
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _tile_scores(qf, kt, n, sc, kind):
+    """sc[r, :n] = qf[r] . kt[:n] for every row r (head_dim % 16 == 0): rows in fours, then two, one.
+
+    qf: [rows, D] float32, kt: [n, D] storage, sc: [rows, >= n] float32
+    """
+    rows = qf.shape[0]
+    r = 0
+    while r < rows:
+        R = 4 if rows - r >= 4 else (2 if rows - r >= 2 else 1)
+        nb = n - n % (16 // R)                         # keys in whole blocks of 16 // R
+        if R == 4:
+            for j in range(0, nb, 4):
+                _qk(4, qf, r, kt, j, sc, kind)
+        elif R == 2:
+            for j in range(0, nb, 8):
+                _qk(2, qf, r, kt, j, sc, kind)
+        else:
+            for j in range(0, nb, 16):
+                _qk(1, qf, r, kt, j, sc, kind)
+        for g in range(R):                             # the last n % (16 // R) keys
+            _scores(qf[r + g], kt[nb:n], n - nb, sc[r + g, nb:], kind)
+        r += R
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _tile_accumulate(acc, p, vt, n, kind):
+    """acc[r] += sum_j p[r, j] vt[j] for every row r, j < n (head_dim % 16 == 0): rows in fours, two, one.
+
+    acc: [rows, D] float32, p: [rows, >= n] float32, vt: [n, D] storage
+    """
+    rows = acc.shape[0]
+    r = 0
+    while r < rows:
+        if rows - r >= 4:
+            _pv(4, acc, r, p, vt, n, kind)
+            r += 4
+        elif rows - r >= 2:
+            _pv(2, acc, r, p, vt, n, kind)
+            r += 2
+        else:
+            _pv(1, acc, r, p, vt, n, kind)
+            r += 1
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -235,6 +223,7 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
     B, Hkv, S, D = k.shape
     Hq, T = q.shape[1], q.shape[2]
     G = Hq // Hkv
+    vector = D % 16 == 0  # the cpu_simd kernels; plain loops otherwise
     ring = S - sinks  # causal: sinks = 0 and ring = S, so slot == position
     for item in prange(B * Hkv * nsplit):
         b = item // (Hkv * nsplit)
@@ -274,9 +263,8 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
         acc = np.zeros((rows, D), np.float64)            # [rows, D] running weighted sum of V
         tacc = np.empty((rows, D), np.float32)           # [rows, D] this tile's weighted sum of V
         alpha = np.empty(rows, np.float32)               # [rows] rescale of the running sums
-        sc = np.empty((rows, TILE), np.float32)          # [rows, TILE] scores, then probabilities
-        eb = np.empty(TILE, np.float32)                  # [TILE] scratch of _softmax_tile
-        ebu = eb.view(np.uint32)
+        tile = min(TILE, max(MIN_TILE, SCORE_FLOATS // rows // 16 * 16))
+        sc = np.empty((rows, tile), np.float32)          # [rows, tile] scores, then probabilities
 
         # Segments of positions: sinks first, then the main piece; each tile stays inside one run of
         # contiguous slots (a ring wraps at most once per segment).
@@ -285,13 +273,13 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
             end = n_sink if seg == 0 else z
             while pos < end:
                 slot = pos if pos < sinks else sinks + (pos - sinks) % ring
-                n = min(TILE, end - pos, S - slot)
+                n = min(tile, end - pos, S - slot)
                 kt = k[b, h, slot:slot + n]                     # [n, D] storage
-                r4 = rows - rows % 4
-                for r in range(0, r4, 4):
-                    _scores4(qf, r, kt, n, sc, kind)
-                for r in range(r4, rows):
-                    _scores(qf[r], kt, n, sc[r], kind)
+                if vector:
+                    _tile_scores(qf, kt, n, sc, kind)
+                else:
+                    for r in range(rows):
+                        _scores(qf[r], kt, n, sc[r], kind)
                 for r in range(rows):
                     sr = sc[r]
                     # keys pos..pos+n-1 visible to row r: j <= qpos[r], and j >= qlo[r] unless a sink
@@ -301,22 +289,20 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
                         for j in range(n):
                             if j < jlo or j >= hi:
                                 sr[j] = -np.inf
-                    mt = m[r]
-                    for j in range(n):
-                        mt = max(mt, sr[j])
+                    mt = row_max(sr, n, m[r])
                     if mt == -np.inf:       # nothing visible yet: weights 0, nothing to rescale
                         sr[:n] = 0.0
                         alpha[r] = 1.0
                         continue
                     alpha[r] = np.float32(math.exp(m[r] - mt))
                     m[r] = mt
-                    l[r] = l[r] * alpha[r] + _softmax_tile(sr, n, mt, eb, ebu)
+                    l[r] = l[r] * alpha[r] + _softmax_tile(sr, n, mt)
                 vt = v[b, h, slot:slot + n]                     # [n, D] storage
                 tacc[:] = 0.0
-                for r in range(0, r4, 4):
-                    _accumulate4(tacc, r, sc, vt, n, kind)
-                if r4 < rows:
-                    _accumulate(tacc[r4:], sc[r4:], vt, n, rows - r4, kind)
+                if vector:
+                    _tile_accumulate(tacc, sc, vt, n, kind)
+                else:
+                    _accumulate(tacc, sc, vt, n, rows, kind)
                 for r in range(rows):
                     ar = acc[r]
                     tr = tacc[r]
@@ -390,6 +376,7 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
     """
     B, Hq, T, D = q.shape
     qs = np.ascontiguousarray(q, dtype=np.float32) * np.float32(scale)       # [B, Hq, T, D]
+    k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)   # (the cache's own storage: no copy)
     kb = k.view(np.float32 if kind == "float32" else np.uint16)
     vb = v.view(kb.dtype)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
