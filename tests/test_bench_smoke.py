@@ -93,3 +93,12 @@ def test_model_throughput_script_on_smollm2(single_thread):
     assert all(r[k]["tokens_per_s"] > 0 for r in res["rows"] for k in ("prefill", "decode"))
     assert "decode ms/step" in mt.table(res["rows"])
     json.dumps(res)
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize("n", [1, 7, 1001])
+def test_ceiling_probe_reads_every_element_once(streams, n):
+    """Both read patterns of the probe sum the whole buffer: a faster pattern must not skip bytes."""
+    from streamattn.ceiling import _parallel_sum
+    a = np.arange(1, n + 1, dtype=np.float32)
+    assert _parallel_sum(a, 3, streams) == n * (n + 1) / 2

@@ -9,20 +9,24 @@ float max reduction did not vectorise at all. Here the code generators emit LLVM
   over head_dim, one vector each, and are then summed together by a transpose-reduction: 15 shuffle
   pairs and adds for all 16, where 16 separate horizontal sums take ~4x the instructions.
 - ``PV[R, kind]``: R accumulator rows += p · V over a tile of keys; R × 4 vectors stay in registers for
-  the whole tile (the loop over keys is inside), instead of a load and store of acc per key.
+  the whole tile (the loop over keys is inside), instead of a load and store of acc per key; fewer
+  than 8 FMA chains get a second set for odd keys (one row: 2.0 -> 1.2 ns per key).
 - ``row_max``: a vector max over a score row (llvm.maxnum; NaN operands are skipped, not propagated).
 - ``f16_to_f32``, ``bf16_to_f32``, ``pow2``: scalar bit conversions Numba lacks.
 
 kind: 0 float32 storage, 1 float16 bits, 2 bfloat16 bits (uint16); 16-bit rows are widened as loaded.
 Every vector kernel needs head_dim % 16 == 0; the backend keeps a plain-Numba path for other sizes.
 
-Measured here (2-core Zen 5, float32, head_dim 64; one thread, tile in L2): scores of a four-row GQA
-group 5.0 -> 3.5 ns per key, its accumulation 3.6 -> 2.0, max of four rows 1.85 -> 0.33.
+Measured here (2-core Zen 5 at ~4.1 GHz, float32, head_dim 64, one thread, tile in L1/L2): scores of a
+four-row GQA group 5.0 -> 2.9 ns per key, its accumulation 3.6 -> 2.0, max of four rows 1.85 -> 0.47.
 
-Software prefetch: from memory the GQA group's tile is long enough in compute that the hardware
-prefetcher alone left the core idle on misses (GQA 32/8 at 16k keys: 66% of the read ceiling). Four-row
-kernels therefore prefetch the row PREFETCH_ROWS ahead of the one they load (91–98%; 8 rows ahead gave
-~88%, 64 rows ~85%). Single-row (MHA) kernels do not: there it cost 105% -> 88%.
+Software prefetch: from memory, the GQA group's arithmetic per key is long enough that the hardware
+prefetcher alone left the core waiting on misses (GQA 32/8 at 16k keys: 66% of the read ceiling).
+Four-row kernels therefore prefetch the row PREFETCH_ROWS ahead of each one they load (16 rows: 91-98%).
+Variants alternated for 200 s, each timing put beside the ceiling probed next to it (the probe is
+bimodal here, ~40 or ~70 GB/s): 16, 24, 32, 48, 64 rows ahead all gave a median ~90% in the low mode,
+and 76, 76, 78, 80, 78% in the high one. Single-row (MHA) kernels do not prefetch: there it cost
+95.6 -> 79.3% (low mode) and 81.7 -> 74.4% (high).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 W = 16                      # lanes per vector
-PREFETCH_ROWS = 16          # rows ahead of the loads (4 KiB of float32 K at head_dim 64)
+PREFETCH_ROWS = 32          # rows ahead of the loads (8 KiB of float32 K at head_dim 64)
 PREFETCH_MIN_ROWS = 4       # only kernels of this many query rows prefetch (see the module docstring)
 F32, I16, I32, I64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 VF = ir.VectorType(F32, W)  # <16 x float>
@@ -61,12 +65,25 @@ def _splat(builder, x):
     return builder.shuffle_vector(v, ir.Constant(VF, ir.Undefined), ir.Constant(ir.VectorType(I32, W), [0] * W))
 
 
+class _Rows:
+    """A 2-D C-contiguous Numba array inside a code generator: its data pointer, row stride and item size.
+
+    The column offset is col * a constant item size, so LLVM folds a row's chunks into displacements of
+    one pointer (a runtime inner stride cost a register per chunk and spilled them).
+    """
+
+    def __init__(self, context, builder, ty, value):
+        ary = context.make_array(ty)(context, builder, value=value)
+        self.data = builder.bitcast(ary.data, I8P)
+        self.row_stride = cgutils.unpack_tuple(builder, ary.strides)[0]
+        self.itemsize = ty.dtype.bitwidth // 8
+        self.cols = cgutils.unpack_tuple(builder, ary.shape)[1]
+
+
 def _addr(builder, ary, row, col, elem):
-    """&ary[row, col] of a 2-D C-contiguous Numba array as an ``elem``*."""
-    strides = cgutils.unpack_tuple(builder, ary.strides)
-    off = builder.add(builder.mul(row, strides[0]), builder.mul(col, strides[1]))
-    ptr = builder.gep(builder.bitcast(ary.data, I8P), [off], source_etype=ir.IntType(8))
-    return builder.bitcast(ptr, elem.as_pointer())
+    """&ary[row, col] of a :class:`_Rows` as an ``elem``*."""
+    off = builder.add(builder.mul(row, ary.row_stride), builder.mul(col, _const(ary.itemsize)))
+    return builder.bitcast(builder.gep(ary.data, [off], source_etype=ir.IntType(8)), elem.as_pointer())
 
 
 def _load16(builder, ary, row, col, kind: int):
@@ -119,10 +136,6 @@ def _c_arrays(*tys) -> bool:
     return all(isinstance(t, types.Array) and t.layout == "C" for t in tys)
 
 
-def _array(context, builder, ty, value):
-    return context.make_array(ty)(context, builder, value=value)
-
-
 def _make_qk(R: int, kind: int):
     """Intrinsic qk(qf, r0, kt, j, sc): sc[r0 + g, j + t] = qf[r0 + g] . kt[j + t] for g < R, t < 16 // R.
 
@@ -136,9 +149,9 @@ def _make_qk(R: int, kind: int):
             return None
 
         def codegen(context, builder, sig, args):
-            qa, ka, sa = (_array(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
+            qa, ka, sa = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
             r0v, jv = args[1], args[3]
-            D = cgutils.unpack_tuple(builder, ka.shape)[1]
+            D = ka.cols
             zero = ir.Constant(VF, [0.0] * W)
             accs = [cgutils.alloca_once(builder, VF) for _ in range(R * KB)]  # dot g*KB+t, lane-wise
             for a in accs:
@@ -170,7 +183,8 @@ def _make_pv(R: int, kind: int):
 
     acc: [rows, D] float32, p: [rows, >= n] float32, vt: [>= n, D] storage, D % 16 == 0. Columns go in
     groups of 4 vectors (then single vectors for D % 64), each group one pass over the n keys with its
-    R × CG accumulators in registers; per key the sums are in key order, as a plain loop would add them.
+    accumulators in registers. Each accumulator is one chain of FMAs, 4 cycles apiece: with fewer than 8
+    chains (R * CG < 8) even and odd keys go to two sets, added at the end (R = 1: 2.0 -> ~1 ns per key).
     """
 
     @intrinsic
@@ -179,34 +193,47 @@ def _make_pv(R: int, kind: int):
             return None
 
         def codegen(context, builder, sig, args):
-            aa, pa, va = (_array(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
+            aa, pa, va = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
             r0v, nv = args[1], args[4]
-            D = cgutils.unpack_tuple(builder, va.shape)[1]
+            D = va.cols
             rows = [builder.add(r0v, _const(g)) for g in range(R)]
             wide_end = builder.mul(builder.udiv(D, _const(4 * W)), _const(4 * W))
             for CG, start, count in ((4, _const(0), builder.udiv(D, _const(4 * W))),
                                      (1, wide_end, builder.udiv(builder.sub(D, wide_end), _const(W)))):
-                accs = [cgutils.alloca_once(builder, VF) for _ in range(R * CG)]  # [g * CG + c]
+                U = 2 if R * CG < 8 else 1                # accumulator sets: keys j with j % U == u
+                accs = [[cgutils.alloca_once(builder, VF) for _ in range(R * CG)] for _ in range(U)]
+
+                def add_key(key, cols, acc_set):
+                    if R >= PREFETCH_MIN_ROWS:
+                        for c in range(CG):
+                            _prefetch(builder, va, builder.add(key, _const(PREFETCH_ROWS)), cols[c])
+                    xs = [_load16(builder, va, key, cols[c], kind) for c in range(CG)]
+                    for g in range(R):
+                        w = _splat(builder, builder.load(_addr(builder, pa, rows[g], key, F32), typ=F32))
+                        for c in range(CG):
+                            a = acc_set[g * CG + c]
+                            builder.store(_fmuladd(builder, w, xs[c], builder.load(a)), a)
+
                 with cgutils.for_range(builder, count) as group:
                     c0 = builder.add(start, builder.mul(group.index, _const(CG * W)))
                     cols = [builder.add(c0, _const(W * c)) for c in range(CG)]
                     for g in range(R):
                         for c in range(CG):
-                            builder.store(_load16(builder, aa, rows[g], cols[c], 0), accs[g * CG + c])
-                    with cgutils.for_range(builder, nv) as key:
-                        if R >= PREFETCH_MIN_ROWS:
-                            for c in range(CG):
-                                _prefetch(builder, va, builder.add(key.index, _const(PREFETCH_ROWS)), cols[c])
-                        xs = [_load16(builder, va, key.index, cols[c], kind) for c in range(CG)]
-                        for g in range(R):
-                            w = _splat(builder, builder.load(_addr(builder, pa, rows[g], key.index, F32), typ=F32))
-                            for c in range(CG):
-                                a = accs[g * CG + c]
-                                builder.store(_fmuladd(builder, w, xs[c], builder.load(a)), a)
+                            builder.store(_load16(builder, aa, rows[g], cols[c], 0), accs[0][g * CG + c])
+                            for u in range(1, U):
+                                builder.store(ir.Constant(VF, [0.0] * W), accs[u][g * CG + c])
+                    with cgutils.for_range(builder, builder.udiv(nv, _const(U))) as step:
+                        for u in range(U):
+                            add_key(builder.add(builder.mul(step.index, _const(U)), _const(u)), cols, accs[u])
+                    if U == 2:                          # an odd last key
+                        with builder.if_then(builder.trunc(nv, ir.IntType(1))):
+                            add_key(builder.sub(nv, _const(1)), cols, accs[0])
                     for g in range(R):
                         for c in range(CG):
-                            dst = _addr(builder, aa, rows[g], cols[c], VF)
-                            builder.store(builder.load(accs[g * CG + c]), dst, align=4)
+                            total = builder.load(accs[0][g * CG + c])
+                            for u in range(1, U):
+                                total = builder.fadd(total, builder.load(accs[u][g * CG + c]))
+                            builder.store(total, _addr(builder, aa, rows[g], cols[c], VF), align=4)
             return context.get_dummy_value()
         return types.void(acc, r0, p, vt, n), codegen
     return pv
@@ -223,7 +250,7 @@ def row_max(typingctx, x, n, init):
         return None
 
     def codegen(context, builder, sig, args):
-        xa = _array(context, builder, sig.args[0], args[0])
+        xa = context.make_array(sig.args[0])(context, builder, value=args[0])
         nv, init = args[1], args[2]
         vmax = _llvm_fn(builder, "llvm.maxnum.v16f32", VF, [VF, VF])
         smax = _llvm_fn(builder, "llvm.maxnum.f32", F32, [F32, F32])
