@@ -22,11 +22,16 @@ four-row GQA group 5.0 -> 2.9 ns per key, its accumulation 3.6 -> 2.0, max of fo
 
 Software prefetch: from memory, the GQA group's arithmetic per key is long enough that the hardware
 prefetcher alone left the core waiting on misses (GQA 32/8 at 16k keys: 66% of the read ceiling).
-Four-row kernels therefore prefetch the row PREFETCH_ROWS ahead of each one they load (16 rows: 91-98%).
-Variants alternated for 200 s, each timing put beside the ceiling probed next to it (the probe is
-bimodal here, ~40 or ~70 GB/s): 16, 24, 32, 48, 64 rows ahead all gave a median ~90% in the low mode,
-and 76, 76, 78, 80, 78% in the high one. Single-row (MHA) kernels do not prefetch: there it cost
-95.6 -> 79.3% (low mode) and 81.7 -> 74.4% (high).
+Four-row kernels therefore prefetch each row they load PREFETCH_ROWS ahead with the T0 hint (all
+levels, L1 included; 16 rows: 91-98%) and PREFETCH_FAR_ROWS ahead with T1 (L2 and out). Variants
+alternated for 200-240 s, each timing put beside the ceiling probed next to it (the probe is bimodal
+here, ~40 or ~70 GB/s), median % per mode:
+- T0 distance 16, 24, 32, 48, 64 rows: ~90% in the low mode for all, 76, 76, 78, 80, 78% in the high one;
+- adding the T1 prefetch: 83 -> 88% (low), 75 -> 77% (high); T2 256 rows ahead instead: 87%, 78%;
+  only T1, 64 rows ahead: 80%, 63%.
+Single-row (MHA) kernels do not prefetch: T0 prefetch cost 95.6 -> 79.3% (low mode) and 81.7 -> 74.4%
+(high), T2 256 rows ahead 92 -> 76% and 81 -> 72%; neither did loading each K row's chunks in
+memory order instead of chunk by chunk across 16 rows help (92 -> 85%, 81 -> 73%).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 W = 16                      # lanes per vector
-PREFETCH_ROWS = 32          # rows ahead of the loads (8 KiB of float32 K at head_dim 64)
+PREFETCH_ROWS = 32          # rows ahead of the loads, hint T0 (8 KiB of float32 K at head_dim 64)
+PREFETCH_FAR_ROWS = 128     # rows ahead of the loads, hint T1 (32 KiB)
 PREFETCH_MIN_ROWS = 4       # only kernels of this many query rows prefetch (see the module docstring)
 F32, I16, I32, I64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 VF = ir.VectorType(F32, W)  # <16 x float>
@@ -99,10 +105,12 @@ def _load16(builder, ary, row, col, kind: int):
 
 
 def _prefetch(builder, ary, row, col):
-    """Prefetch the line of ary[row, col] into L1 for reading. Never faults, even past the array's end."""
+    """Prefetch the lines of ary[row + PREFETCH_ROWS, col] into L1 and of ary[row + PREFETCH_FAR_ROWS, col]
+    into L2, for reading. Never faults, even past the array's end."""
     fn = _llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8P, I32, I32, I32])
-    builder.call(fn, [_addr(builder, ary, row, col, ir.IntType(8)),
-                      ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])  # read, T0, data
+    for ahead, locality in ((PREFETCH_ROWS, 3), (PREFETCH_FAR_ROWS, 2)):   # T0, T1
+        builder.call(fn, [_addr(builder, ary, builder.add(row, _const(ahead)), col, ir.IntType(8)),
+                          ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
 
 def _transpose_sum(builder, vecs):
@@ -163,7 +171,7 @@ def _make_qk(R: int, kind: int):
                 qs = [_load16(builder, qa, rows[g], col, 0) for g in range(R)]
                 for t in range(KB):
                     if R >= PREFETCH_MIN_ROWS:
-                        _prefetch(builder, ka, builder.add(keys[t], _const(PREFETCH_ROWS)), col)
+                        _prefetch(builder, ka, keys[t], col)
                     kv = _load16(builder, ka, keys[t], col, kind)
                     for g in range(R):
                         a = accs[g * KB + t]
@@ -206,7 +214,7 @@ def _make_pv(R: int, kind: int):
                 def add_key(key, cols, acc_set):
                     if R >= PREFETCH_MIN_ROWS:
                         for c in range(CG):
-                            _prefetch(builder, va, builder.add(key, _const(PREFETCH_ROWS)), cols[c])
+                            _prefetch(builder, va, key, cols[c])
                     xs = [_load16(builder, va, key, cols[c], kind) for c in range(CG)]
                     for g in range(R):
                         w = _splat(builder, builder.load(_addr(builder, pa, rows[g], key, F32), typ=F32))
