@@ -97,7 +97,7 @@ def _row_max(x, n, init):
     return cpu_simd.row_max(x, n, init)
 
 
-@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 64, 130, 1000])
 def test_row_max(n):
     rng = np.random.default_rng(n)
     x = rng.standard_normal(max(n, 1)).astype(np.float32)
@@ -126,3 +126,28 @@ def test_pow2_is_exact_and_zero_at_the_floor():
     _pow2_all(ks, out)
     assert out[0] == 0.0
     assert np.array_equal(out[1:], np.ldexp(np.float32(1), ks[1:]).astype(np.float32))
+
+
+def test_cached_kernels_are_flushed_when_the_vector_code_changes(tmp_path):
+    """cpu.py's cached kernels inline cpu_simd's code, which numba's cache does not track: a stamp of
+    cpu_simd.py beside the cache flushes them once when it changes, and not again."""
+    from streamattn.backends import cpu
+
+    class Cache:
+        _cache_path = str(tmp_path)
+        flushed = 0
+
+        def flush(self):
+            Cache.flushed += 1
+
+    class Kernel:
+        _cache = Cache()
+
+    source = tmp_path / "cpu_simd.py"
+    source.write_text("v1")
+    cpu._drop_stale_kernels([Kernel(), Kernel()], source)
+    cpu._drop_stale_kernels([Kernel(), Kernel()], source)
+    assert Cache.flushed == 2
+    source.write_text("v2")
+    cpu._drop_stale_kernels([Kernel(), Kernel()], source)
+    assert Cache.flushed == 4

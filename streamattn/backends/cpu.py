@@ -17,13 +17,16 @@ merges the splits exactly with their log-sum-exps.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from . import cpu_simd
 from .cpu_simd import PV, QK, bf16_to_f32, f16_to_f32, pow2, row_max
 
 TILE = 1024           # most keys per tile (see the module docstring)
@@ -395,3 +398,25 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
 def _threads() -> int:
     from numba import get_num_threads
     return get_num_threads() or os.cpu_count() or 1
+
+
+def _drop_stale_kernels(kernels=None, source=None) -> None:
+    """Numba keys a cached kernel on its own source file only, not on what it inlines: after cpu_simd.py
+    changes (a git pull, an edit), this module's cached kernels would still run the old vector code.
+    A stamp of cpu_simd.py (``source``) beside the cache flushes ``kernels`` (default: this module's
+    cached ones) when it differs."""
+    try:
+        if kernels is None:
+            kernels = [f for f in globals().values() if getattr(f, "_cache", None) is not None
+                       and hasattr(f._cache, "flush")]
+        stamp = hashlib.sha256(Path(source or cpu_simd.__file__).read_bytes()).hexdigest()
+        marker = Path(kernels[0]._cache._cache_path) / "streamattn_cpu_simd.sha256"
+        if not marker.exists() or marker.read_text() != stamp:
+            for f in kernels:
+                f._cache.flush()
+            marker.write_text(stamp)
+    except (OSError, AttributeError, IndexError):   # no writable cache, or numba internals moved
+        pass
+
+
+_drop_stale_kernels()

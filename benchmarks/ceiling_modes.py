@@ -1,0 +1,142 @@
+"""How close is decode to the read ceiling in each bandwidth mode of a shared host? L = 16k, d = 64, B = 1, causal: MHA 8/8 and GQA 32/8, float32 and float16 (issue 2's targets).
+
+    PYTHONPATH=. python benchmarks/ceiling_modes.py [--seconds 300] [--threads 2] [--out out/ceiling_modes]
+
+The ceiling probe on these hosts is bimodal (DESIGN.md §6: ~40 or ~70 GB/s, switching every few seconds
+to minutes), and one benchmark point lands in whichever mode the host is in. Here the points take turns
+for --seconds: each turn is a short timing (median of --calls calls) between two one-pass probes, and
+is filed under the higher of the two. Turns are then split into modes at the widest gap between sorted
+probe values (if it is wider than --gap GB/s), and each point gets, per mode, the median % of the
+ceiling and the median tokens/s; float16 vs float32 tokens/s is compared within a mode. Every point is
+checked against the float64 oracle before its first turn. Writes bench.json and a scatter of achieved
+vs probed GB/s (bench.png).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from streamattn import bench, benchreport
+from streamattn.ceiling import Ceiling
+
+POINTS = [bench.Point(impl="cpu", L=bench.K16, q_heads=hq, kv_heads=8, head_dim=64, dtype=dt)
+          for hq in (8, 32) for dt in ("float32", "float16")]
+
+
+def split_modes(ceilings, gap: float) -> float | None:
+    """The probe value that separates two modes (the middle of the widest gap), or None for one mode."""
+    c = np.sort(np.asarray(ceilings))
+    if c.size < 2:
+        return None
+    i = int(np.argmax(np.diff(c)))
+    return float((c[i] + c[i + 1]) / 2) if c[i + 1] - c[i] > gap else None
+
+
+def summarize(turns, gap: float) -> dict:
+    """Per mode and point: turns, median % of the ceiling, median tokens/s; float16/float32 per mode."""
+    cut = split_modes([t["ceiling_gbps"] for t in turns], gap)
+    modes = {"all": lambda c: True} if cut is None else {"low": lambda c: c < cut, "high": lambda c: c >= cut}
+    out = {"split_gbps": cut, "modes": {}}
+    for mode, keep in modes.items():
+        rows = {}
+        for key in dict.fromkeys(t["point"] for t in turns):
+            sel = [t for t in turns if t["point"] == key and keep(t["ceiling_gbps"])]
+            if sel:
+                rows[key] = {"turns": len(sel),
+                             "pct_ceiling": float(np.median([t["pct_ceiling"] for t in sel])),
+                             "tokens_per_s": float(np.median([t["tokens_per_s"] for t in sel])),
+                             "ceiling_gbps": float(np.median([t["ceiling_gbps"] for t in sel]))}
+        for hq in (8, 32):
+            f32, f16 = rows.get(f"{hq}/8 float32"), rows.get(f"{hq}/8 float16")
+            if f32 and f16:
+                rows[f"{hq}/8 float16"]["vs_float32"] = f16["tokens_per_s"] / f32["tokens_per_s"]
+        out["modes"][mode] = rows
+    return out
+
+
+def plot(turns, path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for key in dict.fromkeys(t["point"] for t in turns):
+        sel = [t for t in turns if t["point"] == key]
+        ax.scatter([t["ceiling_gbps"] for t in sel], [t["gbps"] for t in sel], s=8, alpha=0.5, label=key)
+    hi = max(t["ceiling_gbps"] for t in turns) * 1.05
+    for frac in (1.0, 0.8):
+        ax.plot([0, hi], [0, frac * hi], "k--" if frac == 1 else "k:", lw=0.8, label=f"{frac:.0%} of ceiling")
+    ax.set_xlabel("ceiling probed beside the timing (GB/s)")
+    ax.set_ylabel("decode K+V read (GB/s)")
+    ax.set_title("decode at L=16k, d=64 vs the host's bandwidth mode")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=300)
+    ap.add_argument("--calls", type=int, default=15, help="timed calls per turn")
+    ap.add_argument("--gap", type=float, default=8.0, help="GB/s between probe values that separates modes")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="out/ceiling_modes")
+    args = ap.parse_args(argv)
+    if args.threads:
+        import numba
+        numba.set_num_threads(args.threads)
+    ceiling = Ceiling()
+    rng = np.random.default_rng(0)
+    runs = {}
+    for p in POINTS:
+        caches, q = bench.build(p, rng)
+        fn = bench.runner(p, caches, q)
+        err = bench.oracle_error(p, fn(0), caches[0], q)
+        if not err <= bench.TOL[p.dtype]:
+            print(f"{bench._label(p)}: WRONG, oracle error {err:.3g}", file=sys.stderr)
+            return 1
+        runs[f"{p.q_heads}/{p.kv_heads} {p.dtype}"] = (p, fn)
+    turns, t0, i = [], time.perf_counter(), 0
+    while time.perf_counter() - t0 < args.seconds:
+        for key, (p, fn) in runs.items():
+            before = ceiling.probe(1)
+            times = []
+            for _ in range(args.calls):
+                t = time.perf_counter()
+                fn(i)
+                times.append(time.perf_counter() - t)
+                i += 1
+            c = max(before, ceiling.probe(1))
+            med = float(np.median(times))
+            turns.append({"point": key, "gbps": p.bytes_read / med / 1e9, "ceiling_gbps": c,
+                          "pct_ceiling": 100 * p.bytes_read / med / 1e9 / c, "tokens_per_s": p.new_tokens / med})
+        print(f"\r{time.perf_counter() - t0:5.0f} s, {len(turns)} turns", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    summary = summarize(turns, args.gap)
+    split = summary["split_gbps"]
+    print(f"modes split at {split:.1f} GB/s" if split else "one mode")
+    print(f"{'mode':5} {'point':13} {'turns':>5} {'ceiling':>8} {'% ceiling':>9} {'tok/s':>7} {'f16/f32':>7}")
+    for mode, rows in summary["modes"].items():
+        for key, r in rows.items():
+            ratio = f"{r['vs_float32']:.2f}x" if "vs_float32" in r else ""
+            print(f"{mode:5} {key:13} {r['turns']:5d} {r['ceiling_gbps']:8.1f} {r['pct_ceiling']:8.1f}% "
+                  f"{r['tokens_per_s']:7.0f} {ratio:>7}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"machine": benchreport.machine(), "seconds": args.seconds, "summary": summary,
+                   "turns": turns}, f, indent=1)
+    drew = plot(turns, os.path.join(args.out, "bench.png"))
+    print(f"wrote {args.out}/bench.json" + (" and bench.png" if drew else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
