@@ -28,12 +28,22 @@ POINTS = [bench.Point(impl="cpu", L=bench.K16, q_heads=hq, kv_heads=8, head_dim=
 
 
 def split_modes(ceilings, gap: float) -> float | None:
-    """The probe value that separates two modes (the middle of the widest gap), or None for one mode."""
-    c = np.sort(np.asarray(ceilings))
+    """The probe value that separates two modes, or None for one mode.
+
+    Two clusters by Otsu's rule (the cut that maximises the variance between them); they count as two
+    modes when their means are more than ``gap`` GB/s apart (a few probes fall between the modes, so
+    the widest single gap between sorted values is not a reliable cut).
+    """
+    c = np.sort(np.asarray(ceilings, dtype=np.float64))
     if c.size < 2:
         return None
-    i = int(np.argmax(np.diff(c)))
-    return float((c[i] + c[i + 1]) / 2) if c[i + 1] - c[i] > gap else None
+    k = np.arange(1, c.size)                        # cut after the k lowest values
+    lo_mean = np.cumsum(c)[:-1] / k
+    hi_mean = (c.sum() - np.cumsum(c)[:-1]) / (c.size - k)
+    best = int(np.argmax(k * (c.size - k) * (hi_mean - lo_mean) ** 2))
+    if hi_mean[best] - lo_mean[best] <= gap:
+        return None
+    return float((c[best] + c[best + 1]) / 2)
 
 
 def summarize(turns, gap: float) -> dict:
@@ -56,6 +66,17 @@ def summarize(turns, gap: float) -> dict:
                 rows[f"{hq}/8 float16"]["vs_float32"] = f16["tokens_per_s"] / f32["tokens_per_s"]
         out["modes"][mode] = rows
     return out
+
+
+def report(summary) -> None:
+    split = summary["split_gbps"]
+    print(f"modes split at {split:.1f} GB/s" if split else "one mode")
+    print(f"{'mode':5} {'point':13} {'turns':>5} {'ceiling':>8} {'% ceiling':>9} {'tok/s':>7} {'f16/f32':>7}")
+    for mode, rows in summary["modes"].items():
+        for key, r in rows.items():
+            ratio = f"{r['vs_float32']:.2f}x" if "vs_float32" in r else ""
+            print(f"{mode:5} {key:13} {r['turns']:5d} {r['ceiling_gbps']:8.1f} {r['pct_ceiling']:8.1f}% "
+                  f"{r['tokens_per_s']:7.0f} {ratio:>7}")
 
 
 def plot(turns, path) -> bool:
@@ -86,10 +107,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=300)
     ap.add_argument("--calls", type=int, default=15, help="timed calls per turn")
-    ap.add_argument("--gap", type=float, default=8.0, help="GB/s between probe values that separates modes")
+    ap.add_argument("--gap", type=float, default=15.0, help="GB/s between the two modes' mean probes to count as two")
+    ap.add_argument("--summarize", metavar="JSON", help="only summarise the turns of an earlier bench.json")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="out/ceiling_modes")
     args = ap.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            report(summarize(json.load(f)["turns"], args.gap))
+        return 0
     if args.threads:
         import numba
         numba.set_num_threads(args.threads)
@@ -121,14 +147,7 @@ def main(argv=None) -> int:
         print(f"\r{time.perf_counter() - t0:5.0f} s, {len(turns)} turns", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     summary = summarize(turns, args.gap)
-    split = summary["split_gbps"]
-    print(f"modes split at {split:.1f} GB/s" if split else "one mode")
-    print(f"{'mode':5} {'point':13} {'turns':>5} {'ceiling':>8} {'% ceiling':>9} {'tok/s':>7} {'f16/f32':>7}")
-    for mode, rows in summary["modes"].items():
-        for key, r in rows.items():
-            ratio = f"{r['vs_float32']:.2f}x" if "vs_float32" in r else ""
-            print(f"{mode:5} {key:13} {r['turns']:5d} {r['ceiling_gbps']:8.1f} {r['pct_ceiling']:8.1f}% "
-                  f"{r['tokens_per_s']:7.0f} {ratio:>7}")
+    report(summary)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump({"machine": benchreport.machine(), "seconds": args.seconds, "summary": summary,

@@ -26,24 +26,24 @@ def _store(x, dtype):
 
 
 @functools.cache
-def _qk_all(R, kind):
-    f = cpu_simd.QK[R, kind]
+def _qk_all(R):
+    f = cpu_simd.QK[R]
 
     @njit
-    def run(qf, kt, sc):
+    def run(qf, kt, sc, kind):
         for r in range(0, qf.shape[0] - R + 1, R):
             for j in range(0, kt.shape[0] - 16 // R + 1, 16 // R):
-                f(qf, r, kt, j, sc)
+                f(qf, r, kt, j, sc, kind)
     return run
 
 
 @functools.cache
-def _pv(R, kind):
-    f = cpu_simd.PV[R, kind]
+def _pv(R):
+    f = cpu_simd.PV[R]
 
     @njit
-    def run(acc, r0, p, vt, n):
-        f(acc, r0, p, vt, n)
+    def run(acc, r0, p, vt, n, kind):
+        f(acc, r0, p, vt, n, kind)
     return run
 
 
@@ -56,7 +56,7 @@ def test_scores_blocks_equal_dot_products(dtype, R, D):
     qf = rng.standard_normal((rows, D)).astype(np.float32)
     kt, kw = _store(rng.standard_normal((n, D)).astype(np.float32), dtype)
     sc = np.full((rows, n), np.nan, np.float32)
-    _qk_all(R, KINDS[dtype])(qf, kt, sc)
+    _qk_all(R)(qf, kt, sc, KINDS[dtype])
     want = qf.astype(np.float64) @ kw.T
     assert np.abs(sc - want).max() <= 1e-5 * np.abs(want).max()
 
@@ -68,7 +68,7 @@ def test_scores_of_a_ring_slice_with_a_row_stride():
     kt = k[1, 4:8]                                    # the last 4 slots: prefetch reaches 16 rows beyond
     qf = rng.standard_normal((4, 64)).astype(np.float32)
     sc = np.zeros((4, 4), np.float32)
-    _qk_all(4, 0)(qf, kt, sc)
+    _qk_all(4)(qf, kt, sc, 0)
     want = qf.astype(np.float64) @ kt.astype(np.float64).T
     assert np.abs(sc - want).max() <= 1e-5 * np.abs(want).max()
 
@@ -85,7 +85,7 @@ def test_accumulate_adds_weighted_rows(dtype, R, D, n):
     vt, vw = _store(rng.standard_normal((max(n, 1), D)).astype(np.float32), dtype)
     r0 = rows - R                                     # the last R rows; the others must not change
     got = acc.copy()
-    _pv(R, KINDS[dtype])(got, r0, p, vt, n)
+    _pv(R)(got, r0, p, vt, n, KINDS[dtype])
     want = acc.astype(np.float64)
     want[r0:] += p[r0:, :n].astype(np.float64) @ vw[:n]
     assert np.array_equal(got[:r0], acc[:r0])

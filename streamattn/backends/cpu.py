@@ -33,6 +33,8 @@ TILE = 1024           # most keys per tile (see the module docstring)
 MIN_TILE = 64         # fewest keys per tile, however many query rows
 SCORE_FLOATS = 8192   # the [rows, tile] score buffer's budget: tile = SCORE_FLOATS // rows within the bounds
 MIN_SPLIT_KEYS = 512  # do not split a sequence's keys finer than this
+_QK1, _QK2, _QK4 = QK[1], QK[2], QK[4]   # module globals: Numba cannot index the dicts in a kernel
+_PV1, _PV2, _PV4 = PV[1], PV[2], PV[4]
 # Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
 # masked scores are -inf on purpose.
 FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
@@ -128,46 +130,6 @@ def _accumulate(acc, p, vt, n, rows, kind):
                 a[i] += pj * _wide(vj[i], kind)
 
 
-def _qk(R, qf, r0, kt, j, sc, kind):
-    """sc[r0 + g, j:j + 16 // R] for g < R: the vector kernel QK[R, kind] (kt's dtype and kind pick it)."""
-
-
-@overload(_qk, prefer_literal=True)
-def _qk_impl(R, qf, r0, kt, j, sc, kind):
-    R = R.literal_value
-    if kt.dtype == types.float32:
-        f = QK[R, 0]
-        return lambda R, qf, r0, kt, j, sc, kind: f(qf, r0, kt, j, sc)
-    f16, bf16 = QK[R, 1], QK[R, 2]
-
-    def impl(R, qf, r0, kt, j, sc, kind):
-        if kind == 1:
-            f16(qf, r0, kt, j, sc)
-        else:
-            bf16(qf, r0, kt, j, sc)
-    return impl
-
-
-def _pv(R, acc, r0, p, vt, n, kind):
-    """acc[r0:r0 + R] += p[r0:r0 + R, :n] @ vt[:n]: the vector kernel PV[R, kind]."""
-
-
-@overload(_pv, prefer_literal=True)
-def _pv_impl(R, acc, r0, p, vt, n, kind):
-    R = R.literal_value
-    if vt.dtype == types.float32:
-        f = PV[R, 0]
-        return lambda R, acc, r0, p, vt, n, kind: f(acc, r0, p, vt, n)
-    f16, bf16 = PV[R, 1], PV[R, 2]
-
-    def impl(R, acc, r0, p, vt, n, kind):
-        if kind == 1:
-            f16(acc, r0, p, vt, n)
-        else:
-            bf16(acc, r0, p, vt, n)
-    return impl
-
-
 @njit(fastmath=FASTMATH, cache=True)
 def _tile_scores(qf, kt, n, sc, kind):
     """sc[r, :n] = qf[r] . kt[:n] for every row r (head_dim % 16 == 0): rows in fours, then two, one.
@@ -181,13 +143,13 @@ def _tile_scores(qf, kt, n, sc, kind):
         nb = n - n % (16 // R)                         # keys in whole blocks of 16 // R
         if R == 4:
             for j in range(0, nb, 4):
-                _qk(4, qf, r, kt, j, sc, kind)
+                _QK4(qf, r, kt, j, sc, kind)
         elif R == 2:
             for j in range(0, nb, 8):
-                _qk(2, qf, r, kt, j, sc, kind)
+                _QK2(qf, r, kt, j, sc, kind)
         else:
             for j in range(0, nb, 16):
-                _qk(1, qf, r, kt, j, sc, kind)
+                _QK1(qf, r, kt, j, sc, kind)
         for g in range(R):                             # the last n % (16 // R) keys
             _scores(qf[r + g], kt[nb:n], n - nb, sc[r + g, nb:], kind)
         r += R
@@ -203,13 +165,13 @@ def _tile_accumulate(acc, p, vt, n, kind):
     r = 0
     while r < rows:
         if rows - r >= 4:
-            _pv(4, acc, r, p, vt, n, kind)
+            _PV4(acc, r, p, vt, n, kind)
             r += 4
         elif rows - r >= 2:
-            _pv(2, acc, r, p, vt, n, kind)
+            _PV2(acc, r, p, vt, n, kind)
             r += 2
         else:
-            _pv(1, acc, r, p, vt, n, kind)
+            _PV1(acc, r, p, vt, n, kind)
             r += 1
 
 

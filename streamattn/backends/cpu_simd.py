@@ -5,10 +5,10 @@ each score was its own horizontal sum, each weighted V row a load and store of t
 float max reduction did not vectorise at all. Here the code generators emit LLVM IR over <16 x float>
 (one AVX-512 register; LLVM splits the vectors for AVX2 or NEON), and Numba inlines them into the kernel.
 
-- ``QK[R, kind]``: scores of R query rows against 16 // R keys. The 16 dot products accumulate lane-wise
+- ``QK[R]``: scores of R query rows against 16 // R keys. The 16 dot products accumulate lane-wise
   over head_dim, one vector each, and are then summed together by a transpose-reduction: 15 shuffle
   pairs and adds for all 16, where 16 separate horizontal sums take ~4x the instructions.
-- ``PV[R, kind]``: R accumulator rows += p · V over a tile of keys; R × 4 vectors stay in registers for
+- ``PV[R]``: R accumulator rows += p · V over a tile of keys; R × 4 vectors stay in registers for
   the whole tile (the loop over keys is inside), instead of a load and store of acc per key; fewer
   than 8 FMA chains get a second set for odd keys (one row: 2.0 -> 1.2 ns per key).
 - ``row_max``: a vector max over a score row, four running vectors (llvm.maxnum; NaN operands are
@@ -155,50 +155,68 @@ def _c_arrays(*tys) -> bool:
     return all(isinstance(t, types.Array) and t.layout == "C" for t in tys)
 
 
-def _make_qk(R: int, kind: int):
-    """Intrinsic qk(qf, r0, kt, j, sc): sc[r0 + g, j + t] = qf[r0 + g] . kt[j + t] for g < R, t < 16 // R.
+def _by_storage(builder, storage_ty, kind, emit):
+    """Emit the kernel body for the storage: float32 arrays once (kind 0); uint16 arrays twice, for
+    float16 (kind == 1 at run time) and bfloat16 (otherwise), behind one branch."""
+    if storage_ty.dtype == types.float32:
+        emit(0)
+        return
+    with builder.if_else(builder.icmp_signed("==", kind, ir.Constant(kind.type, 1))) as (f16, bf16):
+        with f16:
+            emit(1)
+        with bf16:
+            emit(2)
 
-    qf: [rows, D] float32, kt: [n, D] storage, sc: [rows, >= j + 16 // R] float32, D % 16 == 0.
+
+def _make_qk(R: int):
+    """Intrinsic qk(qf, r0, kt, j, sc, kind): sc[r0 + g, j + t] = qf[r0 + g] . kt[j + t] for g < R,
+    t < 16 // R.
+
+    qf: [rows, D] float32, kt: [n, D] storage (float32, or uint16 bits of ``kind`` 1/2),
+    sc: [rows, >= j + 16 // R] float32, D % 16 == 0.
     """
     KB = W // R                                     # keys per call: R * KB = 16 dot products
 
     @intrinsic
-    def qk(typingctx, qf, r0, kt, j, sc):
+    def qk(typingctx, qf, r0, kt, j, sc, kind):
         if not _c_arrays(qf, kt, sc):
             return None
 
         def codegen(context, builder, sig, args):
-            qa, ka, sa = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
-            r0v, jv = args[1], args[3]
-            D = ka.cols
-            zero = ir.Constant(VF, [0.0] * W)
-            accs = [cgutils.alloca_once(builder, VF) for _ in range(R * KB)]  # dot g*KB+t, lane-wise
-            for a in accs:
-                builder.store(zero, a)
-            rows = [builder.add(r0v, _const(g)) for g in range(R)]
-            keys = [builder.add(jv, _const(t)) for t in range(KB)]
-            with cgutils.for_range(builder, builder.udiv(D, _const(W))) as loop:
-                col = builder.mul(loop.index, _const(W))
-                qs = [_load16(builder, qa, rows[g], col, 0) for g in range(R)]
-                for t in range(KB):
-                    if _prefetches(R, kind):
-                        _prefetch(builder, ka, keys[t], col)
-                    kv = _load16(builder, ka, keys[t], col, kind)
-                    for g in range(R):
-                        a = accs[g * KB + t]
-                        builder.store(_fmuladd(builder, qs[g], kv, builder.load(a)), a)
-            total, lane_of = _transpose_sum(builder, [builder.load(a) for a in accs])
-            for g in range(R):                      # this row's KB sums, in key order, as one store
-                pick = ir.Constant(ir.VectorType(I32, KB), [lane_of[g * KB + t] for t in range(KB)])
-                part = builder.shuffle_vector(total, ir.Constant(VF, ir.Undefined), pick)
-                builder.store(part, _addr(builder, sa, rows[g], jv, ir.VectorType(F32, KB)), align=4)
+            _by_storage(builder, sig.args[2], args[5], lambda kind: _qk_body(context, builder, sig, args, kind))
             return context.get_dummy_value()
-        return types.void(qf, r0, kt, j, sc), codegen
+        return types.void(qf, r0, kt, j, sc, kind), codegen
+
+    def _qk_body(context, builder, sig, args, kind):
+        qa, ka, sa = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
+        r0v, jv = args[1], args[3]
+        D = ka.cols
+        zero = ir.Constant(VF, [0.0] * W)
+        accs = [cgutils.alloca_once(builder, VF) for _ in range(R * KB)]  # dot g*KB+t, lane-wise
+        for a in accs:
+            builder.store(zero, a)
+        rows = [builder.add(r0v, _const(g)) for g in range(R)]
+        keys = [builder.add(jv, _const(t)) for t in range(KB)]
+        with cgutils.for_range(builder, builder.udiv(D, _const(W))) as loop:
+            col = builder.mul(loop.index, _const(W))
+            qs = [_load16(builder, qa, rows[g], col, 0) for g in range(R)]
+            for t in range(KB):
+                if _prefetches(R, kind):
+                    _prefetch(builder, ka, keys[t], col)
+                kv = _load16(builder, ka, keys[t], col, kind)
+                for g in range(R):
+                    a = accs[g * KB + t]
+                    builder.store(_fmuladd(builder, qs[g], kv, builder.load(a)), a)
+        total, lane_of = _transpose_sum(builder, [builder.load(a) for a in accs])
+        for g in range(R):                      # this row's KB sums, in key order, as one store
+            pick = ir.Constant(ir.VectorType(I32, KB), [lane_of[g * KB + t] for t in range(KB)])
+            part = builder.shuffle_vector(total, ir.Constant(VF, ir.Undefined), pick)
+            builder.store(part, _addr(builder, sa, rows[g], jv, ir.VectorType(F32, KB)), align=4)
     return qk
 
 
-def _make_pv(R: int, kind: int):
-    """Intrinsic pv(acc, r0, p, vt, n): acc[r0 + g] += sum_{j < n} p[r0 + g, j] * vt[j] for g < R.
+def _make_pv(R: int):
+    """Intrinsic pv(acc, r0, p, vt, n, kind): acc[r0 + g] += sum_{j < n} p[r0 + g, j] * vt[j] for g < R.
 
     acc: [rows, D] float32, p: [rows, >= n] float32, vt: [>= n, D] storage, D % 16 == 0. Columns go in
     groups of 4 vectors (then single vectors for D % 64), each group one pass over the n keys with its
@@ -207,59 +225,62 @@ def _make_pv(R: int, kind: int):
     """
 
     @intrinsic
-    def pv(typingctx, acc, r0, p, vt, n):
+    def pv(typingctx, acc, r0, p, vt, n, kind):
         if not _c_arrays(acc, p, vt):
             return None
 
         def codegen(context, builder, sig, args):
-            aa, pa, va = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
-            r0v, nv = args[1], args[4]
-            D = va.cols
-            rows = [builder.add(r0v, _const(g)) for g in range(R)]
-            wide_end = builder.mul(builder.udiv(D, _const(4 * W)), _const(4 * W))
-            for CG, start, count in ((4, _const(0), builder.udiv(D, _const(4 * W))),
-                                     (1, wide_end, builder.udiv(builder.sub(D, wide_end), _const(W)))):
-                U = 2 if R * CG < 8 else 1                # accumulator sets: keys j with j % U == u
-                accs = [[cgutils.alloca_once(builder, VF) for _ in range(R * CG)] for _ in range(U)]
-
-                def add_key(key, cols, acc_set):
-                    if _prefetches(R, kind):
-                        for c in range(CG):
-                            _prefetch(builder, va, key, cols[c])
-                    xs = [_load16(builder, va, key, cols[c], kind) for c in range(CG)]
-                    for g in range(R):
-                        w = _splat(builder, builder.load(_addr(builder, pa, rows[g], key, F32), typ=F32))
-                        for c in range(CG):
-                            a = acc_set[g * CG + c]
-                            builder.store(_fmuladd(builder, w, xs[c], builder.load(a)), a)
-
-                with cgutils.for_range(builder, count) as group:
-                    c0 = builder.add(start, builder.mul(group.index, _const(CG * W)))
-                    cols = [builder.add(c0, _const(W * c)) for c in range(CG)]
-                    for g in range(R):
-                        for c in range(CG):
-                            builder.store(_load16(builder, aa, rows[g], cols[c], 0), accs[0][g * CG + c])
-                            for u in range(1, U):
-                                builder.store(ir.Constant(VF, [0.0] * W), accs[u][g * CG + c])
-                    with cgutils.for_range(builder, builder.udiv(nv, _const(U))) as step:
-                        for u in range(U):
-                            add_key(builder.add(builder.mul(step.index, _const(U)), _const(u)), cols, accs[u])
-                    if U == 2:                          # an odd last key
-                        with builder.if_then(builder.trunc(nv, ir.IntType(1))):
-                            add_key(builder.sub(nv, _const(1)), cols, accs[0])
-                    for g in range(R):
-                        for c in range(CG):
-                            total = builder.load(accs[0][g * CG + c])
-                            for u in range(1, U):
-                                total = builder.fadd(total, builder.load(accs[u][g * CG + c]))
-                            builder.store(total, _addr(builder, aa, rows[g], cols[c], VF), align=4)
+            _by_storage(builder, sig.args[3], args[5], lambda kind: _pv_body(context, builder, sig, args, kind))
             return context.get_dummy_value()
-        return types.void(acc, r0, p, vt, n), codegen
+        return types.void(acc, r0, p, vt, n, kind), codegen
+
+    def _pv_body(context, builder, sig, args, kind):
+        aa, pa, va = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
+        r0v, nv = args[1], args[4]
+        D = va.cols
+        rows = [builder.add(r0v, _const(g)) for g in range(R)]
+        wide_end = builder.mul(builder.udiv(D, _const(4 * W)), _const(4 * W))
+        for CG, start, count in ((4, _const(0), builder.udiv(D, _const(4 * W))),
+                                 (1, wide_end, builder.udiv(builder.sub(D, wide_end), _const(W)))):
+            U = 2 if R * CG < 8 else 1                # accumulator sets: keys j with j % U == u
+            accs = [[cgutils.alloca_once(builder, VF) for _ in range(R * CG)] for _ in range(U)]
+
+            def add_key(key, cols, acc_set):
+                if _prefetches(R, kind):
+                    for c in range(CG):
+                        _prefetch(builder, va, key, cols[c])
+                xs = [_load16(builder, va, key, cols[c], kind) for c in range(CG)]
+                for g in range(R):
+                    w = _splat(builder, builder.load(_addr(builder, pa, rows[g], key, F32), typ=F32))
+                    for c in range(CG):
+                        a = acc_set[g * CG + c]
+                        builder.store(_fmuladd(builder, w, xs[c], builder.load(a)), a)
+
+            with cgutils.for_range(builder, count) as group:
+                c0 = builder.add(start, builder.mul(group.index, _const(CG * W)))
+                cols = [builder.add(c0, _const(W * c)) for c in range(CG)]
+                for g in range(R):
+                    for c in range(CG):
+                        builder.store(_load16(builder, aa, rows[g], cols[c], 0), accs[0][g * CG + c])
+                        for u in range(1, U):
+                            builder.store(ir.Constant(VF, [0.0] * W), accs[u][g * CG + c])
+                with cgutils.for_range(builder, builder.udiv(nv, _const(U))) as step:
+                    for u in range(U):
+                        add_key(builder.add(builder.mul(step.index, _const(U)), _const(u)), cols, accs[u])
+                if U == 2:                          # an odd last key
+                    with builder.if_then(builder.trunc(nv, ir.IntType(1))):
+                        add_key(builder.sub(nv, _const(1)), cols, accs[0])
+                for g in range(R):
+                    for c in range(CG):
+                        total = builder.load(accs[0][g * CG + c])
+                        for u in range(1, U):
+                            total = builder.fadd(total, builder.load(accs[u][g * CG + c]))
+                        builder.store(total, _addr(builder, aa, rows[g], cols[c], VF), align=4)
     return pv
 
 
-QK = {(R, kind): _make_qk(R, kind) for R in (1, 2, 4) for kind in (0, 1, 2)}
-PV = {(R, kind): _make_pv(R, kind) for R in (1, 2, 4) for kind in (0, 1, 2)}
+QK = {R: _make_qk(R) for R in (1, 2, 4)}
+PV = {R: _make_pv(R) for R in (1, 2, 4)}
 
 
 @intrinsic
