@@ -168,6 +168,24 @@ def _by_storage(builder, storage_ty, kind, emit):
             emit(2)
 
 
+def _kernel(body, arrays, storage):
+    """A Numba intrinsic f(a0, .., a4, kind) -> None whose code is ``body(context, builder, sig, args,
+    kind)``, emitted per storage kind by :func:`_by_storage`. ``arrays``: argument indices that must be
+    C arrays; ``storage``: the index of the K or V array."""
+    @intrinsic
+    def kernel(typingctx, a0, a1, a2, a3, a4, kind):
+        args = (a0, a1, a2, a3, a4, kind)
+        if not _c_arrays(*(args[i] for i in arrays)):
+            return None
+
+        def codegen(context, builder, sig, values):
+            _by_storage(builder, sig.args[storage], values[-1],
+                        lambda kind: body(context, builder, sig, values, kind))
+            return context.get_dummy_value()
+        return types.void(*args), codegen
+    return kernel
+
+
 def _make_qk(R: int):
     """Intrinsic qk(qf, r0, kt, j, sc, kind): sc[r0 + g, j + t] = qf[r0 + g] . kt[j + t] for g < R,
     t < 16 // R.
@@ -177,17 +195,7 @@ def _make_qk(R: int):
     """
     KB = W // R                                     # keys per call: R * KB = 16 dot products
 
-    @intrinsic
-    def qk(typingctx, qf, r0, kt, j, sc, kind):
-        if not _c_arrays(qf, kt, sc):
-            return None
-
-        def codegen(context, builder, sig, args):
-            _by_storage(builder, sig.args[2], args[5], lambda kind: _qk_body(context, builder, sig, args, kind))
-            return context.get_dummy_value()
-        return types.void(qf, r0, kt, j, sc, kind), codegen
-
-    def _qk_body(context, builder, sig, args, kind):
+    def body(context, builder, sig, args, kind):
         qa, ka, sa = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
         r0v, jv = args[1], args[3]
         D = ka.cols
@@ -212,7 +220,7 @@ def _make_qk(R: int):
             pick = ir.Constant(ir.VectorType(I32, KB), [lane_of[g * KB + t] for t in range(KB)])
             part = builder.shuffle_vector(total, ir.Constant(VF, ir.Undefined), pick)
             builder.store(part, _addr(builder, sa, rows[g], jv, ir.VectorType(F32, KB)), align=4)
-    return qk
+    return _kernel(body, arrays=(0, 2, 4), storage=2)        # qk(qf, r0, kt, j, sc, kind)
 
 
 def _make_pv(R: int):
@@ -224,17 +232,7 @@ def _make_pv(R: int):
     chains (R * CG < 8) even and odd keys go to two sets, added at the end (R = 1: 2.0 -> ~1 ns per key).
     """
 
-    @intrinsic
-    def pv(typingctx, acc, r0, p, vt, n, kind):
-        if not _c_arrays(acc, p, vt):
-            return None
-
-        def codegen(context, builder, sig, args):
-            _by_storage(builder, sig.args[3], args[5], lambda kind: _pv_body(context, builder, sig, args, kind))
-            return context.get_dummy_value()
-        return types.void(acc, r0, p, vt, n, kind), codegen
-
-    def _pv_body(context, builder, sig, args, kind):
+    def body(context, builder, sig, args, kind):
         aa, pa, va = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
         r0v, nv = args[1], args[4]
         D = va.cols
@@ -276,7 +274,7 @@ def _make_pv(R: int):
                         for u in range(1, U):
                             total = builder.fadd(total, builder.load(accs[u][g * CG + c]))
                         builder.store(total, _addr(builder, aa, rows[g], cols[c], VF), align=4)
-    return pv
+    return _kernel(body, arrays=(0, 2, 3), storage=3)        # pv(acc, r0, p, vt, n, kind)
 
 
 QK = {R: _make_qk(R) for R in (1, 2, 4)}
