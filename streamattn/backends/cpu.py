@@ -186,7 +186,7 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
     part_out: [B, Hq, T, nsplit, D] float32, part_lse: [B, Hq, T, nsplit] float32 (outputs)
     """
     B, Hkv, S, D = k.shape
-    Hq, T = q.shape[1], q.shape[2]
+    Hq = q.shape[1]
     G = Hq // Hkv
     vector = D % 16 == 0  # the cpu_simd kernels; plain loops otherwise
     ring = S - sinks  # causal: sinks = 0 and ring = S, so slot == position
