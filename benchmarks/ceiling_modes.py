@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -25,6 +26,10 @@ from streamattn.ceiling import Ceiling
 
 POINTS = [bench.Point(impl="cpu", L=bench.K16, q_heads=hq, kv_heads=8, head_dim=64, dtype=dt)
           for hq in (8, 32) for dt in ("float32", "float16")]
+
+
+def _key(p: bench.Point) -> str:
+    return f"{p.q_heads}/{p.kv_heads} {p.dtype}"
 
 
 def split_modes(ceilings, gap: float) -> float | None:
@@ -60,10 +65,10 @@ def summarize(turns, gap: float) -> dict:
                              "pct_ceiling": float(np.median([t["pct_ceiling"] for t in sel])),
                              "tokens_per_s": float(np.median([t["tokens_per_s"] for t in sel])),
                              "ceiling_gbps": float(np.median([t["ceiling_gbps"] for t in sel]))}
-        for hq in (8, 32):
-            f32, f16 = rows.get(f"{hq}/8 float32"), rows.get(f"{hq}/8 float16")
-            if f32 and f16:
-                rows[f"{hq}/8 float16"]["vs_float32"] = f16["tokens_per_s"] / f32["tokens_per_s"]
+        for p in POINTS:                             # float16 against its float32 twin, same mode
+            f32 = rows.get(_key(replace(p, dtype="float32")))
+            if p.dtype == "float16" and f32 and _key(p) in rows:
+                rows[_key(p)]["vs_float32"] = rows[_key(p)]["tokens_per_s"] / f32["tokens_per_s"]
         out["modes"][mode] = rows
     return out
 
@@ -127,9 +132,9 @@ def main(argv=None) -> int:
         fn = bench.runner(p, caches, q)
         err = bench.oracle_error(p, fn(0), caches[0], q)
         if not err <= bench.TOL[p.dtype]:
-            print(f"{bench._label(p)}: WRONG, oracle error {err:.3g}", file=sys.stderr)
+            print(f"{_key(p)}: WRONG, oracle error {err:.3g}", file=sys.stderr)
             return 1
-        runs[f"{p.q_heads}/{p.kv_heads} {p.dtype}"] = (p, fn)
+        runs[_key(p)] = (p, fn)
     turns, t0, i = [], time.perf_counter(), 0
     while time.perf_counter() - t0 < args.seconds:
         for key, (p, fn) in runs.items():
