@@ -43,7 +43,7 @@ import zipfile
 
 import numpy as np
 
-from .cache import KVCache
+from .cache import KVCache, storage_zeros
 from .spec import CacheSpec
 
 FORMAT = "streamattn-kv"
@@ -292,7 +292,7 @@ def _install(cache: KVCache, slots: int, arrays: dict) -> None:
 
 def _filled(xp, shape, rows):
     """Zeros of ``shape`` on xp's device with ``rows`` ([..., used, d], host) in the first slots."""
-    out = xp.zeros(shape, dtype=rows.dtype)
+    out = storage_zeros(xp, shape, rows.dtype)
     out[:, :, :rows.shape[2]] = xp.asarray(rows)
     return out
 

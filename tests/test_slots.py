@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from streamattn import CacheSpec, KVCache, attend
+from streamattn import CacheSpec, KVCache, attend, snapshot
 from streamattn.cache import ring_slots, slot_positions
 from streamattn.reference import visible
 
@@ -74,3 +74,22 @@ def test_causal_grows_by_doubling_and_keeps_rows():
     assert cache.slots == 512
     cache.append(x, x)
     assert cache.slots == 1024 and np.array_equal(cache.k[0, 0, 300:600], x[0, 0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_storage_starts_on_a_cache_line(tmp_path, dtype):
+    """K and V storage is 64-byte aligned when created, after it grows, and when a snapshot is read back."""
+    def aligned(c):
+        return all(a.ctypes.data % 64 == 0 and a.flags.c_contiguous and a.flags.writeable for a in (c.k, c.v))
+
+    spec = CacheSpec(batch=2, kv_heads=3, head_dim=8, dtype=dtype)
+    cache = KVCache(spec)
+    assert aligned(cache) and not cache.k.any()
+    x = np.ones((2, 3, 300, 8), np.float32)
+    cache.append(x, x)                                         # 256 -> 512 slots
+    assert cache.slots == 512 and aligned(cache)
+    snapshot.save(tmp_path / "c.npz", cache)
+    again = snapshot.load(tmp_path / "c.npz")
+    assert aligned(again) and np.array_equal(again.k, cache.k)
+    snapshot.restore(cache, tmp_path / "c.npz")
+    assert aligned(cache)
