@@ -23,13 +23,17 @@ four-row GQA group 5.0 -> 2.9 ns per key, its accumulation 3.6 -> 2.0, max of fo
 
 Software prefetch: from memory, the GQA group's arithmetic per key is long enough that the hardware
 prefetcher alone left the core waiting on misses (GQA 32/8 at 16k keys: 66% of the read ceiling).
-Four-row kernels therefore prefetch each row they load PREFETCH_ROWS ahead with the T0 hint (all
-levels, L1 included; 16 rows: 91-98%) and PREFETCH_FAR_ROWS ahead with T1 (L2 and out). Variants
-alternated for 200-240 s, each timing put beside the ceiling probed next to it (the probe is bimodal
-here, ~40 or ~70 GB/s), median % per mode:
-- T0 distance 16, 24, 32, 48, 64 rows: ~90% in the low mode for all, 76, 76, 78, 80, 78% in the high one;
-- adding the T1 prefetch: 83 -> 88% (low), 75 -> 77% (high); T2 256 rows ahead instead: 87%, 78%;
-  only T1, 64 rows ahead: 80%, 63%.
+Four-row kernels therefore prefetch each line they load PREFETCH_BYTES ahead with the T0 hint (all
+levels, L1 included) and PREFETCH_FAR_BYTES ahead with T1 (L2 and out). Variants alternated for
+120-300 s, each timing put beside the ceiling probed next to it (the probe is bimodal here, ~45 or
+~78 GB/s), median % per mode (16k keys, head_dim 64):
+- T0 distance 16, 24, 32, 48, 64 rows of float32: ~90% in the low mode for all, 76, 76, 78, 80, 78% in
+  the high one (1k-key tiles); adding the T1 prefetch: 83 -> 88% (low), 75 -> 77% (high); T2 256 rows
+  ahead instead: 87%, 78%; only T1, 64 rows ahead: 80%, 63%.
+- With 16k-key tiles, 4 and 16 KiB ahead instead of 32 and 128 rows (8 and 32 KiB of float32): GQA
+  float32 87.7 -> 92.6% (low mode), 79.3 -> 81.2% (high). Distances count bytes, not rows: for float16
+  rows (half as wide) 16 and 64 rows ahead cost 12 points on MHA and 5 on GQA in the high mode, while
+  4 and 16 KiB (32 and 128 rows, as before) left both unchanged.
 Single-row (MHA) kernels over float16/bfloat16 prefetch too (float16 MHA: 84 -> 97% low mode, 63 -> 79%
 high), over float32 they do not: T0 prefetch cost 95.6 -> 79.3% (low mode) and 81.7 -> 74.4%
 (high), T2 256 rows ahead 92 -> 76% and 81 -> 72%; neither did loading each K row's chunks in
@@ -44,8 +48,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 W = 16                      # lanes per vector
-PREFETCH_ROWS = 32          # rows ahead of the loads, hint T0 (8 KiB of float32 K at head_dim 64)
-PREFETCH_FAR_ROWS = 128     # rows ahead of the loads, hint T1 (32 KiB)
+PREFETCH_BYTES = 4096       # how far ahead of each load to prefetch, hint T0 (16 rows of float32 K at head_dim 64)
+PREFETCH_FAR_BYTES = 16384  # and hint T1 (64 rows)
 PREFETCH_MIN_ROWS = 4       # float32 kernels of fewer query rows do not prefetch (see the module docstring)
 F32, I16, I32, I64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 VF = ir.VectorType(F32, W)  # <16 x float>
@@ -112,15 +116,17 @@ def _prefetches(R: int, kind: int) -> bool:
 
 
 def _prefetch(builder, ary, row, col):
-    """Prefetch the lines of ary[row + PREFETCH_ROWS, col] (hint T0) and ary[row + PREFETCH_FAR_ROWS, col]
-    (T1) for reading; never faults, even past the array's end. ``col`` is a multiple of 16: for 16-bit
-    storage two chunks share a 64-byte line, so only chunks that start a line prefetch."""
+    """Prefetch the lines PREFETCH_BYTES (hint T0) and PREFETCH_FAR_BYTES (T1) past &ary[row, col] for
+    reading; never faults, even past the array's end. The rows are contiguous, so that is the same column
+    some rows on, however wide a row is. ``col`` is a multiple of 16: for 16-bit storage two chunks share
+    a 64-byte line, so only chunks that start a line prefetch."""
     fn = _llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8P, I32, I32, I32])
     starts_line = builder.icmp_unsigned("==", builder.urem(builder.mul(col, _const(ary.itemsize)), _const(64)),
                                         _const(0))   # always true for float32 (LLVM folds the test away)
     with builder.if_then(starts_line):
-        for ahead, locality in ((PREFETCH_ROWS, 3), (PREFETCH_FAR_ROWS, 2)):
-            builder.call(fn, [_addr(builder, ary, builder.add(row, _const(ahead)), col, ir.IntType(8)),
+        here = _addr(builder, ary, row, col, ir.IntType(8))
+        for ahead, locality in ((PREFETCH_BYTES, 3), (PREFETCH_FAR_BYTES, 2)):
+            builder.call(fn, [builder.gep(here, [_const(ahead)], source_etype=ir.IntType(8)),
                               ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
 
