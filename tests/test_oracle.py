@@ -135,3 +135,25 @@ def test_long_history_keeps_float32_tolerance(kv_heads, q_heads):
     out, lse = cpu.attend(q, cache.k, cache.v, cache.lengths, np.array([1]), window=0, sinks=0,
                           scale=128 ** -0.5, kind="float32")
     check(out, lse, q, hist, [1], spec)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("q_heads", [1, 4])
+def test_one_item_over_several_tiles(monkeypatch, dtype, q_heads):
+    """One work item (no key split) reads 2 full tiles and part of a third, and the scores rise from tile
+    to tile, so the running max and sums are rescaled between tiles; decode must stay exact."""
+    from streamattn.backends import cpu
+    monkeypatch.setattr(cpu, "choose_splits", lambda *args: 1)
+    rng = np.random.default_rng(11)
+    L, D = 2 * cpu.TILE + 300, 16
+    spec = CacheSpec(batch=1, kv_heads=1, head_dim=D, dtype=dtype)
+    q = rng.standard_normal((1, q_heads, 1, D)).astype(np.float32)
+    ramp = np.linspace(0.0, 3.0, L, dtype=np.float32)[:, None] * q[0, 0, 0] / np.linalg.norm(q[0, 0, 0])
+    k = (rng.standard_normal((1, 1, L, D)) + ramp).astype(np.float32)
+    v = rng.standard_normal((1, 1, L, D)).astype(np.float32)
+    cache, hist = KVCache(spec), History(1)
+    for part in (slice(0, L - 1), slice(L - 1, L)):           # the history, then the decoded token
+        cache.append(k[:, :, part], v[:, :, part])
+        hist.append(k[:, :, part], v[:, :, part], [part.stop - part.start])
+    out, lse = attend(q, cache, backend="cpu")
+    check(out, lse, q, hist, [1], spec)
