@@ -235,7 +235,7 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
         acc = np.zeros((rows, D), np.float64)            # [rows, D] running weighted sum of V
         tacc = np.empty((rows, D), np.float32)           # [rows, D] this tile's weighted sum of V
         alpha = np.empty(rows, np.float32)               # [rows] rescale of the running sums
-        tile = min(TILE, max(MIN_TILE, SCORE_FLOATS // rows // 16 * 16), max(1, n_sink + z - a))
+        tile = min(TILE, max(MIN_TILE, SCORE_FLOATS // rows // 16 * 16), max(1, n_sink + max(0, z - a)))
         sc = np.empty((rows, tile), np.float32)          # [rows, tile] scores, then probabilities
 
         # Segments of positions: sinks first, then the main piece; each tile stays inside one run of

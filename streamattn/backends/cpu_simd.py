@@ -307,15 +307,16 @@ def row_max(typingctx, x, n, init):
                                    ty.as_pointer())
         # four vectors of running maxima, 64 floats per step: one chain of maxnum was latency-bound
         accs = [cgutils.alloca_once_value(builder, _splat(builder, init)) for _ in range(4)]
-        with cgutils.for_range(builder, builder.udiv(nv, _const(4 * W))) as loop:
+        quads = builder.udiv(nv, _const(4 * W))          # steps of four vectors
+        with cgutils.for_range(builder, quads) as loop:
             for a, acc in enumerate(accs):
                 i = builder.add(builder.mul(loop.index, _const(4 * W)), _const(a * W))
                 v = builder.load(at(i, VF), align=4, typ=VF)
                 builder.store(builder.call(vmax, [builder.load(acc), v]), acc)
-        blocks = builder.udiv(nv, _const(W))
-        with cgutils.for_range(builder, builder.sub(blocks, builder.mul(builder.udiv(nv, _const(4 * W)), _const(4)))) as loop:
-            i = builder.mul(builder.add(builder.mul(builder.udiv(nv, _const(4 * W)), _const(4)), loop.index), _const(W))
-            v = builder.load(at(i, VF), align=4, typ=VF)
+        blocks = builder.udiv(nv, _const(W))              # whole vectors; the last blocks % 4 one at a time
+        done = builder.mul(quads, _const(4))
+        with cgutils.for_range(builder, builder.sub(blocks, done)) as loop:
+            v = builder.load(at(builder.mul(builder.add(done, loop.index), _const(W)), VF), align=4, typ=VF)
             builder.store(builder.call(vmax, [builder.load(accs[0]), v]), accs[0])
         acc = accs[0]
         m01 = builder.call(vmax, [builder.load(accs[0]), builder.load(accs[1])])
