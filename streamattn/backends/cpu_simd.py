@@ -23,21 +23,26 @@ four-row GQA group 5.0 -> 2.9 ns per key, its accumulation 3.6 -> 2.0, max of fo
 
 Software prefetch: from memory, the GQA group's arithmetic per key is long enough that the hardware
 prefetcher alone left the core waiting on misses (GQA 32/8 at 16k keys: 66% of the read ceiling).
-Four-row kernels therefore prefetch each line they load PREFETCH_BYTES ahead with the T0 hint (all
-levels, L1 included) and PREFETCH_FAR_BYTES ahead with T1 (L2 and out). Variants alternated for
-120-300 s, each timing put beside the ceiling probed next to it (the probe is bimodal here, ~45 or
-~78 GB/s), median % per mode (16k keys, head_dim 64):
-- T0 distance 16, 24, 32, 48, 64 rows of float32: ~90% in the low mode for all, 76, 76, 78, 80, 78% in
-  the high one (1k-key tiles); adding the T1 prefetch: 83 -> 88% (low), 75 -> 77% (high); T2 256 rows
-  ahead instead: 87%, 78%; only T1, 64 rows ahead: 80%, 63%.
-- With 16k-key tiles, 4 and 16 KiB ahead instead of 32 and 128 rows (8 and 32 KiB of float32): GQA
-  float32 87.7 -> 92.6% (low mode), 79.3 -> 81.2% (high). Distances count bytes, not rows: for float16
-  rows (half as wide) 16 and 64 rows ahead cost 12 points on MHA and 5 on GQA in the high mode, while
-  4 and 16 KiB (32 and 128 rows, as before) left both unchanged.
-Single-row (MHA) kernels over float16/bfloat16 prefetch too (float16 MHA: 84 -> 97% low mode, 63 -> 79%
-high), over float32 they do not: T0 prefetch cost 95.6 -> 79.3% (low mode) and 81.7 -> 74.4%
-(high), T2 256 rows ahead 92 -> 76% and 81 -> 72%; neither did loading each K row's chunks in
-memory order instead of chunk by chunk across 16 rows help (92 -> 85%, 81 -> 73%).
+Four-row kernels therefore prefetch each line they load PREFETCH_BYTES ahead, hint T0 (all levels, L1
+included). Variants alternated for 300-450 s, each timing put beside the ceiling probed next to it (the
+probe is bimodal here, ~50 or ~78 GB/s), median % per mode (float32, 16k keys, head_dim 64, 16k-key
+tiles; "high" is the mode where one core alone reads half the ceiling, so each core's own misses count):
+- T0 alone, 8 KiB ahead, against the earlier T0 4 KiB + T1 16 KiB: GQA 79.3 -> 83.3, 79.8 -> 84.9,
+  80.6 -> 86.3, 78.9 -> 83.1, 78.1 -> 82.2% in the high mode over five runs; 89.0 -> 87.7, 90.8 -> 87.0,
+  88.8 -> 87.2, 89.9 -> 86.0% in the low one. float16 (one run): MHA 84.8 -> 104.2%, GQA
+  76.6 -> 81.4% high; 91.1 -> 89.4%, 96.2 -> 98.5% low. The T1 prefetch is what cost: T0 8 KiB plus
+  T1 16 or 24 KiB: 79.3, 78.3% (T0 alone 82.2% in that run); T0 at both 4 and 16 KiB: 79.5%.
+- T0 alone at 6, 7, 8, 9, 10, 12, 16 KiB (high mode, across runs): 80.2, 83.9, 82-86, 81-87, 80-86,
+  80.1, 78.8%; the scores' stream sets it (K at 4 or 12 KiB with V at 8: 72.7, 78.5%), the P·V stream
+  is flat from 4 to 12 KiB. Every line needs its own prefetch: only every 2nd or 4th line (the adjacent
+  line left to the hardware) 54.4, 45.0%.
+- Earlier, with 1k-key tiles and distances in rows: T0 at 16-64 rows ~90% low, 76-80% high; T2 256 rows
+  instead of T1: no better; T1 alone, 64 rows: 80%, 63%. Distances count bytes, not rows: float16 rows
+  (half as wide) at the same row counts cost 5-12 points in the high mode.
+Single-row (MHA) kernels over float16/bfloat16 prefetch too; over float32 they do not: T0 9 KiB ahead
+cost 98.5 -> 95.4% (low mode) and 91.4 -> 88.8% (high); earlier T0/T2 distances cost 3-16 points, and
+loading each K row's chunks in memory order instead of chunk by chunk across 16 rows did not help
+(92 -> 85%, 81 -> 73%).
 """
 
 from __future__ import annotations
@@ -48,8 +53,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 W = 16                      # lanes per vector
-PREFETCH_BYTES = 4096       # how far ahead of each load to prefetch, hint T0 (16 rows of float32 K at head_dim 64)
-PREFETCH_FAR_BYTES = 16384  # and hint T1 (64 rows)
+PREFETCH_BYTES = 8192       # how far ahead of each load to prefetch, hint T0 (32 rows of float32 K at head_dim 64)
 PREFETCH_MIN_ROWS = 4       # float32 kernels of fewer query rows do not prefetch (see the module docstring)
 F32, I16, I32, I64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 VF = ir.VectorType(F32, W)  # <16 x float>
@@ -116,18 +120,17 @@ def _prefetches(R: int, kind: int) -> bool:
 
 
 def _prefetch(builder, ary, row, col):
-    """Prefetch the lines PREFETCH_BYTES (hint T0) and PREFETCH_FAR_BYTES (T1) past &ary[row, col] for
-    reading; never faults, even past the array's end. The rows are contiguous, so that is the same column
-    some rows on, however wide a row is. ``col`` is a multiple of 16: for 16-bit storage two chunks share
-    a 64-byte line, so only chunks that start a line prefetch."""
+    """Prefetch the line PREFETCH_BYTES past &ary[row, col] for reading, hint T0; never faults, even
+    past the array's end. The rows are contiguous, so that is the same column some rows on, however wide
+    a row is. ``col`` is a multiple of 16: for 16-bit storage two chunks share a 64-byte line, so only
+    chunks that start a line prefetch."""
     fn = _llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8P, I32, I32, I32])
     starts_line = builder.icmp_unsigned("==", builder.urem(builder.mul(col, _const(ary.itemsize)), _const(64)),
                                         _const(0))   # always true for float32 (LLVM folds the test away)
     with builder.if_then(starts_line):
         here = _addr(builder, ary, row, col, ir.IntType(8))
-        for ahead, locality in ((PREFETCH_BYTES, 3), (PREFETCH_FAR_BYTES, 2)):
-            builder.call(fn, [builder.gep(here, [_const(ahead)], source_etype=ir.IntType(8)),
-                              ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
+        builder.call(fn, [builder.gep(here, [_const(PREFETCH_BYTES)], source_etype=ir.IntType(8)),
+                          ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _transpose_sum(builder, vecs):
