@@ -36,6 +36,12 @@ tiles; "high" is the mode where one core alone reads half the ceiling, so each c
   80.1, 78.8%; the scores' stream sets it (K at 4 or 12 KiB with V at 8: 72.7, 78.5%), the P·V stream
   is flat from 4 to 12 KiB. Every line needs its own prefetch: only every 2nd or 4th line (the adjacent
   line left to the hardware) 54.4, 45.0%.
+- The scores' loads take the call's KB rows chunk by chunk (row 0 chunk c, row 1 chunk c, ...); their
+  prefetches go in memory order instead (the same lines): 82.3 -> 86.6, 86.8 (high), 84.6 -> 92.8,
+  90.9% (low, few turns). Then 6 KiB ahead: 87.0, 92.1%; 12 KiB: 82.5, 90.4%. Cheaper scores from
+  memory did not help, so the scores' phase waits on memory, not arithmetic: a transpose-reduction with
+  the four rows premixed per 4-lane block (2.6 instead of 3.1 ns per key from L2) 83.8 -> 83.1%, and
+  86.2% beside 86.8% with prefetches in order; dropping the score stores: 148 -> 145% (half the bytes).
 - Earlier, with 1k-key tiles and distances in rows: T0 at 16-64 rows ~90% low, 76-80% high; T2 256 rows
   instead of T1: no better; T1 alone, 64 rows: 80%, 63%. Distances count bytes, not rows: float16 rows
   (half as wide) at the same row counts cost 5-12 points in the high mode.
@@ -219,7 +225,10 @@ def _make_qk(R: int):
             qs = [_load16(builder, qa, rows[g], col, 0) for g in range(R)]
             for t in range(KB):
                 if _prefetches(R, kind):
-                    _prefetch(builder, ka, keys[t], col)
+                    # the lines of the KB contiguous rows in memory order (chunk t of "row" jv, KB chunks
+                    # per step), not in the order the loads take them (row t's chunk at col)
+                    _prefetch(builder, ka, jv, builder.mul(builder.add(builder.mul(loop.index, _const(KB)),
+                                                                       _const(t)), _const(W)))
                 kv = _load16(builder, ka, keys[t], col, kind)
                 for g in range(R):
                     a = accs[g * KB + t]
