@@ -127,9 +127,10 @@ def _prefetches(R: int, kind: int) -> bool:
 
 def _prefetch(builder, ary, row, col):
     """Prefetch the line PREFETCH_BYTES past &ary[row, col] for reading, hint T0; never faults, even
-    past the array's end. The rows are contiguous, so that is the same column some rows on, however wide
-    a row is. ``col`` is a multiple of 16: for 16-bit storage two chunks share a 64-byte line, so only
-    chunks that start a line prefetch."""
+    past the array's end. The rows are contiguous (C arrays), so that is the same column some rows on,
+    however wide a row is, and ``col`` may run past the row's end into the rows after it. ``col`` is a
+    multiple of 16: for 16-bit storage two chunks share a 64-byte line, so only chunks that start a line
+    prefetch."""
     fn = _llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8P, I32, I32, I32])
     starts_line = builder.icmp_unsigned("==", builder.urem(builder.mul(col, _const(ary.itemsize)), _const(64)),
                                         _const(0))   # always true for float32 (LLVM folds the test away)
