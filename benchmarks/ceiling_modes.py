@@ -21,8 +21,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from streamattn import bench, benchreport
-from streamattn.ceiling import Ceiling
+from streamattn.bench import report as benchreport, sweep as bench
+from streamattn.bench.ceiling import Ceiling
 
 POINTS = [bench.Point(impl="cpu", L=bench.K16, q_heads=hq, kv_heads=8, head_dim=64, dtype=dt)
           for hq in (8, 32) for dt in ("float32", "float16")]

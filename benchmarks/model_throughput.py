@@ -4,7 +4,7 @@
         [--threads 1] [--model smollm2-135m] [--window 512] [--chunk 64] [--prefill-reps 1]
         [--out out/model_throughput.json]
 
-Each point (``streamattn.bench.end_to_end``): prefill = fixed random token ids, ``context`` per sequence, fed
+Each point (``streamattn.bench.sweep.end_to_end``): prefill = fixed random token ids, ``context`` per sequence, fed
 in chunks of ``--chunk`` from fresh caches (allocation and growth included), median of ``--prefill-reps``
 calls (default 1: a 4k x 8 prompt takes a minute or more on one core; Numba and BLAS are warmed up before on
 a 16-token prompt of each cache kind); decode = one forward step of one token per sequence on the last
@@ -23,10 +23,10 @@ import time
 
 import numpy as np
 
-from streamattn import bench, benchreport
-from streamattn.gguf_loader import load_gguf
-from streamattn.hub import resolve_model
-from streamattn.model import Transformer
+from streamattn.bench import report as benchreport, sweep as bench
+from streamattn.models.loader import load_gguf
+from streamattn.models.hub import resolve_model
+from streamattn.models.transformer import Transformer
 from streamattn.threads import set_threads
 
 SINKS = bench.SINKS
@@ -39,7 +39,7 @@ def cache_kwargs(cache: str, window: int) -> dict:
 
 
 def engine_factory(tf: Transformer, *, window: int = 512, chunk: int = 64, seed: int = 0, log=sys.stderr):
-    """``make_engine(context=, batch=, cache=)`` for :func:`streamattn.bench.end_to_end` on model ``tf``.
+    """``make_engine(context=, batch=, cache=)`` for :func:`streamattn.bench.sweep.end_to_end` on model ``tf``.
 
     Parameters
     ----------
@@ -88,7 +88,7 @@ def run(model=None, *, contexts=(512, 4096), batches=(1, 8), caches=("full", "wi
     Returns
     -------
     dict
-        ``{"machine", "config", "rows"}``; rows as :func:`streamattn.bench.end_to_end` makes them.
+        ``{"machine", "config", "rows"}``; rows as :func:`streamattn.bench.sweep.end_to_end` makes them.
     """
     set_threads(threads)
     tf = model if isinstance(model, Transformer) else Transformer(load_gguf(resolve_model(model, quiet=True)))

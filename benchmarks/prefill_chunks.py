@@ -2,14 +2,14 @@
 
     PYTHONPATH=. python benchmarks/prefill_chunks.py [--impl cpu,numpy] [--threads 2] [--out out/prefill_chunks]
 
-One question, one script: the points are the "prefill" suite of streamattn.bench (see its docstring for how each
+One question, one script: the points are the "prefill" suite of streamattn.bench.sweep (see its docstring for how each
 point is checked, timed and compared with the read ceiling probed beside it). Prints the table, writes
 out/prefill_chunks/bench.json and bench.png.
 """
 
 import sys
 
-from streamattn import bench
+from streamattn.bench import sweep as bench
 
 if __name__ == "__main__":
     sys.exit(bench.main(["--suite", "prefill", "--out", "out/prefill_chunks", *sys.argv[1:]]))

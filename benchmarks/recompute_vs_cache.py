@@ -2,14 +2,14 @@
 
     PYTHONPATH=. python benchmarks/recompute_vs_cache.py [--impl cpu,numpy] [--threads 2] [--out out/recompute_vs_cache]
 
-One question, one script: the points are the "recompute" suite of streamattn.bench (see its docstring for how each
+One question, one script: the points are the "recompute" suite of streamattn.bench.sweep (see its docstring for how each
 point is checked, timed and compared with the read ceiling probed beside it). Prints the table, writes
 out/recompute_vs_cache/bench.json and bench.png.
 """
 
 import sys
 
-from streamattn import bench
+from streamattn.bench import sweep as bench
 
 if __name__ == "__main__":
     sys.exit(bench.main(["--suite", "recompute", "--out", "out/recompute_vs_cache", *sys.argv[1:]]))

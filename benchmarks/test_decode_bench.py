@@ -15,7 +15,7 @@ import itertools
 import numpy as np
 import pytest
 
-from streamattn import bench
+from streamattn.bench import sweep as bench
 
 POINTS = bench.suite("decode", bench.available_impls())
 

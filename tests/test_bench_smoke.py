@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from _model_util import load, need_smollm2, single_thread, smollm2_path  # noqa: F401 (fixture)
-from streamattn import bench, benchreport, peers, stream
-from streamattn.bench import Point
+from streamattn.bench import peers, report as benchreport, stream, sweep as bench
+from streamattn.bench.sweep import Point
 
 
 @pytest.fixture
@@ -99,6 +99,6 @@ def test_model_throughput_script_on_smollm2(single_thread):
 @pytest.mark.parametrize("n", [1, 7, 1001])
 def test_ceiling_probe_reads_every_element_once(streams, n):
     """Both read patterns of the probe sum the whole buffer: a faster pattern must not skip bytes."""
-    from streamattn.ceiling import _parallel_sum
+    from streamattn.bench.ceiling import _parallel_sum
     a = np.arange(1, n + 1, dtype=np.float32)
     assert _parallel_sum(a, 3, streams) == n * (n + 1) / 2

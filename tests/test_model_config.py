@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from _model_util import need_smollm2, smollm2_path, write_tiny_gguf
-from streamattn.gguf_loader import (ModelConfig, ModelFileError, config_from_metadata, load_gguf,
+from streamattn.models.loader import (ModelConfig, ModelFileError, config_from_metadata, load_gguf,
                                     read_metadata)
 
 

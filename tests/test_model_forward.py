@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from _model_util import load, need_smollm2, smollm2_path, write_tiny_gguf, single_thread  # noqa: F401 (fixture)
-from streamattn.gguf_loader import load_gguf
-from streamattn.model import Transformer
+from streamattn.models.loader import load_gguf
+from streamattn.models.transformer import Transformer
 from streamattn.reference import attention
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -163,7 +163,7 @@ def test_smollm2_window_layers_match_oracle_over_full_history():
 @need_smollm2
 @pytest.mark.parametrize("mode,window,sinks", [("window", 64, 0), ("sinks", 60, 4)])
 def test_smollm2_window_larger_than_sequence_equals_full(mode, window, sinks):
-    from streamattn.generate import Generator
+    from streamattn.models.generate import Generator
     _, tf, tok = load(smollm2_path())
     prompt = "List three colours of the rainbow:"
     full = [e.token_id for e in Generator(tf, tok, prefill_chunk=8).stream(prompt, max_tokens=16)]

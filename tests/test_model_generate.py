@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from _model_util import load, need_smollm2, smollm2_path, single_thread  # noqa: F401 (fixture)
-from streamattn.sampling import SamplingParams, apply_repetition_penalty, filtered_probs, sample
+from streamattn.models.sampling import SamplingParams, apply_repetition_penalty, filtered_probs, sample
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -50,7 +50,7 @@ def test_sampling_params_validate(kw, msg):
 
 
 def gen(**kw):
-    from streamattn.generate import Generator
+    from streamattn.models.generate import Generator
     _, tf, tok = load(smollm2_path())
     return Generator(tf, tok, prefill_chunk=kw.pop("prefill_chunk", 16), **kw)
 
@@ -115,7 +115,7 @@ def test_cli_registration_point():
 
 
 def test_stop_cut():
-    from streamattn.generate import _stop_cut
+    from streamattn.models.generate import _stop_cut
     assert _stop_cut("Count: 1, 2,", " 3", ("3",)) == 1
     assert _stop_cut("Hello wor", "ld!", ("world",)) == 0          # started in earlier text: cut the whole piece
     assert _stop_cut("abc", "def", ("x", "")) is None

@@ -3,8 +3,8 @@
 import pytest
 
 from _model_util import need_smollm2, smollm2_path
-from streamattn.gguf_loader import ModelFileError
-from streamattn.hub import MODELS, cache_dir, pull, resolve_model, sha256_file
+from streamattn.models.loader import ModelFileError
+from streamattn.models.hub import MODELS, cache_dir, pull, resolve_model, sha256_file
 
 
 @need_smollm2

@@ -1,6 +1,6 @@
 """A window cache streams indefinitely: ~20k tokens, fixed storage after the ring is full, still exact.
 
-The long version (a million tokens, latency and RSS) is ``python -m streamattn.stream``; this is its CI
+The long version (a million tokens, latency and RSS) is ``python -m streamattn.bench.stream``; this is its CI
 guard: the storage arrays are never reallocated or resized, and sampled outputs equal the float64
 oracle over the full history (tests/oracle.py) after ~1000 wraps of the ring.
 """

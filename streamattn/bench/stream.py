@@ -1,7 +1,7 @@
 """Stream a million tokens through window caches: flat memory, flat per-token time, still exact.
 
-    python -m streamattn.stream --tokens 1000000        # summary line on stdout, out/stream/stream.{png,json}
-    python -m streamattn.stream --tokens 20000 --check-every 101 --threads 1
+    python -m streamattn.bench.stream --tokens 1000000        # summary line on stdout, out/stream/stream.{png,json}
+    python -m streamattn.bench.stream --tokens 20000 --check-every 101 --threads 1
 
 An attention-only engine: ``layers`` window caches (GQA, window n_c + n_s sinks, float16 by default), and
 per token and layer a random K/V row appended and a random query attended (random projections of
@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import CacheSpec, KVCache, attend
-from .reference import attention
+from .. import CacheSpec, KVCache, attend
+from ..reference import attention
 
-from .reference import TOLERANCE as TOL  # vs the float32 originals
+from ..reference import TOLERANCE as TOL  # vs the float32 originals
 WIN = 1000                                                    # tokens per latency median
 
 
@@ -239,7 +239,7 @@ def run_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m streamattn.stream", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m streamattn.bench.stream", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run_args(p.parse_args(argv))
 

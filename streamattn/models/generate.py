@@ -13,9 +13,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from streamattn.model import Transformer
-from streamattn.sampling import SamplingParams, sample
-from streamattn.tokenizer import StreamDecoder, Tokenizer
+from streamattn.models.transformer import Transformer
+from streamattn.models.sampling import SamplingParams, sample
+from streamattn.models.tokenizer import StreamDecoder, Tokenizer
 
 
 @dataclass(frozen=True)

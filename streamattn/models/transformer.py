@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from streamattn import CacheSpec, KVCache, attend
-from streamattn.gguf_loader import GGUFModel, ModelConfig
+from streamattn.models.loader import GGUFModel, ModelConfig
 
 CACHE_MODES = ("full", "window", "sinks")
 
@@ -93,7 +93,7 @@ class Transformer:
     Parameters
     ----------
     model : GGUFModel
-        From :func:`streamattn.gguf_loader.load_gguf`.
+        From :func:`streamattn.models.loader.load_gguf`.
     xp : module, optional
         Array module (numpy default; cupy after :meth:`to`).
 
@@ -206,7 +206,7 @@ class Transformer:
         counts : int array [B], optional
             Real tokens per sequence (ragged batch). Default: all T.
         backend : str
-            Attention backend for :func:`streamattn.attend`.
+            Attention backend for :func:`streamattn.dispatch`.
         last_only : bool
             Return logits of each sequence's last real token only: [B, vocab].
         attn_hook : callable(layer, q, k, v, out), optional

@@ -1,15 +1,15 @@
 """Attention throughput over a KV cache, beside the machine's read ceiling probed in the same run.
 
-    python -m streamattn.bench --quick                  # < 2 minutes on a 2-core host
-    python -m streamattn.bench                          # every suite: table, out/bench/bench.json, bench.png
-    python -m streamattn.bench --suite decode --impl cpu,numpy --threads 2
+    python -m streamattn.bench.sweep --quick                  # < 2 minutes on a 2-core host
+    python -m streamattn.bench.sweep                          # every suite: table, out/bench/bench.json, bench.png
+    python -m streamattn.bench.sweep --suite decode --impl cpu,numpy --threads 2
 
 For every point: the implementation's output is checked against the float64 oracle on a slice (sequence
 0, first and last KV head's query group, newest <= 64 queries) BEFORE timing; then warm-up calls, then
 the median of many timed calls, each on the next of >= 2 caches whose total exceeds the L3 (64 MiB), so
 K and V come from memory as they do in a model with many layers. Achieved GB/s = bytes of K and V the
 queries must read / median time; "% ceil" divides it by the read ceiling (a Numba parallel sum over
-1 GiB, ``streamattn.ceiling``; on a GPU a device copy) probed right before and right after the point,
+1 GiB, ``streamattn.bench.ceiling``; on a GPU a device copy) probed right before and right after the point,
 the better of the two: on shared hosts the ceiling is bimodal (DESIGN.md §6), so a ceiling measured
 minutes earlier says little.
 
@@ -28,15 +28,16 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from . import CacheSpec, KVCache, attend, benchreport, peers, reference
-from . import backends
-from .cache import to_storage
+from .. import CacheSpec, KVCache, attend, backends, reference
+from . import peers
+from . import report as benchreport
+from ..cache import to_storage
 
 SINKS = 4
 ROTATE_BYTES = 64 << 20          # rotate caches until this much K+V: 2x the 32 MiB L3 of this machine kind
 CHECK_ROWS = 64                  # newest queries compared with the oracle before timing
 # Same numbers as tests/oracle.py (max |out - oracle| / max |oracle|); here the oracle sees the stored values.
-from .reference import TOLERANCE as TOL
+from ..reference import TOLERANCE as TOL
 MHA, GQA = (8, 8), (32, 8)
 K1, K4, K16, K64 = 1024, 4096, 16384, 65536
 
@@ -158,7 +159,7 @@ def available_impls() -> list[str]:
 def _gpu_available() -> bool:
     try:
         import cupy
-        from .backends import gpu  # noqa: F401  (the CuPy backend, when this checkout has it)
+        from ..backends import gpu  # noqa: F401  (the CuPy backend, when this checkout has it)
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:
         return False
@@ -422,7 +423,7 @@ def run_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m streamattn.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m streamattn.bench.sweep", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run_args(p.parse_args(argv))
 

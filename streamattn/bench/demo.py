@@ -1,6 +1,6 @@
 """Streaming decode on random q/k/v: every step checked against the float64 oracle, the ring shown wrapping.
 
-    python -m streamattn.demo [--steps 40] [--window 8] [--sinks 2] [--dtype float16]
+    python -m streamattn.bench.demo [--steps 40] [--window 8] [--sinks 2] [--dtype float16]
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import time
 
 import numpy as np
 
-from . import CacheSpec, KVCache, attend
-from .reference import TOLERANCE, attention
+from .. import CacheSpec, KVCache, attend
+from ..reference import TOLERANCE, attention
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m streamattn.demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m streamattn.bench.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--sinks", type=int, default=2)

@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamattn.gguf_loader import ModelFileError
+from streamattn.models.loader import ModelFileError
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Reports of streamattn.bench: the table (with the recompute-vs-cache row), the PNG, the machine label."""
+"""Reports of streamattn.bench.sweep: the table (with the recompute-vs-cache row), the PNG, the machine label."""
 
 from __future__ import annotations
 
