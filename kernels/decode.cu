@@ -6,11 +6,15 @@
 // works on GROUPS rows at once, each row-group keeping its own online softmax, merged in shared memory
 // at the end. The block writes a normalised partial (out, lse); merge.cu combines the splits exactly.
 // With one split the partial is the answer and the host points part_out/part_lse at out/lse.
+// Sink keys (the first n_sink of the key list) are scored with q_sink, the rest with q: a model that
+// assigns positions within the cache rotates q_sink at the query's cache position (q_sink == q otherwise).
+// Two passes over the key range, sinks first, one online softmax across both: exact, as any split is.
 #include "streamattn_common.cuh"
 
 template <int KIND, int HD>
 __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
     const float* __restrict__ q,       // [batch, q_heads, HD] (the one query row)
+    const float* __restrict__ q_sink,  // [batch, q_heads, HD] the query as scored against sink keys
     const void* __restrict__ k,        // [batch, kv_heads, slots, HD] storage KIND
     const void* __restrict__ v,        // [batch, kv_heads, slots, HD] storage KIND
     const int* __restrict__ lengths,   // [batch] tokens seen, newest already written
@@ -38,18 +42,6 @@ __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
     const int begin = min(split * per, keys.n);
     const int end = min(begin + per, keys.n);
 
-    float qr[G][R::EPT];  // this thread's slice of each query head, pre-scaled to log2 units
-#pragma unroll
-    for (int h = 0; h < G; ++h)
-#pragma unroll
-        for (int i = 0; i < R::VPT; ++i)
-#pragma unroll
-            for (int e = 0; e < R::E; ++e) {
-                const int d = (i * R::TPR + lane) * R::E + e;
-                qr[h][i * R::E + e] =
-                    h < nh ? q[((long long)b * q_heads + h0 + h) * HD + d] * scale_log2 : 0.0f;
-            }
-
     float m[G], l[G], acc[G][R::EPT];
 #pragma unroll
     for (int h = 0; h < G; ++h) {
@@ -60,51 +52,68 @@ __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
     }
 
     const long long head_base = ((long long)b * kv_heads + kvh) * slots;
-    // The trip count is the same for every thread of the block, so the shuffles below never diverge;
-    // a row-group past `end` computes on zeros and skips the update.
-    for (int step = begin; step < end; step += SA_UNROLL * R::GROUPS) {
-        uint4 kraw[SA_UNROLL][R::VPT], vraw[SA_UNROLL][R::VPT];
-        bool ok[SA_UNROLL];
+    float qr[G][R::EPT];  // this thread's slice of each query head, pre-scaled to log2 units
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {  // 0: sink keys [0, n_sink) with q_sink; 1: the rest with q
+        const float* qp = pass == 0 ? q_sink : q;
+        const int lo = pass == 0 ? begin : max(begin, keys.n_sink);
+        const int hi = pass == 0 ? min(end, keys.n_sink) : end;
 #pragma unroll
-        for (int u = 0; u < SA_UNROLL; ++u) {  // issue every load of this step first
-            const int i = step + u * R::GROUPS + rg;
-            ok[u] = i < end;
-            const int slot = ok[u] ? sa_slot(sa_key_pos(keys, i), window, sinks, slots) : 0;
-            const long long row = (head_base + slot) * HD;
+        for (int h = 0; h < G; ++h)
 #pragma unroll
-            for (int j = 0; j < R::VPT; ++j) {
-                const long long elem = row + (j * R::TPR + lane) * R::E;
-                kraw[u][j] = ok[u] ? sa_load16<KIND>(k, elem) : make_uint4(0u, 0u, 0u, 0u);
-                vraw[u][j] = ok[u] ? sa_load16<KIND>(v, elem) : make_uint4(0u, 0u, 0u, 0u);
+            for (int i = 0; i < R::VPT; ++i)
+#pragma unroll
+                for (int e = 0; e < R::E; ++e) {
+                    const int d = (i * R::TPR + lane) * R::E + e;
+                    qr[h][i * R::E + e] =
+                        h < nh ? qp[((long long)b * q_heads + h0 + h) * HD + d] * scale_log2 : 0.0f;
+                }
+        // The trip count is the same for every thread of the block, so the shuffles below never diverge;
+        // a row-group past `hi` computes on zeros and skips the update.
+        for (int step = lo; step < hi; step += SA_UNROLL * R::GROUPS) {
+            uint4 kraw[SA_UNROLL][R::VPT], vraw[SA_UNROLL][R::VPT];
+            bool ok[SA_UNROLL];
+#pragma unroll
+            for (int u = 0; u < SA_UNROLL; ++u) {  // issue every load of this step first
+                const int i = step + u * R::GROUPS + rg;
+                ok[u] = i < hi;
+                const int slot = ok[u] ? sa_slot(sa_key_pos(keys, i), window, sinks, slots) : 0;
+                const long long row = (head_base + slot) * HD;
+#pragma unroll
+                for (int j = 0; j < R::VPT; ++j) {
+                    const long long elem = row + (j * R::TPR + lane) * R::E;
+                    kraw[u][j] = ok[u] ? sa_load16<KIND>(k, elem) : make_uint4(0u, 0u, 0u, 0u);
+                    vraw[u][j] = ok[u] ? sa_load16<KIND>(v, elem) : make_uint4(0u, 0u, 0u, 0u);
+                }
             }
-        }
 #pragma unroll
-        for (int u = 0; u < SA_UNROLL; ++u) {
-            float kf[R::EPT], vf[R::EPT];
+            for (int u = 0; u < SA_UNROLL; ++u) {
+                float kf[R::EPT], vf[R::EPT];
 #pragma unroll
-            for (int j = 0; j < R::VPT; ++j) {
-                sa_unpack<KIND>(kraw[u][j], kf + j * R::E);
-                sa_unpack<KIND>(vraw[u][j], vf + j * R::E);
-            }
+                for (int j = 0; j < R::VPT; ++j) {
+                    sa_unpack<KIND>(kraw[u][j], kf + j * R::E);
+                    sa_unpack<KIND>(vraw[u][j], vf + j * R::E);
+                }
 #pragma unroll
-            for (int h = 0; h < G; ++h) {
-                float s = 0.0f;
+                for (int h = 0; h < G; ++h) {
+                    float s = 0.0f;
 #pragma unroll
-                for (int e = 0; e < R::EPT; ++e) s += qr[h][e] * kf[e];
+                    for (int e = 0; e < R::EPT; ++e) s += qr[h][e] * kf[e];
 #pragma unroll
-                for (int off = R::TPR / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-                if (ok[u]) {
-                    const float m_new = fmaxf(m[h], s);
-                    const float c = exp2f(m[h] - m_new);  // 0 on the first key (m = -inf)
-                    const float p = exp2f(s - m_new);
-                    l[h] = l[h] * c + p;
+                    for (int off = R::TPR / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                    if (ok[u]) {
+                        const float m_new = fmaxf(m[h], s);
+                        const float c = exp2f(m[h] - m_new);  // 0 on the first key (m = -inf)
+                        const float p = exp2f(s - m_new);
+                        l[h] = l[h] * c + p;
 #pragma unroll
-                    for (int e = 0; e < R::EPT; ++e) acc[h][e] = acc[h][e] * c + p * vf[e];
-                    m[h] = m_new;
+                        for (int e = 0; e < R::EPT; ++e) acc[h][e] = acc[h][e] * c + p * vf[e];
+                        m[h] = m_new;
+                    }
                 }
             }
         }
-    }
+    }  // pass
 
     // Merge the row-groups' softmax states, then write this split's normalised partial.
     __shared__ float s_m[R::GROUPS][G];

@@ -5,6 +5,8 @@
 // group's heads and by the chunk's queries. Each tile of KT keys is converted to float32 in shared
 // memory; each warp owns RPW rows: lane j scores key j, the warp does the online softmax, and lane
 // owns output elements d = lane + 32 e. Masks per (query, key) come from positions (sa_visible).
+// Sink keys (the first n_sink of the key list) are scored with q_sink, the rest with q (see decode.cu):
+// two passes over the tiles, s_q reloaded between them, one online softmax across both.
 #include "streamattn_common.cuh"
 
 template <int HD> struct SaPrefillShape {
@@ -18,6 +20,7 @@ template <int HD> struct SaPrefillShape {
 template <int KIND, int HD>
 __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
     const float* __restrict__ q,       // [batch, q_heads, T, HD]
+    const float* __restrict__ q_sink,  // [batch, q_heads, T, HD] the queries as scored against sink keys
     const void* __restrict__ k,        // [batch, kv_heads, slots, HD] storage KIND
     const void* __restrict__ v,        // [batch, kv_heads, slots, HD] storage KIND
     const int* __restrict__ lengths,   // [batch] tokens seen, the chunk already written
@@ -42,12 +45,6 @@ __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
     SaKeys keys = sa_keys(length, first_q, window, sinks);
     if (count < 1) keys.n = 0;
 
-    for (int idx = tid; idx < S::ROWS * HD; idx += SA_THREADS) {
-        const int r = idx / HD, d = idx % HD, t = (row0 + r) / group, h = (row0 + r) % group;
-        s_q[r][d] = t < count ? q[(((long long)b * q_heads + kvh * group + h) * T + t) * HD + d] * scale_log2
-                              : 0.0f;
-    }
-
     float m[S::RPW], l[S::RPW], acc[S::RPW][S::DPL];
 #pragma unroll
     for (int rr = 0; rr < S::RPW; ++rr) {
@@ -58,57 +55,73 @@ __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
     }
 
     const long long head_base = ((long long)b * kv_heads + kvh) * slots;
-    for (int base = 0; base < keys.n; base += S::KT) {
-        __syncthreads();  // the previous tile is no longer read
-        for (int vi = tid; vi < S::KT * R::VECS; vi += SA_THREADS) {
-            const int key = vi / R::VECS, vec = vi % R::VECS, i = base + key;
-            float kf[R::E], vf[R::E];
-            if (i < keys.n) {
-                const int pos = sa_key_pos(keys, i);
-                const long long elem = (head_base + sa_slot(pos, window, sinks, slots)) * HD + vec * R::E;
-                sa_unpack<KIND>(sa_load16<KIND>(k, elem), kf);
-                sa_unpack<KIND>(sa_load16<KIND>(v, elem), vf);
-                if (vec == 0) s_pos[key] = pos;
-            } else {
-#pragma unroll
-                for (int e = 0; e < R::E; ++e) kf[e] = vf[e] = 0.0f;
-                if (vec == 0) s_pos[key] = 0x7fffffff;  // never visible
-            }
-#pragma unroll
-            for (int e = 0; e < R::E; ++e) {
-                s_k[key][vec * R::E + e] = kf[e];
-                s_v[key][vec * R::E + e] = vf[e];
-            }
+    auto load_queries = [&](const float* qp) {  // s_q <- this block's rows of qp, in log2 units
+        for (int idx = tid; idx < S::ROWS * HD; idx += SA_THREADS) {
+            const int r = idx / HD, d = idx % HD, t = (row0 + r) / group, h = (row0 + r) % group;
+            s_q[r][d] = t < count ? qp[(((long long)b * q_heads + kvh * group + h) * T + t) * HD + d] * scale_log2
+                                  : 0.0f;
         }
-        __syncthreads();
+    };
+    auto run_tiles = [&](const int lo, const int hi) {  // keys [lo, hi) of the list against s_q
+        for (int base = lo; base < hi; base += S::KT) {
+            __syncthreads();  // the previous tile is no longer read
+            for (int vi = tid; vi < S::KT * R::VECS; vi += SA_THREADS) {
+                const int key = vi / R::VECS, vec = vi % R::VECS, i = base + key;
+                float kf[R::E], vf[R::E];
+                if (i < hi) {
+                    const int pos = sa_key_pos(keys, i);
+                    const long long elem = (head_base + sa_slot(pos, window, sinks, slots)) * HD + vec * R::E;
+                    sa_unpack<KIND>(sa_load16<KIND>(k, elem), kf);
+                    sa_unpack<KIND>(sa_load16<KIND>(v, elem), vf);
+                    if (vec == 0) s_pos[key] = pos;
+                } else {
 #pragma unroll
-        for (int rr = 0; rr < S::RPW; ++rr) {
-            const int r = warp * S::RPW + rr, t = (row0 + r) / group;
-            if (t >= count) continue;  // warp-uniform: r depends on warp and rr only
-            const int qpos = first_q + t;
-            float s = sa_neg_inf();
-            if (lane < S::KT && sa_visible(s_pos[lane], qpos, window, sinks)) {
-                s = 0.0f;
+                    for (int e = 0; e < R::E; ++e) kf[e] = vf[e] = 0.0f;
+                    if (vec == 0) s_pos[key] = 0x7fffffff;  // never visible
+                }
+#pragma unroll
+                for (int e = 0; e < R::E; ++e) {
+                    s_k[key][vec * R::E + e] = kf[e];
+                    s_v[key][vec * R::E + e] = vf[e];
+                }
+            }
+            __syncthreads();
+#pragma unroll
+            for (int rr = 0; rr < S::RPW; ++rr) {
+                const int r = warp * S::RPW + rr, t = (row0 + r) / group;
+                if (t >= count) continue;  // warp-uniform: r depends on warp and rr only
+                const int qpos = first_q + t;
+                float s = sa_neg_inf();
+                if (lane < S::KT && sa_visible(s_pos[lane], qpos, window, sinks)) {
+                    s = 0.0f;
 #pragma unroll 8
-                for (int d = 0; d < HD; ++d) s += s_q[r][d] * s_k[lane][d];
-            }
-            const float m_new = fmaxf(m[rr], sa_warp_max(s));
-            if (m_new == sa_neg_inf()) continue;  // nothing visible yet (uniform after the reduction)
-            const float c = exp2f(m[rr] - m_new);
-            const float p = s == sa_neg_inf() ? 0.0f : exp2f(s - m_new);
-            l[rr] = l[rr] * c + sa_warp_sum(p);
-            m[rr] = m_new;
-            s_p[warp][lane] = p;
-            __syncwarp();
+                    for (int d = 0; d < HD; ++d) s += s_q[r][d] * s_k[lane][d];
+                }
+                const float m_new = fmaxf(m[rr], sa_warp_max(s));
+                if (m_new == sa_neg_inf()) continue;  // nothing visible yet (uniform after the reduction)
+                const float c = exp2f(m[rr] - m_new);
+                const float p = s == sa_neg_inf() ? 0.0f : exp2f(s - m_new);
+                l[rr] = l[rr] * c + sa_warp_sum(p);
+                m[rr] = m_new;
+                s_p[warp][lane] = p;
+                __syncwarp();
 #pragma unroll
-            for (int e = 0; e < S::DPL; ++e) {
-                float a = acc[rr][e] * c;
-                for (int j = 0; j < S::KT; ++j) a += s_p[warp][j] * s_v[j][lane + 32 * e];
-                acc[rr][e] = a;
+                for (int e = 0; e < S::DPL; ++e) {
+                    float a = acc[rr][e] * c;
+                    for (int j = 0; j < S::KT; ++j) a += s_p[warp][j] * s_v[j][lane + 32 * e];
+                    acc[rr][e] = a;
+                }
+                __syncwarp();  // s_p is rewritten by the next row
             }
-            __syncwarp();  // s_p is rewritten by the next row
         }
-    }
+    };
+    // Two passes (two inlined copies of the tile loop, so nothing extra stays live in the long one):
+    // sink keys [0, n_sink) scored with q_sink, then the rest with q.
+    load_queries(q_sink);
+    run_tiles(0, keys.n_sink);
+    __syncthreads();  // no warp still reads s_q (run_tiles syncs before its first read)
+    load_queries(q);
+    run_tiles(keys.n_sink, keys.n);
 
 #pragma unroll
     for (int rr = 0; rr < S::RPW; ++rr) {

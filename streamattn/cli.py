@@ -35,6 +35,8 @@ def _model_args(p):
     p.add_argument("--window", type=int, default=None,
                    help="window n_c in keys, the current one included (default 256 with --cache window/sinks)")
     p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens for --cache sinks")
+    p.add_argument("--positions", choices=("absolute", "cache"), default="absolute",
+                   help="RoPE positions in the text, or within the cache (StreamingLLM; --cache sinks only)")
     p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
     p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per forward call")
@@ -75,7 +77,8 @@ def _load(args):
     if args.cache != "full" and window is None:
         window = 256
     gen = Generator(tf, tok, cache=args.cache, window=window, sinks=args.sinks if args.cache == "sinks" else 0,
-                    backend=args.backend, prefill_chunk=args.prefill_chunk, cache_dtype=args.cache_dtype)
+                    backend=args.backend, prefill_chunk=args.prefill_chunk, cache_dtype=args.cache_dtype,
+                    positions=args.positions)
     if not args.quiet:
         c = m.config
         print(f"{c.name or c.arch}: {c.n_layers} layers, d_model {c.d_model}, heads {c.n_heads}/{c.n_kv_heads}"
@@ -175,7 +178,8 @@ def _inspect_run(args) -> int:
     nxt = ids[-1]
     for step in range(args.step + 1):
         captured.clear()
-        logits = tf.forward(np.array([[nxt]]), gen.caches, backend=gen.backend, last_only=True, attn_hook=hook)
+        logits = tf.forward(np.array([[nxt]]), gen.caches, backend=gen.backend, last_only=True, attn_hook=hook,
+                            positions=gen.positions)
         if step < args.step:
             nxt = int(np.argmax(np.asarray(logits)[0]))
             seq.append(nxt)
@@ -215,6 +219,8 @@ def _module_command(module: str):
 register("bench", "attention throughput vs the read ceiling probed in the same run", *_module_command("bench.sweep"))
 register("stream", "stream >= 1M tokens through window caches: latency, RSS, oracle checks",
          *_module_command("bench.stream"))
+register("perplexity", "teacher-forced perplexity of a long text through the caches, per 1k-token bucket",
+         *_module_command("models.perplexity"))
 
 
 def build_parser() -> argparse.ArgumentParser:

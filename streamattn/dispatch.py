@@ -8,7 +8,8 @@ from . import backends
 from .cache import KVCache
 
 
-def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = None, counts=None):
+def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = None, counts=None,
+           q_sink=None):
     """Attention of the tokens just appended to ``cache`` over everything each may see.
 
     Write, then attend: append the chunk's K/V first, then call this with the chunk's queries.
@@ -23,6 +24,10 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
     counts : int [batch], optional
         Real query rows per sequence; default: the counts of the cache's most recent append.
         Query t < counts[b] sits at absolute position ``lengths[b] - counts[b] + t``.
+    q_sink : [batch, q_heads, T, head_dim], optional
+        The queries scored against the sink keys instead of q (sinks caches; ignored otherwise). A model
+        that positions keys within the cache passes q rotated at its cache position here (see
+        docs/DESIGN.md, "Positions"); default q, i.e. absolute positions throughout.
 
     Returns
     -------
@@ -46,6 +51,11 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
         raise ValueError(f"q must have shape [batch={spec.batch}, q_heads=k*{spec.kv_heads}, T, "
                          f"head_dim={spec.head_dim}] (got {tuple(q.shape)})")
     T = q.shape[2]
+    if q_sink is not None and (tuple(q_sink.shape) != tuple(q.shape) or type(q_sink) is not type(q)):
+        raise ValueError(f"q_sink must be an array like q, shape {tuple(q.shape)} "
+                         f"(got {type(q_sink).__name__} {tuple(getattr(q_sink, 'shape', ()))})")
+    if not spec.sinks:
+        q_sink = None                                   # no sink keys: nothing scores against it
     counts = cache.last_counts if counts is None else np.asarray(counts, dtype=np.int64)
     if counts.shape != (spec.batch,) or counts.min() < 0 or counts.max() > T \
             or (counts > cache.lengths).any():
@@ -62,4 +72,4 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
                          f"{int(cache.held_from[b])} on; append new tokens and attend those")
     scale = 1.0 / float(np.sqrt(spec.head_dim)) if scale is None else float(scale)
     return fn(q, cache.k, cache.v, cache.lengths, counts, window=spec.window or 0, sinks=spec.sinks,
-              scale=scale, kind=spec.dtype)
+              scale=scale, kind=spec.dtype, q_sink=q_sink)

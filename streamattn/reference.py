@@ -28,7 +28,7 @@ def visible(q_pos, k_pos, *, window: int | None, sinks: int = 0):
 
 
 def attention(q, k, v, q_pos, *, window: int | None = None, sinks: int = 0, scale: float | None = None,
-              k_pos=None):
+              k_pos=None, q_sink=None):
     """softmax(q K^T scale + mask) V in float64, with its log-sum-exp.
 
     Parameters
@@ -37,6 +37,8 @@ def attention(q, k, v, q_pos, *, window: int | None = None, sinks: int = 0, scal
     k, v : [heads_kv, n_k, d], in any order; heads_q must be a multiple of heads_kv (GQA)
     q_pos : int [n_q], absolute positions of the queries
     k_pos : int [n_k], absolute positions of the keys (default 0..n_k-1: the whole history)
+    q_sink : [heads_q, n_q, d], optional
+        Queries scored against the sink keys (k_pos < sinks, with a window) instead of q.
 
     Returns
     -------
@@ -55,6 +57,73 @@ def attention(q, k, v, q_pos, *, window: int | None = None, sinks: int = 0, scal
     k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)  # [heads_q, n_k, d]
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     k_pos = np.arange(k.shape[1]) if k_pos is None else k_pos
-    s = np.where(visible(q_pos, k_pos, window=window, sinks=sinks), q @ k.swapaxes(-1, -2) * scale, -np.inf)
+    qk = q @ k.swapaxes(-1, -2)                                        # [heads_q, n_q, n_k]
+    if q_sink is not None and window is not None:
+        is_sink = np.asarray(k_pos) < sinks                            # [n_k]
+        qk = np.where(is_sink, np.asarray(q_sink, dtype=np.float64) @ k.swapaxes(-1, -2), qk)
+    s = np.where(visible(q_pos, k_pos, window=window, sinks=sinks), qk * scale, -np.inf)
     lse = np.logaddexp.reduce(s, axis=-1)                              # [heads_q, n_q]
     return np.exp(s - lse[..., None]) @ v, lse
+
+
+def cache_position(pos, *, window: int | None, sinks: int = 0):
+    """Position of token ``pos`` inside the cache a query at ``pos`` sees: min(pos, n_s + n_c - 1).
+
+    Sinks keep 0..n_s-1 and the window's keys follow them in order, so the newest token (the query)
+    sits at n_s + n_c - 1 once the window is full; causal caches keep absolute positions.
+    """
+    pos = np.asarray(pos)
+    return pos if window is None else np.minimum(pos, sinks + window - 1)
+
+
+def rope(x, pos, *, base: float):
+    """Rotate adjacent pairs (2m, 2m+1) of x: [..., n, d] by angle pos * base^(-2m/d), in float64.
+
+    pos : int [n]. The oracle's own rotary embedding (the kernels never see it; models rotate before
+    the cache).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    d = x.shape[-1]
+    ang = np.asarray(pos, np.float64)[:, None] * base ** (-np.arange(0, d, 2) / d)   # [n, d/2]
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * np.cos(ang) - b * np.sin(ang)
+    out[..., 1::2] = a * np.sin(ang) + b * np.cos(ang)
+    return out
+
+
+def attention_cache_positions(q, k, v, q_pos, *, window: int | None, sinks: int = 0, base: float = 1e4,
+                              scale: float | None = None):
+    """The oracle for caches that assign positions within the cache (StreamingLLM, sec. 3.2), float64.
+
+    q, k hold UNrotated rows; every query i sees the keys its mode allows and, for each one, rotates
+    itself and them at their positions inside the cache of that moment: sinks at 0..n_s-1, the window's
+    keys at n_s.. in order, the query (the newest key) at :func:`cache_position`. One query at a time,
+    straight from that rule; it shares nothing with the kernels' q/q_sink split.
+
+    Parameters
+    ----------
+    q : [heads_q, n_q, d] unrotated queries;  k, v : [heads_kv, n_k, d] unrotated keys, key j at position j
+    q_pos : int [n_q] absolute positions (each < n_k)
+    window, sinks : the mode (window None: causal, where cache positions are absolute ones)
+    base : RoPE base
+
+    Returns
+    -------
+    out : [heads_q, n_q, d] float64;  lse : [heads_q, n_q] float64
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    group = q.shape[0] // k.shape[0]
+    k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)   # [heads_q, n_k, d]
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    out = np.zeros(q.shape)
+    lse = np.zeros(q.shape[:2])
+    for t, i in enumerate(np.asarray(q_pos)):
+        j = np.nonzero(visible([i], np.arange(k.shape[1]), window=window, sinks=sinks)[0])[0]  # [n] visible
+        slid = max(0, i - (sinks + window - 1)) if window is not None else 0   # tokens the window dropped
+        kpos = np.where(j < sinks, j, j - slid)                          # [n] cache positions of the keys
+        qr = rope(q[:, t:t + 1], [i - slid], base=base)                  # [heads_q, 1, d]
+        s = (qr @ rope(k[:, j], kpos, base=base).swapaxes(-1, -2))[:, 0] * scale   # [heads_q, n]
+        lse[:, t] = np.logaddexp.reduce(s, axis=-1)
+        out[:, t] = np.einsum("hn,hnd->hd", np.exp(s - lse[:, t, None]), v[:, j])
+    return out, lse

@@ -1,6 +1,6 @@
 """Backends: one signature, picked by name.
 
-Every backend is ``fn(q, k, v, lengths, counts, *, window, sinks, scale, kind) -> (out, lse)`` over the
+Every backend is ``fn(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None) -> (out, lse)`` over the
 ring storage of one layer (see ``streamattn.backends.cpu.attend`` for the argument contract).
 """
 
@@ -14,10 +14,11 @@ from .. import reference
 BACKENDS = ("reference", "cpu", "gpu")
 
 
-def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind):
+def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None):
     """The float64 oracle applied to what the ring holds (slots decoded to positions)."""
     xp_get = (lambda a: a.get()) if hasattr(k, "get") else (lambda a: a)
     q, k, v = xp_get(q), xp_get(k), xp_get(v)
+    qs = q if q_sink is None else xp_get(q_sink)
     wide = (lambda a: widen_bf16(a)) if kind == "bfloat16" else (lambda a: a.astype(np.float64))
     B, Hq, T, D = q.shape
     out = np.zeros((B, Hq, T, D), np.float64)
@@ -31,7 +32,7 @@ def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind):
         q_pos = np.arange(lengths[b] - c, lengths[b])
         out[b, :, :c], lse[b, :, :c] = reference.attention(
             q[b, :, :c], wide(k[b][:, held]), wide(v[b][:, held]), q_pos,
-            window=window or None, sinks=sinks, scale=scale, k_pos=pos[held])
+            window=window or None, sinks=sinks, scale=scale, k_pos=pos[held], q_sink=qs[b, :, :c])
     return out.astype(q.dtype), lse.astype(np.float32)
 
 
@@ -52,6 +53,7 @@ def get(name: str, device: str):
         return cpu.attend
     from . import gpu
 
-    def gpu_attend(q, k, v, lengths, counts, *, window, sinks, scale, kind):
-        return gpu.attend(q, k, v, lengths, counts, window=window, sinks=sinks, scale=scale)  # dtype from k
+    def gpu_attend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None):
+        return gpu.attend(q, k, v, lengths, counts, window=window, sinks=sinks, scale=scale,
+                          q_sink=q_sink)  # dtype from k
     return gpu_attend

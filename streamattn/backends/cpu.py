@@ -183,10 +183,12 @@ def _tile_accumulate(acc, p, vt, n, kind):
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_out, part_lse):
+def _attend_splits(q, qs, k, v, lengths, counts, window, sinks, nsplit, kind, part_out, part_lse):
     """Partial attention per (sequence, kv head, split).
 
     q: [B, Hq, T, D] float32, already multiplied by the scale
+    qs: [B, Hq, T, D] float32, scaled: the queries scored against the sink keys (q itself unless the
+        model rotates its queries at cache positions for them, see docs/DESIGN.md "Positions")
     k, v: [B, Hkv, S, D] float32, or uint16 bits of float16/bfloat16 (``kind`` 1/2)
     lengths, counts: int64 [B]; query t < counts[b] sits at position lengths[b] - counts[b] + t
     window: n_c, or 0 for causal; sinks: n_s
@@ -220,12 +222,14 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
         n_sink = min(sinks, p_last + 1) if (window > 0 and sp == 0) else 0
 
         qf = np.empty((rows, D), np.float32)             # [rows, D] the group's queries
+        qfs = np.empty((rows, D), np.float32)            # [rows, D] the same, as scored against sinks
         qpos = np.empty(rows, np.int64)                  # [rows] absolute position of each row
         qlo = np.empty(rows, np.int64)                   # [rows] first main-range key it may see
         for g in range(G):
             for t in range(nq):
                 r = g * nq + t
                 qf[r] = q[b, h * G + g, t]
+                qfs[r] = qs[b, h * G + g, t]
                 qpos[r] = p_first + t
                 qlo[r] = max(0, p_first + t - window + 1) if window > 0 else 0
         m = np.full(rows, -np.inf, np.float32)           # [rows] running max
@@ -241,6 +245,7 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
         # Segments of positions: sinks first, then the main piece; each tile stays inside one run of
         # contiguous slots (a ring wraps at most once per segment).
         for seg in range(2):
+            qseg = qfs if seg == 0 else qf                 # [rows, D] sinks see the sink query
             pos = 0 if seg == 0 else a
             end = n_sink if seg == 0 else z
             while pos < end:
@@ -248,10 +253,10 @@ def _attend_splits(q, k, v, lengths, counts, window, sinks, nsplit, kind, part_o
                 n = min(tile, end - pos, S - slot)
                 kt = k[b, h, slot:slot + n]                     # [n, D] storage
                 if vector:
-                    _tile_scores(qf, kt, n, sc, kind)
+                    _tile_scores(qseg, kt, n, sc, kind)
                 else:
                     for r in range(rows):
-                        _scores(qf[r], kt, n, sc[r], kind)
+                        _scores(qseg[r], kt, n, sc[r], kind)
                 for r in range(rows):
                     sr = sc[r]
                     # keys pos..pos+n-1 visible to row r: j <= qpos[r], and j >= qlo[r] unless a sink
@@ -329,7 +334,7 @@ def choose_splits(batch: int, kv_heads: int, keys: int, threads: int) -> int:
     return max(1, min(want, keys // MIN_SPLIT_KEYS))
 
 
-def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, kind: str):
+def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, kind: str, q_sink=None):
     """Attention of the newest ``counts[b]`` tokens of each sequence over a ring KV cache.
 
     Parameters
@@ -340,6 +345,9 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
     window : n_c, or 0 for full causal; sinks : n_s
     scale : multiplier of q.k
     kind : storage dtype name, "float32" | "float16" | "bfloat16"
+    q_sink : [batch, q_heads, T, head_dim] float array, optional
+        The queries scored against the sink keys (positions < sinks); default q. A model that assigns
+        positions within the cache passes q rotated at the query's cache position here.
 
     Returns
     -------
@@ -348,6 +356,7 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
     """
     B, Hq, T, D = q.shape
     qs = np.ascontiguousarray(q, dtype=np.float32) * np.float32(scale)       # [B, Hq, T, D]
+    qss = qs if q_sink is None else np.ascontiguousarray(q_sink, dtype=np.float32) * np.float32(scale)
     k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)   # (the cache's own storage: no copy)
     kb = k.view(np.float32 if kind == "float32" else np.uint16)
     vb = v.view(kb.dtype)
@@ -357,7 +366,7 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
     nsplit = choose_splits(B, k.shape[1], span, _threads())
     part_out = np.empty((B, Hq, T, nsplit, D), np.float32)
     part_lse = np.empty((B, Hq, T, nsplit), np.float32)
-    _attend_splits(qs, kb, vb, lengths, counts, window, sinks, nsplit, KIND[kind], part_out, part_lse)
+    _attend_splits(qs, qss, kb, vb, lengths, counts, window, sinks, nsplit, KIND[kind], part_out, part_lse)
     out = np.empty((B, Hq, T, D), np.float32)
     lse = np.empty((B, Hq, T), np.float32)
     _merge_splits(part_out, part_lse, out, lse)

@@ -66,7 +66,8 @@ def _launch(name: str, grid, block, args) -> None:
     kernel(name, device)(tuple(int(x) for x in grid), tuple(int(x) for x in block), tuple(args))
 
 
-def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, splits: int | None = None):
+def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, splits: int | None = None,
+           q_sink=None):
     """Attention of a chunk of queries against a ring KV cache on the GPU ("write, then attend").
 
     Parameters
@@ -89,6 +90,9 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
         Multiplies q . k (1/sqrt(head_dim) by convention).
     splits : int, optional
         Number of key splits of a decode launch; by default chosen from the keys and SM count.
+    q_sink : cupy.ndarray like q, optional
+        The queries scored against the sink keys (positions < sinks) instead of q; a model that assigns
+        positions within the cache passes q rotated at the query's cache position. Default q.
 
     Returns
     -------
@@ -102,8 +106,9 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
     ...                   scale=128 ** -0.5)  # doctest: +SKIP
     """
     cupy = _cupy()
-    for name, arr in (("q", q), ("k", k), ("v", v)):
+    for name, arr in (("q", q), ("k", k), ("v", v)) + ((("q_sink", q_sink),) if q_sink is not None else ()):
         if not isinstance(arr, cupy.ndarray):
             raise TypeError(f"{name} must be a cupy.ndarray on the device (got {type(arr).__name__})")
     return gpu_plan.attend_with(cupy, _launch, q, k, v, lengths, counts, window=window, sinks=sinks,
-                                scale=scale, sm_count=sm_count(cupy.cuda.Device().id), splits=splits)
+                                scale=scale, sm_count=sm_count(cupy.cuda.Device().id), splits=splits,
+                                q_sink=q_sink)

@@ -83,7 +83,7 @@ def max_visible_keys(lengths, *, window: int, sinks: int, slots: int) -> int:
 
 
 def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int, scale: float,
-                sm_count: int, splits: int | None = None):
+                sm_count: int, splits: int | None = None, q_sink=None):
     """Attention of q against the cache through ``launch``; see streamattn.backends.gpu.attend.
 
     Parameters
@@ -98,6 +98,8 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
         Multiprocessors of the device; with the keys it sets the number of decode splits.
     splits : int, optional
         Force the number of decode splits (tests use it to exercise the merge on small caches).
+    q_sink : array like q, optional
+        The queries scored against sink keys (default q), as in ``streamattn.backends.gpu.attend``.
 
     Returns
     -------
@@ -105,6 +107,8 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
     lse : array [batch, q_heads, T], float32
     """
     validate(q, k, v, lengths, counts, window=window, sinks=sinks)
+    if q_sink is not None and tuple(q_sink.shape) != tuple(q.shape):
+        raise ValueError(f"q_sink must have q's shape {tuple(q.shape)} (got {tuple(q_sink.shape)})")
     batch, q_heads, rows, head_dim = q.shape
     kv_heads, slots = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -112,6 +116,7 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
     if k.dtype.name == "bfloat16":  # ml_dtypes on the host: the kernels read raw bits
         k, v = k.view(np.uint16), v.view(np.uint16)
     qf = xp.ascontiguousarray(q, dtype=xp.float32)  # [batch, q_heads, T, head_dim]; q is tiny
+    qsf = qf if q_sink is None else xp.ascontiguousarray(q_sink, dtype=xp.float32)  # [batch, q_heads, T, hd]
     lens = xp.ascontiguousarray(xp.asarray(lengths), dtype=xp.int32)  # [batch]; host arrays are copied over
     cnts = xp.ascontiguousarray(xp.asarray(counts), dtype=xp.int32)  # [batch]
     i32, f32 = np.int32, np.float32
@@ -131,7 +136,7 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
             part_out = xp.empty((batch, q_heads, n_splits, head_dim), dtype=xp.float32)
             part_lse = xp.empty((batch, q_heads, n_splits), dtype=xp.float32)
         launch(spec_name("decode", head_dim, tag), (n_splits, kv_heads * chunks, batch), (BLOCK_THREADS, 1, 1),
-               [qf, k, v, lens, cnts, part_out, part_lse, i32(q_heads), i32(kv_heads), i32(slots),
+               [qf, qsf, k, v, lens, cnts, part_out, part_lse, i32(q_heads), i32(kv_heads), i32(slots),
                 i32(window), i32(sinks), i32(n_splits), scale_log2])
         if n_splits > 1:
             launch(spec_name("merge", head_dim), (batch * q_heads, 1, 1), (MERGE_THREADS, 1, 1),
@@ -140,6 +145,6 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
         block_rows = (2 if head_dim == 256 else 4) * (BLOCK_THREADS // 32)  # SaPrefillShape::ROWS
         launch(spec_name("prefill", head_dim, tag), (math.ceil(rows * group / block_rows), kv_heads, batch),
                (BLOCK_THREADS, 1, 1),
-               [qf, k, v, lens, cnts, out, lse, i32(q_heads), i32(kv_heads), i32(slots), i32(rows),
+               [qf, qsf, k, v, lens, cnts, out, lse, i32(q_heads), i32(kv_heads), i32(slots), i32(rows),
                 i32(window), i32(sinks), scale_log2])
     return (out if q.dtype == xp.float32 else out.astype(q.dtype)), lse

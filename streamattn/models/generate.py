@@ -65,14 +65,20 @@ class Generator:
     prefill_chunk : int
         Prompt tokens per forward call during prefill (and the caches' ``max_chunk``).
     cache_dtype : {"float32", "float16", "bfloat16"}
+    positions : {"absolute", "cache"}
+        RoPE positions: in the text, or within the cache (StreamingLLM; matters for "sinks" only).
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, cache: str = "full",
                  window: int | None = None, sinks: int = 0, backend: str = "cpu", prefill_chunk: int = 64,
-                 cache_dtype: str = "float32"):
+                 cache_dtype: str = "float32", positions: str = "absolute"):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 (got {prefill_chunk})")
+        from streamattn.models.transformer import POSITIONS
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
         self.model, self.tok = model, tokenizer
+        self.positions = positions
         self.cache_kw = dict(mode=cache, window=window, sinks=sinks, dtype=cache_dtype, max_chunk=prefill_chunk)
         model.new_caches(batch=1, **self.cache_kw)          # validate the cache settings now
         self.backend = backend
@@ -110,7 +116,8 @@ class Generator:
             toks = np.zeros((B, T), np.int64)
             for b in range(B):
                 toks[b, :cnt[b]] = prompts[b][done[b]: done[b] + cnt[b]]
-            logits = self.model.forward(toks, self.caches, counts=cnt, backend=self.backend, last_only=True)
+            logits = self.model.forward(toks, self.caches, counts=cnt, backend=self.backend, last_only=True,
+                                        positions=self.positions)
             logits = _host(logits)
             done += cnt
             for b in np.nonzero((cnt > 0) & (done == lens))[0]:
@@ -199,7 +206,8 @@ class Generator:
             t0 = time.perf_counter()
             cnt = active.astype(np.int64)                     # finished sequences send padding (count 0)
             logits = _host(self.model.forward(nxt[:, None], self.caches, counts=None if active.all() else cnt,
-                                              backend=self.backend, last_only=True))
+                                              backend=self.backend, last_only=True,
+                                              positions=self.positions))
             step_s = time.perf_counter() - t0 + sample_s
             self.stats.decode_steps_s.append(step_s)
 

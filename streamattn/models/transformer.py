@@ -2,7 +2,9 @@
 
 The model owns weights and arithmetic; it never touches cache slots. Each layer: project q/k/v, apply
 RoPE at absolute positions (``cache.lengths`` before the append), ``cache.append(k, v)`` ("write, then
-attend"), ``attend(q, cache)``, project out, MLP. Written once against an array module ``xp`` (numpy
+attend"), ``attend(q, cache)``, project out, MLP. With ``positions="cache"`` a sinks cache also gets the
+query rotated at its position inside the cache, min(i, n_s + n_c - 1), which is scored against the sink
+keys only (docs/DESIGN.md, "Positions"). Written once against an array module ``xp`` (numpy
 on the CPU; CuPy on the GPU once weights are moved with :meth:`Transformer.to`).
 
 Layer recipe (pre-norm; gemma3 extras in brackets)::
@@ -31,6 +33,7 @@ from streamattn import CacheSpec, KVCache, attend
 from streamattn.models.loader import GGUFModel, ModelConfig
 
 CACHE_MODES = ("full", "window", "sinks")
+POSITIONS = ("absolute", "cache")
 
 
 @dataclass
@@ -194,7 +197,7 @@ class Transformer:
         return self.xp.asarray(cos), self.xp.asarray(sin)
 
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
-                attn_hook: Callable | None = None):
+                attn_hook: Callable | None = None, positions: str = "absolute"):
         """Run T new tokens per sequence through every layer, appending their K/V to ``caches``.
 
         Parameters
@@ -211,6 +214,10 @@ class Transformer:
             Return logits of each sequence's last real token only: [B, vocab].
         attn_hook : callable(layer, q, k, v, out), optional
             Sees each layer's post-RoPE q: [B, Hq, T, hd], k, v: [B, Hkv, T, hd] and attention output.
+        positions : {"absolute", "cache"}
+            "absolute": RoPE at each token's position in the text. "cache": as StreamingLLM, positions
+            within the cache, so a query never sees a key farther than n_s + n_c - 1 positions back
+            (only sinks caches differ: windows and full caches give the same scores either way).
 
         Returns
         -------
@@ -225,9 +232,12 @@ class Transformer:
             raise ValueError(f"caches has {len(caches)} entries, expected one per layer ({c.n_layers})")
         if tokens.min() < 0 or tokens.max() >= c.vocab_size:
             raise ValueError(f"token ids must be in 0..{c.vocab_size - 1} (got {tokens.min()}..{tokens.max()})")
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
         cnt = np.full(B, T, np.int64) if counts is None else np.asarray(counts, np.int64)
         pos = np.asarray(caches[0].lengths, np.int64)[:, None] + np.arange(T)[None, :]   # [B, T]
         tables = {base: self._rope_tables(pos, base) for base in self._inv_freq}
+        sink_tables = {}    # (base, n_s + n_c - 1) -> tables at the queries' cache positions
         H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
         x = self.embed[xp.asarray(tokens.reshape(-1))].reshape(B, T, c.d_model)        # [B, T, d]
         if c.embed_scale != 1.0:
@@ -238,13 +248,21 @@ class Transformer:
             qk = h[..., : (H + Hk) * hd].reshape(B, T, H + Hk, hd)                      # q heads, then k heads
             if c.qk_norm:
                 qk = rms_norm(xp, qk, lw.qk_norm, c.norm_eps)
-            cos, sin = tables[c.rope_base if c.layer_windows[i] is None else c.rope_base_local]
-            qk = rope(xp, qk, cos, sin, c.rope_style)                                   # one rotation for q and k
+            base = c.rope_base if c.layer_windows[i] is None else c.rope_base_local
+            q_sink = None
+            if positions == "cache" and cache.spec.sinks:                               # [B, H, T, hd]
+                newest = cache.spec.sinks + cache.spec.window - 1
+                if (base, newest) not in sink_tables:
+                    sink_tables[base, newest] = self._rope_tables(np.minimum(pos, newest), base)
+                q_sink = xp.ascontiguousarray(
+                    rope(xp, qk[:, :, :H], *sink_tables[base, newest], c.rope_style).transpose(0, 2, 1, 3))
+            qk = rope(xp, qk, *tables[base], c.rope_style)                              # one rotation for q and k
             q = xp.ascontiguousarray(qk[:, :, :H].transpose(0, 2, 1, 3))               # [B, H, T, hd]
             k = qk[:, :, H:].transpose(0, 2, 1, 3)                                      # [B, Hk, T, hd]
             v = xp.ascontiguousarray(h[..., (H + Hk) * hd:].reshape(B, T, Hk, hd).transpose(0, 2, 1, 3))
             cache.append(k, v, counts=attn_counts)                                      # write, then attend
-            o, _ = attend(q, cache, backend=backend, scale=c.attn_scale, counts=attn_counts)  # [B, H, T, hd]
+            o, _ = attend(q, cache, backend=backend, scale=c.attn_scale, counts=attn_counts,
+                          q_sink=q_sink)                                                # [B, H, T, hd]
             if attn_hook is not None:
                 attn_hook(i, q, k, v, o)
             a = o.transpose(0, 2, 1, 3).reshape(B, T, H * hd) @ lw.wo.T                # [B, T, d]

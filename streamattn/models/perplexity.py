@@ -1,0 +1,226 @@
+"""Teacher-forced perplexity over a long text, streamed in chunks through the model's (ring) caches.
+
+Token t's loss is -log p(ids[t+1] | ids[..t]) from the logits of the forward call that carried t, so a
+window or sinks cache answers exactly what a streaming decoder would have seen at that point. Losses are
+reported per bucket of ``bucket`` tokens (by the predicting token's position), which is how a
+perplexity-versus-position curve shows where a cache starts to hurt (StreamingLLM, Xiao et al. 2023, Fig. 3).
+
+>>> r = perplexity(tf, ids, cache="sinks", window=1020, sinks=4, positions="cache")   # doctest: +SKIP
+>>> r["buckets"][0]
+{'start': 0, 'end': 1000, 'ppl': 17.2}
+
+Command line: ``streamattn perplexity FILE [--cache ...] [--window N] [--sinks N] [--positions ...]``
+writes the JSON of :func:`perplexity` and a PNG of perplexity against position.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from streamattn.models.transformer import Transformer
+
+
+def token_losses(model: Transformer, ids, *, cache: str = "full", window: int | None = None, sinks: int = 0,
+                 positions: str = "absolute", chunk: int = 256, backend: str = "cpu",
+                 progress: Callable[[int, int, float], None] | None = None) -> np.ndarray:
+    """Negative log-likelihood of each next token, teacher-forced through fresh caches.
+
+    Parameters
+    ----------
+    model : Transformer
+    ids : int sequence [n] (n >= 2)
+    cache, window, sinks : as :meth:`Transformer.new_caches` (``mode``, ``window``, ``sinks``)
+    positions : {"absolute", "cache"}
+        RoPE positions (see :meth:`Transformer.forward`).
+    chunk : int
+        Tokens per forward call (also the caches' ``max_chunk``, i.e. the ring's slack).
+    backend : str
+        Attention backend.
+    progress : callable(done, total, nll_sum), optional
+        Called after every chunk with the tokens scored so far and the sum of their losses.
+
+    Returns
+    -------
+    nll : float64 [n - 1], nll[t] = -log p(ids[t+1] | ids[:t+1]) in nats
+    """
+    ids = np.asarray(ids, np.int64)
+    if ids.ndim != 1 or ids.size < 2:
+        raise ValueError(f"ids must be a 1-D sequence of at least 2 token ids (got shape {ids.shape})")
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"chunk must be an integer >= 1 (got {chunk!r})")
+    caches = model.new_caches(batch=1, mode=cache, window=window, sinks=sinks if cache == "sinks" else 0,
+                              max_chunk=chunk)
+    n = ids.size - 1                                      # tokens that predict a next one
+    nll = np.empty(n, np.float64)                         # [n]
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        logits = np.asarray(model.forward(ids[None, s:e], caches, backend=backend, positions=positions))[0]
+        logits = logits.astype(np.float64)                # [e - s, vocab]
+        top = logits.max(axis=-1)
+        lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
+        nll[s:e] = lse - logits[np.arange(e - s), ids[s + 1:e + 1]]
+        if progress is not None:
+            progress(e, n, float(nll[:e].sum()))
+    return nll
+
+
+def bucket_perplexity(nll, bucket: int = 1000) -> list:
+    """[{start, end, ppl}] over consecutive buckets of ``bucket`` token positions (the last may be shorter).
+
+    nll : [n] per-token losses (nats), as :func:`token_losses` returns.
+    """
+    if bucket < 1:
+        raise ValueError(f"bucket must be >= 1 (got {bucket})")
+    nll = np.asarray(nll, np.float64)
+    return [{"start": s, "end": min(s + bucket, nll.size), "ppl": float(np.exp(nll[s:s + bucket].mean()))}
+            for s in range(0, nll.size, bucket)]
+
+
+def perplexity(model: Transformer, ids, *, bucket: int = 1000, **kw) -> dict:
+    """Perplexity of ``ids`` overall and per bucket of positions, with the settings and the speed.
+
+    Parameters
+    ----------
+    model : Transformer
+    ids : int sequence [n]
+    bucket : int
+        Positions per reported bucket.
+    **kw
+        cache, window, sinks, positions, chunk, backend, progress: see :func:`token_losses`.
+
+    Returns
+    -------
+    dict
+        ``tokens`` (n - 1 scored), ``ppl``, ``buckets`` (see :func:`bucket_perplexity`), ``seconds``,
+        ``tok_s`` and the settings (``cache``, ``window``, ``sinks``, ``positions``, ``chunk``).
+    """
+    t0 = time.perf_counter()
+    nll = token_losses(model, ids, **kw)
+    seconds = time.perf_counter() - t0
+    settings = {k: kw.get(k, d) for k, d in (("cache", "full"), ("window", None), ("sinks", 0),
+                                             ("positions", "absolute"), ("chunk", 256))}
+    if settings["cache"] != "sinks":
+        settings["sinks"] = 0
+    return {**settings, "tokens": int(nll.size), "ppl": float(np.exp(nll.mean())),
+            "buckets": bucket_perplexity(nll, bucket), "seconds": round(seconds, 2),
+            "tok_s": round(nll.size / seconds, 1)}
+
+
+def label(r: dict) -> str:
+    """Short legend text of one result: 'sinks 4 + window 1020, cache positions'."""
+    if r["cache"] == "full":
+        return "full cache"
+    text = f"window {r['window']}" if r["cache"] == "window" else f"sinks {r['sinks']} + window {r['window']}"
+    return text + (f", {r['positions']} positions" if r["cache"] == "sinks" else "")
+
+
+def plot(results: list, path, *, title: str = "", trained_context: int | None = None) -> None:
+    """PNG of per-bucket perplexity against position, one line per result of :func:`perplexity`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    for r in results:
+        mid = [(b["start"] + b["end"]) / 2 for b in r["buckets"]]
+        ax.plot(mid, [b["ppl"] for b in r["buckets"]], marker=".", label=label(r))
+    if trained_context:
+        ax.axvline(trained_context, color="grey", ls="--", lw=1)
+        ax.text(trained_context, ax.get_ylim()[1], " trained context", va="top", color="grey", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("position in the text (tokens)")
+    ax.set_ylabel("perplexity per bucket (log scale)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def add_arguments(p) -> None:
+    """Arguments of ``streamattn perplexity``."""
+    p.add_argument("file", help="UTF-8 text file to score (e.g. out/texts/... from scripts/get_text.sh)")
+    p.add_argument("--model", default=None, help="a .gguf path or a model name; default smollm2-135m")
+    p.add_argument("--cache", choices=("full", "window", "sinks"), default="full")
+    p.add_argument("--window", type=int, default=None, help="window n_c (needed with --cache window/sinks)")
+    p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens for --cache sinks")
+    p.add_argument("--positions", choices=("absolute", "cache"), default="absolute",
+                   help="RoPE positions in the text, or within the cache (StreamingLLM)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
+    p.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
+    p.add_argument("--bucket", type=int, default=1000, help="positions per reported bucket")
+    p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for matmuls and attention")
+    p.add_argument("--json", default=None, help="write the result here (default: stdout)")
+    p.add_argument("--png", default=None, help="write perplexity against position here")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
+
+
+def progress_bar(quiet: bool) -> Callable[[int, int, float], None] | None:
+    """A one-line stderr progress bar for :func:`token_losses` (None when quiet)."""
+    if quiet:
+        return None
+    t0 = time.perf_counter()
+
+    def show(done, total, nll_sum):
+        rate = done / max(time.perf_counter() - t0, 1e-9)
+        bar = "#" * int(30 * done / total)
+        print(f"\r[{bar:<30}] {done}/{total} tokens, {rate:.0f} tok/s, ppl so far {np.exp(nll_sum / done):.2f}, "
+              f"eta {(total - done) / rate:.0f}s", end="\n" if done == total else "", file=sys.stderr, flush=True)
+    return show
+
+
+def load_ids(file, tokenizer, max_tokens: int | None = None) -> list:
+    """Token ids of a text file (the first ``max_tokens + 1`` of them: that many are scored)."""
+    path = Path(file)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {str(file)!r} not found (scripts/get_text.sh writes a long one)")
+    ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1 (got {max_tokens})")
+        ids = ids[:max_tokens + 1]
+    if len(ids) < 2:
+        raise ValueError(f"{file} holds {len(ids)} token(s); perplexity needs at least 2")
+    return ids
+
+
+def run_args(args) -> int:
+    """``streamattn perplexity``: score the file, print or write the JSON, draw the PNG."""
+    from streamattn.models.hub import resolve_model
+    from streamattn.models.loader import load_gguf
+    from streamattn.models.tokenizer import Tokenizer
+    from streamattn.threads import set_threads
+
+    if args.cache != "full" and args.window is None:
+        raise ValueError(f"--cache {args.cache} needs --window N (keys kept, the current one included)")
+    set_threads(args.threads)
+    path = resolve_model(args.model, quiet=args.quiet)
+    m = load_gguf(path)
+    tf = Transformer(m)
+    if args.backend == "gpu":
+        import cupy
+        tf.to(cupy)
+    ids = load_ids(args.file, Tokenizer.from_metadata(m.metadata), args.max_tokens)
+    r = perplexity(tf, ids, cache=args.cache, window=args.window, sinks=args.sinks, positions=args.positions,
+                   chunk=args.chunk, backend=args.backend, bucket=args.bucket, progress=progress_bar(args.quiet))
+    r = {"file": str(args.file), "model": path.name, **r}
+    text = json.dumps(r, indent=1)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    else:
+        print(text)
+    if args.png:
+        plot([r], args.png, title=f"{path.name}: {Path(args.file).name}",
+             trained_context=m.config.context_length or None)
+    if not args.quiet:
+        print(f"{label(r)}: perplexity {r['ppl']:.3f} over {r['tokens']} tokens ({r['tok_s']} tok/s)",
+              file=sys.stderr)
+    return 0
