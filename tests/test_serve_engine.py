@@ -168,11 +168,12 @@ def test_queue_full():
     class Dummy:
         def new_caches(self, **kw):
             return []
-    eng = Engine(Dummy(), None, ServeConfig(max_queue=1, prompt_cache_mb=0))
-    eng.submit(object())
+    eng = Engine(Dummy(), None, ServeConfig(parallel=2, max_queue=1, prompt_cache_mb=0))
+    for _ in range(3):                      # two will take the free slots at the next step, one waits
+        eng.submit(object())
     with pytest.raises(QueueFull, match="max_queue=1"):
         eng.submit(object())
-    assert len(eng.queue) == 1
+    assert len(eng.queue) == 3
 
 
 def test_stop_strings_never_leak(tiny):

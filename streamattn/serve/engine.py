@@ -61,9 +61,10 @@ class Engine:
 
     # ------------------------------------------------------------------ called from other threads
     def submit(self, seq: Sequence) -> None:
-        """Queue ``seq``; raises QueueFull when ``max_queue`` requests already wait."""
+        """Queue ``seq``; raises QueueFull when ``max_queue`` requests already wait beyond the free slots."""
         with self._cv:
-            if len(self.queue) >= self.cfg.max_queue:
+            free = sum(s is None for s in self.slots)          # queued requests that get a slot next step
+            if len(self.queue) >= self.cfg.max_queue + free:
                 self.metrics.rejected.inc()
                 raise QueueFull(f"the server is busy: {len(self.queue)} requests already wait for one of "
                                 f"{self.cfg.parallel} slots (max_queue={self.cfg.max_queue}); retry later")
