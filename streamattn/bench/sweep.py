@@ -29,9 +29,11 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from .. import CacheSpec, KVCache, attend, backends, reference
+from ..arrays import to_host
+from ..backends import gpu
 from . import peers
 from . import report as benchreport
-from ..cache import to_storage
+from ..storage import to_storage
 
 SINKS = 4
 ROTATE_BYTES = 64 << 20          # rotate caches until this much K+V: 2x the 32 MiB L3 of this machine kind
@@ -149,47 +151,32 @@ def select(points, where: str | None) -> list[Point]:
 def available_impls() -> list[str]:
     """Implementations this machine can run: cpu and numpy always, gpu with a CUDA device, torch if installed."""
     impls = ["cpu", "numpy"]
-    if _gpu_available():
+    if gpu.available():
         impls.insert(1, "gpu")
     if peers.torch_available():
         impls.append("torch")
     return impls
 
 
-def _gpu_available() -> bool:
-    try:
-        import cupy
-        from ..backends import gpu  # noqa: F401  (the CuPy backend, when this checkout has it)
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 # -- building caches ----------------------------------------------------------------------------------
 
 def build(point: Point, rng, device: str = "cpu", rotate_bytes: int = ROTATE_BYTES):
-    """Caches to rotate through (>= 2, > ``rotate_bytes`` in all, <= 256) and the queries [B, Hq, T, D] float32."""
+    """Caches to rotate through (>= 2, > ``rotate_bytes`` in all, <= 256) and the queries [B, Hq, T, D] float32.
+
+    Every cache holds the same random K/V as if ``point.length`` tokens had been appended (a window ring
+    full), written with ``KVCache.write_sequence``, with the newest T tokens pending as queries.
+    """
     spec = point.spec()
     first = KVCache(spec, device=device)
-    if spec.window is None:
-        first.reserve(point.L)
     n = point.L if spec.window is None else first.slots
-    for store in (first.k, first.v):
-        x = rng.standard_normal((spec.batch, spec.kv_heads, n, spec.head_dim), dtype=np.float32)
-        store[:, :, :n] = first.xp.asarray(to_storage(x, spec.dtype, np))
-    caches = [first]
+    rows = [to_storage(rng.standard_normal((spec.batch, spec.kv_heads, n, spec.head_dim), dtype=np.float32),
+                       spec.dtype, np) for _ in "kv"]
+    caches = []
     while len(caches) < 2 or (len(caches) * first.nbytes < rotate_bytes and len(caches) < 256):
-        c = KVCache(spec, device=device)
-        if spec.window is None:
-            c.reserve(point.L)
-        c.k[...] = first.k
-        c.v[...] = first.v
+        c = first if not caches else KVCache(spec, device=device)
+        for b in range(spec.batch):
+            c.write_sequence(b, rows[0][b], rows[1][b], length=point.length, last_count=point.T)
         caches.append(c)
-    for c in caches:
-        # Benchmark shortcut: K/V were written straight into the storage (every slot a window ring has
-        # is full), so set the bookkeeping append() would have left: tokens seen, newest T to attend.
-        c.lengths[:] = point.length
-        c.last_counts[:] = point.T
     q = rng.standard_normal((spec.batch, point.q_heads, point.T, spec.head_dim), dtype=np.float32)
     return caches, (first.xp.asarray(q) if device == "gpu" else q)
 
@@ -224,8 +211,7 @@ def oracle_error(point: Point, out, cache, q) -> float:
 
     The oracle is the reference backend (float64 over what the ring holds), on those slices only.
     """
-    host = (lambda a: a.get()) if cache.device == "gpu" else (lambda a: a)
-    out = host(out)
+    out = to_host(out, copy=False)
     spec, G, T = cache.spec, point.q_heads // point.kv_heads, point.T
     c = min(T, CHECK_ROWS)
     err = 0.0
