@@ -14,10 +14,8 @@ STORAGE_ALIGN = 64  # bytes: one cache line, one AVX-512 vector
 def storage_zeros(xp, shape, dtype):
     """Zeroed K or V storage whose data starts on a STORAGE_ALIGN-byte boundary.
 
-    numpy's large arrays start 16 bytes past a line (malloc's chunk header), so every 64-byte vector
-    load of a row touched two cache lines. Aligned storage read faster from memory: CPU decode, MHA 8/8
-    float32 at 16k keys, 89.9 -> 94.7% of the read ceiling (median of 289 alternated timings, fast host
-    mode); GQA unchanged. CuPy's allocations are 256-byte aligned already.
+    numpy's large arrays start 16 bytes past a line, so every 64-byte vector load of a row touched two
+    cache lines (measured: docs/PERF.md). CuPy's allocations are 256-byte aligned already.
     """
     if xp is not np:
         return xp.zeros(shape, dtype=dtype)

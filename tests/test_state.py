@@ -6,7 +6,6 @@ import json
 import os
 import re
 
-import numba
 import numpy as np
 import pytest
 
@@ -16,13 +15,7 @@ from oracle import History, as_stored, check
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
-@pytest.fixture(autouse=True)
-def one_numba_thread():
-    """Sequences here are short (one key split per item), so a second thread only adds wake-up cost."""
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 MODES = {  # name: spec keywords

@@ -10,7 +10,6 @@ import os
 import shutil
 import tempfile
 
-import numba
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, event, note, settings, strategies as st
@@ -251,14 +250,7 @@ class CacheStateMachine(RuleBasedStateMachine):
             check(out, lse, q, self.hist, counts, self.exact, what=f"newest {counts.tolist()} on {backend}")
 
 
-@pytest.fixture(autouse=True)
-def one_numba_thread():
-    """Fuzz sequences are short, so the CPU backend makes one key split per (sequence, head) anyway; on a
-    busy 2-core host, waking a second thread per call costs ~1 ms, most of this file's time."""
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # short sequences: one key split per (sequence, head)
 
 
 class GpuCacheStateMachine(CacheStateMachine):
