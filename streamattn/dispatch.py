@@ -27,7 +27,7 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
     q_sink : [batch, q_heads, T, head_dim], optional
         The queries scored against the sink keys instead of q (sinks caches; ignored otherwise). A model
         that positions keys within the cache passes q rotated at its cache position here (see
-        docs/DESIGN.md, "Positions"); default q, i.e. absolute positions throughout.
+        docs/DESIGN.md §13); default q, i.e. absolute positions throughout.
 
     Returns
     -------

@@ -4,7 +4,7 @@ The model owns weights and arithmetic; it never touches cache slots. Each layer:
 RoPE at absolute positions (``cache.lengths`` before the append), ``cache.append(k, v)`` ("write, then
 attend"), ``attend(q, cache)``, project out, MLP. With ``positions="cache"`` a sinks cache also gets the
 query rotated at its position inside the cache, min(i, n_s + n_c - 1), which is scored against the sink
-keys only (docs/DESIGN.md, "Positions"). Written once against an array module ``xp`` (numpy
+keys only (docs/DESIGN.md §13). Written once against an array module ``xp`` (numpy
 on the CPU; CuPy on the GPU once weights are moved with :meth:`Transformer.to`).
 
 Layer recipe (pre-norm; gemma3 extras in brackets)::
