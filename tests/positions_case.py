@@ -44,3 +44,23 @@ class PositionStream:
 def rel_err(got, want) -> float:
     """max |got - want| / max |want|."""
     return float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def check_gpu_plan(runner, *, head_dim: int, C: int, wraps: int = 3) -> int:
+    """Stream through a sinks ring (window 5, 2 sinks, GQA 6/2) for ``wraps`` wraps with ``runner.attend``
+    (the emulator, or a device runner: the GPU plan's kernels), decode with 2 splits when T == 1, prefill
+    otherwise; assert each step equals the cache-position oracle. Returns the number of steps checked."""
+    from streamattn.reference import TOLERANCE
+    spec = CacheSpec(batch=1, kv_heads=2, head_dim=head_dim, window=5, sinks=2, max_chunk=C)
+    ps = PositionStream(spec, q_heads=6, seed=head_dim + C)
+    total, step = 0, 0
+    while total < wraps * spec.slots + 8:
+        T = 1 + step % C
+        q, q_sink, (ro, rl) = ps.step(T)
+        c = ps.cache
+        out, lse = runner.attend(q, c.k, c.v, c.lengths, np.array([T]), window=spec.window, sinks=spec.sinks,
+                                 scale=head_dim ** -0.5, splits=2 if T == 1 else None, q_sink=q_sink)
+        assert rel_err(out[0], ro) <= TOLERANCE["float32"], f"step {step} (T={T}, length {total + T})"
+        assert np.abs(lse[0] - rl).max() <= 1e-4, f"lse at step {step}"
+        total, step = total + T, step + 1
+    return step

@@ -35,12 +35,13 @@ class DeviceRunner:
         self.launches.append(name)
         gpu._launch(name, grid, block, args)
 
-    def attend(self, q, k, v, lengths, counts, *, window, sinks, scale, splits=None):
+    def attend(self, q, k, v, lengths, counts, *, window, sinks, scale, splits=None, q_sink=None):
         if k.dtype.name == "bfloat16":
             k, v = k.view(np.uint16), v.view(np.uint16)
         out, lse = gpu_plan.attend_with(cupy, self._launch, cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
                                         np.asarray(lengths), np.asarray(counts), window=window, sinks=sinks,
-                                        scale=scale, sm_count=gpu.sm_count(cupy.cuda.Device().id), splits=splits)
+                                        scale=scale, sm_count=gpu.sm_count(cupy.cuda.Device().id), splits=splits,
+                                        q_sink=None if q_sink is None else cupy.asarray(q_sink))
         return out.get(), lse.get()
 
 
@@ -70,3 +71,10 @@ def test_public_attend_returns_device_arrays():
                           c["counts"], window=0, sinks=0, scale=c["scale"])
     assert isinstance(out, cupy.ndarray) and out.dtype == cupy.float16 and lse.dtype == cupy.float32
     assert go.rel_err(out.get(), c["ref_out"]) <= go.TOL["float16"]
+
+
+@pytest.mark.parametrize("head_dim,C", [(64, 1), (128, 4)])
+def test_cache_positions(runner, head_dim, C):
+    """Sink keys scored with q_sink (positions within the cache) against the float64 oracle, every step."""
+    from positions_case import check_gpu_plan
+    check_gpu_plan(runner, head_dim=head_dim, C=C)
