@@ -111,6 +111,9 @@ def _generate_configure(p):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print prefill/decode timing to stderr")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep decoding past end-of-sequence tokens, so exactly --max-tokens are generated "
+                        "(fixed-length timing runs, as llama.cpp's --ignore-eos)")
 
 
 def _generate_run(args) -> int:
@@ -134,7 +137,7 @@ def _generate_run(args) -> int:
     if not args.chat:
         sys.stdout.write(prompt)
     for ev in gen.stream(ids, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop), chat=chat,
-                         progress=progress):
+                         progress=progress, ignore_eos=args.ignore_eos):
         sys.stdout.write(ev.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
