@@ -1,7 +1,8 @@
-"""Read a GGUF model file: metadata -> :class:`ModelConfig`, tensors -> float32 weights.
+"""Read a GGUF model file: metadata -> :class:`ModelConfig`, tensors -> packed or float32 weights.
 
 Built on llama.cpp's own ``gguf`` package (``GGUFReader`` for the container, ``gguf.quants.dequantize``
-for Q4_1, Q8_0, Q4_K, Q5_0, Q6_K, ...). Nothing here parses bytes by hand.
+for Q4_1, Q8_0, Q4_K, Q5_0, Q6_K, ... on the float32 path). Matrices stay in their block formats by
+default (:mod:`streamattn.models.quant`, one packed copy); ``weights="f32"`` is the float32 reference.
 
 Facts about the files this module relies on (see DESIGN.md §5):
 
@@ -121,16 +122,18 @@ class ModelConfig:
 
 @dataclass
 class GGUFModel:
-    """A loaded model file: config, float32 weights, and the raw metadata (for the tokenizer).
+    """A loaded model file: config, weights, and the raw metadata (for the tokenizer).
 
-    ``weights`` maps GGUF tensor names to float32 arrays in GGUF's numpy layout:
-    matrices are ``[out_features, in_features]``, e.g. ``blk.0.attn_q.weight: [n_heads*head_dim, d_model]``.
+    ``weights`` maps GGUF tensor names to arrays in GGUF's numpy layout: matrices are
+    ``[out_features, in_features]``, e.g. ``blk.0.attn_q.weight: [n_heads*head_dim, d_model]``; float32
+    arrays, except matrices as :class:`streamattn.models.quant.QWeight` when ``weights_kind == "quant"``.
     """
 
     path: str
     config: ModelConfig
     weights: dict = field(repr=False)
     metadata: dict = field(repr=False)
+    weights_kind: str = "f32"
 
 
 def read_metadata(reader, path: str) -> dict:
@@ -227,25 +230,34 @@ def _open(path: str):
     return reader
 
 
-def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None) -> GGUFModel:
-    """Load a GGUF model: validate, read the config, dequantize every tensor to float32.
+WEIGHT_KINDS = ("quant", "f32")
+
+
+def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None,
+              weights: str = "quant") -> GGUFModel:
+    """Load a GGUF model: validate, read the config, keep matrices packed (or dequantize to float32).
 
     Parameters
     ----------
     path : str
         The ``.gguf`` file.
     progress : callable(done, total, tensor_name), optional
-        Called after each tensor is dequantized.
+        Called after each tensor is read.
+    weights : {"quant", "f32"}
+        "quant": matrices stay in their GGUF block formats (:class:`~streamattn.models.quant.QWeight`;
+        1-D tensors such as norms are float32); "f32": every tensor dequantized to float32 (the
+        reference path).
 
     Returns
     -------
     GGUFModel
-        ``weights[name]`` float32, matrices ``[out_features, in_features]``.
+        ``weights[name]``: matrices ``[out_features, in_features]``.
 
     Raises
     ------
     ModelFileError
-        Missing file, not GGUF, truncated, corrupt (non-finite weights), unsupported architecture.
+        Missing file, not GGUF, truncated, corrupt (non-finite weights), unsupported architecture, or
+        (``weights="quant"``) a matrix of a GGUF type without a packed kernel.
 
     Examples
     --------
@@ -255,13 +267,30 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     """
     from gguf.quants import dequantize
 
+    from streamattn.models.quant import UnsupportedWeightType, pack
+
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights must be one of {WEIGHT_KINDS} (got {weights!r})")
     path = os.fspath(path)
     reader = _open(path)
     md = read_metadata(reader, path)
     config = config_from_metadata(md, path)
-    weights = {}
+    out = {}
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
+        floats_odd = t.tensor_type.name in ("F32", "F16", "BF16") and int(t.shape[0]) % 16
+        if weights == "quant" and len(t.shape) == 2 and not floats_odd:   # odd float rows: kept float32
+            try:
+                w = pack(t.name, t.tensor_type.name, t.data, (int(t.shape[1]), int(t.shape[0])))
+            except UnsupportedWeightType as e:
+                raise ModelFileError(f"{path}: {e}") from e
+            if not w.finite():
+                raise ModelFileError(f"{path}: tensor {t.name!r} holds NaN or inf; the file is corrupt "
+                                     "- re-download it")
+            out[t.name] = w
+            if progress is not None:
+                progress(i + 1, total, t.name)
+            continue
         try:
             w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         except Exception as e:  # noqa: BLE001
@@ -270,11 +299,11 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
         if not np.isfinite(w).all():
             raise ModelFileError(f"{path}: tensor {t.name!r} holds NaN or inf after dequantization; the "
                                  "file is corrupt - re-download it")
-        weights[t.name] = w
+        out[t.name] = w
         if progress is not None:
             progress(i + 1, total, t.name)
-    _check_tensors(config, weights, path)
-    return GGUFModel(path=path, config=config, weights=weights, metadata=md)
+    _check_tensors(config, out, path)
+    return GGUFModel(path=path, config=config, weights=out, metadata=md, weights_kind=weights)
 
 
 def _check_tensors(c: ModelConfig, w: dict, path: str) -> None:
