@@ -26,6 +26,8 @@ from typing import Callable
 import numpy as np
 
 SUPPORTED_ARCHS = ("llama", "gemma3")
+# Row groups of a layer multiplied by the same input, kept as one matrix: fused name -> parts (in row order)
+FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
 GEMMA3_ROPE_BASE_LOCAL = 10_000.0
 GEMMA3_GLOBAL_EVERY = 6          # layers 5, 11, 17, ... are global; the others slide
 
@@ -134,6 +136,7 @@ class GGUFModel:
     weights: dict = field(repr=False)
     metadata: dict = field(repr=False)
     weights_kind: str = "f32"
+    fused: dict = field(default_factory=dict, repr=False)   # "blk.{i}.attn_qkv.weight" ... (see FUSED)
 
 
 def read_metadata(reader, path: str) -> dict:
@@ -275,35 +278,76 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     reader = _open(path)
     md = read_metadata(reader, path)
     config = config_from_metadata(md, path)
+    # only the tensors' views of the file map outlive the reader: its field objects (the tokenizer's
+    # ~100k strings as numpy parts) take ~160 MB for SmolLM2, and would stay alive through the packing
+    tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors]
+    file_map = reader.data
+    del reader
     out = {}
-    total = len(reader.tensors)
-    for i, t in enumerate(reader.tensors):
-        floats_odd = t.tensor_type.name in ("F32", "F16", "BF16") and int(t.shape[0]) % 16
-        if weights == "quant" and len(t.shape) == 2 and not floats_odd:   # odd float rows: kept float32
+    total = len(tensors)
+    for i, (name, qtype, shape, data) in enumerate(tensors):
+        floats_odd = qtype.name in ("F32", "F16", "BF16") and shape[0] % 16
+        if weights == "quant" and len(shape) == 2 and not floats_odd:      # odd float rows: kept float32
             try:
-                w = pack(t.name, t.tensor_type.name, t.data, (int(t.shape[1]), int(t.shape[0])))
+                w = pack(name, qtype.name, data, (shape[1], shape[0]))
             except UnsupportedWeightType as e:
                 raise ModelFileError(f"{path}: {e}") from e
             if not w.finite():
-                raise ModelFileError(f"{path}: tensor {t.name!r} holds NaN or inf; the file is corrupt "
+                raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf; the file is corrupt "
                                      "- re-download it")
-            out[t.name] = w
-            if progress is not None:
-                progress(i + 1, total, t.name)
-            continue
-        try:
-            w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except Exception as e:  # noqa: BLE001
-            raise ModelFileError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name} cannot be "
-                                 f"dequantized ({e})") from e
-        if not np.isfinite(w).all():
-            raise ModelFileError(f"{path}: tensor {t.name!r} holds NaN or inf after dequantization; the "
-                                 "file is corrupt - re-download it")
-        out[t.name] = w
+            _drop_pages(file_map)
+        else:
+            try:
+                w = np.array(dequantize(data, qtype), dtype=np.float32, order="C", copy=True)
+            except Exception as e:  # noqa: BLE001
+                raise ModelFileError(f"{path}: tensor {name!r} of type {qtype.name} cannot be "
+                                     f"dequantized ({e})") from e
+            if not np.isfinite(w).all():
+                raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf after dequantization; the "
+                                     "file is corrupt - re-download it")
+        out[name] = w
         if progress is not None:
-            progress(i + 1, total, t.name)
+            progress(i + 1, total, name)
+    del tensors, file_map
     _check_tensors(config, out, path)
-    return GGUFModel(path=path, config=config, weights=out, metadata=md, weights_kind=weights)
+    fused = _fuse(out, config.n_layers)
+    return GGUFModel(path=path, config=config, weights=out, metadata=md, weights_kind=weights, fused=fused)
+
+
+def _drop_pages(file_map) -> None:
+    """Let the kernel drop the file pages read so far: the packed copies are all that is used later, and
+    pages of a mapped file count in the process's RSS while mapped (SmolLM2: 96 MB)."""
+    mm = getattr(file_map, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise"):
+        import mmap
+        mm.madvise(mmap.MADV_DONTNEED)
+
+
+def _fuse(weights: dict, n_layers: int) -> dict:
+    """Each layer's :data:`FUSED` row groups as one matrix; the parts in ``weights`` become row views of
+    it (one copy in memory). Groups whose packed kinds differ stay apart (the model multiplies them
+    one by one)."""
+    from streamattn.models.quant import QWeight, concat_rows, row_slice
+
+    fused = {}
+    for i in range(n_layers):
+        for key, parts in FUSED.items():
+            names = [f"blk.{i}.{p}.weight" for p in parts]
+            ws = [weights[n] for n in names]
+            if all(isinstance(w, QWeight) for w in ws):
+                f = concat_rows(ws)
+            elif not any(isinstance(w, QWeight) for w in ws):
+                f = np.ascontiguousarray(np.concatenate(ws, 0), np.float32)
+            else:
+                f = None
+            if f is None:
+                continue
+            fused[f"blk.{i}.{key}.weight"] = f
+            row = 0
+            for n, w in zip(names, ws):
+                weights[n] = row_slice(f, row, row + w.shape[0])
+                row += w.shape[0]
+    return fused
 
 
 def _check_tensors(c: ModelConfig, w: dict, path: str) -> None:

@@ -98,10 +98,10 @@ def _make_qdot(kind: str, group: int = 32):
             qa, sa, ma, xa, da, ua = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6))
             r = context.cast(builder, args[3], sig.args[3], types.int64)
             b = context.cast(builder, args[7], sig.args[7], types.int64)
-            acc = cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8))
-            accm = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
-            with cgutils.for_range(builder, builder.udiv(xa.cols, _i64(32))) as loop:
-                i = loop.index
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(2)]
+            accms = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(2)]
+
+            def block(i, acc, accm):
                 x32 = _load(builder, xa, b, builder.mul(i, _i64(32)), V32I8)
                 xd = _load(builder, da, b, i, F32)
                 if kind == "q4":
@@ -127,7 +127,17 @@ def _make_qdot(kind: str, group: int = 32):
                 f = builder.sitofp(isum, V8F)
                 builder.store(builder.call(_llvm_fn(builder, "llvm.fmuladd.v8f32", V8F, [V8F, V8F, V8F]),
                                            [f, sv, builder.load(acc)]), acc)
-            return builder.fadd(_hsum(builder, builder.load(acc), 8), builder.load(accm))
+
+            nblk = builder.udiv(xa.cols, _i64(32))
+            # two independent chains (even and odd blocks), so FMA latency does not bound the loop
+            with cgutils.for_range(builder, builder.udiv(nblk, _i64(2))) as loop:
+                i = builder.mul(loop.index, _i64(2))
+                block(i, accs[0], accms[0])
+                block(builder.add(i, _i64(1)), accs[1], accms[1])
+            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nblk, _i64(2)), _i64(0))):
+                block(builder.sub(nblk, _i64(1)), accs[0], accms[0])
+            vec = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+            return builder.fadd(_hsum(builder, vec, 8), builder.fadd(builder.load(accms[0]), builder.load(accms[1])))
         return types.float32(qs, scale, minv, r, xq, xd, xs, b), codegen
     return qdot
 

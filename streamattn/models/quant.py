@@ -109,6 +109,14 @@ def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
     return (q * scale[:, :, None] + minv[:, :, None]).reshape(n, -1)
 
 
+def row_slice(w, a: int, b: int):
+    """Rows a..b-1 of a QWeight or float matrix as views (no copy)."""
+    if not isinstance(w, QWeight):
+        return w[a:b]
+    cut = (lambda arr: None if arr is None else arr[a:b])
+    return QWeight(w.kind, (b - a, w.shape[1]), w.qs[a:b], cut(w.scale), cut(w.minv), w.group, w.source)
+
+
 def concat_rows(ws: list) -> QWeight | None:
     """One QWeight holding the rows of ``ws`` one after another, or None where their kinds differ."""
     first = ws[0]
@@ -154,7 +162,7 @@ def pack(name: str, type_name: str, data: np.ndarray, shape: tuple) -> QWeight:
         raise UnsupportedWeightType(f"tensor {name!r} ({type_name}) has {k} columns, not a multiple of "
                                     f"{block} as the packed kernels need")
     if type_name == "F32":
-        return QWeight("f32", shape, np.ascontiguousarray(data, np.float32).reshape(n, k), source=type_name)
+        return QWeight("f32", shape, np.array(data, np.float32, order="C").reshape(n, k), source=type_name)
     if type_name in ("F16", "BF16"):
         raw = np.ascontiguousarray(data).view(np.uint16).reshape(n, k)
         return QWeight(type_name.lower(), shape, raw.copy(), source=type_name)

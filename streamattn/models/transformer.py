@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from streamattn import CacheSpec, KVCache, attend
-from streamattn.models.loader import GGUFModel, ModelConfig
+from streamattn.models.loader import FUSED, GGUFModel, ModelConfig
 from streamattn.models.quant import QWeight, concat_rows
 
 CACHE_MODES = ("full", "window", "sinks")
@@ -152,13 +152,18 @@ class Transformer:
         self.output = w.get("output.weight", self.embed)          # [vocab, d_model] (tied when absent)
         self.output_norm = w["output_norm.weight"]                # [d_model]
         self.layers = []
+        def fused(p, key):
+            """One layer's fused row groups (the loader's single copy, else concatenated here)."""
+            f = model.fused.get(p + key + ".weight")
+            return f if f is not None else _cat_rows([w[p + n + ".weight"] for n in FUSED[key]])
+
         for i in range(c.n_layers):
             p = f"blk.{i}."
             self.layers.append(LayerWeights(
                 attn_norm=w[p + "attn_norm.weight"],
-                wqkv=_cat_rows([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]]),
+                wqkv=fused(p, "attn_qkv"),
                 wo=w[p + "attn_output.weight"], ffn_norm=w[p + "ffn_norm.weight"],
-                wgu=_cat_rows([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]]),
+                wgu=fused(p, "ffn_gate_up"),
                 wdown=w[p + "ffn_down.weight"],
                 qk_norm=None if not c.qk_norm else np.concatenate(
                     [np.tile(w[p + "attn_q_norm.weight"], (c.n_heads, 1)),
