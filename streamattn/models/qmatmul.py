@@ -188,6 +188,59 @@ def quantize_rows(x, xq, xd, xs):
             xs[b, i] = d * np.float32(s)
 
 
+@njit(cache=True, fastmath=False)
+def _quantize_block(y, b, i, xq, xd, xs):
+    """Quantize y[0:32] (float32 scratch) into block i of row b."""
+    amax = np.float32(0.0)
+    for j in range(32):
+        amax = max(amax, abs(y[j]))
+    d = amax / np.float32(127.0)
+    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+    s = 0
+    for j in range(32):
+        q = np.int32(np.rint(y[j] * inv))
+        xq[b, i * 32 + j] = q
+        s += q
+    xd[b, i] = d
+    xs[b, i] = d * np.float32(s)
+
+
+@njit(cache=True)
+def norm_quantize_rows(x, w, eps, xq, xd, xs):
+    """Fused RMSNorm and quantization: rows of ``x / sqrt(mean(x²) + eps) * w`` (x: float32 [B, K],
+    w: [K]) into xq, xd, xs as :func:`quantize_rows`."""
+    K = x.shape[1]
+    y = np.empty(32, np.float32)
+    for b in range(x.shape[0]):
+        ss = np.float32(0.0)
+        for j in range(K):
+            ss += x[b, j] * x[b, j]
+        inv = np.float32(1.0) / np.sqrt(ss * np.float32(1.0 / K) + np.float32(eps))
+        for i in range(K // 32):
+            for j in range(32):
+                y[j] = x[b, i * 32 + j] * inv * w[i * 32 + j]
+            _quantize_block(y, b, i, xq, xd, xs)
+
+
+@njit(cache=True)
+def glu_quantize_rows(gu, gelu, xq, xd, xs):
+    """Fused gated activation and quantization: rows of ``act(g) * u`` where gu = [g | u] float32
+    [B, 2F]; act is gelu-tanh when ``gelu`` else silu."""
+    F = gu.shape[1] // 2
+    y = np.empty(32, np.float32)
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    for b in range(gu.shape[0]):
+        for i in range(F // 32):
+            for j in range(32):
+                g = gu[b, i * 32 + j]
+                if gelu:
+                    a = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g)))
+                else:
+                    a = g / (np.float32(1.0) + np.exp(-g))
+                y[j] = a * gu[b, F + i * 32 + j]
+            _quantize_block(y, b, i, xq, xd, xs)
+
+
 def _drivers(dot, n_args):
     """Serial and row-parallel njit loops out[b, r] = dot(weights..., r, acts..., b)."""
     if n_args == 3:
@@ -224,6 +277,28 @@ def quantize_activations(x):
     xq, xd, xs = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
     quantize_rows(x, xq, xd, xs)
     return xq, xd, xs
+
+
+def _acts_like(M, K):
+    return np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
+
+
+def norm_qmatmul(x, norm_w, eps: float, w: QWeight):
+    """``rms_norm(x) @ W.T`` for a "q4"/"q8" weight, the norm fused into the activations' quantization.
+    x: float32 [..., K], norm_w: [K] -> [..., N]."""
+    x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32)
+    acts = _acts_like(*x2.shape)
+    norm_quantize_rows(x2, np.ascontiguousarray(norm_w, np.float32), eps, *acts)
+    return qmatmul(x2, w, acts=acts).reshape(*x.shape[:-1], w.shape[0])
+
+
+def glu_qmatmul(gu, gelu: bool, w: QWeight):
+    """``(act(g) * u) @ W.T`` for gu = [g | u]: float32 [..., 2F] and a "q4"/"q8" weight [N, F]."""
+    g2 = np.ascontiguousarray(gu.reshape(-1, gu.shape[-1]), np.float32)
+    acts = _acts_like(g2.shape[0], g2.shape[1] // 2)
+    glu_quantize_rows(g2, gelu, *acts)
+    return qmatmul(np.empty((g2.shape[0], g2.shape[1] // 2), np.float32), w, acts=acts).reshape(
+        *gu.shape[:-1], w.shape[0])
 
 
 def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None):

@@ -62,6 +62,30 @@ def linear(xp, x, w):
     return x @ w.T
 
 
+def _int_kernel(w) -> bool:
+    return isinstance(w, QWeight) and w.kind in ("q4", "q8")
+
+
+def norm_linear(xp, x, norm_w, eps, w):
+    """``rms_norm(x, norm_w) @ w.T``; on packed integer weights the norm is fused into the quantization
+    of the activations (one compiled pass)."""
+    if _int_kernel(w):
+        from streamattn.models.qmatmul import norm_qmatmul
+        return norm_qmatmul(x, norm_w, eps, w)
+    return linear(xp, rms_norm(xp, x, norm_w, eps), w)
+
+
+def glu_linear(xp, gu, activation, w):
+    """``(act(g) * u) @ w.T`` for gu = [g | u] [..., 2*d_ff]; act 'silu' or 'gelu_tanh'. Fused like
+    :func:`norm_linear` on packed integer weights."""
+    if _int_kernel(w):
+        from streamattn.models.qmatmul import glu_qmatmul
+        return glu_qmatmul(gu, activation == "gelu_tanh", w)
+    d_ff = gu.shape[-1] // 2
+    g, u = gu[..., :d_ff], gu[..., d_ff:]
+    return linear(xp, (gelu_tanh(xp, g) if activation == "gelu_tanh" else silu(xp, g)) * u, w)
+
+
 def embed_rows(xp, w, ids):
     """Rows ``ids`` (int [n]) of an embedding table (float array or :class:`QWeight`) as float32 [n, d]."""
     if isinstance(w, QWeight):
@@ -279,7 +303,7 @@ class Transformer:
             x = x * np.float32(c.embed_scale)
         attn_counts = None if counts is None else cnt
         for i, (lw, cache) in enumerate(zip(self.layers, caches)):
-            h = linear(xp, rms_norm(xp, x, lw.attn_norm, c.norm_eps), lw.wqkv)          # [B, T, qd+2kvd]
+            h = norm_linear(xp, x, lw.attn_norm, c.norm_eps, lw.wqkv)                  # [B, T, qd+2kvd]
             qk = h[..., : (H + Hk) * hd].reshape(B, T, H + Hk, hd)                      # q heads, then k heads
             if c.qk_norm:
                 qk = rms_norm(xp, qk, lw.qk_norm, c.norm_eps)
@@ -296,12 +320,11 @@ class Transformer:
             if c.post_norms:
                 a = rms_norm(xp, a, lw.post_attn_norm, c.norm_eps)
             x = x + a
-            gu = linear(xp, rms_norm(xp, x, lw.ffn_norm, c.norm_eps), lw.wgu)           # [B, T, 2*d_ff]
-            g, u = gu[..., : c.d_ff], gu[..., c.d_ff:]
-            m = linear(xp, (gelu_tanh(xp, g) if c.activation == "gelu_tanh" else silu(xp, g)) * u, lw.wdown)
+            gu = norm_linear(xp, x, lw.ffn_norm, c.norm_eps, lw.wgu)                   # [B, T, 2*d_ff]
+            m = glu_linear(xp, gu, c.activation, lw.wdown)                               # [B, T, d]
             if c.post_norms:
                 m = rms_norm(xp, m, lw.post_ffw_norm, c.norm_eps)
             x = x + m                                                                   # [B, T, d]
         if last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
-        return linear(xp, rms_norm(xp, x, self.output_norm, c.norm_eps), self.output)  # [..., vocab]
+        return norm_linear(xp, x, self.output_norm, c.norm_eps, self.output)          # [..., vocab]
