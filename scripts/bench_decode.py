@@ -6,7 +6,7 @@
 Greedy decode of N new tokens after a short prompt (EOS ignored, so every run decodes N tokens), with
 the packed GGUF weights ("quant", the default) or dequantized float32 weights ("f32"); "both" loads the
 two and alternates their runs in this one process. The read-bandwidth ceiling is probed right beside
-each run. The breakdown replays one decode step's parts at the final cache length: all weight matmuls
+each run (docs/PERF.md). The breakdown replays one decode step's parts at the final cache length: all weight matmuls
 (incl. the lm_head), all layers' attention calls, the sampler; the rest of the measured step is Python
 and elementwise work (norms, RoPE, activations, reshapes).
 """

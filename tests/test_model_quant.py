@@ -4,9 +4,9 @@ import numba
 import numpy as np
 import pytest
 
-from _model_util import load, need_smollm2, smollm2_path, single_thread  # noqa: F401 (fixture)
+from _model_util import load, need_smollm2, smollm2_path
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = ("The Roman Republic was the era of classical Roman civilisation beginning with the overthrow of the "
         "Roman Kingdom, traditionally dated to 509 BC, and ending in 27 BC with the establishment of the Roman "
