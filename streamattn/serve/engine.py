@@ -18,6 +18,8 @@ An exception while one sequence samples or detokenizes fails that request alone;
 from __future__ import annotations
 
 import collections
+import copy
+import dataclasses
 import threading
 import time
 import traceback
@@ -122,7 +124,7 @@ class Engine:
         if not active:
             return
         t0 = time.perf_counter()
-        B, C = self.cfg.parallel, self.cfg.prefill_chunk
+        B, C = max(s.slot for s in active) + 1, self.cfg.prefill_chunk   # slots past the last active idle
         counts = np.zeros(B, np.int64)                                     # [B] real tokens per slot
         for s in active:
             counts[s.slot] = min(C, len(s.job.prompt) - s.done) if s.prefilling else 1
@@ -130,9 +132,12 @@ class Engine:
         for s in active:
             tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
                                                else [s.next_token])
+        caches = self.caches if B == self.cfg.parallel else _first_rows(self.caches, B, counts)
         try:
-            logits = _host(self.model.forward(tokens, self.caches, counts=counts, backend=self.cfg.backend,
+            logits = _host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
                                               last_only=True))             # [B, vocab]
+            if caches is not self.caches:
+                _sync_rows(self.caches, caches)
         except Exception as e:                                             # shared by the batch
             traceback.print_exc()
             for s in active:
@@ -169,14 +174,14 @@ class Engine:
             if len(kept) != len(self.queue):
                 for s in self.queue:
                     if s.cancelled.is_set():
-                        s.finished = True
+                        s.finish("cancelled")             # ends a handler still waiting, if any
                         self.metrics.requests.labels("cancelled").inc()
                 self.queue = collections.deque(kept)
                 self.metrics.queued.set(len(self.queue))
         for s in self.slots:
             if s is not None and s.cancelled.is_set():
                 self.metrics.cancel_steps.observe(self.steps - s.cancel_step)
-                s.finished = True
+                s.finish("cancelled")
                 self._free(s, "cancelled")
 
     def _admit(self) -> None:
@@ -211,3 +216,30 @@ class Engine:
         s.slot = -1
         self.metrics.requests.labels(outcome or s.finish_reason or "unknown").inc()
         self.metrics.running.set(self.running)
+
+
+def _first_rows(caches: list, n: int, counts) -> list:
+    """Views of sequences 0..n-1 of each layer's cache, so a step computes no rows for idle slots past them.
+
+    Storage is shared (``k[:n]`` is a view), so ``forward`` on the views writes the engine's caches; a
+    causal cache is grown on the parent first, so the views never reallocate. ``append`` replaces
+    ``last_counts`` and ``held_from`` rather than writing them in place, hence :func:`_sync_rows` after.
+    """
+    views = []
+    for c in caches:
+        need = int((c.lengths[:n] + counts).max())
+        if c.spec.window is None and need > c.slots:
+            c.reserve(need)
+        v = copy.copy(c)
+        v.spec = dataclasses.replace(c.spec, batch=n)
+        v.k, v.v = c.k[:n], c.v[:n]                      # [n, kv_heads, slots, head_dim] views
+        v.lengths, v.last_counts, v.held_from = c.lengths[:n], c.last_counts[:n].copy(), c.held_from[:n].copy()
+        views.append(v)
+    return views
+
+
+def _sync_rows(caches: list, views: list) -> None:
+    """Copy the views' per-sequence counters back into the engine's caches."""
+    for c, v in zip(caches, views):
+        n = v.spec.batch
+        c.lengths[:n], c.last_counts[:n], c.held_from[:n] = v.lengths, v.last_counts, v.held_from
