@@ -200,7 +200,13 @@ class Engine:
                 self.metrics.prompt_tokens.inc(len(s.job.prompt))
                 if s.job.cache_prompt and self.cfg.prompt_cache_mb > 0:
                     self.metrics.cache_lookups.inc()
-                    n = self.prompt_cache.lookup(list(s.job.prompt), caches=self.caches, slot=s.slot)
+                    try:
+                        n = self.prompt_cache.lookup(list(s.job.prompt), caches=self.caches, slot=s.slot)
+                    except Exception:                  # never serve a half-loaded slot: prefill it all
+                        traceback.print_exc()
+                        for c in self.caches:
+                            c.reset(s.slot)
+                        n = 0
                     if n:
                         s.done = s.cached = n
                         self.metrics.cache_hits.inc()
