@@ -18,15 +18,13 @@ An exception while one sequence samples or detokenizes fails that request alone;
 from __future__ import annotations
 
 import collections
-import copy
-import dataclasses
 import threading
 import time
 import traceback
 
 import numpy as np
 
-from streamattn.models.generate import _host
+from streamattn.arrays import to_host
 from streamattn.serve.metrics import Metrics
 from streamattn.serve.prompt_cache import PromptCache
 from streamattn.serve.sequence import Sequence
@@ -132,12 +130,10 @@ class Engine:
         for s in active:
             tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
                                                else [s.next_token])
-        caches = self.caches if B == self.cfg.parallel else _first_rows(self.caches, B, counts)
+        caches = self.caches if B == self.cfg.parallel else self._head(B, counts)
         try:
-            logits = _host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
-                                              last_only=True))             # [B, vocab]
-            if caches is not self.caches:
-                _sync_rows(self.caches, caches)
+            logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
+                                                last_only=True), copy=False)  # [B, vocab]
         except Exception as e:                                             # shared by the batch
             traceback.print_exc()
             for s in active:
@@ -167,6 +163,14 @@ class Engine:
         self.steps += 1
         self.metrics.steps.inc()
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
+
+    def _head(self, n: int, counts) -> list:
+        """Views of slots 0..n-1 of every layer (KVCache.head), causal caches grown first for this step."""
+        for c in self.caches:
+            need = int((c.lengths[:n] + counts).max())
+            if c.spec.window is None and need > c.slots:
+                c.reserve(need)
+        return [c.head(n) for c in self.caches]
 
     def _drop_cancelled(self) -> None:
         with self._cv:
@@ -223,29 +227,3 @@ class Engine:
         self.metrics.requests.labels(outcome or s.finish_reason or "unknown").inc()
         self.metrics.running.set(self.running)
 
-
-def _first_rows(caches: list, n: int, counts) -> list:
-    """Views of sequences 0..n-1 of each layer's cache, so a step computes no rows for idle slots past them.
-
-    Storage is shared (``k[:n]`` is a view), so ``forward`` on the views writes the engine's caches; a
-    causal cache is grown on the parent first, so the views never reallocate. ``append`` replaces
-    ``last_counts`` and ``held_from`` rather than writing them in place, hence :func:`_sync_rows` after.
-    """
-    views = []
-    for c in caches:
-        need = int((c.lengths[:n] + counts).max())
-        if c.spec.window is None and need > c.slots:
-            c.reserve(need)
-        v = copy.copy(c)
-        v.spec = dataclasses.replace(c.spec, batch=n)
-        v.k, v.v = c.k[:n], c.v[:n]                      # [n, kv_heads, slots, head_dim] views
-        v.lengths, v.last_counts, v.held_from = c.lengths[:n], c.last_counts[:n].copy(), c.held_from[:n].copy()
-        views.append(v)
-    return views
-
-
-def _sync_rows(caches: list, views: list) -> None:
-    """Copy the views' per-sequence counters back into the engine's caches."""
-    for c, v in zip(caches, views):
-        n = v.spec.batch
-        c.lengths[:n], c.last_counts[:n], c.held_from[:n] = v.lengths, v.last_counts, v.held_from
