@@ -294,8 +294,9 @@ class KVCache:
                 raise ValueError(f"state[{n!r}] must be {spec.storage_dtype} [{spec.batch}, {spec.kv_heads}, "
                                  f"<={slots}, {spec.head_dim}] (got {a.dtype} {tuple(a.shape)})")
         cache = cls(spec, device=device)
-        for n in ("k", "v"):
-            store = storage_zeros(cache.xp, shape, spec.storage_dtype)
+        for n in ("k", "v"):   # a window cache is allocated in full already; a causal one may need more
+            store = getattr(cache, n)
+            store = store if store.shape == shape else storage_zeros(cache.xp, shape, spec.storage_dtype)
             store[:, :, :state[n].shape[2]] = cache.xp.asarray(state[n])
             setattr(cache, n, store)
         cache.lengths, cache.last_counts, cache.held_from = (
