@@ -108,6 +108,8 @@ def run_local(requests: list, out: OutputFile, opts: ModelOptions, *, batch_size
     Returns the failed requests as :class:`BadLine` errors (see :func:`complete`); with ``stop_on_error``
     the run stops after the batch holding the first one. ``on_result(result)`` sees every result.
     """
+    if not requests:
+        return []
     gen = opts.load()
     if progress is not None:
         progress.start()

@@ -1,0 +1,83 @@
+"""``streamattn batch --ray`` on a local Ray (2 CPUs, 127.0.0.1): same texts as one process, and a killed
+actor loses no line and duplicates none. Ray starts once for this file and is shut down after it; when it
+cannot start, the tests fail with Ray's reason."""
+
+import json
+
+import pytest
+
+from _model_util import load, need_smollm2, smollm2_path
+from streamattn.models.sampling import SamplingParams
+from streamattn.scale.jobs import OutputFile, parse_line
+
+N_TOKENS = 4
+PROMPTS = [f"{s} {i}" for i, s in enumerate(["The capital of France is", "My favourite fruit is",
+                                              "1, 2, 3,", "Once upon a time"] * 4)]       # 16 prompts
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from streamattn.scale.ray_batch import init_ray
+    try:
+        ray = init_ray(num_cpus=2)
+    except RuntimeError as e:
+        pytest.fail(f"Ray did not start: {e}")
+    yield ray
+    ray.shutdown()
+
+
+def _requests():
+    return [parse_line(json.dumps({"id": f"p{i}", "prompt": p}), i + 1, max_tokens=N_TOKENS,
+                       sampling=SamplingParams(), stop=()) for i, p in enumerate(PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def single_process_texts():
+    """id -> greedy text of the local runner (batches of 4 in this process)."""
+    from streamattn.models.generate import Generator
+    from streamattn.scale.batch import ModelOptions, complete
+    from streamattn.threads import threads
+    _, tf, tok = load(smollm2_path())
+    reqs = _requests()
+    with threads(1):
+        res = [x for i in range(0, 16, 4) for x in complete(Generator(tf, tok), reqs[i:i + 4], ModelOptions())]
+    return {r["record"]["id"]: r["record"]["text"] for r in res}
+
+
+def _run(tmp_path, **kw):
+    from streamattn.scale.batch import ModelOptions
+    from streamattn.scale.ray_batch import run_ray
+    path = tmp_path / "out.jsonl"
+    with OutputFile(path) as out:
+        errors = run_ray(_requests(), out, ModelOptions(model=smollm2_path()), actors=2, cpus_per_actor=1,
+                         batch_size=4, **kw)
+    assert errors == []
+    return [json.loads(s) for s in path.read_text().splitlines()]
+
+
+@need_smollm2
+def test_two_actors_give_the_single_process_texts(ray_cluster, single_process_texts, tmp_path):
+    recs = _run(tmp_path)
+    assert sorted(r["id"] for r in recs) == sorted(single_process_texts)
+    assert {r["id"]: r["text"] for r in recs} == single_process_texts
+    assert all(r["completion_tokens"] == N_TOKENS and r["finish_reason"] == "length" for r in recs)
+
+
+@need_smollm2
+def test_killed_actor_loses_no_line_and_writes_none_twice(ray_cluster, single_process_texts, tmp_path):
+    from ray.util.queue import Queue
+    announced = Queue()
+    killed = []
+
+    def on_result(res):                      # the first record is in: kill an actor while the rest run
+        if not killed:
+            victim = announced.get(timeout=60)
+            ray_cluster.kill(victim, no_restart=False)
+            killed.append(victim)
+
+    recs = _run(tmp_path, announce=announced, on_result=on_result)
+    assert killed
+    assert len(recs) == 16 and sorted(r["id"] for r in recs) == sorted(single_process_texts)
+    assert {r["id"]: r["text"] for r in recs} == single_process_texts
+    restarted = announced.qsize()            # the other actor's handle, plus the killed one's restart
+    assert restarted >= 2, f"only {restarted} actor start(s) after the kill: was the actor restarted?"
