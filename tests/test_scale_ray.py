@@ -3,12 +3,15 @@ actor loses no line and duplicates none. Ray starts once for this file and is sh
 cannot start, the tests fail with Ray's reason."""
 
 import json
+from dataclasses import asdict as dataclasses_asdict
 
 import pytest
 
 from _model_util import load, need_smollm2, smollm2_path
 from streamattn.models.sampling import SamplingParams
 from streamattn.scale.jobs import OutputFile, parse_line
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
 
 N_TOKENS = 4
 PROMPTS = [f"{s} {i}" for i, s in enumerate(["The capital of France is", "My favourite fruit is",
@@ -81,3 +84,61 @@ def test_killed_actor_loses_no_line_and_writes_none_twice(ray_cluster, single_pr
     assert {r["id"]: r["text"] for r in recs} == single_process_texts
     restarted = announced.qsize()            # the other actor's handle, plus the killed one's restart
     assert restarted >= 2, f"only {restarted} actor start(s) after the kill: was the actor restarted?"
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@need_smollm2
+def test_serve_two_replicas_answer_the_openai_client(ray_cluster):
+    serve_pkg = pytest.importorskip("streamattn.serve", reason="the server of issue 14 is not on this branch yet")
+    import openai
+    from ray import serve
+    from streamattn.models.generate import Generator
+    from streamattn.scale import ray_serve
+    cfg = serve_pkg.ServeConfig(model=smollm2_path(), port=_free_port(), parallel=2, max_queue=8)
+    ray_serve.run(cfg, replicas=2, cpus_per_replica=1, blocking=False)
+    try:
+        states = serve.status().applications["streamattn"].deployments["streamattn"].replica_states
+        assert states.get("RUNNING") == 2, states
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key="none", max_retries=0,
+                               timeout=120)
+        model = client.models.list().data[0].id
+        _, tf, tok = load(smollm2_path())
+        prompt = "The capital of France is"
+        want = Generator(tf, tok).generate(prompt, max_tokens=N_TOKENS)
+        texts = [client.completions.create(model=model, prompt=prompt, max_tokens=N_TOKENS,
+                                           temperature=0).choices[0].text for _ in range(3)]
+        assert texts == [want] * 3
+        chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=N_TOKENS, temperature=0,
+                                                stream=True))
+        assert len(chunks) >= 2 and "".join(c.choices[0].text for c in chunks if c.choices) == want
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        want_chat = Generator(tf, tok).generate("What is the capital of France?", chat=True, max_tokens=N_TOKENS)
+        chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=N_TOKENS, temperature=0)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=N_TOKENS, temperature=0, stream=True) if c.choices)
+        assert chat.choices[0].message.content == streamed == want_chat
+    finally:
+        ray_serve.shutdown()
+
+
+def test_serve_run_builder_sizes_the_deployment_from_the_config():
+    serve_pkg = pytest.importorskip("streamattn.serve", reason="the server of issue 14 is not on this branch yet")
+    from streamattn.scale.ray_serve import app_builder
+    app = app_builder({"model": "smollm2-135m", "parallel": "3", "window": "none", "threads": "2",
+                       "min_replicas": "1", "max_replicas": "4"})
+    d = app._bound_deployment
+    assert d.max_ongoing_requests == 3 and d.ray_actor_options["num_cpus"] == 2.0
+    auto = d._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 4, 3)
+    assert app._bound_deployment.init_args[0] == dataclasses_asdict(serve_pkg.ServeConfig(
+        model="smollm2-135m", parallel=3, threads=2))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['paralel'\]"):
+        app_builder({"paralel": "3"})
+    with pytest.raises(ValueError, match="parallel must be an integer >= 1"):
+        app_builder({"parallel": "0"})
