@@ -95,8 +95,8 @@ def _free_port() -> int:
 
 @need_smollm2
 def test_serve_two_replicas_answer_the_openai_client(ray_cluster):
-    serve_pkg = pytest.importorskip("streamattn.serve", reason="the server of issue 14 is not on this branch yet")
     import openai
+    from streamattn import serve as serve_pkg
     from ray import serve
     from streamattn.models.generate import Generator
     from streamattn.scale import ray_serve
@@ -128,7 +128,7 @@ def test_serve_two_replicas_answer_the_openai_client(ray_cluster):
 
 
 def test_serve_run_builder_sizes_the_deployment_from_the_config():
-    serve_pkg = pytest.importorskip("streamattn.serve", reason="the server of issue 14 is not on this branch yet")
+    from streamattn import serve as serve_pkg
     from streamattn.scale.ray_serve import app_builder
     app = app_builder({"model": "smollm2-135m", "parallel": "3", "window": "none", "threads": "2",
                        "min_replicas": "1", "max_replicas": "4"})
@@ -142,3 +142,11 @@ def test_serve_run_builder_sizes_the_deployment_from_the_config():
         app_builder({"paralel": "3"})
     with pytest.raises(ValueError, match="parallel must be an integer >= 1"):
         app_builder({"parallel": "0"})
+
+
+def test_serve_cli_rejects_a_bad_autoscale(capsys):
+    from streamattn.cli import main
+    assert main(["serve", "--ray", "--autoscale", "4"]) == 2             # checked before Ray starts
+    assert "--autoscale must be MIN:MAX, e.g. 1:4 (got '4')" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--autoscale", "3:1"]) == 2
+    assert "autoscale must be (min, max) with 1 <= min <= max (got (3, 1))" in capsys.readouterr().err

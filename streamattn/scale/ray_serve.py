@@ -64,6 +64,24 @@ def _wait_ready(app, path: str = "/health", timeout_s: float = 900.0):
     return app
 
 
+def _sizing(config, replicas, autoscale, cpus_per_replica):
+    """(Serve scaling kwargs, CPUs per replica), checked (before anything starts)."""
+    if autoscale is not None:
+        lo, hi = autoscale
+        if not (1 <= lo <= hi):
+            raise ValueError(f"autoscale must be (min, max) with 1 <= min <= max (got {autoscale})")
+        scale = dict(autoscaling_config=dict(min_replicas=lo, max_replicas=hi,
+                                             target_ongoing_requests=config.parallel))
+    else:
+        if not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be an integer >= 1 (got {replicas!r})")
+        scale = dict(num_replicas=replicas)
+    cpus = float(config.threads if cpus_per_replica is None else cpus_per_replica)
+    if cpus <= 0:
+        raise ValueError(f"cpus_per_replica must be > 0 (got {cpus_per_replica})")
+    return scale, cpus
+
+
 def deployment(config, *, replicas: int | None = 1, autoscale: tuple | None = None,
                cpus_per_replica: float | None = None, app_path: str = DEFAULT_APP):
     """A bound Ray Serve application serving ``app_path(config)`` on each replica.
@@ -87,21 +105,8 @@ def deployment(config, *, replicas: int | None = 1, autoscale: tuple | None = No
     ray.serve.Application
         Pass to ``serve.run(app, route_prefix="/")``.
     """
+    scale, cpus = _sizing(config, replicas, autoscale, cpus_per_replica)
     from ray import serve
-
-    if autoscale is not None:
-        lo, hi = autoscale
-        if not (1 <= lo <= hi):
-            raise ValueError(f"autoscale must be (min, max) with 1 <= min <= max (got {autoscale})")
-        scale = dict(autoscaling_config=dict(min_replicas=lo, max_replicas=hi,
-                                             target_ongoing_requests=config.parallel))
-    else:
-        if not isinstance(replicas, int) or replicas < 1:
-            raise ValueError(f"replicas must be an integer >= 1 (got {replicas!r})")
-        scale = dict(num_replicas=replicas)
-    cpus = float(config.threads if cpus_per_replica is None else cpus_per_replica)
-    if cpus <= 0:
-        raise ValueError(f"cpus_per_replica must be > 0 (got {cpus_per_replica})")
     fields = dataclasses.asdict(config)
     config_cls = type(config)
 
@@ -130,6 +135,7 @@ def run(config, *, replicas: int | None = 1, autoscale: tuple | None = None, cpu
     replica is running (the caller calls :func:`shutdown`).
     """
     from streamattn.scale.ray_batch import _ray_up, init_ray
+    _sizing(config, replicas, autoscale, cpus_per_replica)
     was_up = _ray_up()
     init_ray(address)
     from ray import serve
