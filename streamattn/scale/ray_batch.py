@@ -78,6 +78,8 @@ class BatchPredictor:
 
     def __call__(self, batch: dict) -> dict:
         """``{"request": [n] JSON strings}`` -> ``{"result": [n] JSON strings}`` (see ``complete``)."""
+        from streamattn.threads import set_threads
+        set_threads(self.opts.threads)      # Numba's count is per thread; Ray may call from another thread
         reqs = [Request.from_json(str(s)) for s in batch["request"]]
         results = complete(self.gen, reqs, self.opts)
         return {"result": np.array([json.dumps(r) for r in results], dtype=object)}
@@ -119,7 +121,8 @@ def run_ray(requests: list, out: OutputFile, opts: ModelOptions, *, actors: int 
         ds = ray.data.from_items([{"request": r.to_json()} for r in requests],
                                  override_num_blocks=math.ceil(len(requests) / batch_size))
         ds = ds.map_batches(BatchPredictor, fn_constructor_kwargs=dict(options=asdict(opts), announce=announce),
-                            batch_size=batch_size, concurrency=actors, num_cpus=cpus_per_actor,
+                            batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=actors),
+                            num_cpus=cpus_per_actor,
                             batch_format="numpy")
         for row in ds.iter_rows():
             _take(json.loads(row["result"]), out, progress, errors, on_result)

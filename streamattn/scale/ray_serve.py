@@ -10,7 +10,8 @@ Sizing, tied to the engine:
 ``max_ongoing_requests``    ``parallel``: a replica takes only as many requests as it decodes at once;
                             the rest wait in Serve's router, which sends each to the replica with
                             the fewest (power of two choices), instead of one engine's queue
-``max_queued_requests``     ``max_queue``: past it Serve answers 503 (the plain server answers 429)
+``max_queued_requests``     ``max_queue``: past it Serve answers 503 with Retry-After (the plain
+                            server answers 429)
 ``num_cpus`` per replica    ``threads`` unless given: the engine's matmul/attention threads
 autoscaling                 between ``min_replicas`` and ``max_replicas`` with ``target_ongoing_requests
                             = parallel``: a new replica starts when requests queue at full batches
@@ -18,7 +19,10 @@ autoscaling                 between ``min_replicas`` and ``max_replicas`` with `
 
 Started by ``streamattn serve --ray --replicas N`` (or ``--autoscale MIN:MAX``), or with Serve's CLI::
 
-    serve run streamattn.scale.ray_serve:app_builder model=smollm2-135m parallel=4 replicas=2 port=8000
+    serve run streamattn.scale.ray_serve:app_builder model=smollm2-135m parallel=4 replicas=2
+
+(there Serve's own HTTP options choose the port, 8000 by default; ``host``/``port`` of the config apply to
+``streamattn serve --ray``, which starts Serve's proxy on them).
 
 Readiness: the app loads its model in a thread after startup and answers 503 on ``/health`` until then.
 The replica's lifespan here waits for ``/health`` to answer 200 before Serve counts the replica as
