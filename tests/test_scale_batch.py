@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from _model_util import load, need_smollm2, single_thread, smollm2_path  # noqa: F401 - fixture
+from _model_util import load, need_smollm2, smollm2_path
 from streamattn.models.sampling import SamplingParams
 from streamattn.scale.jobs import BadLine, OutputFile, Request, parse_line, read_requests
 
@@ -66,7 +66,7 @@ PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time, in a land 
 
 
 @need_smollm2
-def test_cli_batch_local_resume_and_bad_lines(tmp_path, capsys, single_thread):
+def test_cli_batch_local_resume_and_bad_lines(tmp_path, capsys, one_thread):
     from streamattn.cli import main
     from streamattn.models.generate import Generator
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
