@@ -219,6 +219,8 @@ register("bench", "attention throughput vs the read ceiling probed in the same r
 register("stream", "stream >= 1M tokens through window caches: latency, RSS, oracle checks",
          *_module_command("bench.stream"))
 register("serve", "OpenAI-compatible HTTP server with continuous batching", *_module_command("serve.main"))
+register("batch", "generate completions for a JSON-lines file of prompts (resumable; --ray for Ray Data)",
+         *_module_command("scale.batch"))
 
 
 def build_parser() -> argparse.ArgumentParser:
