@@ -2,7 +2,7 @@
 
     bash scripts/install_llamacpp_peer.sh                  # once: llama.cpp into ./.peer/llamacpp
     PYTHONPATH=. python benchmarks/peer_llamacpp.py        # defaults: both models, 1 and 2 threads, 3 repeats
-    PYTHONPATH=. python benchmarks/peer_llamacpp.py --ours-args "--prefill-chunk 512 --weights q"
+    PYTHONPATH=. python benchmarks/peer_llamacpp.py --ours-args "--prefill-chunk 512 --weights f32"
 
 Both engines get the same GGUF file, the same prompt text (benchmarks/data/prompt_rome.txt, ~700 tokens),
 greedy decoding of exactly ``--tokens`` new tokens (ours: ``generate --ignore-eos``; llama.cpp: the
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per run (exactly: EOS ignored)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine/model/threads (medians)")
     ap.add_argument("--ours-args", default="--prefill-chunk 512",
-                    help="extra arguments for `streamattn generate` (e.g. \"--prefill-chunk 512 --weights q\")")
+                    help="extra arguments for `streamattn generate` (e.g. \"--prefill-chunk 512 --weights f32\")")
     ap.add_argument("--peer-dir", type=Path, default=ROOT / ".peer" / "llamacpp",
                     help="where scripts/install_llamacpp_peer.sh put node-llama-cpp")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run before it is killed")
