@@ -217,7 +217,7 @@ register("stream", "stream >= 1M tokens through window caches: latency, RSS, ora
          *_module_command("bench.stream"))
 register("serve", "OpenAI-compatible HTTP server with continuous batching", *_module_command("serve.main"))
 register("batch", "generate completions for a JSON-lines file of prompts (resumable; --ray for Ray Data)",
-         *_module_command("scale.batch"))
+         *_module_command("scale.main"))
 
 
 def build_parser() -> argparse.ArgumentParser:
