@@ -78,7 +78,7 @@ def test_cli_batch_local_resume_and_bad_lines(tmp_path, capsys, one_thread):
     assert main(argv + ["--on-error", "skip"]) == 1                     # reported, skipped, the rest written
     assert "line 3: prompt must be a non-empty string" in capsys.readouterr().err
     recs = [json.loads(s) for s in out.read_text().splitlines()]
-    _, tf, tok = load(smollm2_path())
+    _, tf, tok = load(smollm2_path(), weights="quant")                 # the CLI's default weights
     g = Generator(tf, tok)
     for r, p in zip(recs, PROMPTS):                                     # batched == each prompt alone
         evs = list(g.stream(p, max_tokens=4))

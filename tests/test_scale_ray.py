@@ -40,7 +40,7 @@ def single_process_texts():
     from streamattn.models.generate import Generator
     from streamattn.scale.batch import ModelOptions, complete
     from streamattn.threads import threads
-    _, tf, tok = load(smollm2_path())
+    _, tf, tok = load(smollm2_path(), weights="quant")          # what the runners load
     reqs = _requests()
     with threads(1):
         res = [x for i in range(0, 16, 4) for x in complete(Generator(tf, tok), reqs[i:i + 4], ModelOptions())]
@@ -108,7 +108,7 @@ def test_serve_two_replicas_answer_the_openai_client(ray_cluster):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key="none", max_retries=0,
                                timeout=120)
         model = client.models.list().data[0].id
-        _, tf, tok = load(smollm2_path())
+        _, tf, tok = load(smollm2_path(), weights="quant")          # what the runners load
         prompt = "The capital of France is"
         want = Generator(tf, tok).generate(prompt, max_tokens=N_TOKENS)
         texts = [client.completions.create(model=model, prompt=prompt, max_tokens=N_TOKENS,

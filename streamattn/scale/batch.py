@@ -1,7 +1,12 @@
 """Offline generation of a list of requests in this process: ``ModelOptions``, ``complete``, ``run_local``.
 
-The ``streamattn batch`` command (streamattn/scale/main.py) runs these, or their Ray Data twin
-(streamattn/scale/ray_batch.py) with ``--ray``. File formats: :mod:`streamattn.scale.jobs`. Lines are decoded as ragged batches of up to ``--batch-size``
+The ``streamattn batch`` command (streamattn/scale/command.py) runs these, or their Ray Data twin
+(streamattn/scale/ray_batch.py) with ``--ray``:
+
+    streamattn batch prompts.jsonl -o out.jsonl [--model M] [-n 64] [--temperature T] [--batch-size 8]
+    streamattn batch prompts.jsonl -o out.jsonl --ray --actors 2 --cpus-per-actor 1
+
+File formats: :mod:`streamattn.scale.jobs`. Lines are decoded as ragged batches of up to ``--batch-size``
 prompts (``Generator.stream_batch``). Lines share a batch only when they share their sampling settings,
 and a seeded line that samples (temperature > 0) runs alone, because a batch draws from one seeded stream:
 so a line's text does not depend on which other lines share its batch, and the local and Ray runs agree.

@@ -1,10 +1,6 @@
-"""``streamattn batch``: offline generation of a JSON-lines file, in this process or on Ray (``--ray``).
+"""``streamattn batch``: the command line over the local runner (batch.py) and the Ray runner (ray_batch.py).
 
-    streamattn batch prompts.jsonl -o out.jsonl [--model M] [-n 64] [--temperature T] [--batch-size 8]
-    streamattn batch prompts.jsonl -o out.jsonl --ray --actors 2 --cpus-per-actor 1
-
-File formats: :mod:`streamattn.scale.jobs`; the runners: :mod:`streamattn.scale.batch` (one process) and
-:mod:`streamattn.scale.ray_batch` (Ray Data).
+Its own module so that batch.py and ray_batch.py import in one direction only (ray_batch builds on batch).
 """
 
 from __future__ import annotations
@@ -76,7 +72,7 @@ def run_args(args) -> int:
                   + (f", {len(got.bad)} bad line(s) skipped" if got.bad else ""), file=sys.stderr)
         progress = Progress(len(got.requests), quiet=args.quiet)
         if args.ray:
-            from streamattn.scale.ray_batch import run_ray
+            from streamattn.scale.ray_batch import run_ray  # only with --ray: imports nothing of Ray until used
             errors = run_ray(got.requests, out, opts, actors=args.actors, cpus_per_actor=args.cpus_per_actor,
                              batch_size=args.batch_size, progress=progress, address=args.ray_address,
                              stop_on_error=args.on_error == "stop")
@@ -90,4 +86,3 @@ def run_args(args) -> int:
     if not args.quiet:
         print(f"streamattn batch: {progress.line()}; wrote {args.output}", file=sys.stderr)
     return 1 if (got.bad or errors) else 0
-
