@@ -101,7 +101,7 @@ def _model_args(p):
 def _load(args):
     """(Generator, Transformer, Tokenizer) for the CLI arguments, with loading progress on stderr."""
     from streamattn.models.generate import Generator
-    from streamattn.models.loader import load_gguf
+    from streamattn.models.loader import ModelFileError, load_gguf
     from streamattn.models.hub import resolve_model
     from streamattn.models.transformer import Transformer
     from streamattn.models.tokenizer import Tokenizer
@@ -117,7 +117,14 @@ def _load(args):
             print(f"\rloading {path.name}: {done}/{total} tensors", end="\n" if done == total else "",
                   file=sys.stderr, flush=True)
 
-    m = load_gguf(path, progress=progress)
+    try:
+        m = load_gguf(path, progress=progress)
+    except ModelFileError as e:
+        from streamattn.models.hub import DEFAULT_MODEL, MODELS
+        name = args.model or DEFAULT_MODEL
+        if name not in MODELS:
+            raise
+        raise ModelFileError(f"{e}; `streamattn pull {name}` checks the cached copy and fetches it again") from e
     tf = Transformer(m)
     if args.backend == "gpu":
         import cupy
