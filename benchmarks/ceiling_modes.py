@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/ceiling_modes.py [--seconds 300] [--threads 2] [--out out/ceiling_modes]
 
-The ceiling probe on these hosts is bimodal (DESIGN.md §6: ~40 or ~70 GB/s, switching every few seconds
+The ceiling probe on these hosts is bimodal (docs/PERF.md: ~40 or ~70 GB/s, switching every few seconds
 to minutes), and one benchmark point lands in whichever mode the host is in. Here the points take turns
 for --seconds: each turn is a short timing (median of --calls calls) between two one-pass probes, and
 is filed under the higher of the two. Turns are then split into modes at the widest gap between sorted
@@ -21,14 +21,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from streamattn.bench import report as benchreport, sweep as bench
+from streamattn.bench import report as benchreport, suites, sweep as bench
 from streamattn.bench.ceiling import Ceiling
 
-POINTS = [bench.Point(impl="cpu", L=bench.K16, q_heads=hq, kv_heads=8, head_dim=64, dtype=dt)
+POINTS = [suites.Point(impl="cpu", L=suites.K16, q_heads=hq, kv_heads=8, head_dim=64, dtype=dt)
           for hq in (8, 32) for dt in ("float32", "float16")]
 
 
-def _key(p: bench.Point) -> str:
+def _key(p: suites.Point) -> str:
     return f"{p.q_heads}/{p.kv_heads} {p.dtype}"
 
 

@@ -23,13 +23,13 @@ import time
 
 import numpy as np
 
-from streamattn.bench import report as benchreport, sweep as bench
+from streamattn.bench import report as benchreport, suites, sweep as bench
 from streamattn.models.loader import load_gguf
 from streamattn.models.hub import resolve_model
 from streamattn.models.transformer import Transformer
 from streamattn.threads import set_threads
 
-SINKS = bench.SINKS
+SINKS = suites.SINKS
 
 
 def cache_kwargs(cache: str, window: int) -> dict:

@@ -71,7 +71,7 @@ template <int KIND> __device__ __forceinline__ uint4 sa_load16(const void* base,
 // then [lo, lo + n - n_sink) (the window, or everything for causal). For a chunk whose first query
 // sits at first_q, this is the union over the chunk; per-query masks trim it (sa_visible).
 // In window mode all these positions sit in distinct ring slots, because the ring holds
-// slots - sinks >= window + chunk - 1 positions (the C - 1 slack of DESIGN.md §2).
+// slots - sinks >= window + chunk - 1 positions (the C - 1 slack of docs/DESIGN.md §3).
 struct SaKeys { int n_sink; int lo; int n; };
 
 __device__ __forceinline__ SaKeys sa_keys(int length, int first_q, int window, int sinks) {
@@ -96,7 +96,7 @@ __device__ __forceinline__ int sa_slot(int pos, int window, int sinks, int slots
     return sinks + (pos - sinks) % (slots - sinks);
 }
 
-// May the query at position qpos see the key at position pos? (DESIGN.md §1 table.)
+// May the query at position qpos see the key at position pos? (docs/DESIGN.md §1 table.)
 __device__ __forceinline__ bool sa_visible(int pos, int qpos, int window, int sinks) {
     return pos <= qpos && (window == 0 || pos < sinks || pos > qpos - window);
 }

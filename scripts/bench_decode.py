@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/bench_decode.py [--tokens 256] [--repeats 3] [--model PATH]
 
 Greedy decode of N new tokens after a short prompt (EOS ignored, so every run decodes N tokens), with
-dequantized float32 weights. The read-bandwidth ceiling is probed right beside each run (DESIGN.md §6).
+dequantized float32 weights. The read-bandwidth ceiling is probed right beside each run (docs/PERF.md).
 The breakdown replays one decode step's parts at the final cache length: all weight matmuls (incl. the
 tied lm_head), all layers' attention calls, the sampler; the rest of the measured step is Python and
 elementwise work (norms, RoPE, activations, reshapes).

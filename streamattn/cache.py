@@ -27,76 +27,22 @@ Every mutation validates first and writes second: a rejected call leaves the cac
 
 What a window ring still holds: ``held_from[b]``. A write at position j destroys position j - R (R = slots - n_s),
 so after appends alone the ring holds the last R positions, ``max(n_s, L - R) .. L - 1``. A rewind
-(streamattn.state) lowers L but cannot bring back what the dropped tokens overwrote, so the cache records the
+(``truncate``, called by streamattn.state.rewind) lowers L but cannot bring back what the dropped tokens overwrote, so the cache records the
 oldest ring position it still holds for each sequence; ``answerable()`` and ``state.rewind`` derive from it
 which queries can still be attended exactly. Slots that hold no current position are zero.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from .arrays import check_sequence_index, to_host
 from .spec import CacheSpec
+from .storage import ring_slots, slot_positions, storage_zeros, to_storage, widen_bf16
 
 _INITIAL_CAUSAL_SLOTS = 256
-STORAGE_ALIGN = 64  # bytes: one cache line, one AVX-512 vector
-
-
-def storage_zeros(xp, shape, dtype):
-    """Zeroed K or V storage whose data starts on a STORAGE_ALIGN-byte boundary.
-
-    numpy's large arrays start 16 bytes past a line (malloc's chunk header), so every 64-byte vector
-    load of a row touched two cache lines. Aligned storage read faster from memory: CPU decode, MHA 8/8
-    float32 at 16k keys, 89.9 -> 94.7% of the read ceiling (median of 289 alternated timings, fast host
-    mode); GQA unchanged. CuPy's allocations are 256-byte aligned already.
-    """
-    if xp is not np:
-        return xp.zeros(shape, dtype=dtype)
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.zeros(nbytes + STORAGE_ALIGN, np.uint8)
-    start = -raw.ctypes.data % STORAGE_ALIGN
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
-def ring_slots(positions, *, sinks: int, ring: int):
-    """Slots of absolute ``positions`` (any int array) in a cache with ``sinks`` fixed and ``ring`` rotating slots.
-
-    Causal caches are the case ``sinks=0, ring=capacity`` (then slot == position).
-
-    >>> ring_slots(np.arange(8), sinks=2, ring=3).tolist()
-    [0, 1, 2, 3, 4, 2, 3, 4]
-    """
-    positions = np.asarray(positions)
-    return np.where(positions < sinks, positions, sinks + (positions - sinks) % ring)
-
-
-def slot_positions(length: int, *, slots: int, sinks: int):
-    """Absolute position held by each slot after ``length`` tokens, or -1 for a slot never written.
-
-    >>> slot_positions(7, slots=5, sinks=2).tolist()   # ring of 3 holds positions 4, 5, 6
-    [0, 1, 5, 6, 4]
-    """
-    s = np.arange(slots)
-    ring = slots - sinks
-    pos = np.where(s < sinks, s, (length - 1) - ((length - 1 - s) % ring))
-    return np.where((pos >= 0) & (pos < length) & ((s < sinks) | (pos >= sinks)), pos, -1)
-
-
-def widen_bf16(bits, xp=np):
-    """bfloat16 raw bits (uint16) -> float32: a 16-bit shift."""
-    return (bits.astype(xp.uint32) << 16).view(xp.float32)
-
-
-def to_storage(x, dtype: str, xp):
-    """Cast a float array to the spec's storage (bf16: round-to-nearest-even raw bits)."""
-    if dtype == "bfloat16":
-        if x.dtype.name == "bfloat16":  # ml_dtypes input: already bf16
-            return x.view(xp.uint16)
-        bits = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
-        rounding = ((bits >> 16) & 1) + 0x7FFF
-        return ((bits + rounding) >> 16).astype(xp.uint16)
-    return x.astype(dtype, copy=False)
 
 
 class KVCache:
@@ -291,15 +237,14 @@ class KVCache:
             self.last_counts[:] = 0
             self.held_from[:] = self.spec.sinks
             return
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < self.spec.batch:
-            raise ValueError(f"b must be a sequence index in 0..{self.spec.batch - 1} (got {b!r})")
+        b = check_sequence_index("b", b, self.spec.batch)
         self.k[b] = 0
         self.v[b] = 0
         self.lengths[b] = 0
         self.last_counts[b] = 0
         self.held_from[b] = self.spec.sinks
 
-    # -- state (streamattn.state does the work) ---------------------------------------------------
+    # -- what can be attended -------------------------------------------------------------------
     def answerable(self):
         """int64 [batch]: how many of its newest tokens each sequence can attend exactly now (``attend``'s
         ``counts`` may not exceed it). Query i needs ring keys from ``i - n_c + 1``; the ring holds them from
@@ -311,31 +256,114 @@ class KVCache:
         limit = self.lengths - self.held_from - self.spec.window + 1
         return np.where(wrapped, np.clip(limit, 0, self.lengths), self.lengths)
 
-    def rewind(self, b: int, k: int) -> None:
-        """Drop the last ``k`` tokens of sequence ``b``; see :func:`streamattn.state.rewind` for when a
-        window cache allows it."""
-        from . import state
-        state.rewind(self, b, k)
+    # -- whole-state and one-sequence operations (streamattn.state, .snapshot and the benchmarks use these) --
+    def export_state(self, rows: slice = slice(None)) -> dict:
+        """Host copies of the state of sequences ``rows``: what a snapshot stores.
 
-    def fork(self, src: int, dst: int, *, into: "KVCache | None" = None) -> None:
-        """Copy sequence ``src`` into sequence ``dst`` of this cache (or of ``into``); see
-        :func:`streamattn.state.fork`."""
-        from . import state
-        state.fork(self, src, dst, into=into)
-
-    def save(self, path) -> None:
-        """Snapshot this cache to ``path`` atomically; see :func:`streamattn.state.save`."""
-        from . import state
-        state.save(path, self)
+        Returns
+        -------
+        dict with
+            k, v : [n, kv_heads, U, head_dim] storage dtype, slots 0 .. U-1 with U = min(slots, max length)
+                (every slot at or past U is zero)
+            lengths, last_counts, held_from : int64 [n]
+        """
+        lengths = self.lengths[rows]
+        used = min(self.slots, int(lengths.max()) if lengths.size else 0)
+        return {"k": to_host(self.k[rows, :, :used]), "v": to_host(self.v[rows, :, :used]),
+                "lengths": lengths.copy(), "last_counts": self.last_counts[rows].copy(),
+                "held_from": self.held_from[rows].copy()}
 
     @classmethod
-    def load(cls, path, *, spec: CacheSpec | None = None, device: str = "cpu") -> "KVCache":
-        """A new cache from a snapshot file; see :func:`streamattn.state.load`."""
-        from . import state
-        cache = state.load(path, spec=spec, device=device)
-        if not isinstance(cache, cls):
-            raise ValueError(f"{path}: holds {len(cache)} layers; use streamattn.state.load for a list")
+    def from_state(cls, spec: CacheSpec, state: dict, *, slots: int, device: str = "cpu") -> "KVCache":
+        """A new cache of ``slots`` slots holding ``state`` (as :meth:`export_state` gives it for all rows).
+
+        The caller vouches that the counters fit the spec (streamattn.snapshot checks a file's before).
+        """
+        shape = (spec.batch, spec.kv_heads, slots, spec.head_dim)
+        for n in ("k", "v"):
+            a = state[n]
+            if a.dtype != spec.storage_dtype or a.shape[:2] + a.shape[3:] != shape[:2] + shape[3:] \
+                    or a.shape[2] > slots:
+                raise ValueError(f"state[{n!r}] must be {spec.storage_dtype} [{spec.batch}, {spec.kv_heads}, "
+                                 f"<={slots}, {spec.head_dim}] (got {a.dtype} {tuple(a.shape)})")
+        cache = cls(spec, device=device)
+        for n in ("k", "v"):
+            store = storage_zeros(cache.xp, shape, spec.storage_dtype)
+            store[:, :, :state[n].shape[2]] = cache.xp.asarray(state[n])
+            setattr(cache, n, store)
+        cache.lengths, cache.last_counts, cache.held_from = (
+            np.array(state[n], dtype=np.int64) for n in ("lengths", "last_counts", "held_from"))
         return cache
+
+    def take_state(self, other: "KVCache") -> None:
+        """Make this cache hold ``other``'s state (same spec, ``check_finite`` aside; same device).
+
+        Only reference swaps, so it cannot fail halfway: restoring many layers builds every new state
+        first (:meth:`from_state`) and then takes them all. ``other`` must not be used afterwards.
+        """
+        if other.device != self.device or dataclasses.replace(other.spec, check_finite=self.spec.check_finite) \
+                != self.spec:
+            raise ValueError(f"take_state needs a cache with the same spec and device "
+                             f"(got {other.spec} on {other.device}, this is {self.spec} on {self.device})")
+        self.k, self.v = other.k, other.v
+        self.lengths, self.last_counts, self.held_from = other.lengths, other.last_counts, other.held_from
+
+    def write_sequence(self, b: int, k, v, *, length: int, last_count: int = 0, held_from: int | None = None) -> None:
+        """Make sequence ``b`` hold ``k``, ``v`` in slots 0..n-1 (zeros after) and these counters.
+
+        Parameters
+        ----------
+        k, v : [kv_heads, n, head_dim] in the storage dtype, host or this cache's device; slot order
+            (as another cache with this spec stores them), n <= min(capacity, length)
+        length, last_count : tokens seen and queries of the last append (0 <= last_count <= length)
+        held_from : oldest ring position still held; default ``max(n_s, length - R)`` (appends alone) for a
+            window cache, 0 for a causal one
+
+        A causal cache grows first when n exceeds its slots (keeping every row), so a later failure
+        changes nothing. Raises ValueError before writing anything.
+        """
+        b = check_sequence_index("b", b, self.spec.batch)
+        s = self.spec
+        want = (s.kv_heads, s.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != 3 or (x.shape[0], x.shape[2]) != want or x.dtype != s.storage_dtype:
+                raise ValueError(f"{name} must be {s.storage_dtype} [{s.kv_heads}, n, {s.head_dim}] "
+                                 f"(got {x.dtype} {tuple(x.shape)})")
+        n = k.shape[1]
+        cap = self.slots if s.window is not None else (s.max_len or max(n, length))
+        if v.shape != k.shape or not 0 <= last_count <= length or n > min(cap, length):
+            raise ValueError(f"write_sequence: k {tuple(k.shape)} / v {tuple(v.shape)}, length={length}, "
+                             f"last_count={last_count} are inconsistent (n <= min(slots={cap}, length))")
+        if held_from is None:
+            held_from = max(s.sinks, length - (cap - s.sinks)) if s.window is not None else 0
+        if n > self.slots:
+            self.reserve(n)
+        self.k[b] = 0
+        self.v[b] = 0
+        self.k[b][:, :n] = self.xp.asarray(k)
+        self.v[b][:, :n] = self.xp.asarray(v)
+        self.lengths[b], self.last_counts[b], self.held_from[b] = length, last_count, held_from
+
+    def truncate(self, b: int, k: int) -> None:
+        """Drop the last ``k`` tokens of sequence ``b`` without asking whether that is exact: zero their
+        slots, ``last_counts[b] = 0``, lower ``held_from[b]`` to at most the new length.
+        :func:`streamattn.state.rewind` checks the rule first; tests call this to show the check is needed."""
+        b = check_sequence_index("b", b, self.spec.batch)
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= self.lengths[b]:
+            raise ValueError(f"k must be an integer in 0..lengths[{b}]={int(self.lengths[b])} (got {k!r})")
+        if k == 0:
+            return
+        n_s, L = self.spec.sinks, int(self.lengths[b])
+        Lp = L - int(k)
+        # dropped positions still in a slot: sinks Lp..n_s-1, and ring positions >= L - R (older are gone)
+        pos = np.concatenate([np.arange(Lp, min(L, n_s)), np.arange(max(Lp, n_s, L - self.ring), L)])
+        idx = self.xp.asarray(self.slots_of(pos))
+        self.k[b][:, idx] = 0
+        self.v[b][:, idx] = 0
+        self.lengths[b] = Lp
+        self.last_counts[b] = 0
+        if self.spec.window is not None:
+            self.held_from[b] = max(n_s, min(int(self.held_from[b]), Lp))
 
     # -- inspection -----------------------------------------------------------------------------
     def temporal_view(self, b: int):
@@ -353,7 +381,6 @@ class KVCache:
         order = order[(p >= 0) & ((p < self.spec.sinks) | (p >= self.held_from[b]))]  # lost to a rewind: not held
         out = []
         for store in (self.k, self.v):
-            rows = store[b][:, self.xp.asarray(order)]  # [kv_heads, n, head_dim]
-            rows = rows.get() if self.device == "gpu" else rows
+            rows = to_host(store[b][:, self.xp.asarray(order)], copy=False)  # [kv_heads, n, head_dim]
             out.append(widen_bf16(rows) if self.spec.dtype == "bfloat16" else rows.astype(np.float32))
         return out[0], out[1], pos[order].astype(np.int64)

@@ -289,6 +289,7 @@ def _module_command(module: str):
 register("bench", "attention throughput vs the read ceiling probed in the same run", *_module_command("bench.sweep"))
 register("stream", "stream >= 1M tokens through window caches: latency, RSS, oracle checks",
          *_module_command("bench.stream"))
+register("serve", "OpenAI-compatible HTTP server with continuous batching", *_module_command("serve.main"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arrays import check_sequence_index, to_host
 from .cache import KVCache
 from .reference import visible
 
@@ -64,14 +65,12 @@ def inspect_attention(q, cache: KVCache, *, b: int = 0, scale: float | None = No
     ([0, 2, 3], [[0.333]])
     """
     spec = cache.spec
-    if not 0 <= b < spec.batch:
-        raise ValueError(f"b must be a sequence index in 0..{spec.batch - 1} (got {b})")
+    b = check_sequence_index("b", b, spec.batch)
     c = int(cache.last_counts[b])
     if c == 0:
         raise ValueError(f"sequence {b} had no tokens in the last append; nothing to inspect")
     k, v, pos = cache.temporal_view(b)                   # [kv_heads, n, d], [kv_heads, n, d], [n]
-    qb = q.get() if hasattr(q, "get") else q
-    qb = np.asarray(qb[b, :, :c], dtype=np.float64)      # [q_heads, T, d]
+    qb = to_host(q, copy=False)[b, :, :c].astype(np.float64)      # [q_heads, T, d]
     group = qb.shape[0] // spec.kv_heads
     k = np.repeat(k.astype(np.float64), group, axis=0)    # [q_heads, n, d]
     v = np.repeat(v.astype(np.float64), group, axis=0)

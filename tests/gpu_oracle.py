@@ -33,7 +33,7 @@ def attention(q, k_hist, v_hist, q_pos, *, window, sinks, scale):
 
 
 def slot_of(j: int, *, window: int, sinks: int, slots: int) -> int:
-    """Cache slot of absolute position j (DESIGN.md §2)."""
+    """Cache slot of absolute position j (docs/DESIGN.md §2)."""
     return j if window == 0 or j < sinks else sinks + (j - sinks) % (slots - sinks)
 
 

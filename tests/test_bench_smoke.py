@@ -2,21 +2,12 @@
 
 import json
 
-import numba
 import numpy as np
 import pytest
 
-from _model_util import load, need_smollm2, single_thread, smollm2_path  # noqa: F401 (fixture)
+from _model_util import load, need_smollm2, smollm2_path
 from streamattn.bench import peers, report as benchreport, stream, sweep as bench
-from streamattn.bench.sweep import Point
-
-
-@pytest.fixture
-def one_thread():
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(before)
+from streamattn.bench.suites import Point
 
 
 def test_every_impl_mode_and_phase_passes_its_oracle_check(one_thread):
@@ -28,7 +19,11 @@ def test_every_impl_mode_and_phase_passes_its_oracle_check(one_thread):
     rows = bench.run(points, ceiling_bytes=8 << 20, rotate_bytes=1 << 20, min_reps=2, max_reps=2, min_time=0,
                      warmup=1)
     assert [r["status"] for r in rows] == ["ok"] * len(points), [r["oracle_error"] for r in rows]
-    assert all(r["gbps"] > 0 and r["ceiling_gbps"] > 0 for r in rows)
+    for r in rows:  # the figures are what their names say, from the timings the row records
+        assert r["gbps"] == pytest.approx(r["bytes_read"] / r["median_s"] / 1e9, rel=1e-12)
+        assert r["ceiling_gbps"] == max(r["ceiling_before"], r["ceiling_after"]) > 0
+        assert r["pct_ceiling"] == pytest.approx(100 * r["gbps"] / r["ceiling_gbps"], rel=1e-12)
+        assert r["p10_s"] <= r["median_s"] <= r["p90_s"] and r["reps"] == 2
     text = benchreport.table(rows)
     assert text.count("full recompute vs cached decode") == 2     # cpu and numpy, beside causal decode
     json.dumps(rows)
@@ -46,7 +41,7 @@ def test_visibility_matches_the_window_rule():
     # ring of sinks 1 + window 3 (+ chunk slack 1): after 9 tokens it holds positions 0, 5, 6, 7, 8
     mask = peers.visibility([9], 2, slots=5, sinks=1, window=3)    # queries at positions 7 and 8
     pos = [0, 5, 6, 7, 8]                                            # slot order: 0 | 5 6 7 8 at slots 0,2,3,4,1
-    from streamattn.cache import slot_positions
+    from streamattn.storage import slot_positions
     held = slot_positions(9, slots=5, sinks=1).tolist()
     assert sorted(held) == pos
     seen = [[held[s] for s in range(5) if mask[0, t, s]] for t in range(2)]
@@ -61,26 +56,48 @@ def test_stream_summary(one_thread):
     assert "RSS growth" in stream.summary_line(r)
 
 
-def test_time_step_hook():
-    r = bench.time_step(lambda: None, tokens_per_call=8, warmup=1, min_reps=3, min_time=0)
-    assert r["reps"] == 3 and r["tokens_per_s"] > 0
+class FakeClock:
+    """Stands in for time.perf_counter: advances only when a step says how long it took."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+    def step(self, seconds):
+        return lambda: setattr(self, "now", self.now + seconds)
 
 
-def test_end_to_end_hook_times_a_model_engine():
+def test_time_step_hook(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    r = bench.time_step(clock.step(0.25), tokens_per_call=8, warmup=1, min_reps=3, min_time=0)
+    assert r == {"median_s": 0.25, "tokens_per_s": 32.0, "reps": 3}
+
+
+def test_end_to_end_hook_times_a_model_engine(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
     calls = []
 
     def make_engine(*, context, batch, cache):
         if cache == "window" and context > 512:
             return None                                  # a combination the model does not allow
-        return (lambda: calls.append(("prefill", context)), lambda: calls.append(("decode", batch)))
+        prefill, decode = clock.step(context / 1024), clock.step(0.5)   # "seconds" per call
+        return (lambda: (calls.append(("prefill", context)), prefill()),
+                lambda: (calls.append(("decode", batch)), decode()))
     rows = bench.end_to_end(make_engine, contexts=(512, 4096), batches=(1, 8))
     assert [(r["cache"], r["context"], r["batch"]) for r in rows] == \
         [("full", 512, 1), ("full", 512, 8), ("full", 4096, 1), ("full", 4096, 8), ("window", 512, 1), ("window", 512, 8)]
-    assert all(r["prefill"]["tokens_per_s"] > 0 and r["decode"]["tokens_per_s"] > 0 for r in rows)
+    for r in rows:   # prefill: batch * context tokens in context/1024 s; decode: batch tokens in 0.5 s
+        assert r["prefill"]["tokens_per_s"] == pytest.approx(r["batch"] * 1024)
+        assert r["decode"]["tokens_per_s"] == pytest.approx(2 * r["batch"])
+    assert calls.count(("prefill", 4096)) == 2 * (1 + 3)   # two batches, warm-up + 3 timed prefills each
 
 
 @need_smollm2
-def test_model_throughput_script_on_smollm2(single_thread):
+def test_model_throughput_script_on_smollm2(one_thread):
     import importlib.util
     import os
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "model_throughput.py")
@@ -90,7 +107,9 @@ def test_model_throughput_script_on_smollm2(single_thread):
     res = mt.run(load(smollm2_path())[1], contexts=(16,), batches=(1, 2), caches=("full", "window"), window=8,
                  chunk=8)
     assert [(r["cache"], r["batch"]) for r in res["rows"]] == [("full", 1), ("full", 2), ("window", 1), ("window", 2)]
-    assert all(r[k]["tokens_per_s"] > 0 for r in res["rows"] for k in ("prefill", "decode"))
+    for r in res["rows"]:   # tokens per second of what each step processed: prompt tokens, one per sequence
+        assert r["prefill"]["tokens_per_s"] * r["prefill"]["median_s"] == pytest.approx(16 * r["batch"])
+        assert r["decode"]["tokens_per_s"] * r["decode"]["median_s"] == pytest.approx(r["batch"])
     assert "decode ms/step" in mt.table(res["rows"])
     json.dumps(res)
 

@@ -13,7 +13,7 @@ from numba import njit
 from numba.core.errors import TypingError
 
 from streamattn.backends import cpu_simd
-from streamattn.cache import to_storage, widen_bf16
+from streamattn.storage import to_storage, widen_bf16
 
 KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 

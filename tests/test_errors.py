@@ -7,15 +7,17 @@ from streamattn import CacheSpec, KVCache, attend
 
 
 def snapshot(cache):
-    return (cache.k.copy(), cache.v.copy(), cache.lengths.copy(), cache.last_counts.copy(), cache.slots)
+    return (cache.k.copy(), cache.v.copy(), cache.lengths.copy(), cache.last_counts.copy(), cache.held_from.copy(),
+            cache.slots)
 
 
 def assert_unchanged(cache, snap):
-    k, v, lengths, last, slots = snap
+    k, v, lengths, last, held, slots = snap
     assert cache.slots == slots
     assert np.array_equal(cache.k.view(np.uint8), k.view(np.uint8))
     assert np.array_equal(cache.v.view(np.uint8), v.view(np.uint8))
     assert np.array_equal(cache.lengths, lengths) and np.array_equal(cache.last_counts, last)
+    assert np.array_equal(cache.held_from, held)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -77,7 +79,10 @@ def test_append_rejects_non_finite(filled, bad, which):
 def test_non_finite_in_padding_is_ignored(filled):
     k = good(2)
     k[0, 0, 1] = np.nan
-    filled.append(k, good(2), counts=[1, 2])   # row 1 of sequence 0 is padding
+    before = filled.lengths.copy()
+    filled.append(k, good(2), counts=[1, 2])   # row 1 of sequence 0 is padding: accepted, never stored
+    assert (filled.lengths - before).tolist() == [1, 2] and filled.last_counts.tolist() == [1, 2]
+    assert np.isfinite(filled.k.astype(np.float32)).all()
 
 
 def test_non_finite_check_can_be_turned_off():

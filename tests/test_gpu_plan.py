@@ -112,9 +112,27 @@ def test_validation_of_values(lengths, counts, window, sinks, message):
         gpu_plan.validate(q, k, v, np.array(lengths), np.array(counts), window=window, sinks=sinks)
 
 
-def test_gpu_backend_without_a_device_says_so():
-    assert gpu.available() is False or gpu.available() is True  # never raises
-    if not gpu.available():
+def _fake_cupy(count):
+    """A module named cupy whose runtime reports ``count`` devices, or raises like CuPy without a driver."""
+    import types
+
+    def get_count():
+        if isinstance(count, Exception):
+            raise count
+        return count
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_count)))
+
+
+@pytest.mark.parametrize("cupy,available,message", [
+    (None, False, "the gpu backend needs CuPy"),                                   # not installed
+    (_fake_cupy(RuntimeError("no CUDA driver")), False, "needs a CUDA device; CuPy found none \\(no CUDA driver"),
+    (_fake_cupy(0), False, "needs a CUDA device; CuPy found none; use backend='cpu'"),
+    (_fake_cupy(2), True, None),
+])
+def test_gpu_probe_says_whether_a_device_is_there(monkeypatch, cupy, available, message):
+    monkeypatch.setitem(sys.modules, "cupy", cupy)       # None: `import cupy` raises ImportError
+    assert gpu.available() is available                  # never raises
+    if message:
         q, k, v = arrays()
-        with pytest.raises(RuntimeError, match="gpu backend needs"):
+        with pytest.raises(RuntimeError, match=message):
             gpu.attend(q, k, v, np.array([3, 3]), np.array([1, 1]), window=0, sinks=0, scale=0.125)

@@ -10,7 +10,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from streamattn import CacheSpec, KVCache, snapshot, state
+from streamattn import CacheSpec, KVCache, snapshot
 
 from test_state import assert_same_state, clone, reseal, rewrite
 
@@ -20,7 +20,7 @@ def saved(tmp_path):
     for t in range(5):
         cache.append(np.full((2, 1, 1, 8), t, np.float32), np.full((2, 1, 1, 8), -t, np.float32))
     path = tmp_path / "s.npz"
-    cache.save(path)
+    snapshot.save(path, cache)
     return cache, path
 
 
@@ -29,9 +29,9 @@ def refused(path, match):
     target = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=8, window=4, sinks=1, max_chunk=2, dtype="float16"))
     target.append(np.ones((2, 1, 1, 8), np.float32), np.ones((2, 1, 1, 8), np.float32))
     keep = clone(target)
-    for call in (lambda: state.load(path), lambda: state.restore(target, path),
-                 lambda: state.load_sequence(path, target, 0)):
-        with pytest.raises(state.StateFileError, match=rf"^{re.escape(str(path))}: .*{match}"):
+    for call in (lambda: snapshot.load(path), lambda: snapshot.restore(target, path),
+                 lambda: snapshot.load_sequence(path, target, 0)):
+        with pytest.raises(snapshot.StateFileError, match=rf"^{re.escape(str(path))}: .*{match}"):
             call()
     assert_same_state(target, keep)
 
@@ -74,9 +74,9 @@ def test_sealed_meta_with_an_absurd_spec(tmp_path, spec_change, match):
 def test_max_bytes_bounds_what_a_file_may_allocate(tmp_path):
     cache, path = saved(tmp_path)
     assert cache.nbytes == 384
-    with pytest.raises(state.StateFileError, match=r"ask for 384 bytes of K/V storage, more than max_bytes=383"):
-        state.load(path, max_bytes=383)
-    assert state.load(path, max_bytes=384).lengths.tolist() == [5, 5]
+    with pytest.raises(snapshot.StateFileError, match=r"ask for 384 bytes of K/V storage, more than max_bytes=383"):
+        snapshot.load(path, max_bytes=383)
+    assert snapshot.load(path, max_bytes=384).lengths.tolist() == [5, 5]
 
 
 def test_a_compressed_member_is_refused_before_it_is_inflated(tmp_path):

@@ -1,7 +1,7 @@
 """The cached, chunked forward pass against an independent float64 full-recompute oracle.
 
 The oracle below recomputes the whole sequence from scratch at every check (no cache, no chunks),
-with RoPE written as complex rotations and the window mask written from the DESIGN.md table. The
+with RoPE written as complex rotations and the window mask written from the docs/DESIGN.md §1 table. The
 model under test streams tokens through ring caches: equality means the cache/positions/RoPE/window
 bookkeeping is exact, including ring wrap-around.
 """
@@ -9,12 +9,12 @@ bookkeeping is exact, including ring wrap-around.
 import numpy as np
 import pytest
 
-from _model_util import load, need_smollm2, smollm2_path, write_tiny_gguf, single_thread  # noqa: F401 (fixture)
+from _model_util import load, need_smollm2, smollm2_path, write_tiny_gguf
 from streamattn.models.loader import load_gguf
 from streamattn.models.transformer import Transformer
 from streamattn.reference import attention
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def oracle_logits(m, tokens, *, user_window=None, sinks=0):

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from _model_util import load, need_smollm2, smollm2_path, single_thread  # noqa: F401 (fixture)
+from _model_util import load, need_smollm2, smollm2_path
 from streamattn.models.sampling import SamplingParams, apply_repetition_penalty, filtered_probs, sample
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_filters():

@@ -44,9 +44,10 @@ def fake_model(tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMATTN_HOME", str(tmp_path))
     calls = []
 
-    def download(name, src, tmp, target, quiet):
+    def download(name, src, tmp, target, quiet, find_links=None):
         calls.append(name)
         target.write_bytes(good)
+        return src.sha256
     monkeypatch.setattr(hub, "_download", download)
     return hub, tmp_path / "models" / "fake.gguf", good, calls
 

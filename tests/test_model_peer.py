@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from _model_util import gemma_path, load, smollm2_path, single_thread  # noqa: F401 (fixture)
+from _model_util import gemma_path, load, smollm2_path
 
-pytestmark = [pytest.mark.peer, pytest.mark.usefixtures("single_thread")]
+pytestmark = [pytest.mark.peer, pytest.mark.usefixtures("one_thread")]
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

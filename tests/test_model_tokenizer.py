@@ -2,7 +2,7 @@
 
 import pytest
 
-from _model_util import (gemma_path, need_gemma, need_smollm2, single_thread,  # noqa: F401 (fixture)
+from _model_util import (gemma_path, need_gemma, need_smollm2,
                          smollm2_path, tokenizer)
 from streamattn.models.tokenizer import StreamDecoder
 
@@ -10,7 +10,7 @@ TEXTS = ["Hello, world!", "The year 2024 had 366 days; 3.14159 is pi.", "emoji �
          "def f(x):\n    return x ** 2  # square\n\tprint(f'{x!r}')", "  leading spaces and trailing  ",
          "mixed: Ünïcödé ✓ ∑ 🤖🚀"]
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def smol():

@@ -1,5 +1,7 @@
 """Every backend equals float64 full masked attention over the whole history, after every append."""
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -33,7 +35,7 @@ def stream(spec, q_heads, steps, backend, *, seed=0, chunks=None, ragged=False, 
 def test_decode_every_mode_and_dtype(backend, dtype, window, sinks):
     spec = CacheSpec(batch=2, kv_heads=3, head_dim=64, dtype=dtype, window=window, sinks=sinks)
     steps = 3 * (spec.slots or 20) + 7  # >= 3 full wraps of the ring
-    stream(spec, 9, steps, backend, seed=hash((dtype, window, sinks)) % 1000)
+    stream(spec, 9, steps, backend, seed=zlib.crc32(f"{dtype}/{window}/{sinks}".encode()) % 1000)  # not hash(): salted
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

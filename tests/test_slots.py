@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from streamattn import CacheSpec, KVCache, attend, snapshot
-from streamattn.cache import ring_slots, slot_positions
+from streamattn.storage import ring_slots, slot_positions
 from streamattn.reference import visible
 
 

@@ -6,7 +6,6 @@ import json
 import os
 import re
 
-import numba
 import numpy as np
 import pytest
 
@@ -16,13 +15,7 @@ from oracle import History, as_stored, check
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
-@pytest.fixture(autouse=True)
-def one_numba_thread():
-    """Sequences here are short (one key split per item), so a second thread only adds wake-up cost."""
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 MODES = {  # name: spec keywords
@@ -103,14 +96,14 @@ def assert_same_state(a, b):
 def test_round_trip_is_bit_exact(tmp_path, mode, dtype):
     cache, hist, rng = filled(mode, dtype)
     if cache.spec.window is not None:
-        cache.rewind(1, 1)           # held_from above its usual value must survive too
+        state.rewind(cache, 1, 1)           # held_from above its usual value must survive too
         hist.truncate(1, hist.length(1) - 1)
     path = tmp_path / "kv.npz"
-    cache.save(path)
-    loaded = KVCache.load(path)
+    snapshot.save(path, cache)
+    loaded = snapshot.load(path)
     assert_same_state(cache, loaded)
     other, _, _ = filled(mode, dtype, seed=9, steps=3)    # restore over a different state, same spec
-    state.restore(other, path)
+    snapshot.restore(other, path)
     assert_same_state(cache, other)
     # identical inputs, identical outputs; then both continue and stay equal to the oracle and each other
     q = rng.standard_normal((3, Q_HEADS, 1, 16)).astype(np.float32)
@@ -129,13 +122,13 @@ def test_file_holds_only_used_slots(tmp_path):
     cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=8))       # causal: 256 slots allocated
     x = np.ones((2, 1, 5, 8), np.float32)
     cache.append(x, x, counts=[5, 3])
-    cache.save(tmp_path / "kv.npz")
+    snapshot.save(tmp_path / "kv.npz", cache)
     with np.load(tmp_path / "kv.npz") as z:
         assert z["layer0.k"].shape == (2, 1, 5, 8)
         meta = json.loads(z["meta"].tobytes())
     assert meta["format"] == "streamattn-kv" and meta["version"] == 1 and meta["layout"] == "cache"
     assert meta["layers"][0]["slots"] == 256 and meta["layers"][0]["used"] == 5
-    assert KVCache.load(tmp_path / "kv.npz").slots == 256
+    assert snapshot.load(tmp_path / "kv.npz").slots == 256
 
 
 def test_multi_layer_model_in_one_file(tmp_path):
@@ -145,40 +138,40 @@ def test_multi_layer_model_in_one_file(tmp_path):
     layers = [KVCache(s) for s in specs]
     for c in layers:
         feed(c, History(3), rng, 20)
-    state.save(tmp_path / "model.npz", layers)
-    loaded = state.load(tmp_path / "model.npz", spec=specs)
+    snapshot.save(tmp_path / "model.npz", layers)
+    loaded = snapshot.load(tmp_path / "model.npz", spec=specs)
     assert isinstance(loaded, list) and len(loaded) == 3
     for a, b in zip(layers, loaded):
         assert_same_state(a, b)
     fresh = [KVCache(s) for s in specs]
-    state.restore(fresh, tmp_path / "model.npz")
+    snapshot.restore(fresh, tmp_path / "model.npz")
     for a, b in zip(layers, fresh):
         assert_same_state(a, b)
-    with pytest.raises(state.StateFileError, match=r"model.npz: holds 3 layer\(s\), 2 requested"):
-        state.restore(fresh[:2], tmp_path / "model.npz")
+    with pytest.raises(snapshot.StateFileError, match=r"model.npz: holds 3 layer\(s\), 2 requested"):
+        snapshot.restore(fresh[:2], tmp_path / "model.npz")
 
 
 @pytest.mark.parametrize("mode", ["causal", "sinks"])
 def test_save_one_sequence_load_into_another_batch(tmp_path, mode):
     """llama.cpp #5843: one sequence of a batch saved alone, loaded into a slot of a cache of another batch."""
     cache, hist, rng = filled(mode, "float16", batch=3)
-    state.save_sequence(tmp_path / "seq.npz", cache, 1)
+    snapshot.save_sequence(tmp_path / "seq.npz", cache, 1)
     target, thist, _ = filled(mode, "float16", seed=5, batch=2)
     keep = clone(target)
-    state.load_sequence(tmp_path / "seq.npz", target, 0)
+    snapshot.load_sequence(tmp_path / "seq.npz", target, 0)
     hist.copy(1, 0, into=thist)
     assert np.array_equal(target.k[1], keep.k[1]) and target.lengths[1] == keep.lengths[1]   # other untouched
     assert target.lengths[0] == cache.lengths[1] and target.held_from[0] == cache.held_from[1]
     feed(target, thist, rng, 2 * (target.slots if mode == "sinks" else 10), check_backend="cpu")
-    single = KVCache.load(tmp_path / "seq.npz")          # or as a batch-1 cache of its own
+    single = snapshot.load(tmp_path / "seq.npz")          # or as a batch-1 cache of its own
     assert single.spec.batch == 1 and np.array_equal(single.k[0], cache.k[1][:, :single.slots])
 
 
 def test_load_on_the_cpu_whatever_device_saved(tmp_path):
     """The file holds host arrays: a snapshot loads with device='cpu' into numpy arrays."""
     cache, hist, rng = filled("sinks", "bfloat16")
-    cache.save(tmp_path / "kv.npz")
-    loaded = KVCache.load(tmp_path / "kv.npz", device="cpu")
+    snapshot.save(tmp_path / "kv.npz", cache)
+    loaded = snapshot.load(tmp_path / "kv.npz", device="cpu")
     assert type(loaded.k) is np.ndarray and loaded.device == "cpu"
     probe(loaded, hist, rng, backend="cpu")
 
@@ -186,7 +179,7 @@ def test_load_on_the_cpu_whatever_device_saved(tmp_path):
 def test_write_is_atomic(tmp_path, monkeypatch):
     cache, _, _ = filled("window")
     path = tmp_path / "kv.npz"
-    cache.save(path)
+    snapshot.save(path, cache)
     before = path.read_bytes()
     cache.append(*np.ones((2, 3, 2, 1, 16), np.float32))
 
@@ -195,12 +188,12 @@ def test_write_is_atomic(tmp_path, monkeypatch):
         raise OSError("disk full")
     monkeypatch.setattr(snapshot.np, "savez", crash)
     with pytest.raises(OSError, match="disk full"):
-        cache.save(path)
+        snapshot.save(path, cache)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["kv.npz"]   # old file, no temp left
     monkeypatch.undo()
     monkeypatch.setattr(snapshot.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("rename failed")))
     with pytest.raises(OSError, match="rename failed"):
-        cache.save(path)
+        snapshot.save(path, cache)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["kv.npz"]
 
 
@@ -269,65 +262,65 @@ def test_bad_file_is_refused_by_name_and_nothing_changes(tmp_path, case):
     damage, match = BAD_FILES[case]
     saved, _, _ = filled("sinks", "float16")
     path = tmp_path / "bad.npz"
-    saved.save(path)
+    snapshot.save(path, saved)
     damage(path)
     target, _, _ = filled("sinks", "float16", seed=4)
     keep = clone(target)
-    with pytest.raises(state.StateFileError, match=rf"^{re.escape(str(path))}: {match}"):
-        state.restore(target, path)
+    with pytest.raises(snapshot.StateFileError, match=rf"^{re.escape(str(path))}: {match}"):
+        snapshot.restore(target, path)
     assert_same_state(target, keep)
-    with pytest.raises(state.StateFileError, match=match):
-        KVCache.load(path)
-    with pytest.raises(state.StateFileError, match=match):
-        state.load_sequence(path, target, 0)
+    with pytest.raises(snapshot.StateFileError, match=match):
+        snapshot.load(path)
+    with pytest.raises(snapshot.StateFileError, match=match):
+        snapshot.load_sequence(path, target, 0)
     assert_same_state(target, keep)
 
 
 def test_spec_mismatch_names_the_fields(tmp_path):
     cache, _, _ = filled("sinks", "float16")
     path = tmp_path / "kv.npz"
-    cache.save(path)
+    snapshot.save(path, cache)
     want = CacheSpec(batch=3, kv_heads=2, head_dim=16, dtype="bfloat16", window=8, sinks=2, max_chunk=3)
-    with pytest.raises(state.StateFileError, match=rf"^{path}: layer 0 was saved with another spec: "
+    with pytest.raises(snapshot.StateFileError, match=rf"^{path}: layer 0 was saved with another spec: "
                        r"dtype='float16' in the file, 'bfloat16' requested; window=4 in the file, 8 requested$"):
-        KVCache.load(path, spec=want)
+        snapshot.load(path, spec=want)
     target = KVCache(want)
     keep = clone(target)
-    with pytest.raises(state.StateFileError, match=r"another spec: dtype='float16' in the file"):
-        state.restore(target, path)
+    with pytest.raises(snapshot.StateFileError, match=r"another spec: dtype='float16' in the file"):
+        snapshot.restore(target, path)
     assert_same_state(target, keep)
     # check_finite is input policy, not state: it may differ
     relaxed = CacheSpec(**{**cache.spec.__dict__, "check_finite": False})
-    assert KVCache.load(path, spec=relaxed).spec.check_finite is False
+    assert snapshot.load(path, spec=relaxed).spec.check_finite is False
 
 
 def test_load_sequence_needs_a_sequence_file(tmp_path):
     cache, _, _ = filled("window")
-    cache.save(tmp_path / "all.npz")
-    with pytest.raises(state.StateFileError, match=r"all.npz: layer 0 holds a batch of 3 sequences; load_sequence "
+    snapshot.save(tmp_path / "all.npz", cache)
+    with pytest.raises(snapshot.StateFileError, match=r"all.npz: layer 0 holds a batch of 3 sequences; load_sequence "
                        r"needs a file from save_sequence"):
-        state.load_sequence(tmp_path / "all.npz", cache, 0)
-    state.save_sequence(tmp_path / "one.npz", cache, 2)
+        snapshot.load_sequence(tmp_path / "all.npz", cache, 0)
+    snapshot.save_sequence(tmp_path / "one.npz", cache, 2)
     other = KVCache(make_spec("sinks"))
-    with pytest.raises(state.StateFileError, match=r"one.npz: layer 0 was saved with another spec: window=5 in "
+    with pytest.raises(snapshot.StateFileError, match=r"one.npz: layer 0 was saved with another spec: window=5 in "
                        r"the file, 4 requested; sinks=0 in the file, 2 requested"):
-        state.load_sequence(tmp_path / "one.npz", other, 0)
+        snapshot.load_sequence(tmp_path / "one.npz", other, 0)
     with pytest.raises(ValueError, match=r"b must be a sequence index in 0..2 \(got 3\)"):
-        state.load_sequence(tmp_path / "one.npz", cache, 3)
+        snapshot.load_sequence(tmp_path / "one.npz", cache, 3)
     with pytest.raises(FileNotFoundError):
-        KVCache.load(tmp_path / "missing.npz")
+        snapshot.load(tmp_path / "missing.npz")
 
 
 # -- fork -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", list(MODES))
 def test_fork_branches_continue_independently(mode):
     cache, hist, rng = filled(mode, "bfloat16")
-    cache.fork(0, 2)
+    state.fork(cache, 0, 2)
     hist.copy(0, 2)
     assert np.array_equal(cache.k[0], cache.k[2]) and cache.lengths[0] == cache.lengths[2]
     # into a new cache (batch 1), then both go on with different tokens
     new, nhist = KVCache(make_spec(mode, "bfloat16", batch=1)), History(1)
-    cache.fork(0, 0, into=new)
+    state.fork(cache, 0, 0, into=new)
     hist.copy(0, 0, into=nhist)
     steps = 2 * (cache.spec.slots or 10)   # past a full ring: the branches overwrite their own slots only
     feed(cache, hist, rng, steps, check_backend="cpu")
@@ -340,7 +333,7 @@ def test_fork_into_a_smaller_causal_cache_grows_it():
     feed(cache, hist, rng, 150, ragged=False)                       # 150..450 tokens: 512 slots
     small = KVCache(make_spec("causal", batch=1))
     assert small.slots < cache.lengths.max()
-    cache.fork(int(cache.lengths.argmax()), 0, into=small)
+    state.fork(cache, int(cache.lengths.argmax()), 0, into=small)
     h = History(1)
     hist.copy(int(cache.lengths.argmax()), 0, into=h)
     probe(small, h, rng, backend="cpu")
@@ -349,9 +342,9 @@ def test_fork_into_a_smaller_causal_cache_grows_it():
 def test_fork_rejects():
     cache = KVCache(make_spec("window"))
     with pytest.raises(ValueError, match=r"dst must be a sequence index in 0..2 \(got 3\)"):
-        cache.fork(0, 3)
+        state.fork(cache, 0, 3)
     with pytest.raises(ValueError, match=r"cannot fork into a cache with another spec: window, max_chunk differ"):
-        cache.fork(0, 0, into=KVCache(make_spec("window-1")))
+        state.fork(cache, 0, 0, into=KVCache(make_spec("window-1")))
 
 
 # -- rewind ---------------------------------------------------------------------------------------
@@ -359,7 +352,7 @@ def test_fork_rejects():
 def test_rewind_causal_always_and_equals_the_truncated_history(dtype):
     cache, hist, rng = filled("causal", dtype, steps=30)
     for b, k in [(0, 1), (1, 7), (2, int(cache.lengths[2]))]:
-        cache.rewind(b, k)
+        state.rewind(cache, b, k)
         hist.truncate(b, hist.length(b) - k)
     assert cache.lengths.tolist() == [hist.length(b) for b in range(3)] and cache.lengths[2] == 0
     assert cache.last_counts.tolist() == [0, 0, 0]
@@ -388,16 +381,16 @@ def test_rewind_window_exactly_when_the_rule_says(window, sinks, C):
             assert state.can_rewind(cache, 0, k) == allowed, (L, k)
             c, h = clone(cache), hcopy(hist)
             if allowed:
-                c.rewind(0, k)
+                state.rewind(c, 0, k)
                 h.truncate(0, L - k)
                 feed(c, h, rng, 2, check_backend="cpu")
                 continue
             with pytest.raises(state.RewindError, match=rf"cannot rewind sequence 0 by {k} \(length {L} -> "
                                rf"{L - k}\) in this window cache: the next query \(position {L - k}\) needs keys "
                                rf"from position {max(sinks, L - k - window + 1)}, but the ring \(R={cache.ring} slots\)"):
-                c.rewind(0, k)
+                state.rewind(c, 0, k)
             assert_same_state(c, cache)
-            state._drop(c, 0, k)                    # force it: the kernel would now read lost keys
+            c.truncate(0, k)                    # force it: the kernel would now read lost keys
             h.truncate(0, L - k)
             x = rng.standard_normal((2, 1, 1, 1, 16)).astype(np.float32)
             c.append(*x)
@@ -417,14 +410,14 @@ def test_rewinds_add_up_to_C_below_the_high_water_mark():
     cache, hist = KVCache(spec), History(1)
     feed(cache, hist, rng, 10, ragged=False)                    # ring full, H = L
     H = int(cache.lengths[0])
-    cache.rewind(0, 2)                                          # H - 2
+    state.rewind(cache, 0, 2)                                          # H - 2
     hist.truncate(0, H - 2)
     x = rng.standard_normal((2, 1, 1, 1, 16)).astype(np.float32)
     cache.append(*x)                                            # H - 1: refills only its own slot
     hist.append(*x, [1])
     assert not state.can_rewind(cache, 0, 3)                    # would be H - 4: 4 > C below H
     assert state.can_rewind(cache, 0, 2)                        # H - 3 = H - C: allowed
-    cache.rewind(0, 2)
+    state.rewind(cache, 0, 2)
     hist.truncate(0, H - 3)
     assert cache.answerable().tolist() == [0]                   # the newest token's own keys are gone
     feed(cache, hist, rng, 12, ragged=False, check_backend="cpu")
@@ -441,7 +434,7 @@ def test_speculative_decoding_rejects_drafts():
         feed(cache, hist, rng, 1, ragged=False, check_backend="cpu")     # a draft of T <= C tokens
         for b in range(2):
             reject = int(rng.integers(0, cache.last_counts[b] + 1))
-            cache.rewind(b, reject)
+            state.rewind(cache, b, reject)
             hist.truncate(b, hist.length(b) - reject)
         x = rng.standard_normal((2, 2, 2, 1, 16)).astype(np.float32)    # the corrected token
         cache.append(*x)
@@ -453,11 +446,11 @@ def test_rewind_rejects_bad_arguments():
     cache, _, _ = filled("window")
     keep = clone(cache)
     with pytest.raises(ValueError, match=r"b must be a sequence index in 0..2 \(got -1\)"):
-        cache.rewind(-1, 1)
+        state.rewind(cache, -1, 1)
     with pytest.raises(ValueError, match=rf"k must be an integer in 0..lengths\[0\]={cache.lengths[0]} \(got -1\)"):
-        cache.rewind(0, -1)
+        state.rewind(cache, 0, -1)
     with pytest.raises(ValueError, match=r"k must be an integer"):
-        cache.rewind(0, int(cache.lengths[0]) + 1)
+        state.rewind(cache, 0, int(cache.lengths[0]) + 1)
     assert_same_state(cache, keep)
 
 
@@ -486,8 +479,8 @@ def test_gpu_code_path_with_a_stand_in_device(tmp_path, monkeypatch):
         hist.append(as_stored(k, spec.dtype), as_stored(v, spec.dtype), [T, T])
     same(cpu, gpu)
     for c in (cpu, gpu):
-        c.rewind(1, 2)
-        c.fork(1, 0)
+        state.rewind(c, 1, 2)
+        state.fork(c, 1, 0)
     hist.truncate(1, hist.length(1) - 2)
     hist.copy(1, 0)
     same(cpu, gpu)
@@ -496,21 +489,21 @@ def test_gpu_code_path_with_a_stand_in_device(tmp_path, monkeypatch):
     out, lse = attend(strict_cupy.asarray(q), gpu, backend="reference", counts=counts)
     check(out, lse, q, hist, counts, dataclasses.replace(spec, dtype="float32"), what="reference on the stand-in")
 
-    gpu.save(tmp_path / "g.npz")                                   # GPU -> file -> CPU
-    assert_same_state(cpu, KVCache.load(tmp_path / "g.npz", device="cpu"))
-    cpu.save(tmp_path / "c.npz")                                   # CPU -> file -> GPU
-    same(cpu, KVCache.load(tmp_path / "c.npz", device="gpu"))
+    snapshot.save(tmp_path / "g.npz", gpu)                                   # GPU -> file -> CPU
+    assert_same_state(cpu, snapshot.load(tmp_path / "g.npz", device="cpu"))
+    snapshot.save(tmp_path / "c.npz", cpu)                                   # CPU -> file -> GPU
+    same(cpu, snapshot.load(tmp_path / "c.npz", device="gpu"))
     other = KVCache(spec, device="gpu")
-    state.restore(other, tmp_path / "c.npz")
+    snapshot.restore(other, tmp_path / "c.npz")
     same(cpu, other)
-    state.save_sequence(tmp_path / "s.npz", gpu, 0)
+    snapshot.save_sequence(tmp_path / "s.npz", gpu, 0)
     back = KVCache(spec)
-    state.load_sequence(tmp_path / "s.npz", back, 1)
+    snapshot.load_sequence(tmp_path / "s.npz", back, 1)
     assert np.array_equal(back.k[1], cpu.k[0]) and back.lengths[1] == cpu.lengths[0]
     one = make_spec("sinks", "bfloat16", batch=1)
     one_cpu, one_gpu = KVCache(one), KVCache(one, device="gpu")
-    gpu.fork(0, 0, into=one_cpu)                                   # GPU -> CPU
-    cpu.fork(0, 0, into=one_gpu)                                   # CPU -> GPU
+    state.fork(gpu, 0, 0, into=one_cpu)                                   # GPU -> CPU
+    state.fork(cpu, 0, 0, into=one_gpu)                                   # CPU -> GPU
     assert_same_state(one_cpu, _hosted(one_gpu))
     assert np.array_equal(one_cpu.k[0], cpu.k[0])
 
@@ -528,7 +521,7 @@ def test_temporal_view_after_a_rewind_shows_only_held_positions():
     cache, hist = KVCache(spec), History(1)
     feed(cache, hist, rng, 12, ragged=False)
     L = int(cache.lengths[0])
-    cache.rewind(0, 2)
+    state.rewind(cache, 0, 2)
     hist.truncate(0, L - 2)
     k, v, pos = cache.temporal_view(0)
     assert pos.tolist() == [0, 1] + list(range(L - 4, L - 2))       # sinks, then held_from .. L' - 1

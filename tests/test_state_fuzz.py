@@ -6,12 +6,10 @@ CI runs a bounded, derandomised number of examples; ``scripts/fuzz.sh`` runs mor
 """
 
 import dataclasses
-import importlib.util
 import os
 import shutil
 import tempfile
 
-import numba
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, event, note, settings, strategies as st
@@ -19,7 +17,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 import streamattn.cache
-from streamattn import CacheSpec, KVCache, attend, state
+from streamattn import CacheSpec, KVCache, attend, snapshot, state
+from streamattn.backends import gpu
 from oracle import History, as_stored, check
 
 FUZZ_EXAMPLES = int(os.environ.get("STREAMATTN_FUZZ_EXAMPLES", "0"))   # scripts/fuzz.sh sets these
@@ -136,7 +135,7 @@ class CacheStateMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data):
         src, dst = self.index(data, "src"), self.index(data, "dst")
-        self.cache.fork(src, dst)
+        state.fork(self.cache, src, dst)
         self.hist.copy(src, dst)
         self.since_rewind[dst] = self.since_rewind[src]
 
@@ -145,14 +144,14 @@ class CacheStateMachine(RuleBasedStateMachine):
         """src -> a new batch-1 cache (on the CPU, whatever this machine's device) -> dst."""
         src, dst = self.index(data, "src"), self.index(data, "dst")
         other = KVCache(dataclasses.replace(self.spec, batch=1), device="cpu")
-        self.cache.fork(src, 0, into=other)
+        state.fork(self.cache, src, 0, into=other)
         h = History(1)
         self.hist.copy(src, 0, into=h)
         c = np.minimum(other.answerable(), self.spec.max_chunk)
         q = self.rng.standard_normal((1, self.q_heads, max(1, int(c[0])), self.spec.head_dim)).astype(np.float32)
         out, lse = attend(q, other, backend="cpu", counts=c)
         check(out, lse, q, h, c, self.exact, what="forked into a new cache")
-        other.fork(0, dst, into=self.cache)
+        state.fork(other, 0, dst, into=self.cache)
         self.hist.copy(src, dst)
         self.since_rewind[dst] = self.since_rewind[src]
 
@@ -172,7 +171,7 @@ class CacheStateMachine(RuleBasedStateMachine):
                                     (k <= s.max_chunk or L <= s.slots or L - k <= s.sinks or s.window == 1))
         before = self.state_bits(self.cache)
         try:
-            self.cache.rewind(b, k)
+            state.rewind(self.cache, b, k)
         except state.RewindError:
             event(f"rewind refused ({s.mode})")
             assert not must, f"rewind({b}, {k}) at length {L} refused but the rule allows it"
@@ -195,7 +194,7 @@ class CacheStateMachine(RuleBasedStateMachine):
     @rule()
     def save(self):
         path = os.path.join(self.dir, "snap.npz")
-        self.cache.save(path)
+        snapshot.save(path, self.cache)
         self.saved = (path, self.hist_copy(self.hist), self.since_rewind.copy(), self.state_bits(self.cache))
 
     @precondition(lambda self: self.saved is not None)
@@ -204,12 +203,12 @@ class CacheStateMachine(RuleBasedStateMachine):
         """Back to the last snapshot, into this cache object, a new one, or a new one on the CPU."""
         path, hist, since, bits = self.saved
         if how == "restore":
-            state.restore(self.cache, path)
+            snapshot.restore(self.cache, path)
         else:
-            self.cache = KVCache.load(path, spec=self.spec, device=self.device if how == "load" else "cpu")
+            self.cache = snapshot.load(path, spec=self.spec, device=self.device if how == "load" else "cpu")
             if how == "load-cpu" and self.device != "cpu":
                 assert self.state_bits(self.cache) == bits
-                self.cache = KVCache.load(path, device=self.device)
+                self.cache = snapshot.load(path, device=self.device)
         assert self.state_bits(self.cache) == bits, "restored state is not bit-identical to the saved one"
         event(f"restore ({how})")
         self.hist, self.since_rewind = self.hist_copy(hist), since.copy()
@@ -218,8 +217,8 @@ class CacheStateMachine(RuleBasedStateMachine):
     def save_and_load_one_sequence(self, data):
         src, dst = self.index(data, "src"), self.index(data, "dst")
         path = os.path.join(self.dir, "seq.npz")
-        state.save_sequence(path, self.cache, src)
-        state.load_sequence(path, self.cache, dst)
+        snapshot.save_sequence(path, self.cache, src)
+        snapshot.load_sequence(path, self.cache, dst)
         self.hist.copy(src, dst)
         self.since_rewind[dst] = self.since_rewind[src]
 
@@ -251,24 +250,7 @@ class CacheStateMachine(RuleBasedStateMachine):
             check(out, lse, q, self.hist, counts, self.exact, what=f"newest {counts.tolist()} on {backend}")
 
 
-@pytest.fixture(autouse=True)
-def one_numba_thread():
-    """Fuzz sequences are short, so the CPU backend makes one key split per (sequence, head) anyway; on a
-    busy 2-core host, waking a second thread per call costs ~1 ms, most of this file's time."""
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(before)
-
-
-def gpu_available():
-    if importlib.util.find_spec("cupy") is None or importlib.util.find_spec("streamattn.backends.gpu") is None:
-        return False
-    import cupy
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return False
+pytestmark = pytest.mark.usefixtures("one_thread")  # short sequences: one key split per (sequence, head)
 
 
 class GpuCacheStateMachine(CacheStateMachine):
@@ -281,7 +263,7 @@ def test_state_machine_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not gpu_available(), reason="needs CuPy, a CUDA device and streamattn.backends.gpu")
+@pytest.mark.skipif(not gpu.available(), reason="needs CuPy and a CUDA device")
 def test_state_machine_gpu():
     run_state_machine_as_test(GpuCacheStateMachine, settings=CI)
 

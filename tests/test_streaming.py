@@ -5,7 +5,6 @@ guard: the storage arrays are never reallocated or resized, and sampled outputs 
 oracle over the full history (tests/oracle.py) after ~1000 wraps of the ring.
 """
 
-import numba
 import numpy as np
 import pytest
 
@@ -13,16 +12,6 @@ from streamattn import CacheSpec, KVCache, attend
 from oracle import History, check
 
 TOKENS = 20_000
-
-
-@pytest.fixture
-def one_thread():
-    """One Numba thread: each call here is tiny, and on a busy 2-core host a 2-thread parallel launch
-    waits for a descheduled worker (measured: attend 37 us with 1 thread, 21 ms with 2 at load ~100)."""
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

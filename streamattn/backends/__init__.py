@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import slot_positions, widen_bf16
+from ..arrays import to_host
+from ..storage import slot_positions, widen_bf16
 from .. import reference
 
 BACKENDS = ("reference", "cpu", "gpu")
@@ -16,8 +17,7 @@ BACKENDS = ("reference", "cpu", "gpu")
 
 def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind):
     """The float64 oracle applied to what the ring holds (slots decoded to positions)."""
-    xp_get = (lambda a: a.get()) if hasattr(k, "get") else (lambda a: a)
-    q, k, v = xp_get(q), xp_get(k), xp_get(v)
+    q, k, v = (to_host(a, copy=False) for a in (q, k, v))
     wide = (lambda a: widen_bf16(a)) if kind == "bfloat16" else (lambda a: a.astype(np.float64))
     B, Hq, T, D = q.shape
     out = np.zeros((B, Hq, T, D), np.float64)

@@ -8,18 +8,11 @@ software prefetch for GQA groups); head_dims that are not a multiple of 16 take 
 16-bit storage is widened to float32 as it is loaded, never into a tile buffer first (that was half as
 fast from memory: the loads came in bursts with no arithmetic to hide them behind).
 
-Tiles are up to TILE keys: K and V are read in alternating runs of a tile each, and every switch from
-one to the other costs bandwidth. Runs of 64 keys (16 KiB of float32 K at head_dim 64) read memory ~12%
-slower than runs of 256 or more (a pure read of K and V in that order: 84–86% vs 95–100% of the
-ceiling); 16k-key tiles instead of 1k gained another 2–4 points at 16k keys (fp32, medians of ~200
-alternated timings in the host's fast mode: MHA 89.2 -> 90.9%, GQA 72.3 -> 75.9%). The [rows, tile]
-score buffer is held to SCORE_FLOATS (256 KiB, in L2), so the tile shrinks for many query rows
-(prefill), and to the keys the item has. Long runs of one stream with nothing else in between is what
-this memory likes: two interleavings measured slower (fp32, 16k keys, medians per host mode): the next
-tile's scores computed beside this tile's P·V in blocks of 16/64/256 keys (MHA 97 -> 87/94/98%, GQA
-83 -> 74/79/82%, slow mode), and each 512-key block of scores exponentiated as it is computed, with a
-lazily raised running max (GQA 78.7 -> 73.2%, MHA 90.7 -> 85.6%, fast mode). Each item writes only its
-own partial rows; a second kernel merges the splits exactly with their log-sum-exps.
+Tiles are up to TILE keys, so K and V are read in long alternating runs (every switch between the two
+streams costs bandwidth); the [rows, tile] score buffer is held to SCORE_FLOATS (256 KiB, in L2), so
+the tile shrinks for many query rows (prefill), and to the keys the item has. Each item writes only its
+own partial rows; a second kernel merges the splits exactly with their log-sum-exps. What was measured
+to choose this (tile lengths, interleavings that were slower): docs/PERF.md.
 """
 
 from __future__ import annotations

@@ -18,37 +18,9 @@ float max reduction did not vectorise at all. Here the code generators emit LLVM
 kind: 0 float32 storage, 1 float16 bits, 2 bfloat16 bits (uint16); 16-bit rows are widened as loaded.
 Every vector kernel needs head_dim % 16 == 0; the backend keeps a plain-Numba path for other sizes.
 
-Measured here (2-core Zen 5 at ~4.1 GHz, float32, head_dim 64, one thread, tile in L1/L2): scores of a
-four-row GQA group 5.0 -> 2.9 ns per key, its accumulation 3.6 -> 2.0, max of four rows 1.85 -> 0.16.
-
-Software prefetch: from memory, the GQA group's arithmetic per key is long enough that the hardware
-prefetcher alone left the core waiting on misses (GQA 32/8 at 16k keys: 66% of the read ceiling).
-Four-row kernels therefore prefetch each line they load PREFETCH_BYTES ahead, hint T0 (all levels, L1
-included). Variants alternated for 300-450 s, each timing put beside the ceiling probed next to it (the
-probe is bimodal here, ~50 or ~78 GB/s), median % per mode (float32, 16k keys, head_dim 64, 16k-key
-tiles; "high" is the mode where one core alone reads half the ceiling, so each core's own misses count):
-- T0 alone, 8 KiB ahead, against the earlier T0 4 KiB + T1 16 KiB: GQA 79.3 -> 83.3, 79.8 -> 84.9,
-  80.6 -> 86.3, 78.9 -> 83.1, 78.1 -> 82.2% in the high mode over five runs; 89.0 -> 87.7, 90.8 -> 87.0,
-  88.8 -> 87.2, 89.9 -> 86.0% in the low one. float16 (one run): MHA 84.8 -> 104.2%, GQA
-  76.6 -> 81.4% high; 91.1 -> 89.4%, 96.2 -> 98.5% low. The T1 prefetch is what cost: T0 8 KiB plus
-  T1 16 or 24 KiB: 79.3, 78.3% (T0 alone 82.2% in that run); T0 at both 4 and 16 KiB: 79.5%.
-- T0 alone at 6, 7, 8, 9, 10, 12, 16 KiB (high mode, across runs): 80.2, 83.9, 82-86, 81-87, 80-86,
-  80.1, 78.8%; the scores' stream sets it (K at 4 or 12 KiB with V at 8: 72.7, 78.5%), the P·V stream
-  is flat from 4 to 12 KiB. Every line needs its own prefetch: only every 2nd or 4th line (the adjacent
-  line left to the hardware) 54.4, 45.0%.
-- The scores' loads take the call's KB rows chunk by chunk (row 0 chunk c, row 1 chunk c, ...); their
-  prefetches go in memory order instead (the same lines): 82.3 -> 86.6, 86.8 (high), 84.6 -> 92.8,
-  90.9% (low, few turns). Then 6 KiB ahead: 87.0, 92.1%; 12 KiB: 82.5, 90.4%. Cheaper scores from
-  memory did not help, so the scores' phase waits on memory, not arithmetic: a transpose-reduction with
-  the four rows premixed per 4-lane block (2.6 instead of 3.1 ns per key from L2) 83.8 -> 83.1%, and
-  86.2% beside 86.8% with prefetches in order; dropping the score stores: 148 -> 145% (half the bytes).
-- Earlier, with 1k-key tiles and distances in rows: T0 at 16-64 rows ~90% low, 76-80% high; T2 256 rows
-  instead of T1: no better; T1 alone, 64 rows: 80%, 63%. Distances count bytes, not rows: float16 rows
-  (half as wide) at the same row counts cost 5-12 points in the high mode.
-Single-row (MHA) kernels over float16/bfloat16 prefetch too; over float32 they do not: T0 9 KiB ahead
-cost 98.5 -> 95.4% (low mode) and 91.4 -> 88.8% (high); earlier T0/T2 distances cost 3-16 points, and
-loading each K row's chunks in memory order instead of chunk by chunk across 16 rows did not help
-(92 -> 85%, 81 -> 73%).
+Four-row kernels, and single-row kernels over 16-bit storage, prefetch every line they load
+PREFETCH_BYTES ahead (hint T0): from memory the hardware prefetcher alone left the GQA group waiting on
+misses. Measured variants, kept and dropped, with dates: docs/PERF.md.
 """
 
 from __future__ import annotations

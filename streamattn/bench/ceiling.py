@@ -35,7 +35,7 @@ class Ceiling:
     """Read bandwidth of a ``nbytes`` float32 buffer summed by all Numba threads.
 
     Call :meth:`probe` right beside each timing; a ceiling measured minutes earlier says little on
-    shared hosts (DESIGN.md §6: probes are bimodal, 29–36 or 46–58 GB/s).
+    shared hosts (docs/PERF.md: the probes are bimodal).
     """
 
     def __init__(self, nbytes: int = 1 << 30):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import slot_positions, widen_bf16
+from ..storage import slot_positions, widen_bf16
 from ..reference import visible
 
 

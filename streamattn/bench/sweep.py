@@ -10,11 +10,10 @@ the median of many timed calls, each on the next of >= 2 caches whose total exce
 K and V come from memory as they do in a model with many layers. Achieved GB/s = bytes of K and V the
 queries must read / median time; "% ceil" divides it by the read ceiling (a Numba parallel sum over
 1 GiB, ``streamattn.bench.ceiling``; on a GPU a device copy) probed right before and right after the point,
-the better of the two: on shared hosts the ceiling is bimodal (DESIGN.md §6), so a ceiling measured
+the better of the two: on shared hosts the ceiling is bimodal (docs/PERF.md), so a ceiling measured
 minutes earlier says little.
 
-``L`` is the number of keys the newest query sees, whatever the mode: causal caches hold L tokens;
-window caches have n_c = L (sinks: 4 + (L - 4)) and have wrapped their ring (3L + 17 tokens seen).
+The points and suites live in streamattn/bench/suites.py.
 """
 
 from __future__ import annotations
@@ -24,172 +23,41 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 
 import numpy as np
 
-from .. import CacheSpec, KVCache, attend, backends, reference
+from .. import KVCache, attend, backends
+from ..arrays import to_host
 from . import peers
 from . import report as benchreport
-from ..cache import to_storage
+from ..reference import TOLERANCE as TOL  # same numbers as tests/oracle.py; here vs the stored values
+from ..storage import to_storage
+from .suites import Point, available_impls, select, suite
 
-SINKS = 4
 ROTATE_BYTES = 64 << 20          # rotate caches until this much K+V: 2x the 32 MiB L3 of this machine kind
 CHECK_ROWS = 64                  # newest queries compared with the oracle before timing
-# Same numbers as tests/oracle.py (max |out - oracle| / max |oracle|); here the oracle sees the stored values.
-from ..reference import TOLERANCE as TOL
-MHA, GQA = (8, 8), (32, 8)
-K1, K4, K16, K64 = 1024, 4096, 16384, 65536
-
-
-@dataclass(frozen=True)
-class Point:
-    """One benchmark configuration for one implementation.
-
-    phase: "decode" (one query per sequence), "prefill" (a chunk of T queries that see the cache and,
-    causally, each other), "recompute" (all L queries of a causal history at once: what producing one
-    new token costs without a KV cache, K/V projections aside).
-    """
-
-    impl: str = "cpu"            # cpu | gpu | numpy | torch
-    phase: str = "decode"
-    L: int = K4
-    batch: int = 1
-    q_heads: int = 8
-    kv_heads: int = 8
-    head_dim: int = 64
-    dtype: str = "float32"
-    mode: str = "causal"         # causal | window | sinks
-    T: int = 1                   # queries per sequence per call (recompute: L)
-
-    def spec(self) -> CacheSpec:
-        window = None if self.mode == "causal" else self.L - (SINKS if self.mode == "sinks" else 0)
-        return CacheSpec(batch=self.batch, kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=self.dtype,
-                         window=window, sinks=SINKS if self.mode == "sinks" else 0, max_chunk=self.T,
-                         check_finite=False)
-
-    @property
-    def length(self) -> int:
-        """Tokens each sequence has seen (a wrapped ring for window modes)."""
-        return self.L if self.mode == "causal" else 3 * self.L + 17
-
-    @property
-    def bytes_read(self) -> int:
-        """K and V bytes the call's queries must read: each visible key row once."""
-        keys = self.L if self.mode == "causal" else self.L + self.T - 1
-        itemsize = 4 if self.dtype == "float32" else 2
-        return 2 * self.batch * self.kv_heads * keys * self.head_dim * itemsize
-
-    @property
-    def new_tokens(self) -> int:
-        """Tokens whose output one call produces (recompute: one, the point of the comparison)."""
-        return self.batch * (self.T if self.phase == "prefill" else 1)
-
-    def config(self):
-        return replace(self, impl="")
-
-
-# -- the sweeps ---------------------------------------------------------------------------------------
-
-def suite(name: str, impls) -> list[Point]:
-    """Points of a named suite ("quick", "decode", "modes", "batch", "prefill", "recompute", "full")."""
-    pts: list[Point] = []
-    if name in ("decode", "full"):     # issue 2's grid: B=1, causal
-        for hq, hkv in (MHA, GQA):
-            for d in (64, 128):
-                for dt in ("float32", "float16"):
-                    pts += [Point(L=L, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=dt) for L in (K1, K4, K16, K64)]
-    if name in ("modes", "full"):      # window / sinks rings and bfloat16 storage
-        for mode in ("causal", "window", "sinks"):
-            for dt in ("float16", "bfloat16"):
-                pts += [Point(L=L, q_heads=32, kv_heads=8, dtype=dt, mode=mode) for L in (K1, K4, K16)]
-    if name in ("batch", "full"):
-        for hq, hkv in (MHA, GQA):
-            pts += [Point(L=K4, batch=B, q_heads=hq, kv_heads=hkv, dtype="float16") for B in (1, 2, 4, 8)]
-    if name in ("prefill", "full"):
-        for mode in ("causal", "window"):
-            for T in (16, 64):
-                pts += [Point(phase="prefill", L=L, T=T, q_heads=32, kv_heads=8, dtype="float16", mode=mode)
-                        for L in (K1, K4, K16)]
-    if name in ("recompute", "full", "quick"):
-        pts += [Point(L=K4), Point(phase="recompute", L=K4, T=K4)]
-    if name == "quick":
-        for hq, hkv in (MHA, GQA):
-            for dt in ("float32", "float16"):
-                pts += [Point(L=L, q_heads=hq, kv_heads=hkv, dtype=dt) for L in (K1, K16)]
-        pts += [Point(L=K4, q_heads=32, kv_heads=8, dtype="float16", mode=m) for m in ("window", "sinks")]
-        pts += [Point(phase="prefill", L=K4, T=64, q_heads=32, kv_heads=8, dtype="float16")]
-    if not pts:
-        raise ValueError(f"unknown suite {name!r}; choose from quick, decode, modes, batch, prefill, recompute, full")
-    seen, out = set(), []
-    for p in pts:
-        for impl in impls:
-            q = replace(p, impl=impl)
-            if name == "quick" and impl in ("numpy", "torch") and p.dtype != "float32":
-                continue                 # peers widen 16-bit caches whole: slow, and known to be (DESIGN §6)
-            if q not in seen:
-                seen.add(q)
-                out.append(q)
-    return out
-
-
-def select(points, where: str | None) -> list[Point]:
-    """Points whose fields match ``where`` ("L=16384,dtype=float32|float16"): the --where option."""
-    if not where:
-        return points
-    want = {}
-    for term in where.split(","):
-        field, _, values = term.partition("=")
-        if field not in Point.__dataclass_fields__:
-            raise ValueError(f"--where: unknown field {field!r}; fields are {', '.join(Point.__dataclass_fields__)}")
-        want[field] = set(values.split("|"))
-    return [p for p in points if all(str(getattr(p, f)) in v for f, v in want.items())]
-
-
-def available_impls() -> list[str]:
-    """Implementations this machine can run: cpu and numpy always, gpu with a CUDA device, torch if installed."""
-    impls = ["cpu", "numpy"]
-    if _gpu_available():
-        impls.insert(1, "gpu")
-    if peers.torch_available():
-        impls.append("torch")
-    return impls
-
-
-def _gpu_available() -> bool:
-    try:
-        import cupy
-        from ..backends import gpu  # noqa: F401  (the CuPy backend, when this checkout has it)
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
 
 
 # -- building caches ----------------------------------------------------------------------------------
 
 def build(point: Point, rng, device: str = "cpu", rotate_bytes: int = ROTATE_BYTES):
-    """Caches to rotate through (>= 2, > ``rotate_bytes`` in all, <= 256) and the queries [B, Hq, T, D] float32."""
+    """Caches to rotate through (>= 2, > ``rotate_bytes`` in all, <= 256) and the queries [B, Hq, T, D] float32.
+
+    Every cache holds the same random K/V as if ``point.length`` tokens had been appended (a window ring
+    full), written with ``KVCache.write_sequence``, with the newest T tokens pending as queries.
+    """
     spec = point.spec()
     first = KVCache(spec, device=device)
-    if spec.window is None:
-        first.reserve(point.L)
     n = point.L if spec.window is None else first.slots
-    for store in (first.k, first.v):
-        x = rng.standard_normal((spec.batch, spec.kv_heads, n, spec.head_dim), dtype=np.float32)
-        store[:, :, :n] = first.xp.asarray(to_storage(x, spec.dtype, np))
-    caches = [first]
+    rows = [to_storage(rng.standard_normal((spec.batch, spec.kv_heads, n, spec.head_dim), dtype=np.float32),
+                       spec.dtype, np) for _ in "kv"]
+    caches = []
     while len(caches) < 2 or (len(caches) * first.nbytes < rotate_bytes and len(caches) < 256):
-        c = KVCache(spec, device=device)
-        if spec.window is None:
-            c.reserve(point.L)
-        c.k[...] = first.k
-        c.v[...] = first.v
+        c = first if not caches else KVCache(spec, device=device)
+        for b in range(spec.batch):
+            c.write_sequence(b, rows[0][b], rows[1][b], length=point.length, last_count=point.T)
         caches.append(c)
-    for c in caches:
-        # Benchmark shortcut: K/V were written straight into the storage (every slot a window ring has
-        # is full), so set the bookkeeping append() would have left: tokens seen, newest T to attend.
-        c.lengths[:] = point.length
-        c.last_counts[:] = point.T
     q = rng.standard_normal((spec.batch, point.q_heads, point.T, spec.head_dim), dtype=np.float32)
     return caches, (first.xp.asarray(q) if device == "gpu" else q)
 
@@ -224,8 +92,7 @@ def oracle_error(point: Point, out, cache, q) -> float:
 
     The oracle is the reference backend (float64 over what the ring holds), on those slices only.
     """
-    host = (lambda a: a.get()) if cache.device == "gpu" else (lambda a: a)
-    out = host(out)
+    out = to_host(out, copy=False)
     spec, G, T = cache.spec, point.q_heads // point.kv_heads, point.T
     c = min(T, CHECK_ROWS)
     err = 0.0

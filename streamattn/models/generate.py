@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from streamattn.arrays import to_host
 from streamattn.models.transformer import Transformer
 from streamattn.models.sampling import SamplingParams, sample
 from streamattn.models.tokenizer import StreamDecoder, Tokenizer
@@ -111,7 +112,7 @@ class Generator:
             for b in range(B):
                 toks[b, :cnt[b]] = prompts[b][done[b]: done[b] + cnt[b]]
             logits = self.model.forward(toks, self.caches, counts=cnt, backend=self.backend, last_only=True)
-            logits = _host(logits)
+            logits = to_host(logits, copy=False)
             done += cnt
             for b in np.nonzero((cnt > 0) & (done == lens))[0]:
                 last[b] = logits[b]
@@ -198,18 +199,14 @@ class Generator:
                 break
             t0 = time.perf_counter()
             cnt = active.astype(np.int64)                     # finished sequences send padding (count 0)
-            logits = _host(self.model.forward(nxt[:, None], self.caches, counts=None if active.all() else cnt,
-                                              backend=self.backend, last_only=True))
+            logits = to_host(self.model.forward(nxt[:, None], self.caches, counts=None if active.all() else cnt,
+                                              backend=self.backend, last_only=True), copy=False)
             step_s = time.perf_counter() - t0 + sample_s
             self.stats.decode_steps_s.append(step_s)
 
     def generate(self, prompt, **kw) -> str:
         """The whole completion of one prompt as a string (see :meth:`stream`)."""
         return "".join(ev.text for ev in self.stream(prompt, **kw))
-
-
-def _host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def _stop_cut(prev: str, piece: str, stop) -> int | None:

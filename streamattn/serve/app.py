@@ -1,0 +1,221 @@
+"""FastAPI app: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+
+HTTP handlers only check requests, queue them on the engine and relay its events (server-sent events for
+``stream: true``: ``data: {json}\\n\\n`` ... ``data: [DONE]``). A watcher on each request's ASGI channel
+cancels its sequence as soon as the client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+import traceback
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from streamattn.serve.config import ServeConfig
+from streamattn.serve.engine import Engine, QueueFull
+from streamattn.serve.metrics import Metrics
+from streamattn.serve.protocol import APIError, Reply, parse
+from streamattn.serve.sequence import Sequence
+
+
+class ServerState:
+    """What the routes share: the config, the model once loaded, the engine, the metrics."""
+
+    def __init__(self, config: ServeConfig):
+        self.cfg = config
+        self.metrics = Metrics()
+        self.engine: Engine | None = None
+        self.tok = None
+        self.model_id = config.model_id
+        self.context = 0
+        self.load_error: str | None = None
+        self.ready = threading.Event()
+
+    def load(self) -> None:
+        """Load the model and start the engine (runs in a thread; /health is 503 until it is done)."""
+        try:
+            from streamattn.models.hub import resolve_model
+            from streamattn.models.loader import load_gguf
+            from streamattn.models.tokenizer import Tokenizer
+            from streamattn.models.transformer import Transformer
+            from streamattn.threads import set_threads
+
+            set_threads(self.cfg.threads)
+            path = resolve_model(self.cfg.model, quiet=True)
+            t0 = time.perf_counter()
+            m = load_gguf(path)
+            tf = Transformer(m)
+            if self.cfg.backend == "gpu":
+                import cupy
+                tf.to(cupy)
+            self.tok = Tokenizer.from_metadata(m.metadata)
+            self.context = int(m.config.context_length)
+            self.model_id = self.model_id or Path(path).stem
+            self.engine = Engine(tf, self.tok, self.cfg, self.metrics).start()
+            print(f"streamattn serve: {self.model_id} loaded in {time.perf_counter() - t0:.1f} s; "
+                  f"{self.cfg.parallel} slots, cache {self.cfg.cache}", file=sys.stderr, flush=True)
+            self.ready.set()
+        except Exception as e:                    # reported by /health and every request
+            traceback.print_exc()
+            self.load_error = f"{type(e).__name__}: {e}"
+
+    def need_ready(self) -> None:
+        if not self.ready.is_set():
+            msg = (f"the model failed to load: {self.load_error}" if self.load_error
+                   else "the model is still loading; retry when GET /health answers 200")
+            raise APIError(503, msg, type="server_error", code="model_not_ready")
+
+
+def build_app(config: ServeConfig) -> FastAPI:
+    """The server as an ASGI app; its lifespan loads the model in the background and stops the engine.
+
+    Parameters
+    ----------
+    config : ServeConfig
+
+    Returns
+    -------
+    fastapi.FastAPI
+        ``app.state.serve`` is the :class:`ServerState` (engine, metrics).
+
+    Examples
+    --------
+    >>> uvicorn.run(build_app(ServeConfig(parallel=8)), host="127.0.0.1", port=8000)   # doctest: +SKIP
+    """
+    st = ServerState(config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=st.load, name="streamattn-load", daemon=True).start()
+        yield
+        if st.engine is not None:
+            await asyncio.to_thread(st.engine.stop)
+
+    app = FastAPI(title="streamattn", lifespan=lifespan)
+    app.state.serve = st
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        return JSONResponse(APIError(e.status_code, str(e.detail), code=str(e.status_code)).body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, e):
+        traceback.print_exc()
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if st.ready.is_set():
+            return {"status": "ok"}
+        return JSONResponse({"status": "error" if st.load_error else "loading", "error": st.load_error},
+                            status_code=503)
+
+    @app.get("/v1/models")
+    async def models():
+        st.need_ready()
+        return {"object": "list", "data": [{"id": st.model_id, "object": "model", "created": 0,
+                                            "owned_by": "streamattn", "context_length": st.context}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _complete(st, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(st, request, "text")
+
+    return app
+
+
+async def _complete(st: ServerState, request: Request, kind: str):
+    body = await request.body()
+    st.need_ready()
+    job, meta = parse(body, kind, model_id=st.model_id, tok=st.tok, context=st.context,
+                      fail_text=st.cfg.debug_fail_text)
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def emit(ev):                                    # engine thread -> this request's event loop
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+        except RuntimeError:                         # the loop is closed: nobody listens any more
+            pass
+
+    seq = Sequence(job=job, emit=emit, tok=st.tok)
+    try:
+        st.engine.submit(seq)
+    except QueueFull as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded") from None
+    reply = Reply(meta, st.tok)
+    watcher = asyncio.create_task(_watch_disconnect(request, st.engine, seq))
+    if meta["stream"]:
+        return StreamingResponse(_sse(st, seq, reply, events, watcher, meta["include_usage"]),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        text, lps = [], []
+        while True:
+            ev = await events.get()
+            if ev.kind == "delta":
+                text.append(ev.text)
+                lps.extend(ev.logprobs)
+            elif ev.kind == "error":
+                raise APIError(500, ev.message, type="server_error", code="engine_error")
+            else:
+                return reply.whole("".join(text), tuple(lps), ev.finish, ev.usage)
+    finally:
+        watcher.cancel()
+        st.engine.cancel(seq)                         # a no-op once finished
+
+
+async def _sse(st, seq, reply: Reply, events, watcher, include_usage: bool):
+    def data(obj) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    try:
+        if reply.kind == "chat":
+            yield data(reply.chunk(first=True))
+        while True:
+            ev = await events.get()
+            if ev.kind == "delta":
+                yield data(reply.chunk(ev.text, ev.logprobs))
+            elif ev.kind == "error":
+                yield data(APIError(500, ev.message, type="server_error", code="engine_error").body())
+                return
+            else:
+                yield data(reply.chunk(finish=ev.finish))
+                if include_usage:
+                    yield data(reply.usage_chunk(ev.usage))
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        watcher.cancel()
+        st.engine.cancel(seq)
+
+
+async def _watch_disconnect(request: Request, engine: Engine, seq: Sequence) -> None:
+    """Cancel ``seq`` the moment the client's connection closes."""
+    while not seq.finished:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            engine.cancel(seq)
+            return

@@ -1,0 +1,94 @@
+"""Server settings: one frozen dataclass, validated when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CACHE_MODES = ("full", "window", "sinks")
+CACHE_DTYPES = ("float32", "float16", "bfloat16")
+BACKENDS = ("reference", "cpu", "gpu", "auto")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Settings of ``streamattn serve`` (and of :func:`streamattn.serve.build_app`).
+
+    Parameters
+    ----------
+    model : str or None
+        A .gguf path or a model name (``streamattn.models.hub``); None = the default model.
+    host, port : str, int
+        Where uvicorn listens (``build_app`` itself ignores them).
+    parallel : int
+        Sequence slots: the batch of the engine's caches; at most this many requests decode at once.
+    cache : {"full", "window", "sinks"}
+    window, sinks : int or None, int
+        Window n_c (keys incl. the current one; default 256 for window/sinks) and sink tokens.
+    max_queue : int
+        Requests that may wait for a slot; one more gets 429.
+    prompt_cache_mb : float
+        Memory for the prompt cache (0 = off).
+    threads : int
+        CPU threads for matmuls and attention.
+    backend : {"reference", "cpu", "gpu", "auto"}
+    prefill_chunk : int
+        Prompt tokens per sequence per engine step (and the caches' ``max_chunk``): a long prompt stalls
+        the running streams by at most one chunk per step.
+    cache_dtype : {"float32", "float16", "bfloat16"}
+    model_id : str or None
+        Name reported by /v1/models and required in requests (default: the model file's stem).
+    debug_fail_text : str or None
+        Testing aid: a request whose prompt text contains this string raises inside its engine step, to
+        show that one request's failure stays its own.
+    """
+
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    parallel: int = 4
+    cache: str = "full"
+    window: int | None = None
+    sinks: int = 4
+    max_queue: int = 64
+    prompt_cache_mb: float = 256.0
+    threads: int = 1
+    backend: str = "cpu"
+    prefill_chunk: int = 32
+    cache_dtype: str = "float32"
+    model_id: str | None = None
+    debug_fail_text: str | None = None
+
+    def __post_init__(self):
+        def need(ok, name, expected):
+            if not ok:
+                raise ValueError(f"{name} must be {expected} (got {getattr(self, name)!r})")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        need(is_int(self.port) and 0 <= self.port <= 65535, "port", "an integer in 0..65535")
+        need(is_int(self.parallel) and self.parallel >= 1, "parallel", "an integer >= 1 (sequence slots)")
+        need(self.cache in CACHE_MODES, "cache", f"one of {CACHE_MODES}")
+        if self.cache == "full":
+            need(self.window is None, "window", "None with cache='full' (use cache='window' for a window)")
+        else:
+            need(self.window is None or (is_int(self.window) and self.window >= 1), "window",
+                 "an integer >= 1, or None for the default 256")
+        need(is_int(self.sinks) and self.sinks >= (1 if self.cache == "sinks" else 0), "sinks",
+             "an integer >= 1 with cache='sinks' (>= 0 otherwise)")
+        need(is_int(self.max_queue) and self.max_queue >= 0, "max_queue", "an integer >= 0")
+        need(isinstance(self.prompt_cache_mb, (int, float)) and not isinstance(self.prompt_cache_mb, bool)
+             and self.prompt_cache_mb >= 0, "prompt_cache_mb", "a number >= 0 (0 turns the prompt cache off)")
+        need(is_int(self.threads) and self.threads >= 1, "threads", "an integer >= 1")
+        need(self.backend in BACKENDS, "backend", f"one of {BACKENDS}")
+        need(is_int(self.prefill_chunk) and self.prefill_chunk >= 1, "prefill_chunk", "an integer >= 1")
+        need(self.cache_dtype in CACHE_DTYPES, "cache_dtype", f"one of {CACHE_DTYPES}")
+        need(self.debug_fail_text is None or (isinstance(self.debug_fail_text, str) and self.debug_fail_text),
+             "debug_fail_text", "None or a non-empty string")
+
+    @property
+    def cache_kwargs(self) -> dict:
+        """Keyword arguments of ``Transformer.new_caches`` (without ``batch``)."""
+        window = self.window if self.window is not None or self.cache == "full" else 256
+        return dict(mode=self.cache, window=window, sinks=self.sinks if self.cache == "sinks" else 0,
+                    max_chunk=self.prefill_chunk, dtype=self.cache_dtype)

@@ -1,0 +1,213 @@
+"""The engine: one thread, ``parallel`` sequence slots in one batch of caches, continuous batching.
+
+Each step (``Engine.step``):
+
+1. drop cancelled requests (queued or running) and free their slots (``KVCache.reset(b)`` per layer);
+2. admit queued requests into free slots, loading the longest reusable prompt prefix from the prompt cache;
+3. run every active slot as one ragged batch through ``Transformer.forward``: a decoding sequence feeds
+   its last token (count 1), a prefilling one its next chunk of at most ``prefill_chunk`` prompt tokens,
+   an idle slot nothing (count 0). A long prompt therefore delays the running streams by one chunk per
+   step, never by its whole prefill;
+4. each sequence whose prompt is complete samples its next token and emits its text.
+
+A disconnect is noticed at the next step's start (1.), so a cancelled sequence never runs another step.
+An exception while one sequence samples or detokenizes fails that request alone; one inside ``forward``
+(shared by the batch) fails the requests of that step and resets their slots, and the engine goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from streamattn.models.generate import _host
+from streamattn.serve.metrics import Metrics
+from streamattn.serve.prompt_cache import PromptCache
+from streamattn.serve.sequence import Sequence
+
+
+class QueueFull(Exception):
+    """The wait queue already holds ``max_queue`` requests."""
+
+
+class Engine:
+    """Continuous-batching decode loop over one batch of ring caches.
+
+    Parameters
+    ----------
+    model : Transformer
+    tokenizer : Tokenizer
+    config : ServeConfig
+    metrics : Metrics, optional
+    """
+
+    def __init__(self, model, tokenizer, config, metrics: Metrics | None = None):
+        self.model, self.tok, self.cfg = model, tokenizer, config
+        self.metrics = metrics or Metrics()
+        kw = config.cache_kwargs
+        self.caches = model.new_caches(batch=config.parallel, **kw)       # one KVCache per layer, batch=slots
+        self.slots: list = [None] * config.parallel                        # Sequence or None per slot
+        self.queue: collections.deque = collections.deque()
+        self.prompt_cache = PromptCache(int(config.prompt_cache_mb * 2**20),
+                                        lambda: model.new_caches(batch=1, **kw))
+        self.steps = 0
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ called from other threads
+    def submit(self, seq: Sequence) -> None:
+        """Queue ``seq``; raises QueueFull when ``max_queue`` requests already wait beyond the free slots."""
+        with self._cv:
+            free = sum(s is None for s in self.slots)          # queued requests that get a slot next step
+            if len(self.queue) >= self.cfg.max_queue + free:
+                self.metrics.rejected.inc()
+                raise QueueFull(f"the server is busy: {len(self.queue)} requests already wait for one of "
+                                f"{self.cfg.parallel} slots (max_queue={self.cfg.max_queue}); retry later")
+            self.queue.append(seq)
+            self.metrics.queued.set(len(self.queue))
+            self._cv.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client left: ``seq`` stops before the engine's next step."""
+        if not seq.finished and not seq.cancelled.is_set():
+            seq.cancel_step = self.steps
+            seq.cancelled.set()
+            with self._cv:
+                self._cv.notify()
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._loop, name="streamattn-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for seq in list(self.queue) + [s for s in self.slots if s is not None]:
+            seq.fail("the server is shutting down")
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        from streamattn.threads import set_threads
+        set_threads(self.cfg.threads)                 # numba's thread count is per calling thread
+        while True:
+            with self._cv:
+                while not self._stop and not self.queue and self.running == 0:
+                    self._cv.wait(0.5)
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception:                          # a bug outside any one request: keep serving
+                traceback.print_exc()
+                time.sleep(0.01)
+
+    def step(self) -> None:
+        """One engine step (see the module docstring)."""
+        self._drop_cancelled()
+        self._admit()
+        active = [s for s in self.slots if s is not None]
+        if not active:
+            return
+        t0 = time.perf_counter()
+        B, C = self.cfg.parallel, self.cfg.prefill_chunk
+        counts = np.zeros(B, np.int64)                                     # [B] real tokens per slot
+        for s in active:
+            counts[s.slot] = min(C, len(s.job.prompt) - s.done) if s.prefilling else 1
+        tokens = np.zeros((B, int(counts.max())), np.int64)                # [B, T] ragged, zero padding
+        for s in active:
+            tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
+                                               else [s.next_token])
+        try:
+            logits = _host(self.model.forward(tokens, self.caches, counts=counts, backend=self.cfg.backend,
+                                              last_only=True))             # [B, vocab]
+        except Exception as e:                                             # shared by the batch
+            traceback.print_exc()
+            for s in active:
+                s.fail(f"the model step failed: {type(e).__name__}: {e}")
+                self._free(s, "error")
+            return
+        for s in active:
+            n = int(counts[s.slot])
+            was_prefill = s.prefilling
+            if was_prefill:
+                s.done += n
+                if s.prefilling:
+                    continue
+                if s.job.cache_prompt:
+                    self.prompt_cache.store(list(s.job.prompt), caches=self.caches, slot=s.slot)
+                    self.metrics.cache_bytes.set(self.prompt_cache.nbytes)
+            try:
+                ended = s.advance(logits[s.slot])
+            except Exception as e:
+                traceback.print_exc()
+                s.fail(f"this request failed in its engine step: {type(e).__name__}: {e}")
+                self._free(s, "error")
+                continue
+            self.metrics.generation_tokens.inc()
+            if ended:
+                self._free(s, None)
+        self.steps += 1
+        self.metrics.steps.inc()
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            kept = [s for s in self.queue if not s.cancelled.is_set()]
+            if len(kept) != len(self.queue):
+                for s in self.queue:
+                    if s.cancelled.is_set():
+                        s.finished = True
+                        self.metrics.requests.labels("cancelled").inc()
+                self.queue = collections.deque(kept)
+                self.metrics.queued.set(len(self.queue))
+        for s in self.slots:
+            if s is not None and s.cancelled.is_set():
+                self.metrics.cancel_steps.observe(self.steps - s.cancel_step)
+                s.finished = True
+                self._free(s, "cancelled")
+
+    def _admit(self) -> None:
+        with self._cv:
+            for b in range(len(self.slots)):
+                if not self.queue:
+                    break
+                if self.slots[b] is None:
+                    s = self.queue.popleft()
+                    s.slot = b
+                    self.slots[b] = s
+            self.metrics.queued.set(len(self.queue))
+        for s in self.slots:
+            if s is not None and not s.admitted:
+                s.admitted = True
+                self.metrics.prompt_tokens.inc(len(s.job.prompt))
+                if s.job.cache_prompt and self.cfg.prompt_cache_mb > 0:
+                    self.metrics.cache_lookups.inc()
+                    n = self.prompt_cache.lookup(list(s.job.prompt), caches=self.caches, slot=s.slot)
+                    if n:
+                        s.done = s.cached = n
+                        self.metrics.cache_hits.inc()
+                        self.metrics.cached_tokens.inc(n)
+        self.metrics.running.set(self.running)
+
+    def _free(self, s: Sequence, outcome: str | None) -> None:
+        """Give ``s``'s slot back at once: its rows are zeroed in every layer."""
+        if s.slot >= 0 and self.slots[s.slot] is s:
+            for c in self.caches:
+                c.reset(s.slot)
+            self.slots[s.slot] = None
+        s.slot = -1
+        self.metrics.requests.labels(outcome or s.finish_reason or "unknown").inc()
+        self.metrics.running.set(self.running)

@@ -1,0 +1,247 @@
+"""OpenAI wire format: request schemas and their checks, response and stream-chunk bodies, error bodies.
+
+Requests are parsed by hand from the raw body (so malformed JSON and wrong types both answer 400 with an
+OpenAI error body, not FastAPI's 422) and checked with pydantic models that allow unknown fields, as
+OpenAI clients send many.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from streamattn.models.sampling import SamplingParams
+from streamattn.serve.sequence import Job
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list, None] = None
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, lt=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = None
+    ignore_eos: bool = False                   # extension (vLLM): keep going past end-of-sequence tokens
+    cache_prompt: bool = True                  # extension (llama.cpp): use the prompt cache
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str]]
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: Optional[bool] = False
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    param = ".".join(str(x) for x in err["loc"]) or None
+    got = err.get("input")
+    got = "" if isinstance(got, dict) and err["type"] == "missing" else f" (got {json.dumps(got)[:80]})"
+    return APIError(400, f"{param}: {err['msg']}{got}", param=param, code=err["type"])
+
+
+def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text: str | None = None):
+    """Check a request body; return (Job, meta) or raise APIError (400/404).
+
+    ``kind`` is "chat" or "text"; ``meta`` holds model, stream, include_usage, kind and logprob settings.
+    """
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"the request body must be a JSON object (got {type(obj).__name__})",
+                       code="invalid_type")
+    try:
+        req = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(obj)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    if req.model != model_id:
+        raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_id!r}",
+                       param="model", code="model_not_found")
+    if req.n not in (None, 1):
+        raise APIError(400, f"n must be 1 (got {req.n}): one choice per request; send several requests",
+                       param="n", code="unsupported_value")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise APIError(400, f"{name} is not supported (got {getattr(req, name)}); use repetition_penalty",
+                           param=name, code="unsupported_value")
+    text = _prompt_text(req, kind, tok)
+    if kind == "text" and isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+        ids = list(req.prompt)
+        bad = [i for i in ids if not 0 <= i < tok.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in 0..{tok.vocab_size - 1} (got {bad[0]})",
+                           param="prompt", code="invalid_value")
+    else:
+        ids = tok.encode(text)
+    param = "messages" if kind == "chat" else "prompt"
+    if not ids:
+        raise APIError(400, f"{param} encodes to no tokens; give some text", param=param, code="invalid_value")
+    if len(ids) >= context:
+        raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context is {context} tokens and "
+                       f"at least one must be left to generate; shorten the {param}", param=param,
+                       code="context_length_exceeded")
+    room = context - len(ids)
+    max_tokens, mt_name = ((req.max_completion_tokens, "max_completion_tokens")
+                           if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens < 1:
+        raise APIError(400, f"{mt_name} must be >= 1 (got {max_tokens})", param=mt_name, code="invalid_value")
+    elif max_tokens > room:
+        raise APIError(400, f"{mt_name}={max_tokens} plus the prompt's {len(ids)} tokens exceed the context of "
+                       f"{context} tokens; ask for at most {room}", param=mt_name, code="context_length_exceeded")
+    if kind == "text" and req.echo:
+        raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
+    if kind == "chat":
+        want_lp, top = bool(req.logprobs), int(req.top_logprobs or 0)
+        if top and not want_lp:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+    else:
+        want_lp, top = req.logprobs is not None, int(req.logprobs or 0)
+    sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                              top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
+                              min_p=req.min_p or 0.0,
+                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                              seed=req.seed)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    job = Job(prompt=tuple(ids), max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=want_lp,
+              top_logprobs=top, ignore_eos=req.ignore_eos, cache_prompt=req.cache_prompt,
+              fail=bool(fail_text) and fail_text in text)
+    meta = dict(kind=kind, model=model_id, stream=bool(req.stream),
+                include_usage=bool(req.stream_options and req.stream_options.include_usage))
+    return job, meta
+
+
+def _prompt_text(req, kind: str, tok) -> str:
+    if kind == "text":
+        p = req.prompt
+        if isinstance(p, list):
+            if len(p) == 1 and isinstance(p[0], str):
+                return p[0]
+            if p and isinstance(p[0], str):
+                raise APIError(400, f"prompt: one prompt per request (got a list of {len(p)})", param="prompt",
+                               code="unsupported_value")
+            return ""
+        return p
+    msgs = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise APIError(400, f"messages.{i}.content.{j}: only text parts are supported (got "
+                                   f"{json.dumps(part)[:80]})", param=f"messages.{i}.content", code="invalid_type")
+                parts.append(part["text"])
+            content = "".join(parts)
+        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    try:
+        return tok.apply_chat(msgs)
+    except ValueError as e:
+        raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
+
+
+# ---------------------------------------------------------------------------------------- responses
+class Reply:
+    """Builds the response bodies of one request (shared id, creation time and model)."""
+
+    def __init__(self, meta: dict, tok):
+        self.kind, self.model, self.tok = meta["kind"], meta["model"], tok
+        self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self._offset = 0
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str = "", logprobs: tuple = (), finish: str | None = None, *, first=False) -> dict:
+        """One stream event's payload (``first``: the chat stream's opening role delta)."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
+        choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice], "usage": None}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage}
+
+    def whole(self, text: str, logprobs: tuple, finish: str, usage: dict) -> dict:
+        """The non-streaming response."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage}
+
+    def _token(self, i: int) -> tuple:
+        b = self.tok.token_bytes[i] or (self.tok.hf.id_to_token(i) or "").encode()
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    def logprobs(self, entries: tuple):
+        """Chat: {"content": [...]}; completions: the legacy tokens / token_logprobs / top_logprobs lists."""
+        if not entries:
+            return None
+        if self.kind == "chat":
+            content = []
+            for e in entries:
+                s, b = self._token(e["id"])
+                tops = [dict(zip(("token", "bytes"), self._token(i)), logprob=lp) for i, lp in e["top"]]
+                content.append({"token": s, "logprob": e["logprob"], "bytes": b, "top_logprobs": tops})
+            return {"content": content}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            s = self._token(e["id"])[0]
+            out["tokens"].append(s)
+            out["token_logprobs"].append(e["logprob"])
+            out["top_logprobs"].append({self._token(i)[0]: lp for i, lp in e["top"]})
+            out["text_offset"].append(self._offset)
+            self._offset += len(s)
+        return out

