@@ -71,11 +71,11 @@ def _warm_kernels(args) -> None:
     from streamattn.backends import gpu
     if args.backend == "auto" and gpu.available():
         return
-    from streamattn.backends import cpu
-    if not cpu.kernels_cached() and not args.quiet:
+    from streamattn.backends import warmup
+    if not warmup.kernels_cached() and not args.quiet:
         print("compiling attention kernels (once after an install; Numba caches them) ...", file=sys.stderr,
               flush=True)
-    cpu.warm(args.cache_dtype)
+    warmup.warm(args.cache_dtype)
 
 
 # ---------------------------------------------------------------------------------------- shared

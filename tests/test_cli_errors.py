@@ -113,14 +113,14 @@ def test_ctrl_c_finishes_the_line_and_exits_130(monkeypatch, capsys):
 
 
 def test_cold_kernel_cache_is_announced_and_warmed_before_timing(monkeypatch, capsys):
-    from streamattn.backends import cpu
+    from streamattn.backends import warmup
     calls = []
-    monkeypatch.setattr(cpu, "kernels_cached", lambda: False)
-    monkeypatch.setattr(cpu, "warm", lambda kind: calls.append(kind))
+    monkeypatch.setattr(warmup, "kernels_cached", lambda: False)
+    monkeypatch.setattr(warmup, "warm", lambda kind: calls.append(kind))
     args = cli.build_parser().parse_args(["generate", "x", "--cache-dtype", "float16"])
     cli._warm_kernels(args)
     assert calls == ["float16"] and "compiling attention kernels" in capsys.readouterr().err
-    monkeypatch.setattr(cpu, "kernels_cached", lambda: True)
+    monkeypatch.setattr(warmup, "kernels_cached", lambda: True)
     cli._warm_kernels(args)
     assert calls == ["float16"] * 2 and capsys.readouterr().err == ""
 
@@ -133,3 +133,11 @@ def test_a_closed_pipe_exits_quietly():
                        f"{smollm2_path()} | head -c 10", shell=True, capture_output=True, text=True, env=env,
                        timeout=300)
     assert p.stdout == "Once upon " and p.stderr == "", p.stderr[-2000:]
+
+
+def test_warm_compiles_or_loads_every_storage_kind():
+    from streamattn.backends import warmup
+    assert isinstance(warmup.kernels_cached(), bool)
+    for kind in ("float32", "float16", "bfloat16"):
+        assert warmup.warm(kind) >= 0
+    assert warmup.kernels_cached()

@@ -383,22 +383,3 @@ def _drop_stale_kernels(kernels=None, source=None) -> None:
 
 _drop_stale_kernels()
 
-
-def kernels_cached() -> bool:
-    """Whether Numba's on-disk cache already holds the attention kernel (False: the first call compiles it,
-    ~10 s after a fresh install)."""
-    try:
-        return any(Path(_attend_splits._cache._cache_path).glob("*_attend_splits-*.nbi"))
-    except (AttributeError, OSError):   # no cache, or numba internals moved: say nothing
-        return True
-
-
-def warm(kind: str) -> float:
-    """Compile (or load from the cache) the kernels for storage ``kind`` now, outside any timing; seconds taken."""
-    import time
-    t0 = time.perf_counter()
-    store = np.zeros((1, 1, 1, 16), np.float32 if kind == "float32" else np.uint16 if kind == "bfloat16"
-                     else np.float16)
-    one = np.ones(1, np.int64)
-    attend(np.zeros((1, 1, 1, 16), np.float32), store, store, one, one, window=0, sinks=0, scale=1.0, kind=kind)
-    return time.perf_counter() - t0
