@@ -102,6 +102,10 @@ def _poison_non_finite(out, lse, counts, xp):
             out[bad] = np.nan
             lse[bad] = np.nan
         return out, lse
-    # device arrays: no host sync, no boolean indexing; where() costs a copy of out (q-sized)
+    return _poison_on_device(out, lse, real, xp)
+
+
+def _poison_on_device(out, lse, real, xp):
+    """The same on device arrays: no host sync, no boolean indexing; where() costs a copy of out (q-sized)."""
     bad = xp.asarray(real) & ~xp.isfinite(lse)
     return xp.where(bad[..., None], xp.nan, out).astype(out.dtype, copy=False), xp.where(bad, xp.nan, lse)

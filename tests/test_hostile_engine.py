@@ -130,3 +130,21 @@ def test_reserve_validates(tokens):
     with pytest.raises(ValueError, match=rf"tokens must be an integer >= 0 \(got {tokens!r}\)"):
         cache.reserve(tokens)
     assert_unchanged(cache, snap)
+
+
+def test_the_device_form_of_the_nan_rule_matches_the_host_form():
+    """dispatch._poison_on_device (used for CuPy results) run with numpy as the array module."""
+    from streamattn import dispatch
+    rng = np.random.default_rng(3)
+    out = rng.standard_normal((2, 3, 4, 8)).astype(np.float16)
+    lse = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    lse[0, 1, 2] = -np.inf                       # a real row that saw a NaN key
+    lse[1, :, 3] = -np.inf                       # padding (counts[1] = 3)
+    counts = np.array([4, 3])
+    want_out, want_lse = dispatch._poison_non_finite(out.copy(), lse.copy(), counts, np)
+    real = (np.arange(4)[None, :] < counts[:, None])[:, None, :]
+    got_out, got_lse = dispatch._poison_on_device(out.copy(), lse.copy(), real, np)
+    assert got_out.dtype == np.float16
+    np.testing.assert_array_equal(got_out, want_out)
+    np.testing.assert_array_equal(got_lse, want_lse)
+    assert np.isnan(want_out[0, 1, 2]).all() and (want_lse[1, :, 3] == -np.inf).all()

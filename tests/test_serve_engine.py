@@ -4,12 +4,12 @@ cache's exactness on full/window/sink caches, cancellation, failure isolation, t
 import numpy as np
 import pytest
 
-from _model_util import write_tiny_gguf, single_thread  # noqa: F401 (fixture)
+from _model_util import write_tiny_gguf
 from streamattn.models.sampling import SamplingParams
 from streamattn.serve.config import ServeConfig
 from streamattn.serve.sequence import Job, Sequence, StopFilter
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")
 pytest.importorskip("prometheus_client")
 
 MODES = {"full": {}, "window": dict(cache="window", window=6), "sinks": dict(cache="sinks", window=6, sinks=2)}
