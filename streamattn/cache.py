@@ -148,9 +148,9 @@ class KVCache:
             self.k[b][:, idx] = ks[b, :, :c]
             self.v[b][:, idx] = vs[b, :, :c]
         if spec.window is not None:  # the writes destroyed positions up to L + count - 1 - R
-            self.held_from = np.maximum(self.held_from, self.lengths + counts - self.ring)
+            np.maximum(self.held_from, self.lengths + counts - self.ring, out=self.held_from)
         self.lengths += counts
-        self.last_counts = counts
+        self.last_counts[:] = counts           # in place: a head() view and its parent share the counters
 
     def _validate_append(self, k, v, counts):
         spec, xp = self.spec, self.xp
@@ -216,7 +216,27 @@ class KVCache:
         if tokens > self.slots:
             self._grow(tokens)
 
+    def head(self, n: int) -> "KVCache":
+        """Sequences 0..n-1 as a cache of batch n sharing this one's storage and counters.
+
+        Appending to and attending the view is appending to and attending those rows here: a step that
+        runs only the first n sequences computes no rows for idle ones after them (the server's engine);
+        rows n.. are untouched (a full-batch append would set their ``last_counts`` to 0). A view cannot grow (that would detach it): ``reserve`` room on this cache first. Use a view for
+        one step and drop it; a later ``reserve`` here leaves older views stale.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.spec.batch:
+            raise ValueError(f"n must be an integer in 1..batch={self.spec.batch} (got {n!r})")
+        view = object.__new__(KVCache)
+        view.spec, view.device, view.xp = dataclasses.replace(self.spec, batch=int(n)), self.device, self.xp
+        view.k, view.v = self.k[:n], self.v[:n]                    # [n, kv_heads, slots, head_dim] views
+        view.lengths, view.last_counts, view.held_from = self.lengths[:n], self.last_counts[:n], self.held_from[:n]
+        view._view_of = self
+        return view
+
     def _grow(self, need: int) -> None:
+        if getattr(self, "_view_of", None) is not None:
+            raise ValueError(f"this head() view would need {need} slots (has {self.slots}); reserve({need}) "
+                             f"on the cache it views before making the view")
         cap = self.slots
         while cap < need:
             cap *= 2
@@ -287,8 +307,9 @@ class KVCache:
                 raise ValueError(f"state[{n!r}] must be {spec.storage_dtype} [{spec.batch}, {spec.kv_heads}, "
                                  f"<={slots}, {spec.head_dim}] (got {a.dtype} {tuple(a.shape)})")
         cache = cls(spec, device=device)
-        for n in ("k", "v"):
-            store = storage_zeros(cache.xp, shape, spec.storage_dtype)
+        for n in ("k", "v"):   # a window cache is allocated in full already; a causal one may need more
+            store = getattr(cache, n)
+            store = store if store.shape == shape else storage_zeros(cache.xp, shape, spec.storage_dtype)
             store[:, :, :state[n].shape[2]] = cache.xp.asarray(state[n])
             setattr(cache, n, store)
         cache.lengths, cache.last_counts, cache.held_from = (

@@ -90,6 +90,9 @@ def _model_args(p):
     p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
     p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per forward call")
+    p.add_argument("--weights", choices=("quant", "f32"), default="quant",
+                   help="quant: matrices stay in the file's block formats (default); f32: dequantized "
+                        "float32 reference path")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--threads", type=int, default=1,
@@ -118,7 +121,7 @@ def _load(args):
                   file=sys.stderr, flush=True)
 
     try:
-        m = load_gguf(path, progress=progress)
+        m = load_gguf(path, progress=progress, weights=args.weights)
     except ModelFileError as e:
         from streamattn.models.hub import DEFAULT_MODEL, MODELS
         name = args.model or DEFAULT_MODEL
@@ -290,6 +293,8 @@ register("bench", "attention throughput vs the read ceiling probed in the same r
 register("stream", "stream >= 1M tokens through window caches: latency, RSS, oracle checks",
          *_module_command("bench.stream"))
 register("serve", "OpenAI-compatible HTTP server with continuous batching", *_module_command("serve.main"))
+register("batch", "generate completions for a JSON-lines file of prompts (resumable; --ray for Ray Data)",
+         *_module_command("scale.command"))
 
 
 def build_parser() -> argparse.ArgumentParser:

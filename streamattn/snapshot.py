@@ -70,7 +70,7 @@ def save(path, caches) -> None:
     Examples
     --------
     >>> cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=8, window=4))
-    >>> cache.save("/tmp/kv.npz"); KVCache.load("/tmp/kv.npz").lengths.tolist()
+    >>> save("/tmp/kv.npz", cache); load("/tmp/kv.npz").lengths.tolist()
     [0, 0]
     """
     layers = [caches] if isinstance(caches, KVCache) else list(caches)

@@ -50,12 +50,13 @@ def tokenizer(path: str):
 
 
 @functools.lru_cache(maxsize=None)
-def load(path: str):
-    """(GGUFModel, Transformer, Tokenizer), loaded once per test session."""
+def load(path: str, weights: str = "f32"):
+    """(GGUFModel, Transformer, Tokenizer), loaded once per test session; float32 weights (the reference
+    path) unless ``weights="quant"``."""
     from streamattn.models.loader import load_gguf
     from streamattn.models.transformer import Transformer
     from streamattn.models.tokenizer import Tokenizer
-    m = load_gguf(path)
+    m = load_gguf(path, weights=weights)
     return m, Transformer(m), Tokenizer.from_metadata(m.metadata)
 
 

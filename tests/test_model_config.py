@@ -69,10 +69,15 @@ def test_config_validation():
 
 
 def test_tiny_gguf_loads(tmp_path):
-    m = load_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    m = load_gguf(write_tiny_gguf(tmp_path / "t.gguf"), weights="f32")
     assert m.config.arch == "gemma3" and m.config.layer_windows == (4, 4, 4, 4, 4, None)
     assert m.weights["blk.0.attn_q.weight"].shape == (64, 32)
     assert all(w.dtype == np.float32 for w in m.weights.values())
+    q = load_gguf(write_tiny_gguf(tmp_path / "t.gguf"))                 # default: matrices stay packed
+    assert q.weights_kind == "quant" and q.weights["blk.0.attn_q.weight"].kind == "f32"
+    np.testing.assert_array_equal(q.weights["blk.0.attn_q.weight"].dequantize(), m.weights["blk.0.attn_q.weight"])
+    with pytest.raises(ValueError, match="weights must be one of"):
+        load_gguf(write_tiny_gguf(tmp_path / "t.gguf"), weights="q4")
 
 
 def test_missing_not_gguf_truncated_corrupt(tmp_path):

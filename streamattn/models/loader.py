@@ -1,7 +1,8 @@
-"""Read a GGUF model file: metadata -> :class:`ModelConfig`, tensors -> float32 weights.
+"""Read a GGUF model file: metadata -> :class:`ModelConfig`, tensors -> packed or float32 weights.
 
 Built on llama.cpp's own ``gguf`` package (``GGUFReader`` for the container, ``gguf.quants.dequantize``
-for Q4_1, Q8_0, Q4_K, Q5_0, Q6_K, ...). Nothing here parses bytes by hand.
+for Q4_1, Q8_0, Q4_K, Q5_0, Q6_K, ... on the float32 path). Matrices stay in their block formats by
+default (:mod:`streamattn.models.quant`, one packed copy); ``weights="f32"`` is the float32 reference.
 
 Facts about the files this module relies on (see docs/DESIGN.md §10):
 
@@ -25,6 +26,8 @@ from typing import Callable
 import numpy as np
 
 SUPPORTED_ARCHS = ("llama", "gemma3")
+# Row groups of a layer multiplied by the same input, kept as one matrix: fused name -> parts (in row order)
+FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
 GEMMA3_ROPE_BASE_LOCAL = 10_000.0
 GEMMA3_GLOBAL_EVERY = 6          # layers 5, 11, 17, ... are global; the others slide
 
@@ -127,16 +130,19 @@ class ModelConfig:
 
 @dataclass
 class GGUFModel:
-    """A loaded model file: config, float32 weights, and the raw metadata (for the tokenizer).
+    """A loaded model file: config, weights, and the raw metadata (for the tokenizer).
 
-    ``weights`` maps GGUF tensor names to float32 arrays in GGUF's numpy layout:
-    matrices are ``[out_features, in_features]``, e.g. ``blk.0.attn_q.weight: [n_heads*head_dim, d_model]``.
+    ``weights`` maps GGUF tensor names to arrays in GGUF's numpy layout: matrices are
+    ``[out_features, in_features]``, e.g. ``blk.0.attn_q.weight: [n_heads*head_dim, d_model]``; float32
+    arrays, except matrices as :class:`streamattn.models.quant.QWeight` when ``weights_kind == "quant"``.
     """
 
     path: str
     config: ModelConfig
     weights: dict = field(repr=False)
     metadata: dict = field(repr=False)
+    weights_kind: str = "f32"
+    fused: dict = field(default_factory=dict, repr=False)   # "blk.{i}.attn_qkv.weight" ... (see FUSED)
 
 
 def read_metadata(reader, path: str) -> dict:
@@ -284,25 +290,34 @@ def _open(path: str):
     return reader
 
 
-def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None) -> GGUFModel:
-    """Load a GGUF model: validate, read the config, dequantize every tensor to float32.
+WEIGHT_KINDS = ("quant", "f32")
+
+
+def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None,
+              weights: str = "quant") -> GGUFModel:
+    """Load a GGUF model: validate, read the config, keep matrices packed (or dequantize to float32).
 
     Parameters
     ----------
     path : str
         The ``.gguf`` file.
     progress : callable(done, total, tensor_name), optional
-        Called after each tensor is dequantized.
+        Called after each tensor is read.
+    weights : {"quant", "f32"}
+        "quant": matrices stay in their GGUF block formats (:class:`~streamattn.models.quant.QWeight`;
+        1-D tensors such as norms are float32); "f32": every tensor dequantized to float32 (the
+        reference path).
 
     Returns
     -------
     GGUFModel
-        ``weights[name]`` float32, matrices ``[out_features, in_features]``.
+        ``weights[name]``: matrices ``[out_features, in_features]``.
 
     Raises
     ------
     ModelFileError
-        Missing file, not GGUF, truncated, corrupt (non-finite weights), unsupported architecture.
+        Missing file, not GGUF, truncated, corrupt (non-finite weights), unsupported architecture, or
+        (``weights="quant"``) a matrix of a GGUF type without a packed kernel.
 
     Examples
     --------
@@ -312,27 +327,85 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     """
     from gguf.quants import dequantize
 
+    from streamattn.models.quant import UnsupportedWeightType, pack
+
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights must be one of {WEIGHT_KINDS} (got {weights!r})")
     path = os.fspath(path)
     reader = _open(path)
     md = read_metadata(reader, path)
     config = config_from_metadata(md, path)
     check_tensor_names(config, (t.name for t in reader.tensors), path)
-    weights = {}
-    total = len(reader.tensors)
-    for i, t in enumerate(reader.tensors):
-        try:
-            w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except Exception as e:  # noqa: BLE001
-            raise ModelFileError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name} cannot be "
-                                 f"dequantized ({e})") from e
-        if not np.isfinite(w).all():
-            raise ModelFileError(f"{path}: tensor {t.name!r} holds NaN or inf after dequantization; the "
-                                 "file is corrupt - re-download it")
-        weights[t.name] = w
+    # only the tensors' views of the file map outlive the reader: its field objects (the tokenizer's
+    # ~100k strings as numpy parts) take ~160 MB for SmolLM2, and would stay alive through the packing
+    tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors]
+    file_map = reader.data
+    del reader
+    out = {}
+    total = len(tensors)
+    for i, (name, qtype, shape, data) in enumerate(tensors):
+        floats_odd = qtype.name in ("F32", "F16", "BF16") and shape[0] % 16
+        if weights == "quant" and len(shape) == 2 and not floats_odd:      # odd float rows: kept float32
+            try:
+                w = pack(name, qtype.name, data, (shape[1], shape[0]))
+            except UnsupportedWeightType as e:
+                raise ModelFileError(f"{path}: {e}") from e
+            if not w.finite():
+                raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf; the file is corrupt "
+                                     "- re-download it")
+            _drop_pages(file_map)
+        else:
+            try:
+                w = np.array(dequantize(data, qtype), dtype=np.float32, order="C", copy=True)
+            except Exception as e:  # noqa: BLE001
+                raise ModelFileError(f"{path}: tensor {name!r} of type {qtype.name} cannot be "
+                                     f"dequantized ({e})") from e
+            if not np.isfinite(w).all():
+                raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf after dequantization; the "
+                                     "file is corrupt - re-download it")
+        out[name] = w
         if progress is not None:
-            progress(i + 1, total, t.name)
-    _check_tensors(config, weights, path)
-    return GGUFModel(path=path, config=config, weights=weights, metadata=md)
+            progress(i + 1, total, name)
+    del tensors, file_map
+    _check_tensors(config, out, path)
+    fused = _fuse(out, config.n_layers)
+    return GGUFModel(path=path, config=config, weights=out, metadata=md, weights_kind=weights, fused=fused)
+
+
+def _drop_pages(file_map) -> None:
+    """Let the kernel drop the file pages read so far: the packed copies are all that is used later, and
+    pages of a mapped file count in the process's RSS while mapped (SmolLM2: 96 MB)."""
+    mm = getattr(file_map, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise"):
+        import mmap
+        mm.madvise(mmap.MADV_DONTNEED)
+
+
+def _fuse(weights: dict, n_layers: int) -> dict:
+    """Each layer's :data:`FUSED` row groups as one matrix; the parts in ``weights`` become row views of
+    it (one copy in memory). Groups whose packed kinds differ stay apart (the model multiplies them
+    one by one)."""
+    from streamattn.models.quant import QWeight, concat_rows, row_slice
+
+    fused = {}
+    for i in range(n_layers):
+        for key, parts in FUSED.items():
+            names = [f"blk.{i}.{p}.weight" for p in parts]
+            ws = [weights[n] for n in names]
+            if all(isinstance(w, QWeight) for w in ws):
+                f = concat_rows(ws)
+            elif not any(isinstance(w, QWeight) for w in ws):
+                f = np.ascontiguousarray(np.concatenate(ws, 0), np.float32)
+            else:
+                f = None
+            if f is None:
+                continue
+            fused[f"blk.{i}.{key}.weight"] = f
+            row = 0
+            for n, w in zip(names, ws):
+                weights[n] = row_slice(f, row, row + w.shape[0])
+                row += w.shape[0]
+    return fused
 
 
 def _check_tensors(c: ModelConfig, w: dict, path: str) -> None:
