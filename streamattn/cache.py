@@ -131,11 +131,14 @@ class KVCache:
         """
         xp, spec = self.xp, self.spec
         counts = self._validate_append(k, v, counts)
+        with np.errstate(over="ignore"):      # an overflow to inf is caught just below, by name
+            ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
+            vs = to_storage(v, spec.dtype, xp)
+        if spec.check_finite:
+            self._check_stored_finite(ks, vs, counts)
         need = int((self.lengths + counts).max())
         if spec.window is None and need > self.slots:
             self._grow(need)
-        ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
-        vs = to_storage(v, spec.dtype, xp)
         for b in range(spec.batch):
             c = int(counts[b])
             if c == 0:
@@ -145,9 +148,9 @@ class KVCache:
             self.k[b][:, idx] = ks[b, :, :c]
             self.v[b][:, idx] = vs[b, :, :c]
         if spec.window is not None:  # the writes destroyed positions up to L + count - 1 - R
-            self.held_from = np.maximum(self.held_from, self.lengths + counts - self.ring)
+            np.maximum(self.held_from, self.lengths + counts - self.ring, out=self.held_from)
         self.lengths += counts
-        self.last_counts = counts
+        self.last_counts[:] = counts           # in place: a head() view and its parent share the counters
 
     def _validate_append(self, k, v, counts):
         spec, xp = self.spec, self.xp
@@ -185,17 +188,27 @@ class KVCache:
                 raise ValueError(f"sequence {b} would reach {int(self.lengths[b] + counts[b])} tokens, over "
                                  f"max_len={spec.max_len} of this causal cache; use a window cache for "
                                  "unbounded streams or a larger max_len")
-        if spec.check_finite:
-            for name, x in (("k", k), ("v", v)):
-                for b in range(spec.batch):
-                    rows = x[b, :, :int(counts[b])]
-                    if rows.size and not bool(xp.isfinite(rows.astype(xp.float32)).all()):
-                        raise ValueError(f"{name} holds NaN or inf for sequence {b}; the cache is unchanged "
-                                         "(pass check_finite=False in the spec to skip this check)")
         return counts
+
+    def _check_stored_finite(self, ks, vs, counts) -> None:
+        """Refuse a chunk whose real rows are NaN or inf *as stored*: the check runs after the cast, so a
+        float32 1e5 that overflows a float16 cache is refused too."""
+        xp = self.xp
+        for name, x in (("k", ks), ("v", vs)):
+            for b in range(self.spec.batch):
+                rows = x[b, :, :int(counts[b])]
+                if not rows.size:
+                    continue
+                wide = widen_bf16(rows, xp) if self.spec.dtype == "bfloat16" else rows
+                if not bool(xp.isfinite(wide).all()):
+                    raise ValueError(f"{name} holds NaN or inf for sequence {b}; the cache is unchanged (checked "
+                                     f"as stored in {self.spec.dtype}: float16 overflows past 65504; pass "
+                                     "check_finite=False in the spec to skip this check)")
 
     def reserve(self, tokens: int) -> None:
         """Causal caches: allocate room for ``tokens`` per sequence now, so later appends never reallocate."""
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
+            raise ValueError(f"tokens must be an integer >= 0 (got {tokens!r})")
         if self.spec.window is not None:
             raise ValueError("reserve() is for causal caches; a window cache is allocated in full at creation")
         if self.spec.max_len is not None and tokens > self.spec.max_len:
@@ -203,7 +216,27 @@ class KVCache:
         if tokens > self.slots:
             self._grow(tokens)
 
+    def head(self, n: int) -> "KVCache":
+        """Sequences 0..n-1 as a cache of batch n sharing this one's storage and counters.
+
+        Appending to and attending the view is appending to and attending those rows here: a step that
+        runs only the first n sequences computes no rows for idle ones after them (the server's engine);
+        rows n.. are untouched (a full-batch append would set their ``last_counts`` to 0). A view cannot grow (that would detach it): ``reserve`` room on this cache first. Use a view for
+        one step and drop it; a later ``reserve`` here leaves older views stale.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.spec.batch:
+            raise ValueError(f"n must be an integer in 1..batch={self.spec.batch} (got {n!r})")
+        view = object.__new__(KVCache)
+        view.spec, view.device, view.xp = dataclasses.replace(self.spec, batch=int(n)), self.device, self.xp
+        view.k, view.v = self.k[:n], self.v[:n]                    # [n, kv_heads, slots, head_dim] views
+        view.lengths, view.last_counts, view.held_from = self.lengths[:n], self.last_counts[:n], self.held_from[:n]
+        view._view_of = self
+        return view
+
     def _grow(self, need: int) -> None:
+        if getattr(self, "_view_of", None) is not None:
+            raise ValueError(f"this head() view would need {need} slots (has {self.slots}); reserve({need}) "
+                             f"on the cache it views before making the view")
         cap = self.slots
         while cap < need:
             cap *= 2

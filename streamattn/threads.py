@@ -1,15 +1,20 @@
-"""CPU thread counts of the two pools a decode step uses: OpenBLAS (weight matmuls) and Numba (attention).
+"""CPU threads: how idle pool workers wait (set once, at import) and the thread counts of the two pools.
 
-Why this exists: a decode step alternates ~120 small BLAS calls with 30 Numba parallel launches. Both
-pools spin-wait between calls, so with 2 threads each on a 2-core host they steal each other's cores.
-Measured on SmolLM2-135M (scripts/bench_decode.py), one decode step at L=259:
+A decode step alternates ~120 small BLAS calls (numpy's OpenBLAS: weight matmuls) with 30 Numba parallel
+launches (attention; Numba's 'omp' threading layer = GNU libgomp on Linux). By default both runtimes keep
+idle workers spinning after each call (libgomp: GOMP_SPINCOUNT 300000 turns; OpenBLAS: 2^28 cycles).
+On a 2-core host the spinning workers of one pool take the cores the other pool's next call needs, and a
+descheduled worker costs a whole time slice. Measured on SmolLM2-135M, 2026-11-30 (issue 13):
+``generate --threads 2`` decoded at 2.9 tok/s vs 50 with 1 thread; with OMP_WAIT_POLICY=passive set by
+hand, 71 tok/s. Older figures (scripts/bench_decode.py, one step at L=259, load avg ~3): 2+2 threads
+468 ms, 1+1 threads 20-22 ms, 2+2 with OMP_WAIT_POLICY=passive 21-24 ms.
 
-    load avg ~3: 2+2 threads 468 ms (matmuls alone 17 ms, attention alone 1 ms: the pools thrash);
-                 1+1 threads 20-22 ms; BLAS 2 + Numba 1 25-32 ms; 2+2 with OMP_WAIT_POLICY=passive 21-24 ms
-    load avg ~25: 2+2 threads 0.5-1.4 tok/s; 1+1 threads 41 tok/s
-
-One sequence's decode is latency-bound, so ``set_threads(1)`` is the CLI default; try more threads only
-for big batches or long prefills, on a quiet machine, and measure.
+So importing streamattn sets, before numpy loads OpenBLAS and before Numba's first parallel launch
+loads libgomp (both read these variables once, when they load), the defaults in :data:`RUNTIME_ENV`:
+idle workers sleep at once, and Numba's threading layer is chosen explicitly. A value the user exported
+wins. The settings cannot reach a runtime that was loaded before streamattn was imported (e.g. numpy
+imported first: OpenBLAS keeps spinning); :func:`runtime_report` says what took effect, and
+docs/threads.md has the measurements behind the choice.
 """
 
 from __future__ import annotations
@@ -18,14 +23,79 @@ import contextlib
 import ctypes
 import glob
 import os
+import sys
 
-import numpy as np
+#: Environment defaults applied at import (``os.environ.setdefault``: an exported value wins).
+RUNTIME_ENV = {
+    "OMP_WAIT_POLICY": "PASSIVE",        # libgomp: idle workers block at once (GOMP_SPINCOUNT 0)
+    "OPENBLAS_THREAD_TIMEOUT": "4",      # OpenBLAS: idle workers sleep after 2^4 cycles (its minimum), not 2^28
+}
+if sys.platform.startswith("linux"):      # numba's Linux wheels ship the omp layer (GNU libgomp)
+    RUNTIME_ENV["NUMBA_THREADING_LAYER"] = "omp"   # explicit, not "whichever of tbb/omp/workqueue loads first"
+
+
+def _loaded(fragment: str) -> bool:
+    """Whether a shared library whose path contains ``fragment`` is mapped into this process (Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any(fragment in line for line in f)
+    except OSError:
+        return False
+
+
+def _configure_runtime() -> dict:
+    """Apply :data:`RUNTIME_ENV` as defaults; returns which runtimes were already loaded (too late)."""
+    late = {"openblas": "numpy" in sys.modules, "libgomp": _loaded("libgomp")}
+    for key, value in RUNTIME_ENV.items():
+        os.environ.setdefault(key, value)
+    if "numba" in sys.modules:                    # numba read NUMBA_THREADING_LAYER at its import
+        import numba
+        if (numba.config.THREADING_LAYER == "default" and "NUMBA_THREADING_LAYER" in RUNTIME_ENV
+                and "NUMBA_THREADING_LAYER" not in _USER_SET):
+            numba.config.THREADING_LAYER = RUNTIME_ENV["NUMBA_THREADING_LAYER"]
+    return late
+
+
+_USER_SET = {k: os.environ[k] for k in RUNTIME_ENV if k in os.environ}
+_LATE = _configure_runtime()
+
+
+def runtime_report() -> dict:
+    """What the thread runtimes of this process were told, and whether it reached them.
+
+    Returns
+    -------
+    dict
+        ``env``: each :data:`RUNTIME_ENV` key with the value the C runtime sees (``getenv``);
+        ``user_set``: the keys the user had exported (their values won); ``late``: runtimes already
+        loaded before streamattn was imported (``{"openblas": bool, "libgomp": bool}``: True means the
+        default could not apply); ``threading_layer``: Numba's layer once a parallel kernel has run,
+        else None.
+
+    Examples
+    --------
+    >>> runtime_report()["env"]["OMP_WAIT_POLICY"] in ("PASSIVE", "passive", "ACTIVE", "active")
+    True
+    """
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    env = {k: (libc.getenv(k.encode()) or b"").decode() or None for k in RUNTIME_ENV}
+    layer = None
+    if "numba" in sys.modules:
+        import numba
+        try:
+            layer = numba.threading_layer()
+        except ValueError:                        # no parallel kernel has run yet
+            layer = None
+    return {"env": env, "user_set": dict(_USER_SET), "late": dict(_LATE), "threading_layer": layer}
+
 
 _SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
             "openblas_set_num_threads")
 
 
 def _openblas(names=_SETTERS):
+    import numpy as np
     here = os.path.dirname(np.__file__)
     for path in glob.glob(os.path.join(here, "..", "numpy.libs", "*openblas*")) + \
             glob.glob(os.path.join(here, ".dylibs", "*openblas*")):

@@ -69,10 +69,15 @@ def test_config_validation():
 
 
 def test_tiny_gguf_loads(tmp_path):
-    m = load_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    m = load_gguf(write_tiny_gguf(tmp_path / "t.gguf"), weights="f32")
     assert m.config.arch == "gemma3" and m.config.layer_windows == (4, 4, 4, 4, 4, None)
     assert m.weights["blk.0.attn_q.weight"].shape == (64, 32)
     assert all(w.dtype == np.float32 for w in m.weights.values())
+    q = load_gguf(write_tiny_gguf(tmp_path / "t.gguf"))                 # default: matrices stay packed
+    assert q.weights_kind == "quant" and q.weights["blk.0.attn_q.weight"].kind == "f32"
+    np.testing.assert_array_equal(q.weights["blk.0.attn_q.weight"].dequantize(), m.weights["blk.0.attn_q.weight"])
+    with pytest.raises(ValueError, match="weights must be one of"):
+        load_gguf(write_tiny_gguf(tmp_path / "t.gguf"), weights="q4")
 
 
 def test_missing_not_gguf_truncated_corrupt(tmp_path):
@@ -92,3 +97,23 @@ def test_missing_not_gguf_truncated_corrupt(tmp_path):
         load_gguf(write_tiny_gguf(tmp_path / "mamba.gguf", arch="mamba"))
     with pytest.raises(ModelFileError, match="bad.gguf: tensor 'blk.2.ffn_up.weight' holds NaN"):
         load_gguf(write_tiny_gguf(tmp_path / "bad.gguf", nan_tensor="blk.2.ffn_up.weight"))
+
+
+# -- hostile metadata (issue 17 item 8) --------------------------------------------------------------
+@pytest.mark.parametrize("key,value,match", [
+    ("gemma3.block_count", 10_000_000, r"'gemma3.block_count' must be an integer in 1..4096 \(got int '10000000'\)"),
+    ("gemma3.block_count", 7, r"block_count=7, the file holds tensors of 6 blocks \(missing blk.6"),
+    ("gemma3.block_count", 5, r"block_count=5, the file holds tensors of 6 blocks \(extra blk.5"),
+    ("gemma3.attention.head_count", 0, r"'gemma3.attention.head_count' must be an integer in 1..4096 \(got int '0'\)"),
+    ("gemma3.embedding_length", "32", r"'gemma3.embedding_length' must be an integer in .* \(got str '32'\)"),
+    ("gemma3.attention.layer_norm_rms_epsilon", float("nan"),
+     r"gemma3.attention.layer_norm_rms_epsilon must be a finite number > 0 \(got float 'nan'\)"),
+    ("gemma3.context_length", -5, r"'gemma3.context_length' must be an integer in 1..\d+ \(got int '-5'\)"),
+    ("tokenizer.ggml.eos_token_id", 64, r"'tokenizer.ggml.eos_token_id' must be an integer in 0..63"),
+])
+def test_hostile_metadata_is_refused_by_key_before_tensors_are_read(tmp_path, monkeypatch, key, value, match):
+    import gguf.quants
+    path = write_tiny_gguf(tmp_path / "m.gguf", override={key: value})
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: pytest.fail("a tensor was read"))
+    with pytest.raises(ModelFileError, match=rf"m.gguf: .*{match}"):
+        load_gguf(path)

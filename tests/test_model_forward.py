@@ -78,6 +78,7 @@ def stream_logits(tf, tokens, *, chunk, mode="full", window=None, sinks=0):
     return np.concatenate(outs)
 
 
+@pytest.mark.parametrize("weights", ["f32", "quant"])
 @pytest.mark.parametrize("arch,chunk,mode,window,sinks", [
     ("gemma3", 1, "full", None, 0),       # gemma's own window of 4 on 5 of 6 layers, ring wraps many times
     ("gemma3", 3, "full", None, 0),
@@ -86,9 +87,11 @@ def stream_logits(tf, tokens, *, chunk, mode="full", window=None, sinks=0):
     ("llama", 4, "window", 5, 0),
     ("llama", 7, "sinks", 4, 3),
 ])
-def test_streamed_forward_equals_full_recompute(tmp_path, arch, chunk, mode, window, sinks):
-    m = load_gguf(write_tiny_gguf(tmp_path / "t.gguf", arch=arch, n_kv_heads=2 if arch == "llama" else 1))
-    tf = Transformer(m)
+def test_streamed_forward_equals_full_recompute(tmp_path, arch, chunk, mode, window, sinks, weights):
+    """Both weight paths: float32 arrays, and the packed-kernel path (the tiny file's F32 matrices)."""
+    path = write_tiny_gguf(tmp_path / "t.gguf", arch=arch, n_kv_heads=2 if arch == "llama" else 1)
+    m = load_gguf(path, weights="f32")
+    tf = Transformer(load_gguf(path, weights=weights))
     tokens = list(np.random.default_rng(1).integers(0, m.config.vocab_size, 23))
     got = stream_logits(tf, tokens, chunk=chunk, mode=mode, window=window, sinks=sinks)
     want = oracle_logits(m, tokens, user_window=window, sinks=sinks)

@@ -106,6 +106,20 @@ def test_cli_generate_and_errors(capsys, tmp_path):
     assert "layer head  sink" in out and len(out.splitlines()) == 2 + 9
 
 
+@need_smollm2
+def test_cli_ignore_eos(capsys):
+    """The chat answer ends with <|im_end|> after 9 tokens; --ignore-eos decodes all 12 (11 decode steps)."""
+    from streamattn.cli import main
+    argv = ["generate", "Reply with one word: is the sky blue?", "--chat", "-n", "12", "--stats", "-q",
+            "--model", smollm2_path()]
+    assert main(argv) == 0
+    stopped = capsys.readouterr()
+    assert main(argv + ["--ignore-eos"]) == 0
+    fixed = capsys.readouterr()
+    assert "8 decode steps" in stopped.err and "11 decode steps" in fixed.err
+    assert fixed.out.startswith(stopped.out.rstrip("\n")) and len(fixed.out) > len(stopped.out)
+
+
 def test_cli_registration_point():
     from streamattn import cli
     with pytest.raises(ValueError, match="already registered"):

@@ -147,7 +147,8 @@ def test_cancel_frees_the_slot_at_the_next_step(tiny):
     eng.cancel(b)                                              # still queued
     n = len(a.events)
     eng.step()
-    assert eng.slots == [None] and not eng.queue and len(a.events) == n
+    assert eng.slots == [None] and not eng.queue
+    assert len(a.events) == n + 1 and a.events[-1].finish == "cancelled" == b.events[-1].finish   # no more tokens
     assert int(eng.caches[0].lengths[0]) == 0
     hist = {x.name: x.value for x in eng.metrics.cancel_steps.collect()[0].samples}
     assert hist["streamattn_cancel_steps_count"] == 1 and hist["streamattn_cancel_steps_sum"] == 0

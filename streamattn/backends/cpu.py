@@ -391,3 +391,4 @@ def _drop_stale_kernels(kernels=None, source=None) -> None:
 
 
 _drop_stale_kernels()
+

@@ -1,11 +1,33 @@
-"""The machine's read-bandwidth ceiling, measured the way a decode kernel reads: a Numba parallel sum."""
+"""The machine's read-bandwidth ceiling: the best read rate any code here reaches over a big buffer.
+
+A probe is a ceiling only if no kernel beats it. The first probe (a Numba parallel sum, LLVM's own
+vectorisation) read less than the attention kernels do: ``streamattn bench --suite decode`` showed the
+CPU kernel at 110-122% of it (float32 and float16, L = 16k). The kernels load 16-lane vectors and, for
+some shapes, prefetch each line PREFETCH_BYTES ahead (streamattn/backends/cpu_simd.py). So the probe now
+times several readers over the same buffer and reports the best:
+
+- ``sum`` 1 or 2 streams: the first probe (a loop over a slice vectorises; over a range it did not);
+- ``vec``: 64-float rows read with the kernels' own 16-lane loads into four accumulators, no prefetch;
+- ``vec+pf``: the same with the kernels' T0 prefetch of each line PREFETCH_BYTES ahead;
+
+each with all Numba threads and with one thread (on these shared 2-core hosts one busy thread can read
+faster than two that contend with other tenants). docs/ceiling_probe.md records the comparison.
+"""
 
 from __future__ import annotations
 
 import time
 
+import numba
 import numpy as np
-from numba import njit, prange, get_num_threads
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..backends.cpu_simd import VF, W, _c_arrays, _load16, _prefetch, _Rows, _const
+
+ROW = 64                    # floats per row of the vector readers' view of the buffer: four 16-lane loads
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -31,29 +53,103 @@ def _parallel_sum(a, nparts, streams):
     return partial.sum()
 
 
+@intrinsic
+def _read_rows(typingctx, x, lo, hi, prefetch):
+    """Sum of x[lo:hi] (x: [n, 64] float32, C order) read with the kernels' 16-lane loads into four
+    vector accumulators (one per chunk of a row); ``prefetch``: also the kernels' T0 prefetch
+    PREFETCH_BYTES ahead of every line. Returns float32."""
+    if not (_c_arrays(x) and x.ndim == 2 and x.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        xa = _Rows(context, builder, sig.args[0], args[0])
+        lo_v, hi_v, pf = args[1], args[2], args[3]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * W)) for _ in range(ROW // W)]
+
+        def emit(with_prefetch):
+            with cgutils.for_range_slice(builder, lo_v, hi_v, _const(1)) as (row, _):
+                for c, acc in enumerate(accs):
+                    col = _const(c * W)
+                    if with_prefetch:
+                        _prefetch(builder, xa, row, col)
+                    builder.store(builder.fadd(builder.load(acc), _load16(builder, xa, row, col, 0)), acc)
+
+        with builder.if_else(cgutils.as_bool_bit(builder, pf)) as (yes, no):
+            with yes:
+                emit(True)
+            with no:
+                emit(False)
+        total = builder.load(accs[0])
+        for acc in accs[1:]:
+            total = builder.fadd(total, builder.load(acc))
+        lanes = [builder.extract_element(total, ir.Constant(ir.IntType(32), i)) for i in range(W)]
+        out = lanes[0]
+        for v in lanes[1:]:
+            out = builder.fadd(out, v)
+        return out
+    return types.float32(x, lo, hi, prefetch), codegen
+
+
+@njit(parallel=True, cache=True)
+def _vector_read(rows, nparts, prefetch):
+    """rows: [n, 64] float32. Sum of all elements, part p of nparts reading rows [p*per, (p+1)*per)."""
+    n = rows.shape[0]
+    per = (n + nparts - 1) // nparts
+    partial = np.zeros(nparts, np.float64)
+    for p in prange(nparts):
+        partial[p] = _read_rows(rows, min(n, p * per), min(n, (p + 1) * per), prefetch)
+    return partial.sum()
+
+
+READERS = ("sum", "sum2", "vec", "vec+pf")      # the probe's readers, see the module docstring
+
+
 class Ceiling:
-    """Read bandwidth of a ``nbytes`` float32 buffer summed by all Numba threads.
+    """Read bandwidth of a ``nbytes`` float32 buffer: the best of several readers and thread counts.
 
     Call :meth:`probe` right beside each timing; a ceiling measured minutes earlier says little on
-    shared hosts (docs/PERF.md: the probes are bimodal).
+    shared hosts (probes here are bimodal: ~29-36 or ~46-58 GB/s with 2 threads).
+
+    Parameters
+    ----------
+    nbytes : int
+        Buffer size; keep it well above the last-level cache (default 1 GiB).
     """
 
     def __init__(self, nbytes: int = 1 << 30):
-        self.buf = np.ones(nbytes // 4, np.float32)  # [n] float32, touched so pages are mapped
-        self.nparts = 4 * get_num_threads()
-        _parallel_sum(self.buf[:1024], self.nparts, 1)
+        n = max(ROW, nbytes // 4 // ROW * ROW)
+        self.buf = np.ones(n, np.float32)          # [n] float32, touched so pages are mapped
+        self.rows = self.buf.reshape(-1, ROW)       # [n / 64, 64]: the vector readers' view
+        self.threads = sorted({1, get_num_threads()})
+        self.last = {}                              # (reader, threads) -> GB/s of the last probe
+        for reader in READERS:                      # compile (or load from cache) before any timing
+            self._read(reader, 4, self.buf[:4 * ROW], self.rows[:4])
+
+    @staticmethod
+    def _read(reader, nparts, flat, rows):
+        if reader.startswith("sum"):
+            return _parallel_sum(flat, nparts, 2 if reader == "sum2" else 1)
+        return _vector_read(rows, nparts, reader == "vec+pf")
 
     def probe(self, repeats: int = 3) -> float:
-        """Best GB/s of ``repeats`` rounds of full passes, one stream per part and two streams per part.
+        """Best GB/s over ``repeats`` rounds; each round runs every reader with every thread count once.
 
-        Two streams read ~5% faster here (44.7 vs 42.8 GB/s, best of each in six rounds); the ceiling is
-        whichever is higher, so a kernel that reads K and V side by side is not measured against the
-        slower pattern.
+        Returns
+        -------
+        float
+            The best rate seen; :attr:`last` keeps each (reader, threads) pair's best of this call.
         """
-        best = 0.0
-        for _ in range(repeats):
-            for streams in (1, 2):
-                t = time.perf_counter()
-                _parallel_sum(self.buf, self.nparts, streams)
-                best = max(best, self.buf.nbytes / (time.perf_counter() - t) / 1e9)
-        return best
+        before = get_num_threads()
+        self.last = {}
+        try:
+            for _ in range(repeats):
+                for threads in self.threads:
+                    numba.set_num_threads(threads)
+                    for reader in READERS:
+                        t = time.perf_counter()
+                        self._read(reader, 4 * threads, self.buf, self.rows)
+                        gbps = self.buf.nbytes / (time.perf_counter() - t) / 1e9
+                        self.last[reader, threads] = max(self.last.get((reader, threads), 0.0), gbps)
+        finally:
+            numba.set_num_threads(before)
+        return max(self.last.values())

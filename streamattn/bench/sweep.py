@@ -202,8 +202,12 @@ def measure(point: Point, caches, q, ceiling, *, warmup=3, min_reps=10, max_reps
         warmup, min_reps, min_time = 0, 3, 0.0
     row["loadavg_1min"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None   # other jobs on the host
     before = ceiling.probe(2)
+    readers = dict(getattr(ceiling, "last", {}))         # (reader, threads) -> GB/s: which reader set the ceiling
     med, times = time_calls(fn, warmup=warmup, min_reps=min_reps, max_reps=max_reps, min_time=min_time)
     after = ceiling.probe(2)
+    for key, gbps in getattr(ceiling, "last", {}).items():
+        readers[key] = max(readers.get(key, 0.0), gbps)
+    row["ceiling_readers"] = {f"{reader}/{threads}": gbps for (reader, threads), gbps in readers.items()}
     row.update(status="ok", median_s=med, reps=len(times), p10_s=float(np.percentile(times, 10)),
                p90_s=float(np.percentile(times, 90)), tokens_per_s=point.new_tokens / med,
                gbps=point.bytes_read / med / 1e9, gbps_p10=point.bytes_read / float(np.percentile(times, 10)) / 1e9,

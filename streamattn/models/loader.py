@@ -1,7 +1,8 @@
-"""Read a GGUF model file: metadata -> :class:`ModelConfig`, tensors -> float32 weights.
+"""Read a GGUF model file: metadata -> :class:`ModelConfig`, tensors -> packed or float32 weights.
 
 Built on llama.cpp's own ``gguf`` package (``GGUFReader`` for the container, ``gguf.quants.dequantize``
-for Q4_1, Q8_0, Q4_K, Q5_0, Q6_K, ...). Nothing here parses bytes by hand.
+for Q4_1, Q8_0, Q4_K, Q5_0, Q6_K, ... on the float32 path). Matrices stay in their block formats by
+default (:mod:`streamattn.models.quant`, one packed copy); ``weights="f32"`` is the float32 reference.
 
 Facts about the files this module relies on (see docs/DESIGN.md §10):
 
@@ -25,6 +26,8 @@ from typing import Callable
 import numpy as np
 
 SUPPORTED_ARCHS = ("llama", "gemma3")
+# Row groups of a layer multiplied by the same input, kept as one matrix: fused name -> parts (in row order)
+FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
 GEMMA3_ROPE_BASE_LOCAL = 10_000.0
 GEMMA3_GLOBAL_EVERY = 6          # layers 5, 11, 17, ... are global; the others slide
 
@@ -107,6 +110,12 @@ class ModelConfig:
                              f"{self.n_layers}")
         if any(w is not None and w < 1 for w in self.layer_windows):
             raise ValueError(f"layer_windows entries must be None or >= 1 (got {self.layer_windows})")
+        for f in ("norm_eps", "rope_base", "rope_base_local", "attn_scale", "embed_scale"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{f} must be a finite number > 0 (got {v!r})")
+        if not isinstance(self.context_length, int) or self.context_length < 1:
+            raise ValueError(f"context_length must be a positive integer (got {self.context_length!r})")
         if not (0 <= self.bos_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):
             raise ValueError(f"bos_id={self.bos_id}/eos_id={self.eos_id} outside vocab 0..{self.vocab_size - 1}")
 
@@ -121,16 +130,19 @@ class ModelConfig:
 
 @dataclass
 class GGUFModel:
-    """A loaded model file: config, float32 weights, and the raw metadata (for the tokenizer).
+    """A loaded model file: config, weights, and the raw metadata (for the tokenizer).
 
-    ``weights`` maps GGUF tensor names to float32 arrays in GGUF's numpy layout:
-    matrices are ``[out_features, in_features]``, e.g. ``blk.0.attn_q.weight: [n_heads*head_dim, d_model]``.
+    ``weights`` maps GGUF tensor names to arrays in GGUF's numpy layout: matrices are
+    ``[out_features, in_features]``, e.g. ``blk.0.attn_q.weight: [n_heads*head_dim, d_model]``; float32
+    arrays, except matrices as :class:`streamattn.models.quant.QWeight` when ``weights_kind == "quant"``.
     """
 
     path: str
     config: ModelConfig
     weights: dict = field(repr=False)
     metadata: dict = field(repr=False)
+    weights_kind: str = "f32"
+    fused: dict = field(default_factory=dict, repr=False)   # "blk.{i}.attn_qkv.weight" ... (see FUSED)
 
 
 def read_metadata(reader, path: str) -> dict:
@@ -168,37 +180,88 @@ def config_from_metadata(md: dict, path: str = "<metadata>") -> ModelConfig:
             raise ModelFileError(f"{path}: metadata key {k!r} is missing for architecture {arch!r}")
         return default
 
+    def integer(key, default=None, *, top=None, full=False):
+        k = key if full else f"{arch}.{key}"
+        v = md.get(k, default) if full else get(key, default)
+        lo, hi = LIMITS.get(key, (1, 1 << 31)) if top is None else (0, top)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+            raise ModelFileError(f"{path}: metadata key {k!r} must be an integer in {lo}..{hi} (got "
+                                 f"{type(v).__name__} {str(v)[:40]!r})")
+        return int(v)
+
+    def real(key, default=None):
+        v = get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v) or v <= 0:
+            raise ModelFileError(f"{path}: metadata key {arch}.{key!s} must be a finite number > 0 (got "
+                                 f"{type(v).__name__} {str(v)[:40]!r})")
+        return float(v)
+
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear") or (scaling == "linear" and get("rope.scaling.factor", 1.0) != 1.0):
         raise ModelFileError(f"{path}: RoPE scaling {scaling!r} is not supported (only unscaled RoPE)")
-    n_layers = int(get("block_count"))
-    d_model = int(get("embedding_length"))
-    n_heads = int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", d_model // n_heads))
+    n_layers = integer("block_count")
+    d_model = integer("embedding_length")
+    n_heads = integer("attention.head_count")
+    head_dim = integer("attention.key_length", d_model // n_heads)
     tokens = md.get("tokenizer.ggml.tokens")
-    vocab = int(md.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
+    vocab = integer("vocab_size", len(tokens) if isinstance(tokens, list) else 0)
     common = dict(
         arch=arch, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-        n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
-        d_ff=int(get("feed_forward_length")), vocab_size=vocab,
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        context_length=int(get("context_length", 2048)),
-        bos_id=int(md.get("tokenizer.ggml.bos_token_id", 1)),
-        eos_id=int(md.get("tokenizer.ggml.eos_token_id", 2)),
-        name=str(md.get("general.name", "")),
+        n_kv_heads=integer("attention.head_count_kv", n_heads), head_dim=head_dim,
+        d_ff=integer("feed_forward_length"), vocab_size=vocab,
+        norm_eps=real("attention.layer_norm_rms_epsilon"),
+        context_length=integer("context_length", 2048),
+        bos_id=integer("tokenizer.ggml.bos_token_id", 1, top=vocab - 1, full=True),
+        eos_id=integer("tokenizer.ggml.eos_token_id", 2, top=vocab - 1, full=True),
+        name=str(md.get("general.name", ""))[:200],
         attn_scale=1.0 / math.sqrt(head_dim),
     )
-    if arch == "llama":
-        base = float(get("rope.freq_base", 10_000.0))
-        return ModelConfig(**common, rope_base=base, rope_base_local=base, rope_style="interleaved",
-                           layer_windows=(None,) * n_layers, embed_scale=1.0, activation="silu",
-                           qk_norm=False, post_norms=False)
-    window = int(get("attention.sliding_window"))
-    windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(n_layers))
-    return ModelConfig(**common, rope_base=float(get("rope.freq_base", 1_000_000.0)),
-                       rope_base_local=GEMMA3_ROPE_BASE_LOCAL, rope_style="neox", layer_windows=windows,
-                       embed_scale=math.sqrt(d_model), activation="gelu_tanh", qk_norm=True,
-                       post_norms=True)
+    try:
+        if arch == "llama":
+            base = real("rope.freq_base", 10_000.0)
+            return ModelConfig(**common, rope_base=base, rope_base_local=base, rope_style="interleaved",
+                               layer_windows=(None,) * n_layers, embed_scale=1.0, activation="silu",
+                               qk_norm=False, post_norms=False)
+        window = integer("attention.sliding_window")
+        windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(n_layers))
+        return ModelConfig(**common, rope_base=real("rope.freq_base", 1_000_000.0),
+                           rope_base_local=GEMMA3_ROPE_BASE_LOCAL, rope_style="neox", layer_windows=windows,
+                           embed_scale=math.sqrt(d_model), activation="gelu_tanh", qk_norm=True,
+                           post_norms=True)
+    except ValueError as e:
+        if isinstance(e, ModelFileError):
+            raise
+        raise ModelFileError(f"{path}: inconsistent metadata: {e}") from e
+
+
+# Bounds of the integer metadata (inclusive): far above real models, low enough that a hostile value is
+# refused before it sizes anything (block_count 1e7 would build tuples and dictionaries of that length).
+LIMITS = {"block_count": (1, 1 << 12), "embedding_length": (1, 1 << 17), "attention.head_count": (1, 1 << 12),
+          "attention.head_count_kv": (1, 1 << 12), "attention.key_length": (1, 1 << 14),
+          "feed_forward_length": (1, 1 << 19), "vocab_size": (1, 1 << 24), "context_length": (1, 1 << 31),
+          "attention.sliding_window": (1, 1 << 31)}
+
+
+def check_tensor_names(config: ModelConfig, names, path: str) -> None:
+    """Before any tensor is read: the file's layer count agrees with the blocks it holds.
+
+    Raises
+    ------
+    ModelFileError
+        ``block_count`` names a layer with no tensors, or the file holds tensors of a layer past it.
+    """
+    names = set(names)
+    for key in ("token_embd.weight", "output_norm.weight"):
+        if key not in names:
+            raise ModelFileError(f"{path}: tensor {key!r} is missing")
+    blocks = {int(n.split(".")[1]) for n in names if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    want = set(range(config.n_layers))
+    if blocks != want:
+        extra = sorted(blocks - want)[:3]
+        missing = sorted(want - blocks)[:3]
+        raise ModelFileError(f"{path}: metadata says block_count={config.n_layers}, the file holds tensors of "
+                             f"{len(blocks)} blocks" + (f" (missing blk.{missing[0]}...)" if missing else "")
+                             + (f" (extra blk.{extra[0]}...)" if extra else ""))
 
 
 def _open(path: str):
@@ -227,25 +290,34 @@ def _open(path: str):
     return reader
 
 
-def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None) -> GGUFModel:
-    """Load a GGUF model: validate, read the config, dequantize every tensor to float32.
+WEIGHT_KINDS = ("quant", "f32")
+
+
+def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None,
+              weights: str = "quant") -> GGUFModel:
+    """Load a GGUF model: validate, read the config, keep matrices packed (or dequantize to float32).
 
     Parameters
     ----------
     path : str
         The ``.gguf`` file.
     progress : callable(done, total, tensor_name), optional
-        Called after each tensor is dequantized.
+        Called after each tensor is read.
+    weights : {"quant", "f32"}
+        "quant": matrices stay in their GGUF block formats (:class:`~streamattn.models.quant.QWeight`;
+        1-D tensors such as norms are float32); "f32": every tensor dequantized to float32 (the
+        reference path).
 
     Returns
     -------
     GGUFModel
-        ``weights[name]`` float32, matrices ``[out_features, in_features]``.
+        ``weights[name]``: matrices ``[out_features, in_features]``.
 
     Raises
     ------
     ModelFileError
-        Missing file, not GGUF, truncated, corrupt (non-finite weights), unsupported architecture.
+        Missing file, not GGUF, truncated, corrupt (non-finite weights), unsupported architecture, or
+        (``weights="quant"``) a matrix of a GGUF type without a packed kernel.
 
     Examples
     --------
@@ -255,26 +327,85 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     """
     from gguf.quants import dequantize
 
+    from streamattn.models.quant import UnsupportedWeightType, pack
+
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights must be one of {WEIGHT_KINDS} (got {weights!r})")
     path = os.fspath(path)
     reader = _open(path)
     md = read_metadata(reader, path)
     config = config_from_metadata(md, path)
-    weights = {}
-    total = len(reader.tensors)
-    for i, t in enumerate(reader.tensors):
-        try:
-            w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except Exception as e:  # noqa: BLE001
-            raise ModelFileError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name} cannot be "
-                                 f"dequantized ({e})") from e
-        if not np.isfinite(w).all():
-            raise ModelFileError(f"{path}: tensor {t.name!r} holds NaN or inf after dequantization; the "
-                                 "file is corrupt - re-download it")
-        weights[t.name] = w
+    check_tensor_names(config, (t.name for t in reader.tensors), path)
+    # only the tensors' views of the file map outlive the reader: its field objects (the tokenizer's
+    # ~100k strings as numpy parts) take ~160 MB for SmolLM2, and would stay alive through the packing
+    tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors]
+    file_map = reader.data
+    del reader
+    out = {}
+    total = len(tensors)
+    for i, (name, qtype, shape, data) in enumerate(tensors):
+        floats_odd = qtype.name in ("F32", "F16", "BF16") and shape[0] % 16
+        if weights == "quant" and len(shape) == 2 and not floats_odd:      # odd float rows: kept float32
+            try:
+                w = pack(name, qtype.name, data, (shape[1], shape[0]))
+            except UnsupportedWeightType as e:
+                raise ModelFileError(f"{path}: {e}") from e
+            if not w.finite():
+                raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf; the file is corrupt "
+                                     "- re-download it")
+            _drop_pages(file_map)
+        else:
+            try:
+                w = np.array(dequantize(data, qtype), dtype=np.float32, order="C", copy=True)
+            except Exception as e:  # noqa: BLE001
+                raise ModelFileError(f"{path}: tensor {name!r} of type {qtype.name} cannot be "
+                                     f"dequantized ({e})") from e
+            if not np.isfinite(w).all():
+                raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf after dequantization; the "
+                                     "file is corrupt - re-download it")
+        out[name] = w
         if progress is not None:
-            progress(i + 1, total, t.name)
-    _check_tensors(config, weights, path)
-    return GGUFModel(path=path, config=config, weights=weights, metadata=md)
+            progress(i + 1, total, name)
+    del tensors, file_map
+    _check_tensors(config, out, path)
+    fused = _fuse(out, config.n_layers)
+    return GGUFModel(path=path, config=config, weights=out, metadata=md, weights_kind=weights, fused=fused)
+
+
+def _drop_pages(file_map) -> None:
+    """Let the kernel drop the file pages read so far: the packed copies are all that is used later, and
+    pages of a mapped file count in the process's RSS while mapped (SmolLM2: 96 MB)."""
+    mm = getattr(file_map, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise"):
+        import mmap
+        mm.madvise(mmap.MADV_DONTNEED)
+
+
+def _fuse(weights: dict, n_layers: int) -> dict:
+    """Each layer's :data:`FUSED` row groups as one matrix; the parts in ``weights`` become row views of
+    it (one copy in memory). Groups whose packed kinds differ stay apart (the model multiplies them
+    one by one)."""
+    from streamattn.models.quant import QWeight, concat_rows, row_slice
+
+    fused = {}
+    for i in range(n_layers):
+        for key, parts in FUSED.items():
+            names = [f"blk.{i}.{p}.weight" for p in parts]
+            ws = [weights[n] for n in names]
+            if all(isinstance(w, QWeight) for w in ws):
+                f = concat_rows(ws)
+            elif not any(isinstance(w, QWeight) for w in ws):
+                f = np.ascontiguousarray(np.concatenate(ws, 0), np.float32)
+            else:
+                f = None
+            if f is None:
+                continue
+            fused[f"blk.{i}.{key}.weight"] = f
+            row = 0
+            for n, w in zip(names, ws):
+                weights[n] = row_slice(f, row, row + w.shape[0])
+                row += w.shape[0]
+    return fused
 
 
 def _check_tensors(c: ModelConfig, w: dict, path: str) -> None:

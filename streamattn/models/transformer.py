@@ -5,7 +5,9 @@ RoPE at absolute positions (``cache.lengths`` before the append), ``cache.append
 attend"), ``attend(q, cache)``, project out, MLP. With ``positions="cache"`` a sinks cache also gets the
 query rotated at its position inside the cache, min(i, n_s + n_c - 1), which is scored against the sink
 keys only (docs/DESIGN.md §13). Written once against an array module ``xp`` (numpy
-on the CPU; CuPy on the GPU once weights are moved with :meth:`Transformer.to`).
+on the CPU; CuPy on the GPU once weights are moved with :meth:`Transformer.to`). Weight matrices are
+float arrays or packed GGUF blocks (:class:`~streamattn.models.quant.QWeight`); :func:`linear` and
+:func:`embed_rows` are the two operations that look at which.
 
 Layer recipe (pre-norm; gemma3 extras in brackets)::
 
@@ -30,7 +32,8 @@ from typing import Callable
 import numpy as np
 
 from streamattn import CacheSpec, KVCache, attend
-from streamattn.models.loader import GGUFModel, ModelConfig
+from streamattn.models.loader import FUSED, GGUFModel, ModelConfig
+from streamattn.models.quant import QWeight, concat_rows
 
 CACHE_MODES = ("full", "window", "sinks")
 POSITIONS = ("absolute", "cache")
@@ -38,7 +41,8 @@ POSITIONS = ("absolute", "cache")
 
 @dataclass
 class LayerWeights:
-    """One block's weights, matrices ``[out, in]`` (multiply as ``x @ W.T``)."""
+    """One block's weights, matrices ``[out, in]`` (multiply as ``x @ W.T``; float arrays, QWeight, or a
+    tuple of row groups of different block kinds)."""
 
     attn_norm: object   # [d_model]
     wqkv: object        # [q_dim + 2*kv_dim, d_model]  (q rows, then k rows, then v rows)
@@ -49,6 +53,65 @@ class LayerWeights:
     qk_norm: object = None         # [n_heads + n_kv_heads, head_dim]  gemma3 (q_norm rows, then k_norm rows)
     post_attn_norm: object = None  # [d_model]   gemma3
     post_ffw_norm: object = None   # [d_model]   gemma3
+
+
+def linear(xp, x, w):
+    """``x @ w.T``: x [..., in], w [out, in] a float array or a :class:`QWeight` -> [..., out]."""
+    if isinstance(w, QWeight):
+        from streamattn.models.qmatmul import qmatmul
+        return qmatmul(x, w)
+    if isinstance(w, tuple):                     # row groups of different block kinds
+        return xp.concatenate([linear(xp, x, p) for p in w], axis=-1)
+    return x @ w.T
+
+
+def _int_kernel(w) -> bool:
+    return isinstance(w, QWeight) and w.kind in ("q4", "q8")
+
+
+def norm_linear(xp, x, norm_w, eps, w):
+    """``rms_norm(x, norm_w) @ w.T``; on packed integer weights the norm is fused into the quantization
+    of the activations (one compiled pass)."""
+    if _int_kernel(w):
+        from streamattn.models.qmatmul import norm_qmatmul
+        return norm_qmatmul(x, norm_w, eps, w)
+    return linear(xp, rms_norm(xp, x, norm_w, eps), w)
+
+
+def glu_linear(xp, gu, activation, w):
+    """``(act(g) * u) @ w.T`` for gu = [g | u] [..., 2*d_ff]; act 'silu' or 'gelu_tanh'. Fused like
+    :func:`norm_linear` on packed integer weights."""
+    if _int_kernel(w):
+        from streamattn.models.qmatmul import glu_qmatmul
+        return glu_qmatmul(gu, activation == "gelu_tanh", w)
+    d_ff = gu.shape[-1] // 2
+    g, u = gu[..., :d_ff], gu[..., d_ff:]
+    return linear(xp, (gelu_tanh(xp, g) if activation == "gelu_tanh" else silu(xp, g)) * u, w)
+
+
+def embed_rows(xp, w, ids):
+    """Rows ``ids`` (int [n]) of an embedding table (float array or :class:`QWeight`) as float32 [n, d]."""
+    if isinstance(w, QWeight):
+        return w.rows(ids)
+    return w[xp.asarray(ids)]
+
+
+def _cat_rows(parts):
+    """One weight holding the rows of ``parts`` in order (packed when their kinds agree, else a tuple)."""
+    if all(isinstance(p, QWeight) for p in parts):
+        return concat_rows(parts) or tuple(parts)
+    if any(isinstance(p, QWeight) for p in parts):
+        return tuple(parts)
+    return np.ascontiguousarray(np.concatenate(parts, 0), np.float32)
+
+
+def _to_device(xp, w):
+    """A weight as an ``xp`` array: packed blocks are dequantized to float32 (the GPU path's copy)."""
+    if isinstance(w, QWeight):
+        w = w.dequantize()
+    elif isinstance(w, tuple):
+        w = np.concatenate([p.dequantize() if isinstance(p, QWeight) else p for p in w], 0)
+    return xp.asarray(w)
 
 
 def rms_norm(xp, x, w, eps):
@@ -111,20 +174,23 @@ class Transformer:
         self.config: ModelConfig = model.config
         self.xp = xp
         c, w = self.config, model.weights
-        f32 = np.float32
+        self.weights_kind = model.weights_kind
         self.embed = w["token_embd.weight"]                       # [vocab, d_model]
         self.output = w.get("output.weight", self.embed)          # [vocab, d_model] (tied when absent)
         self.output_norm = w["output_norm.weight"]                # [d_model]
         self.layers = []
+        def fused(p, key):
+            """One layer's fused row groups (the loader's single copy, else concatenated here)."""
+            f = model.fused.get(p + key + ".weight")
+            return f if f is not None else _cat_rows([w[p + n + ".weight"] for n in FUSED[key]])
+
         for i in range(c.n_layers):
             p = f"blk.{i}."
             self.layers.append(LayerWeights(
                 attn_norm=w[p + "attn_norm.weight"],
-                wqkv=np.ascontiguousarray(np.concatenate(
-                    [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]], 0), f32),
+                wqkv=fused(p, "attn_qkv"),
                 wo=w[p + "attn_output.weight"], ffn_norm=w[p + "ffn_norm.weight"],
-                wgu=np.ascontiguousarray(
-                    np.concatenate([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]], 0), f32),
+                wgu=fused(p, "ffn_gate_up"),
                 wdown=w[p + "ffn_down.weight"],
                 qk_norm=None if not c.qk_norm else np.concatenate(
                     [np.tile(w[p + "attn_q_norm.weight"], (c.n_heads, 1)),
@@ -136,10 +202,13 @@ class Transformer:
                           for base in {c.rope_base, c.rope_base_local}}
 
     def to(self, xp):
-        """Move every weight array to array module ``xp`` (e.g. cupy); returns self."""
-        conv = xp.asarray
+        """Move every weight array to array module ``xp`` (e.g. cupy); returns self. Packed weights are
+        dequantized to float32 on the way (the GPU has no packed kernels yet)."""
+        def conv(w):
+            return _to_device(xp, w)
+        tied = self.output is self.embed
         self.embed = conv(self.embed)
-        self.output = self.embed if self.output is self.embed else conv(self.output)
+        self.output = self.embed if tied else conv(self.output)
         self.output_norm = conv(self.output_norm)
         for lw in self.layers:
             for k, v in vars(lw).items():
@@ -239,12 +308,12 @@ class Transformer:
         tables = {base: self._rope_tables(pos, base) for base in self._inv_freq}
         sink_tables = {}    # (base, n_s + n_c - 1) -> tables at the queries' cache positions
         H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
-        x = self.embed[xp.asarray(tokens.reshape(-1))].reshape(B, T, c.d_model)        # [B, T, d]
+        x = xp.asarray(embed_rows(xp, self.embed, tokens.reshape(-1))).reshape(B, T, c.d_model)  # [B, T, d]
         if c.embed_scale != 1.0:
             x = x * np.float32(c.embed_scale)
         attn_counts = None if counts is None else cnt
         for i, (lw, cache) in enumerate(zip(self.layers, caches)):
-            h = rms_norm(xp, x, lw.attn_norm, c.norm_eps) @ lw.wqkv.T                   # [B, T, qd+2kvd]
+            h = norm_linear(xp, x, lw.attn_norm, c.norm_eps, lw.wqkv)                  # [B, T, qd+2kvd]
             qk = h[..., : (H + Hk) * hd].reshape(B, T, H + Hk, hd)                      # q heads, then k heads
             if c.qk_norm:
                 qk = rms_norm(xp, qk, lw.qk_norm, c.norm_eps)
@@ -265,16 +334,15 @@ class Transformer:
                           q_sink=q_sink)                                                # [B, H, T, hd]
             if attn_hook is not None:
                 attn_hook(i, q, k, v, o)
-            a = o.transpose(0, 2, 1, 3).reshape(B, T, H * hd) @ lw.wo.T                # [B, T, d]
+            a = linear(xp, o.transpose(0, 2, 1, 3).reshape(B, T, H * hd), lw.wo)       # [B, T, d]
             if c.post_norms:
                 a = rms_norm(xp, a, lw.post_attn_norm, c.norm_eps)
             x = x + a
-            gu = rms_norm(xp, x, lw.ffn_norm, c.norm_eps) @ lw.wgu.T                    # [B, T, 2*d_ff]
-            g, u = gu[..., : c.d_ff], gu[..., c.d_ff:]
-            m = ((gelu_tanh(xp, g) if c.activation == "gelu_tanh" else silu(xp, g)) * u) @ lw.wdown.T
+            gu = norm_linear(xp, x, lw.ffn_norm, c.norm_eps, lw.wgu)                   # [B, T, 2*d_ff]
+            m = glu_linear(xp, gu, c.activation, lw.wdown)                               # [B, T, d]
             if c.post_norms:
                 m = rms_norm(xp, m, lw.post_ffw_norm, c.norm_eps)
             x = x + m                                                                   # [B, T, d]
         if last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
-        return rms_norm(xp, x, self.output_norm, c.norm_eps) @ self.output.T           # [..., vocab]
+        return norm_linear(xp, x, self.output_norm, c.norm_eps, self.output)          # [..., vocab]

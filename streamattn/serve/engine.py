@@ -122,7 +122,7 @@ class Engine:
         if not active:
             return
         t0 = time.perf_counter()
-        B, C = self.cfg.parallel, self.cfg.prefill_chunk
+        B, C = max(s.slot for s in active) + 1, self.cfg.prefill_chunk   # slots past the last active idle
         counts = np.zeros(B, np.int64)                                     # [B] real tokens per slot
         for s in active:
             counts[s.slot] = min(C, len(s.job.prompt) - s.done) if s.prefilling else 1
@@ -130,8 +130,9 @@ class Engine:
         for s in active:
             tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
                                                else [s.next_token])
+        caches = self.caches if B == self.cfg.parallel else self._head(B, counts)
         try:
-            logits = to_host(self.model.forward(tokens, self.caches, counts=counts, backend=self.cfg.backend,
+            logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
                                                 last_only=True), copy=False)  # [B, vocab]
         except Exception as e:                                             # shared by the batch
             traceback.print_exc()
@@ -163,20 +164,28 @@ class Engine:
         self.metrics.steps.inc()
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
 
+    def _head(self, n: int, counts) -> list:
+        """Views of slots 0..n-1 of every layer (KVCache.head), causal caches grown first for this step."""
+        for c in self.caches:
+            need = int((c.lengths[:n] + counts).max())
+            if c.spec.window is None and need > c.slots:
+                c.reserve(need)
+        return [c.head(n) for c in self.caches]
+
     def _drop_cancelled(self) -> None:
         with self._cv:
             kept = [s for s in self.queue if not s.cancelled.is_set()]
             if len(kept) != len(self.queue):
                 for s in self.queue:
                     if s.cancelled.is_set():
-                        s.finished = True
+                        s.finish("cancelled")             # ends a handler still waiting, if any
                         self.metrics.requests.labels("cancelled").inc()
                 self.queue = collections.deque(kept)
                 self.metrics.queued.set(len(self.queue))
         for s in self.slots:
             if s is not None and s.cancelled.is_set():
                 self.metrics.cancel_steps.observe(self.steps - s.cancel_step)
-                s.finished = True
+                s.finish("cancelled")
                 self._free(s, "cancelled")
 
     def _admit(self) -> None:
@@ -195,7 +204,13 @@ class Engine:
                 self.metrics.prompt_tokens.inc(len(s.job.prompt))
                 if s.job.cache_prompt and self.cfg.prompt_cache_mb > 0:
                     self.metrics.cache_lookups.inc()
-                    n = self.prompt_cache.lookup(list(s.job.prompt), caches=self.caches, slot=s.slot)
+                    try:
+                        n = self.prompt_cache.lookup(list(s.job.prompt), caches=self.caches, slot=s.slot)
+                    except Exception:                  # never serve a half-loaded slot: prefill it all
+                        traceback.print_exc()
+                        for c in self.caches:
+                            c.reset(s.slot)
+                        n = 0
                     if n:
                         s.done = s.cached = n
                         self.metrics.cache_hits.inc()
@@ -211,3 +226,4 @@ class Engine:
         s.slot = -1
         self.metrics.requests.labels(outcome or s.finish_reason or "unknown").inc()
         self.metrics.running.set(self.running)
+

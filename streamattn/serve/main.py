@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dtype", choices=CACHE_DTYPES, default=d.cache_dtype)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.add_argument("--debug-fail-text", default=None, help=argparse.SUPPRESS)
+    from streamattn.scale.ray_serve import add_arguments as add_ray_arguments
+    add_ray_arguments(p)                                   # --ray --replicas N: Ray Serve replicas
 
 
 def config_from_args(args) -> ServeConfig:
@@ -39,6 +41,9 @@ def config_from_args(args) -> ServeConfig:
 
 def run_args(args) -> int:
     cfg = config_from_args(args)
+    if args.ray:
+        from streamattn.scale.ray_serve import run_args as run_on_ray
+        return run_on_ray(cfg, args)
     try:
         import uvicorn
         from streamattn.serve.app import build_app

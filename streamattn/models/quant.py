@@ -1,0 +1,228 @@
+"""GGUF weight matrices kept in their block formats: one packed copy per tensor, never widened to float32.
+
+A GGUF block interleaves per-block scales with the quantized values. :func:`pack` splits each tensor once,
+at load time, into planes the kernels in :mod:`streamattn.models.qmatmul` read with vector loads:
+
+==========  ==========  =================================================================================
+GGUF type   kind        planes (``N`` rows, ``K`` columns)
+==========  ==========  =================================================================================
+Q4_0, Q4_1  ``"q4"``    ``qs`` uint8 [N, K/2] (the file's nibble bytes, unchanged: byte j of a 32-block
+                        holds element j low, element j+16 high), ``scale``, ``minv`` float32 [N, K/32];
+                        value = scale * q + minv (Q4_0: minv = -8 * scale)
+Q4_K        ``"q4"``    the same planes: each super-block's 6-bit sub-block scales and mins are
+                        multiplied out (d * sc, -dmin * m) and its nibbles re-paired into the Q4_1 order
+Q8_0, Q5_0  ``"q8"``    ``qs`` int8 [N, K] (Q5_0: the 5-bit values minus 16), ``scale`` float32 [N, K/32]
+Q6_K        ``"q8"``    ``qs`` int8 [N, K] (the 6-bit values minus 32), ``scale`` float32 [N, K/16]
+                        (d * the int8 sub-block scale); ``group`` 16
+F32, F16,   ``"f32"``,  ``qs`` the values as stored (float32, or the 16-bit patterns as uint16)
+BF16        ``"f16"``,
+            ``"bf16"``
+==========  ==========  =================================================================================
+
+Every repacking is exact: :meth:`QWeight.dequantize` equals ``gguf.quants.dequantize`` of the file's
+bytes. Bytes per weight: Q4 kinds 0.75 (0.5 + two float32 per 32), Q8_0 1.125, Q5_0 and Q6_K 1.125
+and 1.25 (the 5- and 6-bit values are held as int8, which the integer dot product reads directly).
+Any other GGUF type raises :class:`UnsupportedWeightType`, naming the tensor and its type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
+KINDS = ("q4", "q8", "f32", "f16", "bf16")
+
+
+class UnsupportedWeightType(ValueError):
+    """A GGUF tensor's type has no packed kernel here."""
+
+
+@dataclass
+class QWeight:
+    """A weight matrix ``[rows, cols]`` in packed block planes (multiply as ``x @ W.T``).
+
+    Attributes
+    ----------
+    kind : {"q4", "q8", "f32", "f16", "bf16"}
+    shape : (rows, cols)
+    qs : array
+        "q4": uint8 [rows, cols/2]; "q8": int8 [rows, cols]; "f32": float32, "f16"/"bf16": uint16
+        [rows, cols].
+    scale : float32 [rows, cols/group] or None
+    minv : float32 [rows, cols/32] or None   ("q4" only)
+    group : int
+        Columns per scale (32, or 16 for Q6_K).
+    source : str
+        The GGUF type the planes came from.
+    """
+
+    kind: str
+    shape: tuple
+    qs: np.ndarray = field(repr=False)
+    scale: np.ndarray | None = field(default=None, repr=False)
+    minv: np.ndarray | None = field(default=None, repr=False)
+    group: int = 32
+    source: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.qs, self.scale, self.minv) if a is not None)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def finite(self) -> bool:
+        """Whether every value is finite (scales and mins; float kinds: the values)."""
+        if self.kind in ("q4", "q8"):
+            return bool(np.isfinite(self.scale).all() and (self.minv is None or np.isfinite(self.minv).all()))
+        return bool(np.isfinite(self.dequantize()).all())
+
+    def rows(self, ids) -> np.ndarray:
+        """Dequantized rows ``ids`` (an int array of any shape) as float32 [*ids.shape, cols]."""
+        ids = np.asarray(ids)
+        flat = ids.reshape(-1)
+        out = _dequant(self, self.qs[flat], None if self.scale is None else self.scale[flat],
+                       None if self.minv is None else self.minv[flat])
+        return out.reshape(*ids.shape, self.shape[1])
+
+    def dequantize(self) -> np.ndarray:
+        """The whole matrix as float32 [rows, cols] (the reference path and the GPU's copy)."""
+        return _dequant(self, self.qs, self.scale, self.minv)
+
+
+def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
+    n = qs.shape[0]
+    if w.kind == "f32":
+        return np.array(qs, np.float32)
+    if w.kind == "f16":
+        return qs.view(np.float16).astype(np.float32)
+    if w.kind == "bf16":
+        return (qs.astype(np.uint32) << 16).view(np.float32)
+    if w.kind == "q8":
+        v = qs.reshape(n, -1, w.group).astype(np.float32) * scale[:, :, None]
+        return v.reshape(n, -1)
+    b = qs.reshape(n, -1, 16)
+    q = np.concatenate([b & 15, b >> 4], axis=-1).astype(np.float32)             # [n, K/32, 32]
+    return (q * scale[:, :, None] + minv[:, :, None]).reshape(n, -1)
+
+
+def row_slice(w, a: int, b: int):
+    """Rows a..b-1 of a QWeight or float matrix as views (no copy)."""
+    if not isinstance(w, QWeight):
+        return w[a:b]
+    cut = (lambda arr: None if arr is None else arr[a:b])
+    return QWeight(w.kind, (b - a, w.shape[1]), w.qs[a:b], cut(w.scale), cut(w.minv), w.group, w.source)
+
+
+def concat_rows(ws: list) -> QWeight | None:
+    """One QWeight holding the rows of ``ws`` one after another, or None where their kinds differ."""
+    first = ws[0]
+    if any(w.kind != first.kind or w.group != first.group or w.shape[1] != first.shape[1] for w in ws):
+        return None
+    cat = (lambda name: None if getattr(first, name) is None
+           else np.ascontiguousarray(np.concatenate([getattr(w, name) for w in ws], 0)))
+    return QWeight(first.kind, (sum(w.shape[0] for w in ws), first.shape[1]), cat("qs"), cat("scale"),
+                   cat("minv"), first.group, "+".join(sorted({w.source for w in ws})))
+
+
+def _f16(b) -> np.ndarray:
+    """float32 of little-endian float16 byte pairs b: [..., 2] uint8."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def pack(name: str, type_name: str, data: np.ndarray, shape: tuple) -> QWeight:
+    """Split one GGUF tensor's blocks into a :class:`QWeight`.
+
+    Parameters
+    ----------
+    name : str
+        Tensor name (for errors).
+    type_name : str
+        GGUF type name, e.g. "Q4_1" (``tensor.tensor_type.name``).
+    data : array
+        The tensor's data as ``gguf.GGUFReader`` gives it: uint8 block bytes [rows, bytes_per_row] for
+        quantized types, the values [rows, cols] for F32/F16 (BF16: bytes or uint16).
+    shape : (rows, cols)
+
+    Raises
+    ------
+    UnsupportedWeightType
+        A type outside :data:`SUPPORTED_TYPES`, or columns not a multiple of the block size.
+    """
+    n, k = shape
+    if type_name not in SUPPORTED_TYPES:
+        raise UnsupportedWeightType(f"tensor {name!r} has GGUF type {type_name}, which has no packed kernel "
+                                    f"(supported: {', '.join(SUPPORTED_TYPES)}); load with weights='f32' "
+                                    "to dequantize every tensor to float32 instead")
+    block = 256 if type_name.endswith("_K") else 32 if type_name.startswith("Q") else 16
+    if k % block:
+        raise UnsupportedWeightType(f"tensor {name!r} ({type_name}) has {k} columns, not a multiple of "
+                                    f"{block} as the packed kernels need")
+    if type_name == "F32":
+        return QWeight("f32", shape, np.array(data, np.float32, order="C").reshape(n, k), source=type_name)
+    if type_name in ("F16", "BF16"):
+        raw = np.ascontiguousarray(data).view(np.uint16).reshape(n, k)
+        return QWeight(type_name.lower(), shape, raw.copy(), source=type_name)
+    u8 = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
+    return _PACKERS[type_name](u8.reshape(n, k // block, -1), shape)
+
+
+def _q4_0(b, shape):
+    d = _f16(b[..., 0:2])
+    return QWeight("q4", shape, b[..., 2:18].reshape(shape[0], -1).copy(), d, -8.0 * d, source="Q4_0")
+
+
+def _q4_1(b, shape):
+    return QWeight("q4", shape, b[..., 4:20].reshape(shape[0], -1).copy(), _f16(b[..., 0:2]),
+                   _f16(b[..., 2:4]), source="Q4_1")
+
+
+def _q8_0(b, shape):
+    return QWeight("q8", shape, b[..., 2:34].view(np.int8).reshape(shape[0], -1).copy(), _f16(b[..., 0:2]),
+                   source="Q8_0")
+
+
+def _q5_0(b, shape):
+    n = shape[0]
+    qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")                             # [n, nb, 1]
+    qs = b[..., 6:22]                                                              # [n, nb, 16]
+    j = np.arange(16, dtype=np.uint32)
+    lo = (qs & 15) | (((qh >> j) & 1) << 4).astype(np.uint8)
+    hi = (qs >> 4) | (((qh >> (j + 16)) & 1) << 4).astype(np.uint8)
+    q = (np.concatenate([lo, hi], -1).astype(np.int16) - 16).astype(np.int8)
+    return QWeight("q8", shape, q.reshape(n, -1), _f16(b[..., 0:2]), source="Q5_0")
+
+
+def _q4_k(b, shape):
+    n = shape[0]
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]          # [n, ns, 1]
+    s = b[..., 4:16].astype(np.uint8)                                              # [n, ns, 12]
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    q = b[..., 16:144].reshape(n, -1, 4, 2, 16)                                    # [n, ns, group, half, 16]
+    lo, hi = q[..., 0, :], q[..., 1, :]                                            # bytes j and j + 16
+    even = (lo & 15) | ((hi & 15) << 4)                                            # sub-block 2g: low nibbles
+    odd = (lo >> 4) | (hi & 0xF0)                                                  # sub-block 2g+1: high nibbles
+    qs = np.stack([even, odd], -2).reshape(n, -1)                                  # [n, K/2], Q4_1 order
+    return QWeight("q4", shape, qs, (d * sc).reshape(n, -1).astype(np.float32),
+                   (-(dmin * mn)).reshape(n, -1).astype(np.float32), source="Q4_K")
+
+
+def _q6_k(b, shape):
+    n = shape[0]
+    ql, qh = b[..., 0:128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 32)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)                         # [n, ns, 16]
+    d = _f16(b[..., 208:210])[..., None]
+    q1 = (ql[..., :32] & 15) | ((qh & 3) << 4)
+    q2 = (ql[..., 32:] & 15) | (((qh >> 2) & 3) << 4)
+    q3 = (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4)
+    q4 = (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)
+    q = np.concatenate([q1, q2, q3, q4], -1).astype(np.int16) - 32                 # [n, ns, 2, 128]
+    return QWeight("q8", shape, q.astype(np.int8).reshape(n, -1), (d * sc).reshape(n, -1).astype(np.float32),
+                   group=16, source="Q6_K")
+
+
+_PACKERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k}

@@ -1,0 +1,88 @@
+"""``streamattn batch``: the command line over the local runner (batch.py) and the Ray runner (ray_batch.py).
+
+Its own module so that batch.py and ray_batch.py import in one direction only (ray_batch builds on batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from streamattn.models.sampling import SamplingParams
+from streamattn.scale.batch import ModelOptions, run_local
+from streamattn.scale.jobs import OutputFile, Progress, read_requests
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("input", help="JSON lines: {id, prompt | messages, optional sampling overrides}")
+    p.add_argument("-o", "--output", required=True, help="JSON-lines output; ids already in it are skipped")
+    p.add_argument("--model", default=None,
+                   help="a .gguf path or a model name (smollm2-135m, gemma3-270m); default smollm2-135m")
+    p.add_argument("--cache", choices=("full", "window", "sinks"), default="full")
+    p.add_argument("--window", type=int, default=None, help="window n_c for --cache window|sinks (default 256)")
+    p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens for --cache sinks")
+    p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
+    p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per forward call")
+    p.add_argument("--chat", action="store_true", help="wrap 'prompt' lines in the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per worker (per actor with --ray)")
+    p.add_argument("-n", "--max-tokens", type=int, default=128, help="default max_tokens of a line")
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="default temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="default stop string (repeatable)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (per actor with --ray)")
+    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
+                   help="a bad line stops the run before any decoding (stop) or is reported and skipped (skip)")
+    p.add_argument("--ray", action="store_true", help="run on Ray Data: one model per actor")
+    p.add_argument("--actors", type=int, default=2, help="Ray actors (each loads the model once)")
+    p.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs Ray reserves per actor")
+    p.add_argument("--ray-address", default=None,
+                   help="cluster to join ('auto', or host:port of the head); default: RAY_ADDRESS, else a "
+                        "local Ray started for this run and stopped after it")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def run_args(args) -> int:
+    for name, v, lo in (("--batch-size", args.batch_size, 1), ("--actors", args.actors, 1),
+                        ("--max-tokens", args.max_tokens, 1)):
+        if v < lo:
+            raise ValueError(f"{name} must be >= {lo} (got {v})")
+    if args.cpus_per_actor <= 0:
+        raise ValueError(f"--cpus-per-actor must be > 0 (got {args.cpus_per_actor})")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
+    opts = ModelOptions(model=args.model, cache=args.cache, window=args.window, sinks=args.sinks,
+                        backend=args.backend, cache_dtype=args.cache_dtype, prefill_chunk=args.prefill_chunk,
+                        threads=args.threads, chat=args.chat, system=args.system)
+    with OutputFile(args.output) as out:
+        got = read_requests(args.input, done=out.done, max_tokens=args.max_tokens, sampling=sampling,
+                            stop=tuple(args.stop))
+        for e in got.bad:
+            print(f"streamattn batch: {args.input}: {e}", file=sys.stderr)
+        if got.bad and args.on_error == "stop":
+            raise ValueError(f"{len(got.bad)} bad line(s) in {args.input} (first: {got.bad[0]}); fix them or "
+                             f"pass --on-error skip")
+        if not args.quiet:
+            print(f"streamattn batch: {len(got.requests)} to run, {got.already_done} already in {args.output}"
+                  + (f", {len(got.bad)} bad line(s) skipped" if got.bad else ""), file=sys.stderr)
+        progress = Progress(len(got.requests), quiet=args.quiet)
+        if args.ray:
+            from streamattn.scale.ray_batch import run_ray  # only with --ray: imports nothing of Ray until used
+            errors = run_ray(got.requests, out, opts, actors=args.actors, cpus_per_actor=args.cpus_per_actor,
+                             batch_size=args.batch_size, progress=progress, address=args.ray_address,
+                             stop_on_error=args.on_error == "stop")
+        else:
+            errors = run_local(got.requests, out, opts, batch_size=args.batch_size, progress=progress,
+                               stop_on_error=args.on_error == "stop")
+    for e in errors:
+        print(f"streamattn batch: {args.input}: {e}", file=sys.stderr)
+    if errors and args.on_error == "stop":
+        raise ValueError(f"{len(errors)} line(s) failed (first: {errors[0]}); rerun the same command to resume")
+    if not args.quiet:
+        print(f"streamattn batch: {progress.line()}; wrote {args.output}", file=sys.stderr)
+    return 1 if (got.bad or errors) else 0

@@ -1,0 +1,113 @@
+"""Packed GGUF weights and their matmul kernels against ``gguf.quants.dequantize`` + a float64 matmul.
+
+Every supported type, odd row counts, the matrix shapes of SmolLM2-135M and Gemma-3-270M. K-quants
+(which gguf-py cannot quantize) are random block bytes with sane float16 super-block scales.
+"""
+
+import gguf
+import numba
+import numpy as np
+import pytest
+from gguf.quants import dequantize, quantize
+
+from streamattn.models.qmatmul import HAVE_KERNELS, qmatmul, quantize_activations
+from streamattn.models.quant import SUPPORTED_TYPES, UnsupportedWeightType, pack
+
+pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="packed kernels need x86 AVX2 (CI machines have it)")
+
+# (rows, cols) of SmolLM2's q/k/v, wqkv, gate+up, down and Gemma's q, k, o, gate+up, down
+SHAPES = [(576, 576), (960, 576), (3072, 576), (576, 1536), (1024, 640), (256, 640), (640, 1024),
+          (4096, 640), (640, 2048)]
+
+
+def gguf_bytes(type_name: str, rows: int, cols: int, seed: int = 0):
+    """A tensor of GGUF type ``type_name`` as GGUFReader gives it: (data, float64 values [rows, cols])."""
+    rng = np.random.default_rng(seed)
+    qt = gguf.GGMLQuantizationType[type_name]
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    if type_name == "F32":
+        data = x
+    elif type_name in ("Q4_K", "Q6_K"):
+        size = {"Q4_K": 144, "Q6_K": 210}[type_name]
+        blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+        scales = (rng.random((rows, cols // 256, 2)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
+        if type_name == "Q4_K":
+            blocks[..., 0:4] = scales.reshape(rows, cols // 256, 4)                   # d, dmin
+        else:
+            blocks[..., 208:210] = scales[..., 0:2]                                   # d
+        data = blocks.reshape(rows, -1)
+    else:
+        data = quantize(x, qt)
+    return data, dequantize(data, qt).astype(np.float64)
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_pack_equals_gguf_dequantize(type_name):
+    data, want = gguf_bytes(type_name, 37, 512)
+    w = pack("blk.0.attn_q.weight", type_name, data, (37, 512))
+    assert w.shape == (37, 512) and w.source == type_name
+    np.testing.assert_array_equal(w.dequantize(), want.astype(np.float32))
+    np.testing.assert_array_equal(w.rows(np.array([[5, 0], [36, 5]])), want.astype(np.float32)[[[5, 0], [36, 5]]])
+    assert w.nbytes <= (4 if type_name == "F32" else 2 if type_name in ("F16", "BF16") else 1.25) * 37 * 512
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+@pytest.mark.parametrize("rows,batch", [(1, 1), (37, 3), (131, 2)])
+def test_qmatmul_matches_float64_oracle(type_name, rows, batch):
+    cols = 512
+    data, w64 = gguf_bytes(type_name, rows, cols, seed=rows)
+    w = pack("t", type_name, data, (rows, cols))
+    x = np.random.default_rng(7).standard_normal((batch, cols)).astype(np.float32)
+    got = qmatmul(x, w)
+    assert got.shape == (batch, rows) and got.dtype == np.float32
+    if w.kind in ("q4", "q8"):
+        # exact up to float32 rounding against the activations the kernel multiplies ...
+        xq, xd, _ = quantize_activations(x)
+        xdq = (xq.reshape(batch, -1, 32).astype(np.float64) * xd[:, :, None]).reshape(batch, cols)
+        want = xdq @ w64.T
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        # ... and within the 8-bit activation rounding of the float64 product itself
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w64.T, atol=2e-2 * np.abs(want).max())
+    else:
+        want = x.astype(np.float64) @ w64.T
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_model_shapes(rows, cols):
+    type_name = "Q4_K" if cols % 256 == 0 and rows % 2 else "Q4_1" if cols == 576 else "Q5_0"
+    rows = rows + 1 if rows % 2 == 0 else rows                                         # odd row counts
+    data, w64 = gguf_bytes(type_name, rows, cols)
+    x = np.random.default_rng(3).standard_normal((2, cols)).astype(np.float32)
+    xq, xd, _ = quantize_activations(x)
+    want = (xq.reshape(2, -1, 32) * xd[:, :, None].astype(np.float64)).reshape(2, cols) @ w64.T
+    got = qmatmul(x, pack("t", type_name, data, (rows, cols)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K", "F16"])
+def test_batch_and_thread_invariance(type_name):
+    """Row b of a batched call is bit-identical to b alone, serial or over 1 or 2 Numba threads."""
+    data, _ = gguf_bytes(type_name, 97, 512)
+    w = pack("t", type_name, data, (97, 512))
+    x = np.random.default_rng(5).standard_normal((6, 512)).astype(np.float32)
+    alone = np.concatenate([qmatmul(x[b:b + 1], w, parallel=False) for b in range(6)])
+    before = numba.get_num_threads()
+    try:
+        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(n)
+            np.testing.assert_array_equal(qmatmul(x, w, parallel=True), alone)
+            np.testing.assert_array_equal(qmatmul(x[2:5], w, parallel=True), alone[2:5])
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(qmatmul(x.reshape(2, 3, 512), w, parallel=False).reshape(6, 97), alone)
+
+
+def test_errors():
+    with pytest.raises(UnsupportedWeightType, match=r"tensor 'blk.3.ffn_up.weight' has GGUF type Q2_K.*weights='f32'"):
+        pack("blk.3.ffn_up.weight", "Q2_K", np.zeros((2, 84), np.uint8), (2, 256))
+    with pytest.raises(UnsupportedWeightType, match="has 48 columns, not a multiple of 32"):
+        pack("w", "Q8_0", np.zeros((2, 51), np.uint8), (2, 48))
+    w = pack("w", "F32", np.ones((3, 32), np.float32), (3, 32))
+    with pytest.raises(ValueError, match="x has 16 columns, the weight .* expects 32"):
+        qmatmul(np.ones((1, 16), np.float32), w)
