@@ -40,7 +40,7 @@ import numpy as np
 
 from .arrays import check_sequence_index, to_host
 from .spec import CacheSpec
-from .storage import ring_slots, slot_positions, storage_zeros, to_storage, widen_bf16
+from .storage import check_stored_finite, ring_slots, slot_positions, storage_zeros, to_storage, widen_bf16
 
 _INITIAL_CAUSAL_SLOTS = 256
 
@@ -135,7 +135,7 @@ class KVCache:
             ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
             vs = to_storage(v, spec.dtype, xp)
         if spec.check_finite:
-            self._check_stored_finite(ks, vs, counts)
+            check_stored_finite(ks, vs, counts, spec.dtype, xp)
         need = int((self.lengths + counts).max())
         if spec.window is None and need > self.slots:
             self._grow(need)
@@ -189,21 +189,6 @@ class KVCache:
                                  f"max_len={spec.max_len} of this causal cache; use a window cache for "
                                  "unbounded streams or a larger max_len")
         return counts
-
-    def _check_stored_finite(self, ks, vs, counts) -> None:
-        """Refuse a chunk whose real rows are NaN or inf *as stored*: the check runs after the cast, so a
-        float32 1e5 that overflows a float16 cache is refused too."""
-        xp = self.xp
-        for name, x in (("k", ks), ("v", vs)):
-            for b in range(self.spec.batch):
-                rows = x[b, :, :int(counts[b])]
-                if not rows.size:
-                    continue
-                wide = widen_bf16(rows, xp) if self.spec.dtype == "bfloat16" else rows
-                if not bool(xp.isfinite(wide).all()):
-                    raise ValueError(f"{name} holds NaN or inf for sequence {b}; the cache is unchanged (checked "
-                                     f"as stored in {self.spec.dtype}: float16 overflows past 65504; pass "
-                                     "check_finite=False in the spec to skip this check)")
 
     def reserve(self, tokens: int) -> None:
         """Causal caches: allocate room for ``tokens`` per sequence now, so later appends never reallocate."""

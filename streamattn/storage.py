@@ -64,3 +64,18 @@ def to_storage(x, dtype: str, xp):
         rounding = ((bits >> 16) & 1) + 0x7FFF
         return ((bits + rounding) >> 16).astype(xp.uint16)
     return x.astype(dtype, copy=False)
+
+
+def check_stored_finite(ks, vs, counts, dtype: str, xp) -> None:
+    """Refuse a chunk whose real rows (``counts[b]`` per sequence) are NaN or inf *as stored*: run after
+    the cast, so a float32 1e5 that overflows a float16 cache is refused too. ks, vs: [batch, kv_heads, T, d]."""
+    for name, x in (("k", ks), ("v", vs)):
+        for b in range(x.shape[0]):
+            rows = x[b, :, :int(counts[b])]
+            if not rows.size:
+                continue
+            wide = widen_bf16(rows, xp) if dtype == "bfloat16" else rows
+            if not bool(xp.isfinite(wide).all()):
+                raise ValueError(f"{name} holds NaN or inf for sequence {b}; the cache is unchanged (checked "
+                                 f"as stored in {dtype}: float16 overflows past 65504; pass "
+                                 "check_finite=False in the spec to skip this check)")

@@ -25,15 +25,13 @@ from typing import Callable
 
 import numpy as np
 
+from streamattn.models.metadata_checks import LIMITS, ModelFileError, check_tensor_names
+
 SUPPORTED_ARCHS = ("llama", "gemma3")
 # Row groups of a layer multiplied by the same input, kept as one matrix: fused name -> parts (in row order)
 FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
 GEMMA3_ROPE_BASE_LOCAL = 10_000.0
 GEMMA3_GLOBAL_EVERY = 6          # layers 5, 11, 17, ... are global; the others slide
-
-
-class ModelFileError(ValueError):
-    """A model file is missing, truncated, corrupt or of an unsupported architecture."""
 
 
 @dataclass(frozen=True)
@@ -232,36 +230,6 @@ def config_from_metadata(md: dict, path: str = "<metadata>") -> ModelConfig:
         if isinstance(e, ModelFileError):
             raise
         raise ModelFileError(f"{path}: inconsistent metadata: {e}") from e
-
-
-# Bounds of the integer metadata (inclusive): far above real models, low enough that a hostile value is
-# refused before it sizes anything (block_count 1e7 would build tuples and dictionaries of that length).
-LIMITS = {"block_count": (1, 1 << 12), "embedding_length": (1, 1 << 17), "attention.head_count": (1, 1 << 12),
-          "attention.head_count_kv": (1, 1 << 12), "attention.key_length": (1, 1 << 14),
-          "feed_forward_length": (1, 1 << 19), "vocab_size": (1, 1 << 24), "context_length": (1, 1 << 31),
-          "attention.sliding_window": (1, 1 << 31)}
-
-
-def check_tensor_names(config: ModelConfig, names, path: str) -> None:
-    """Before any tensor is read: the file's layer count agrees with the blocks it holds.
-
-    Raises
-    ------
-    ModelFileError
-        ``block_count`` names a layer with no tensors, or the file holds tensors of a layer past it.
-    """
-    names = set(names)
-    for key in ("token_embd.weight", "output_norm.weight"):
-        if key not in names:
-            raise ModelFileError(f"{path}: tensor {key!r} is missing")
-    blocks = {int(n.split(".")[1]) for n in names if n.startswith("blk.") and n.split(".")[1].isdigit()}
-    want = set(range(config.n_layers))
-    if blocks != want:
-        extra = sorted(blocks - want)[:3]
-        missing = sorted(want - blocks)[:3]
-        raise ModelFileError(f"{path}: metadata says block_count={config.n_layers}, the file holds tensors of "
-                             f"{len(blocks)} blocks" + (f" (missing blk.{missing[0]}...)" if missing else "")
-                             + (f" (extra blk.{extra[0]}...)" if extra else ""))
 
 
 def _open(path: str):
