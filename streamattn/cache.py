@@ -131,11 +131,14 @@ class KVCache:
         """
         xp, spec = self.xp, self.spec
         counts = self._validate_append(k, v, counts)
+        with np.errstate(over="ignore"):      # an overflow to inf is caught just below, by name
+            ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
+            vs = to_storage(v, spec.dtype, xp)
+        if spec.check_finite:
+            self._check_stored_finite(ks, vs, counts)
         need = int((self.lengths + counts).max())
         if spec.window is None and need > self.slots:
             self._grow(need)
-        ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
-        vs = to_storage(v, spec.dtype, xp)
         for b in range(spec.batch):
             c = int(counts[b])
             if c == 0:
@@ -185,17 +188,27 @@ class KVCache:
                 raise ValueError(f"sequence {b} would reach {int(self.lengths[b] + counts[b])} tokens, over "
                                  f"max_len={spec.max_len} of this causal cache; use a window cache for "
                                  "unbounded streams or a larger max_len")
-        if spec.check_finite:
-            for name, x in (("k", k), ("v", v)):
-                for b in range(spec.batch):
-                    rows = x[b, :, :int(counts[b])]
-                    if rows.size and not bool(xp.isfinite(rows.astype(xp.float32)).all()):
-                        raise ValueError(f"{name} holds NaN or inf for sequence {b}; the cache is unchanged "
-                                         "(pass check_finite=False in the spec to skip this check)")
         return counts
+
+    def _check_stored_finite(self, ks, vs, counts) -> None:
+        """Refuse a chunk whose real rows are NaN or inf *as stored*: the check runs after the cast, so a
+        float32 1e5 that overflows a float16 cache is refused too."""
+        xp = self.xp
+        for name, x in (("k", ks), ("v", vs)):
+            for b in range(self.spec.batch):
+                rows = x[b, :, :int(counts[b])]
+                if not rows.size:
+                    continue
+                wide = widen_bf16(rows, xp) if self.spec.dtype == "bfloat16" else rows
+                if not bool(xp.isfinite(wide).all()):
+                    raise ValueError(f"{name} holds NaN or inf for sequence {b}; the cache is unchanged (checked "
+                                     f"as stored in {self.spec.dtype}: float16 overflows past 65504; pass "
+                                     "check_finite=False in the spec to skip this check)")
 
     def reserve(self, tokens: int) -> None:
         """Causal caches: allocate room for ``tokens`` per sequence now, so later appends never reallocate."""
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
+            raise ValueError(f"tokens must be an integer >= 0 (got {tokens!r})")
         if self.spec.window is not None:
             raise ValueError("reserve() is for causal caches; a window cache is allocated in full at creation")
         if self.spec.max_len is not None and tokens > self.spec.max_len:

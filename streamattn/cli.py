@@ -7,6 +7,7 @@ Adding a subcommand: write ``configure(parser)`` and ``run(args) -> int`` and ad
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -26,6 +27,57 @@ def _err(msg: str) -> None:
     print(f"streamattn: error: {msg}", file=sys.stderr)
 
 
+class UsageError(ValueError):
+    """A command-line value that is wrong on its face: reported before any model is loaded."""
+
+
+def _check_model_args(args) -> None:
+    """Validate what needs no model, before the (seconds-long) load; UsageError names the flag."""
+    def need(ok, flag, value, expected):
+        if not ok:
+            raise UsageError(f"{flag} must be {expected} (got {value!r})")
+    need(args.backend in ("reference", "cpu", "gpu", "auto"), "--backend", args.backend,
+         "one of reference, cpu, gpu, auto")
+    need(1 <= args.prefill_chunk <= MAX_PREFILL_CHUNK, "--prefill-chunk", args.prefill_chunk,
+         f"in 1..{MAX_PREFILL_CHUNK}")
+    need(args.threads >= 1, "--threads", args.threads, ">= 1")
+    if args.cache == "full":
+        if args.window is not None:
+            raise UsageError(f"--window {args.window} applies to --cache window or sinks; with --cache full every "
+                             "token is kept (drop --window, or add --cache window)")
+        if args.sinks is not None:
+            raise UsageError(f"--sinks {args.sinks} applies to --cache sinks (got --cache {args.cache})")
+    else:
+        need(args.window is None or args.window >= 1, "--window", args.window, ">= 1")
+        if args.cache == "window" and args.sinks is not None:
+            raise UsageError(f"--sinks {args.sinks} applies to --cache sinks (got --cache window)")
+        need(args.sinks is None or args.sinks >= 1, "--sinks", args.sinks, ">= 1")
+    if args.backend == "gpu":
+        from streamattn.backends import gpu
+        if not gpu.available():
+            raise UsageError("--backend gpu: no CUDA device is visible (or CuPy is not installed); use "
+                             "--backend cpu")
+    if getattr(args, "max_tokens", 1) < 1:
+        raise UsageError(f"-n/--max-tokens must be >= 1 (got {args.max_tokens})")
+
+
+MAX_PREFILL_CHUNK = 8192
+
+
+def _warm_kernels(args) -> None:
+    """Compile or load the CPU attention kernels before the timed prefill; say so when compiling."""
+    if args.backend not in ("cpu", "auto"):
+        return
+    from streamattn.backends import gpu
+    if args.backend == "auto" and gpu.available():
+        return
+    from streamattn.backends import warmup
+    if not warmup.kernels_cached() and not args.quiet:
+        print("compiling attention kernels (once after an install; Numba caches them) ...", file=sys.stderr,
+              flush=True)
+    warmup.warm(args.cache_dtype)
+
+
 # ---------------------------------------------------------------------------------------- shared
 def _model_args(p):
     p.add_argument("--model", default=None,
@@ -34,7 +86,7 @@ def _model_args(p):
                    help="KV cache for the model's global layers (gemma3's local layers always slide)")
     p.add_argument("--window", type=int, default=None,
                    help="window n_c in keys, the current one included (default 256 with --cache window/sinks)")
-    p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens for --cache sinks")
+    p.add_argument("--sinks", type=int, default=None, help="attention-sink tokens for --cache sinks (default 4)")
     p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
     p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per forward call")
@@ -52,7 +104,7 @@ def _model_args(p):
 def _load(args):
     """(Generator, Transformer, Tokenizer) for the CLI arguments, with loading progress on stderr."""
     from streamattn.models.generate import Generator
-    from streamattn.models.loader import load_gguf
+    from streamattn.models.loader import ModelFileError, load_gguf
     from streamattn.models.hub import resolve_model
     from streamattn.models.transformer import Transformer
     from streamattn.models.tokenizer import Tokenizer
@@ -68,7 +120,14 @@ def _load(args):
             print(f"\rloading {path.name}: {done}/{total} tensors", end="\n" if done == total else "",
                   file=sys.stderr, flush=True)
 
-    m = load_gguf(path, progress=progress, weights=args.weights)
+    try:
+        m = load_gguf(path, progress=progress, weights=args.weights)
+    except ModelFileError as e:
+        from streamattn.models.hub import DEFAULT_MODEL, MODELS
+        name = args.model or DEFAULT_MODEL
+        if name not in MODELS:
+            raise
+        raise ModelFileError(f"{e}; `streamattn pull {name}` checks the cached copy and fetches it again") from e
     tf = Transformer(m)
     if args.backend == "gpu":
         import cupy
@@ -77,14 +136,15 @@ def _load(args):
     window = args.window
     if args.cache != "full" and window is None:
         window = 256
-    gen = Generator(tf, tok, cache=args.cache, window=window, sinks=args.sinks if args.cache == "sinks" else 0,
+    sinks = (4 if args.sinks is None else args.sinks) if args.cache == "sinks" else 0
+    gen = Generator(tf, tok, cache=args.cache, window=window, sinks=sinks,
                     backend=args.backend, prefill_chunk=args.prefill_chunk, cache_dtype=args.cache_dtype)
     if not args.quiet:
         c = m.config
         print(f"{c.name or c.arch}: {c.n_layers} layers, d_model {c.d_model}, heads {c.n_heads}/{c.n_kv_heads}"
               f", loaded in {time.perf_counter() - t0:.1f}s; cache {args.cache}"
               + (f" window {window}" if args.cache != "full" else "")
-              + (f" sinks {args.sinks}" if args.cache == "sinks" else ""), file=sys.stderr)
+              + (f" sinks {sinks}" if args.cache == "sinks" else ""), file=sys.stderr)
     return gen, tf, tok
 
 
@@ -124,6 +184,7 @@ def _generate_run(args) -> int:
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
+    _check_model_args(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     gen, _, tok = _load(args)
     if args.chat and args.system:
@@ -137,6 +198,9 @@ def _generate_run(args) -> int:
             print(f"\rprefill {done}/{total} tokens", end="\n" if done == total else "", file=sys.stderr,
                   flush=True)
 
+    _warm_kernels(args)
+    global _OPEN_LINE
+    _OPEN_LINE = True
     if not args.chat:
         sys.stdout.write(prompt)
     for ev in gen.stream(ids, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop), chat=chat,
@@ -144,6 +208,7 @@ def _generate_run(args) -> int:
         sys.stdout.write(ev.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    _OPEN_LINE = False
     if args.stats or not args.quiet:
         s = gen.stats
         print(f"[prompt {s.prompt_tokens[0]} tokens, prefill {s.prefill_s * 1e3:.0f} ms; "
@@ -165,10 +230,19 @@ def _inspect_configure(p):
 def _inspect_run(args) -> int:
     from streamattn.introspect import inspect_attention
 
-    gen, tf, tok = _load(args)
-    ids = gen.encode_prompt(args.prompt, chat=args.chat)
+    _check_model_args(args)
     if args.step < 0:
-        raise ValueError(f"--step must be >= 0 (got {args.step})")
+        raise UsageError(f"--step must be >= 0 (got {args.step})")
+    if args.top < 1 or args.sink_tokens < 0:
+        raise UsageError(f"--top must be >= 1 and --sink-tokens >= 0 (got {args.top}, {args.sink_tokens})")
+    try:
+        wanted = None if args.layers is None else [int(x) for x in args.layers.split(",")]
+    except ValueError:
+        raise UsageError(f"--layers must be comma-separated layer indices (got {args.layers!r})") from None
+    gen, tf, tok = _load(args)
+    if wanted is not None and not all(0 <= i < tf.config.n_layers for i in wanted):
+        raise UsageError(f"--layers {args.layers}: this model has layers 0..{tf.config.n_layers - 1}")
+    ids = gen.encode_prompt(args.prompt, chat=args.chat)
     captured = {}
 
     def hook(i, q, k, v, o):
@@ -187,7 +261,7 @@ def _inspect_run(args) -> int:
             seq.append(nxt)
     qpos = len(seq) - 1
     n_window = args.window or tf.config.layer_windows[0] or 64
-    layers = range(tf.config.n_layers) if args.layers is None else [int(x) for x in args.layers.split(",")]
+    layers = range(tf.config.n_layers) if wanted is None else wanted
     piece = tok.decode([seq[qpos]], skip_special=False)
     print(f"query at position {qpos} (token {seq[qpos]} {piece!r}); sinks = positions < {args.sink_tokens}, "
           f"window = last {n_window} positions")
@@ -235,15 +309,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run the command line; every failure is one ``streamattn: error: ...`` line and a non-zero code.
+
+    Exit codes: 0 done; 1 an unexpected error (``STREAMATTN_DEBUG=1`` shows the traceback); 2 bad input
+    (arguments, model files, templates, an unusable cache folder); 3 out of memory; 130 interrupted
+    (Ctrl-C: the output line is finished first); 141 the reader of stdout went away (``| head``): quiet.
+    """
     args = build_parser().parse_args(argv)
     from streamattn.models.loader import ModelFileError
     try:
         return _COMMANDS[args.command][2](args)
-    except (ModelFileError, ValueError, FileNotFoundError) as e:
-        _err(str(e))
-        return 2
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141
     except KeyboardInterrupt:
+        _finish_line()
+        print("streamattn: interrupted", file=sys.stderr)
         return 130
+    except (ModelFileError, ValueError, OSError) as e:
+        _err(str(e) or type(e).__name__)
+        return 2
+    except MemoryError as e:
+        _err(f"out of memory ({e or 'MemoryError'}); try a smaller --prefill-chunk, --window or --cache-dtype")
+        return 3
+    except Exception as e:  # noqa: BLE001 - the last line of defence: one line, not a traceback
+        if os.environ.get("STREAMATTN_DEBUG"):
+            raise
+        _err(f"internal error: {type(e).__name__}: {e} (STREAMATTN_DEBUG=1 shows the traceback)")
+        return 1
+
+
+def _quiet_stdout() -> None:
+    """stdout's reader is gone: point stdout at /dev/null so the interpreter's final flush stays silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+_OPEN_LINE = False   # generate has written part of a line to stdout
+
+
+def _finish_line() -> None:
+    global _OPEN_LINE
+    if not _OPEN_LINE:
+        return
+    _OPEN_LINE = False
+    try:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
     backend : {"auto", "cpu", "gpu", "reference"}
     scale : float, optional
         Multiplier of q.k; default 1/sqrt(head_dim) (we divide by sqrt(d), as the scaled dot product does).
+        Must be finite; q must be finite floats (NaN or inf in q or scale raises ValueError).
     counts : int [batch], optional
         Real query rows per sequence; default: the counts of the cache's most recent append.
         Query t < counts[b] sits at absolute position ``lengths[b] - counts[b] + t``.
@@ -28,6 +29,9 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
     -------
     out : [batch, q_heads, T, head_dim], q's dtype; padding rows are 0
     lse : [batch, q_heads, T] float32, log-sum-exp of the scaled scores (-inf on padding rows)
+
+    A real row that sees a NaN or inf key or value (stored with ``check_finite=False``) comes back NaN in
+    ``out`` and ``lse``, as the float64 oracle answers; never zeros, which would look like padding.
 
     Examples
     --------
@@ -45,8 +49,24 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
             or q.shape[1] % spec.kv_heads or q.shape[1] == 0:
         raise ValueError(f"q must have shape [batch={spec.batch}, q_heads=k*{spec.kv_heads}, T, "
                          f"head_dim={spec.head_dim}] (got {tuple(q.shape)})")
+    if q.dtype.kind != "f" and q.dtype.name != "bfloat16":
+        raise TypeError(f"q must hold floats (float16, float32 or float64; got dtype {q.dtype})")
+    xp = cache.xp
+    if not bool(xp.isfinite(q).all()):
+        raise ValueError("q holds NaN or inf: attention of a non-finite query has no answer (the cache is "
+                         "unchanged)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.number))
+                              or not np.isfinite(float(scale))):
+        raise ValueError(f"scale must be a finite number (got {scale!r})")
     T = q.shape[2]
-    counts = cache.last_counts if counts is None else np.asarray(counts, dtype=np.int64)
+    if counts is None:
+        counts = cache.last_counts
+    else:
+        raw = np.asarray(counts)
+        if raw.dtype.kind not in "iu":   # bool, float (0.7 would truncate to 0), object: refused
+            raise ValueError(f"counts must be an int array of shape ({spec.batch},) (got dtype {raw.dtype}: "
+                             f"{raw.tolist()!r})")
+        counts = raw.astype(np.int64)
     if counts.shape != (spec.batch,) or counts.min() < 0 or counts.max() > T \
             or (counts > cache.lengths).any():
         raise ValueError(f"counts must be {spec.batch} ints in 0..min(T={T}, lengths) "
@@ -61,5 +81,31 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
                          f"(asked for {int(counts[b])}): after a rewind its ring holds keys from position "
                          f"{int(cache.held_from[b])} on; append new tokens and attend those")
     scale = 1.0 / float(np.sqrt(spec.head_dim)) if scale is None else float(scale)
-    return fn(q, cache.k, cache.v, cache.lengths, counts, window=spec.window or 0, sinks=spec.sinks,
-              scale=scale, kind=spec.dtype)
+    out, lse = fn(q, cache.k, cache.v, cache.lengths, counts, window=spec.window or 0, sinks=spec.sinks,
+                  scale=scale, kind=spec.dtype)
+    return _poison_non_finite(out, lse, counts, xp)
+
+
+def _poison_non_finite(out, lse, counts, xp):
+    """NaN on every real row whose log-sum-exp is not finite, as the float64 oracle answers.
+
+    A real query always sees at least its own key, so its lse is finite unless a key or value it sees is
+    NaN or inf (possible only with ``check_finite=False``) or the scores overflow float32. The kernels
+    would answer zeros with lse = -inf there, which reads exactly like a padding row: a wrong number must
+    never look like a valid empty answer. Costs one pass over lse [batch, q_heads, T].
+    """
+    T = lse.shape[2]
+    real = (np.arange(T)[None, :] < np.asarray(counts)[:, None])[:, None, :]      # [batch, 1, T], host
+    if isinstance(lse, np.ndarray):
+        bad = real & ~np.isfinite(lse)                                            # [batch, q_heads, T]
+        if bad.any():
+            out[bad] = np.nan
+            lse[bad] = np.nan
+        return out, lse
+    return _poison_on_device(out, lse, real, xp)
+
+
+def _poison_on_device(out, lse, real, xp):
+    """The same on device arrays: no host sync, no boolean indexing; where() costs a copy of out (q-sized)."""
+    bad = xp.asarray(real) & ~xp.isfinite(lse)
+    return xp.where(bad[..., None], xp.nan, out).astype(out.dtype, copy=False), xp.where(bad, xp.nan, lse)

@@ -132,7 +132,7 @@ def _digest(meta: dict, arrays: dict) -> str:
 
 
 # -- load ----------------------------------------------------------------------------------------
-def load(path, *, spec=None, device: str = "cpu"):
+def load(path, *, spec=None, device: str = "cpu", max_bytes: int | None = None):
     """New cache(s) from a snapshot: a KVCache if a cache was saved, a list if a list was saved.
 
     Parameters
@@ -141,46 +141,64 @@ def load(path, *, spec=None, device: str = "cpu"):
         What the caller expects; a file saved with another spec (``check_finite`` aside) is refused.
     device : {"cpu", "gpu"}
         Where the new caches live, whichever device the file was saved from.
+    max_bytes : int, optional
+        Refuse a file whose specs ask for more K/V storage than this (default: the physical memory);
+        checked before anything is allocated.
 
     Raises
     ------
     StateFileError
-        Truncated, corrupted (checksum), wrong format or version, inconsistent, or another spec.
+        Truncated, corrupted (checksum), wrong format or version, inconsistent, another spec, too large,
+        or anything else that goes wrong while reading it: no other exception escapes a bad file.
     """
-    meta, layers = _read(path)
+    meta, layers = _read(path, max_bytes)
     want = None if spec is None else ([spec] if isinstance(spec, CacheSpec) else list(spec))
     specs = [CacheSpec(**m["spec"]) for m in meta["layers"]]
     if want is not None:
         _match_all(path, specs, want, ignore=POLICY_FIELDS)
         specs = want
-    caches = [KVCache.from_state(s, arrays, slots=m["slots"], device=device)
-              for s, m, arrays in zip(specs, meta["layers"], layers)]
+    with _allocating(path):
+        caches = [KVCache.from_state(s, arrays, slots=m["slots"], device=device)
+                  for s, m, arrays in zip(specs, meta["layers"], layers)]
     return caches[0] if meta["layout"] == "cache" else caches
 
 
-def restore(target, path) -> None:
+@contextlib.contextmanager
+def _allocating(path):
+    """Storage the file asked for that the machine cannot give: StateFileError, nothing changed."""
+    try:
+        yield
+    except MemoryError as e:
+        raise StateFileError(f"{os.fspath(path)}: not enough memory for the storage this file asks for "
+                             f"({e or 'MemoryError'}); pass a smaller max_bytes to refuse such files early") from e
+
+
+def restore(target, path, *, max_bytes: int | None = None) -> None:
     """Restore a snapshot into existing cache(s) in place, all or nothing.
 
     ``target`` is a KVCache or a list (one per layer); each must have the spec the file was saved with
-    (``check_finite`` aside). On any error the targets are bit-for-bit unchanged.
+    (``check_finite`` aside). On any error the targets are bit-for-bit unchanged; a bad file raises
+    ``StateFileError`` (``max_bytes`` as in :func:`load`).
     """
     caches = [target] if isinstance(target, KVCache) else list(target)
-    meta, layers = _read(path)
+    meta, layers = _read(path, max_bytes)
     _match_all(path, [CacheSpec(**m["spec"]) for m in meta["layers"]], [c.spec for c in _check_caches(caches)],
                ignore=POLICY_FIELDS)
-    staged = [KVCache.from_state(c.spec, arrays, slots=m["slots"], device=c.device)  # build everything first ...
-              for c, m, arrays in zip(caches, meta["layers"], layers)]
+    with _allocating(path):
+        staged = [KVCache.from_state(c.spec, arrays, slots=m["slots"], device=c.device)  # build everything first
+                  for c, m, arrays in zip(caches, meta["layers"], layers)]
     for c, new in zip(caches, staged):                                              # ... then swap: cannot fail
         c.take_state(new)
 
 
-def load_sequence(path, caches, b: int) -> None:
+def load_sequence(path, caches, b: int, *, max_bytes: int | None = None) -> None:
     """Load a :func:`save_sequence` file into sequence ``b`` of a cache (or of every layer), all or nothing.
 
     The other sequences are untouched; the cache's spec must equal the file's apart from ``batch``.
+    A bad file raises ``StateFileError`` (``max_bytes`` as in :func:`load`).
     """
     layers = [caches] if isinstance(caches, KVCache) else list(caches)
-    meta, arrays = _read(path)
+    meta, arrays = _read(path, max_bytes)
     for c in _check_caches(layers):
         check_sequence_index("b", b, c.spec.batch)
     specs = [CacheSpec(**m["spec"]) for m in meta["layers"]]
@@ -189,55 +207,140 @@ def load_sequence(path, caches, b: int) -> None:
             raise StateFileError(f"{path}: layer {i} holds a batch of {s.batch} sequences; load_sequence "
                                  "needs a file from save_sequence (batch 1); use load or restore")
     _match_all(path, specs, [c.spec for c in layers], ignore=POLICY_FIELDS + ("batch",))
-    for c, a in zip(layers, arrays):  # grow causal caches first (keeps every row): a failure changes nothing
-        if a["k"].shape[2] > c.slots:
-            c.reserve(a["k"].shape[2])
+    with _allocating(path):
+        for c, a in zip(layers, arrays):  # grow causal caches first (keeps every row): a failure changes nothing
+            if a["k"].shape[2] > c.slots:
+                c.reserve(a["k"].shape[2])
     for c, a in zip(layers, arrays):
         c.write_sequence(b, a["k"][0], a["v"][0], length=int(a["lengths"][0]),
                          last_count=int(a["last_counts"][0]), held_from=int(a["held_from"][0]))
 
 
-def _read(path):
-    """(meta, [per-layer dict of host arrays]) of a state file, every check done; or StateFileError."""
-    def bad(problem):
-        return StateFileError(f"{os.fspath(path)}: {problem}")
+_MAX_META = 16 << 20                                # bytes of meta JSON (a layer takes ~300)
+_MAX_MEMBERS = 1 + 5 * 4096
+
+
+def _memory_limit() -> int:
+    """Default bound on what a file may make a load allocate: the machine's physical memory."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def _read(path, max_bytes: int | None = None):
+    """(meta, [per-layer dict of host arrays]) of a state file, every check done; or StateFileError.
+
+    Reading is bounded by the file: members must be stored (not compressed), so no member holds more
+    bytes than the file; each ``.npy`` header must describe exactly the bytes that follow it; and the
+    storage the layers' specs ask for (``max_bytes``, default the physical memory) is checked before
+    anything is allocated. Any failure of parsing (zipfile, numpy's header parser, JSON, recursion,
+    memory) becomes ``StateFileError``.
+    """
     with open(path, "rb") as f:  # a missing or unreadable file raises its own OSError, naming it
         raw = f.read()
     try:
-        if not raw.startswith(b"PK"):  # every zip starts with a "PK" record; numpy would try pickle
-            raise ValueError(f"no zip header: the file starts with {raw[:8]!r}")
-        z = np.load(io.BytesIO(raw), allow_pickle=False)
-        if not isinstance(z, np.lib.npyio.NpzFile):
-            raise ValueError("it holds one .npy array, not an .npz archive")
-        with z:
-            members = {name: z[name] for name in z.files}  # reads every member: zip CRC-32 checked
-    except (zipfile.BadZipFile, ValueError, EOFError, KeyError, OSError) as e:
-        raise bad(f"not a readable streamattn state file: truncated or corrupted ({type(e).__name__}: {e})") from e
+        return _parse(raw, _memory_limit() if max_bytes is None else max_bytes)
+    except _Bad as e:
+        raise StateFileError(f"{os.fspath(path)}: {e}") from None
+    except (Exception, MemoryError, RecursionError) as e:  # noqa: BLE001 - every parse failure, by name
+        raise StateFileError(f"{os.fspath(path)}: not a readable streamattn state file: truncated or corrupted "
+                             f"({type(e).__name__}: {e})") from e
+
+
+class _Bad(Exception):
+    """A problem found by a check (message without the path)."""
+
+
+def _members(raw: bytes) -> dict:
+    """name -> read-only array of every member, each bounded by the file's own bytes."""
+    if not raw.startswith(b"PK"):  # every zip starts with a "PK" record; numpy would try pickle
+        raise ValueError(f"no zip header: the file starts with {raw[:8]!r}")
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        infos = z.infolist()
+        if len(infos) > _MAX_MEMBERS:
+            raise ValueError(f"{len(infos)} members")
+        members = {}
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size \
+                    or info.file_size > len(raw):
+                raise ValueError(f"member {info.filename!r} is compressed (method {info.compress_type}, "
+                                 f"{info.compress_size} -> {info.file_size} bytes); snapshots store members "
+                                 "uncompressed")
+            name = info.filename[:-4] if info.filename.endswith(".npy") else None
+            if not name or name in members:
+                raise ValueError(f"unexpected member {info.filename!r}")
+            members[name] = _npy(z.read(info), info.filename)   # zipfile checks the CRC-32
+    return members
+
+
+def _npy(data: bytes, name: str):
+    """An .npy member as a read-only array over ``data``; the header must account for every byte."""
+    f = io.BytesIO(data)
+    version = np.lib.format.read_magic(f)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f"{name}: .npy version {version}")
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read(f)
+    if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biuf" or fortran or len(shape) > 4:
+        raise ValueError(f"{name}: dtype {dtype.str}, shape {shape}, fortran_order {fortran} is not a member "
+                         "streamattn writes")
+    count = 1
+    for n in shape:
+        count *= int(n)
+    if count * dtype.itemsize != len(data) - f.tell():
+        raise ValueError(f"{name}: header says {shape} {dtype} ({count * dtype.itemsize} bytes), the member "
+                         f"holds {len(data) - f.tell()}")
+    return np.frombuffer(data, dtype, count, offset=f.tell()).reshape(shape)
+
+
+def _int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Bad(f"{what} must be an integer (got {value!r})")
+    return value
+
+
+def _parse(raw: bytes, max_bytes: int):
+    members = _members(raw)
     if "meta" not in members:
-        raise bad(f"no 'meta' member: not a {FORMAT} file (members: {sorted(members)[:6]})")
+        raise _Bad(f"no 'meta' member: not a {FORMAT} file (members: {sorted(members)[:6]})")
+    text = members.pop("meta")
+    if text.dtype != np.uint8 or text.ndim != 1 or text.size > _MAX_META:
+        raise _Bad(f"meta must be uint8 [n <= {_MAX_META}] (got {text.dtype} {text.shape})")
     try:
-        meta = json.loads(members.pop("meta").tobytes().decode())
+        meta = json.loads(text.tobytes().decode())
         fmt, version = meta.get("format"), meta.get("version")
-    except (UnicodeDecodeError, ValueError, AttributeError) as e:
-        raise bad(f"its meta is not valid JSON: corrupted ({e})") from e
+    except (UnicodeDecodeError, ValueError, AttributeError, RecursionError) as e:
+        raise _Bad(f"its meta is not valid JSON: corrupted ({type(e).__name__}: {e})") from e
     if fmt != FORMAT:
-        raise bad(f"format {fmt!r} is not {FORMAT!r}: not a streamattn KV state file")
+        raise _Bad(f"format {fmt!r} is not {FORMAT!r}: not a streamattn KV state file")
     if version != VERSION:
-        raise bad(f"format version {version!r} is not supported: this streamattn reads version {VERSION}; "
-                  "load it with the streamattn that wrote it and save it again")
+        raise _Bad(f"format version {version!r} is not supported: this streamattn reads version {VERSION}; "
+                   "load it with the streamattn that wrote it and save it again")
     digest = _digest(meta, members)
     if digest != meta.get("sha256"):
-        raise bad(f"checksum mismatch: the payload hashes to sha256 {digest[:16]}..., the file records "
-                  f"{str(meta.get('sha256'))[:16]}...: the file is corrupted")
-    if meta.get("layout") not in ("cache", "layers") or not meta.get("layers") \
-            or (meta["layout"] == "cache" and len(meta["layers"]) != 1):
-        raise bad(f"layout {meta.get('layout')!r} with {len(meta.get('layers') or [])} layers is inconsistent")
-    layers = []
-    for i, m in enumerate(meta["layers"]):
+        raise _Bad(f"checksum mismatch: the payload hashes to sha256 {digest[:16]}..., the file records "
+                   f"{str(meta.get('sha256'))[:16]}...: the file is corrupted")
+    records = meta.get("layers")
+    if meta.get("layout") not in ("cache", "layers") or not isinstance(records, list) or not records \
+            or (meta["layout"] == "cache" and len(records) != 1):
+        raise _Bad(f"layout {meta.get('layout')!r} with {len(records) if isinstance(records, list) else 0} "
+                   "layers is inconsistent")
+    layers, total = [], 0
+    for i, m in enumerate(records):
         try:
+            if not isinstance(m, dict) or not isinstance(m.get("spec"), dict):
+                raise ValueError(f"layer record must hold a spec dict (got {str(m)[:80]})")
+            s = CacheSpec(**m["spec"])
+            slots, used = _int(m.get("slots"), "slots"), _int(m.get("used"), "used")
+            alloc = s.slots if s.window is not None else max(slots, 1)   # what load and restore allocate
+            total += 2 * s.batch * s.kv_heads * alloc * s.head_dim * s.storage_dtype.itemsize
+            if total > max_bytes:
+                raise _Bad(f"layer {i}: the file's specs ask for {total} bytes of K/V storage, more than "
+                           f"max_bytes={max_bytes}; refused before allocating")
             layers.append(_check_layer(m, {n: members[f"layer{i}.{n}"] for n in _FIELDS}))
         except (KeyError, TypeError, ValueError) as e:
-            raise bad(f"layer {i}: inconsistent contents ({type(e).__name__}: {e})") from e
+            raise _Bad(f"layer {i}: inconsistent contents ({type(e).__name__}: {e})") from e
     return meta, layers
 
 

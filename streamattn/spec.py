@@ -29,9 +29,18 @@ STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
            "bfloat16": np.dtype(np.uint16)}
 
 
+# Upper bounds of the integer fields: far above any real model, low enough that no product of them
+# overflows an int64 shape and that an absurd value (a typo, or a hostile snapshot) is refused before
+# anything is allocated. A window ring preallocates window + sinks + max_chunk - 1 slots.
+LIMITS = {"batch": 1 << 16, "kv_heads": 1 << 12, "head_dim": 1 << 14, "window": 1 << 24, "sinks": 1 << 20,
+          "max_chunk": 1 << 20, "max_len": 1 << 32}
+
+
 def _positive_int(name: str, value, *, minimum: int, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum} (got {value!r}){hint}")
+    if value > LIMITS[name]:
+        raise ValueError(f"{name} must be at most {LIMITS[name]} (got {value!r}){hint}")
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,9 @@ class CacheSpec:
     max_len : int or None
         Causal caches only: a hard cap on the tokens per sequence (storage never grows past it).
     check_finite : bool
-        Reject appends whose K or V hold NaN or inf (checked on the new chunk only).
+        Reject appends whose K or V would be stored as NaN or inf (checked on the new chunk only, after the
+        cast to the storage dtype: 1e5 overflows float16). With False, non-finite keys make ``attend``
+        answer NaN on the rows that see them (never a silent zero).
 
     Examples
     --------
@@ -72,6 +83,14 @@ class CacheSpec:
     check_finite: bool = True
 
     def __post_init__(self):
+        for name in ("batch", "kv_heads", "head_dim", "max_chunk", "window", "sinks", "max_len"):
+            value = getattr(self, name)   # numpy integers become ints: the spec is saved as JSON
+            if isinstance(value, np.integer) and not isinstance(value, (bool, np.bool_)):
+                object.__setattr__(self, name, int(value))
+        if isinstance(self.check_finite, np.bool_):
+            object.__setattr__(self, "check_finite", bool(self.check_finite))
+        if not isinstance(self.check_finite, bool):
+            raise ValueError(f"check_finite must be True or False (got {self.check_finite!r})")
         _positive_int("batch", self.batch, minimum=1)
         _positive_int("kv_heads", self.kv_heads, minimum=1)
         _positive_int("head_dim", self.head_dim, minimum=1)

@@ -118,8 +118,14 @@ def rewind(cache: KVCache, b: int, k: int) -> None:
 
 
 def can_rewind(cache: KVCache, b: int, k: int) -> bool:
-    """Whether ``rewind(cache, b, k)`` is allowed (``k`` within 0..lengths[b])."""
-    return 0 <= k <= cache.lengths[b] and refusal(cache, b, k) is None
+    """Whether ``rewind(cache, b, k)`` is allowed: False for an integer ``k`` outside 0..lengths[b].
+
+    Raises ValueError for ``b`` that is not a sequence index or ``k`` that is not an integer (as ``rewind``).
+    """
+    check_sequence_index("b", b, cache.spec.batch)
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise ValueError(f"k must be an integer (got {k!r})")
+    return 0 <= k <= cache.lengths[b] and refusal(cache, b, int(k)) is None
 
 
 def refusal(cache: KVCache, b: int, k: int) -> str | None:

@@ -62,11 +62,26 @@ def load(path: str, weights: str = "f32"):
 
 def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: int = 32, n_heads: int = 4,
                     n_kv_heads: int = 1, head_dim: int = 16, d_ff: int = 48, vocab: int = 64,
-                    window: int = 4, seed: int = 0, nan_tensor: str | None = None):
-    """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors)."""
+                    window: int = 4, seed: int = 0, nan_tensor: str | None = None, override: dict | None = None):
+    """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors).
+
+    ``override`` maps metadata keys (e.g. ``"gemma3.block_count"``) to a value written instead of the
+    default, with its own GGUF type inferred (a str stays a string: "a number stored as a string").
+    """
     import gguf
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
+    if override:
+        plain = w.add_key_value
+        types = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32,
+                 int: gguf.GGUFValueType.INT64}
+
+        def add_key_value(key, val, vtype, *a, **k):
+            if key in override:
+                val = override[key]
+                vtype = types[type(val)]
+            plain(key, val, vtype, *a, **k)
+        w.add_key_value = add_key_value
     w.add_block_count(n_layers)
     w.add_context_length(256)
     w.add_embedding_length(d_model)

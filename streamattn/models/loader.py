@@ -110,6 +110,12 @@ class ModelConfig:
                              f"{self.n_layers}")
         if any(w is not None and w < 1 for w in self.layer_windows):
             raise ValueError(f"layer_windows entries must be None or >= 1 (got {self.layer_windows})")
+        for f in ("norm_eps", "rope_base", "rope_base_local", "attn_scale", "embed_scale"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{f} must be a finite number > 0 (got {v!r})")
+        if not isinstance(self.context_length, int) or self.context_length < 1:
+            raise ValueError(f"context_length must be a positive integer (got {self.context_length!r})")
         if not (0 <= self.bos_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):
             raise ValueError(f"bos_id={self.bos_id}/eos_id={self.eos_id} outside vocab 0..{self.vocab_size - 1}")
 
@@ -174,37 +180,88 @@ def config_from_metadata(md: dict, path: str = "<metadata>") -> ModelConfig:
             raise ModelFileError(f"{path}: metadata key {k!r} is missing for architecture {arch!r}")
         return default
 
+    def integer(key, default=None, *, top=None, full=False):
+        k = key if full else f"{arch}.{key}"
+        v = md.get(k, default) if full else get(key, default)
+        lo, hi = LIMITS.get(key, (1, 1 << 31)) if top is None else (0, top)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+            raise ModelFileError(f"{path}: metadata key {k!r} must be an integer in {lo}..{hi} (got "
+                                 f"{type(v).__name__} {str(v)[:40]!r})")
+        return int(v)
+
+    def real(key, default=None):
+        v = get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v) or v <= 0:
+            raise ModelFileError(f"{path}: metadata key {arch}.{key!s} must be a finite number > 0 (got "
+                                 f"{type(v).__name__} {str(v)[:40]!r})")
+        return float(v)
+
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear") or (scaling == "linear" and get("rope.scaling.factor", 1.0) != 1.0):
         raise ModelFileError(f"{path}: RoPE scaling {scaling!r} is not supported (only unscaled RoPE)")
-    n_layers = int(get("block_count"))
-    d_model = int(get("embedding_length"))
-    n_heads = int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", d_model // n_heads))
+    n_layers = integer("block_count")
+    d_model = integer("embedding_length")
+    n_heads = integer("attention.head_count")
+    head_dim = integer("attention.key_length", d_model // n_heads)
     tokens = md.get("tokenizer.ggml.tokens")
-    vocab = int(md.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
+    vocab = integer("vocab_size", len(tokens) if isinstance(tokens, list) else 0)
     common = dict(
         arch=arch, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-        n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
-        d_ff=int(get("feed_forward_length")), vocab_size=vocab,
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        context_length=int(get("context_length", 2048)),
-        bos_id=int(md.get("tokenizer.ggml.bos_token_id", 1)),
-        eos_id=int(md.get("tokenizer.ggml.eos_token_id", 2)),
-        name=str(md.get("general.name", "")),
+        n_kv_heads=integer("attention.head_count_kv", n_heads), head_dim=head_dim,
+        d_ff=integer("feed_forward_length"), vocab_size=vocab,
+        norm_eps=real("attention.layer_norm_rms_epsilon"),
+        context_length=integer("context_length", 2048),
+        bos_id=integer("tokenizer.ggml.bos_token_id", 1, top=vocab - 1, full=True),
+        eos_id=integer("tokenizer.ggml.eos_token_id", 2, top=vocab - 1, full=True),
+        name=str(md.get("general.name", ""))[:200],
         attn_scale=1.0 / math.sqrt(head_dim),
     )
-    if arch == "llama":
-        base = float(get("rope.freq_base", 10_000.0))
-        return ModelConfig(**common, rope_base=base, rope_base_local=base, rope_style="interleaved",
-                           layer_windows=(None,) * n_layers, embed_scale=1.0, activation="silu",
-                           qk_norm=False, post_norms=False)
-    window = int(get("attention.sliding_window"))
-    windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(n_layers))
-    return ModelConfig(**common, rope_base=float(get("rope.freq_base", 1_000_000.0)),
-                       rope_base_local=GEMMA3_ROPE_BASE_LOCAL, rope_style="neox", layer_windows=windows,
-                       embed_scale=math.sqrt(d_model), activation="gelu_tanh", qk_norm=True,
-                       post_norms=True)
+    try:
+        if arch == "llama":
+            base = real("rope.freq_base", 10_000.0)
+            return ModelConfig(**common, rope_base=base, rope_base_local=base, rope_style="interleaved",
+                               layer_windows=(None,) * n_layers, embed_scale=1.0, activation="silu",
+                               qk_norm=False, post_norms=False)
+        window = integer("attention.sliding_window")
+        windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(n_layers))
+        return ModelConfig(**common, rope_base=real("rope.freq_base", 1_000_000.0),
+                           rope_base_local=GEMMA3_ROPE_BASE_LOCAL, rope_style="neox", layer_windows=windows,
+                           embed_scale=math.sqrt(d_model), activation="gelu_tanh", qk_norm=True,
+                           post_norms=True)
+    except ValueError as e:
+        if isinstance(e, ModelFileError):
+            raise
+        raise ModelFileError(f"{path}: inconsistent metadata: {e}") from e
+
+
+# Bounds of the integer metadata (inclusive): far above real models, low enough that a hostile value is
+# refused before it sizes anything (block_count 1e7 would build tuples and dictionaries of that length).
+LIMITS = {"block_count": (1, 1 << 12), "embedding_length": (1, 1 << 17), "attention.head_count": (1, 1 << 12),
+          "attention.head_count_kv": (1, 1 << 12), "attention.key_length": (1, 1 << 14),
+          "feed_forward_length": (1, 1 << 19), "vocab_size": (1, 1 << 24), "context_length": (1, 1 << 31),
+          "attention.sliding_window": (1, 1 << 31)}
+
+
+def check_tensor_names(config: ModelConfig, names, path: str) -> None:
+    """Before any tensor is read: the file's layer count agrees with the blocks it holds.
+
+    Raises
+    ------
+    ModelFileError
+        ``block_count`` names a layer with no tensors, or the file holds tensors of a layer past it.
+    """
+    names = set(names)
+    for key in ("token_embd.weight", "output_norm.weight"):
+        if key not in names:
+            raise ModelFileError(f"{path}: tensor {key!r} is missing")
+    blocks = {int(n.split(".")[1]) for n in names if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    want = set(range(config.n_layers))
+    if blocks != want:
+        extra = sorted(blocks - want)[:3]
+        missing = sorted(want - blocks)[:3]
+        raise ModelFileError(f"{path}: metadata says block_count={config.n_layers}, the file holds tensors of "
+                             f"{len(blocks)} blocks" + (f" (missing blk.{missing[0]}...)" if missing else "")
+                             + (f" (extra blk.{extra[0]}...)" if extra else ""))
 
 
 def _open(path: str):
@@ -278,6 +335,7 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     reader = _open(path)
     md = read_metadata(reader, path)
     config = config_from_metadata(md, path)
+    check_tensor_names(config, (t.name for t in reader.tensors), path)
     # only the tensors' views of the file map outlive the reader: its field objects (the tokenizer's
     # ~100k strings as numpy parts) take ~160 MB for SmolLM2, and would stay alive through the packing
     tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors]

@@ -8,8 +8,8 @@ Two GGUF tokenizer families (``tokenizer.ggml.model``):
   merges; merges are derived the way HF's converter does (every split of a piece into two pieces,
   ranked by the merged piece's score). Spaces become "▁"; no prefix space.
 
-Chat templates: the GGUF's ``tokenizer.chat_template`` is rendered with jinja2 (sandboxed, as HF does)
-when jinja2 is importable; otherwise, and for files without a template (the Gemma-3 GGUF has none),
+Chat templates: the GGUF's ``tokenizer.chat_template`` is rendered with jinja2 (sandboxed as HF does, and
+bounded in time and size: ``streamattn.models.chat_template``) when jinja2 is importable; otherwise, and for files without a template (the Gemma-3 GGUF has none),
 a built-in ChatML or Gemma turn format is used, chosen from the vocabulary.
 """
 
@@ -116,20 +116,13 @@ class Tokenizer:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each message must be a dict with 'role' and 'content' (got {m!r})")
         if self.chat_template:
+            from streamattn.models.chat_template import render
             try:
-                import jinja2.sandbox
-            except ImportError:
-                jinja2 = None
-            if jinja2 is not None:
-                def _raise(msg):
-                    raise ValueError(f"chat template: {msg}")
-                env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                env.globals["raise_exception"] = _raise
-                bos = self.hf.id_to_token(self.bos_id) or ""
-                eos = self.hf.id_to_token(self.eos_id) or ""
-                return env.from_string(self.chat_template).render(
-                    messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
-                    eos_token=eos)
+                return render(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
+                              bos_token=self.hf.id_to_token(self.bos_id) or "",
+                              eos_token=self.hf.id_to_token(self.eos_id) or "")
+            except ImportError:   # no jinja2: the built-in formats below
+                pass
         if self.template_family() == GEMMA_TEMPLATE:
             out = []
             for m in messages:

@@ -1,4 +1,7 @@
-"""Offline generation of JSON-lines requests in this process: ragged batches (the `streamattn batch` runner).
+"""Offline generation of a list of requests in this process: ``ModelOptions``, ``complete``, ``run_local``.
+
+The ``streamattn batch`` command (streamattn/scale/command.py) runs these, or their Ray Data twin
+(streamattn/scale/ray_batch.py) with ``--ray``:
 
     streamattn batch prompts.jsonl -o out.jsonl [--model M] [-n 64] [--temperature T] [--batch-size 8]
     streamattn batch prompts.jsonl -o out.jsonl --ray --actors 2 --cpus-per-actor 1
@@ -129,5 +132,4 @@ def _take(res: dict, out: OutputFile, progress, errors: list, on_result) -> None
         progress.update(res["record"]["completion_tokens"])
 
 
-# ---------------------------------------------------------------------------------------- CLI
 __all__ = ["ModelOptions", "complete", "run_local"]

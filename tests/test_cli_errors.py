@@ -1,0 +1,143 @@
+"""The command line never shows a traceback (issue 17 items 4 and 10): one `streamattn: error: ...` line and a
+non-zero code, values checked before the model loads, quiet on a closed pipe, 130 on Ctrl-C."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from streamattn import cli
+from streamattn.models.chat_template import TemplateError
+
+from _model_util import need_smollm2, smollm2_path, write_tiny_gguf
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model was loaded before the check"))
+
+
+def one_error_line(capsys, match):
+    err = capsys.readouterr().err
+    assert err.startswith("streamattn: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert match in err, err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["-n", "0"], "-n/--max-tokens must be >= 1 (got 0)"),
+    (["-n", "-1"], "-n/--max-tokens must be >= 1 (got -1)"),
+    (["--backend", "bogus"], "--backend must be one of reference, cpu, gpu, auto (got 'bogus')"),
+    (["--window", "8"], "--window 8 applies to --cache window or sinks; with --cache full"),
+    (["--cache", "window", "--sinks", "2"], "--sinks 2 applies to --cache sinks"),
+    (["--cache", "sinks", "--window", "0"], "--window must be >= 1 (got 0)"),
+    (["--prefill-chunk", "1000000"], "--prefill-chunk must be in 1..8192 (got 1000000)"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be in 1..8192 (got 0)"),
+    (["--threads", "0"], "--threads must be >= 1 (got 0)"),
+])
+def test_generate_checks_values_before_loading(no_load, capsys, argv, match):
+    assert cli.main(["generate", "hello", *argv]) == 2
+    one_error_line(capsys, match)
+    assert capsys.readouterr().out == ""                       # the prompt was not echoed
+
+
+def test_backend_gpu_without_a_device(no_load, capsys):
+    from streamattn.backends import gpu
+    if gpu.available():
+        pytest.skip("this machine has a GPU: --backend gpu is valid here")
+    assert cli.main(["generate", "hello", "--backend", "gpu"]) == 2
+    one_error_line(capsys, "--backend gpu: no CUDA device is visible")
+
+
+@pytest.mark.parametrize("argv,match", [(["--layers", "a,b"], "--layers must be comma-separated layer indices"),
+                                        (["--step", "-1"], "--step must be >= 0 (got -1)")])
+def test_inspect_checks_values_before_loading(no_load, capsys, argv, match):
+    assert cli.main(["inspect", "hello", *argv]) == 2
+    one_error_line(capsys, match)
+
+
+@need_smollm2
+def test_inspect_layer_out_of_range(capsys):
+    assert cli.main(["inspect", "hello", "-q", "--layers", "99", "--model", smollm2_path()]) == 2
+    one_error_line(capsys, "--layers 99: this model has layers 0..29")
+
+
+def test_a_model_with_zero_heads(tmp_path, capsys):
+    path = write_tiny_gguf(tmp_path / "m.gguf", override={"gemma3.attention.head_count": 0})
+    assert cli.main(["generate", "hi", "-q", "--model", path]) == 2
+    one_error_line(capsys, "'gemma3.attention.head_count' must be an integer in 1..4096 (got int '0')")
+
+
+@pytest.mark.parametrize("kind", ["file", "unwritable"])
+def test_an_unusable_streamattn_home(tmp_path, monkeypatch, capsys, kind):
+    home = tmp_path / "home"
+    if kind == "file":
+        home.write_text("not a folder")
+    else:   # chmod does not stop root: the refusal the OS would give
+        import pathlib
+
+        def refuse(self, *a, **k):
+            raise PermissionError(13, "Permission denied", str(self))
+        monkeypatch.setattr(pathlib.Path, "mkdir", refuse)
+    monkeypatch.setenv("STREAMATTN_HOME", str(home))
+    assert cli.main(["pull", "gemma3-270m"]) == 2
+    one_error_line(capsys, "set STREAMATTN_HOME to a writable folder")
+
+
+@pytest.mark.parametrize("exc,code,err", [
+    (TemplateError("chat template: UndefinedError: 'x' is undefined"), 2, "streamattn: error: chat template: "),
+    (NotADirectoryError(20, "Not a directory"), 2, "streamattn: error: [Errno 20] Not a directory"),
+    (MemoryError(), 3, "streamattn: error: out of memory"),
+    (ZeroDivisionError("division by zero"), 1, "streamattn: error: internal error: ZeroDivisionError"),
+    (BrokenPipeError(), 141, ""),
+])
+def test_every_failure_is_one_line(monkeypatch, capsys, exc, code, err):
+    def run(args):
+        raise exc
+    monkeypatch.setitem(cli._COMMANDS, "boom", ("raises", lambda p: None, run))
+    monkeypatch.setattr(cli, "_quiet_stdout", lambda: None)        # pytest owns stdout here
+    assert cli.main(["boom"]) == code
+    got = capsys.readouterr().err
+    assert got.startswith(err) and got.count("\n") == (1 if err else 0) and "Traceback" not in got
+
+
+def test_ctrl_c_finishes_the_line_and_exits_130(monkeypatch, capsys):
+    def run(args):
+        monkeypatch.setattr(cli, "_OPEN_LINE", True)
+        sys.stdout.write("The capital of")
+        raise KeyboardInterrupt
+    monkeypatch.setitem(cli._COMMANDS, "boom", ("raises", lambda p: None, run))
+    assert cli.main(["boom"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "The capital of\n" and out.err == "streamattn: interrupted\n"
+
+
+def test_cold_kernel_cache_is_announced_and_warmed_before_timing(monkeypatch, capsys):
+    from streamattn.backends import warmup
+    calls = []
+    monkeypatch.setattr(warmup, "kernels_cached", lambda: False)
+    monkeypatch.setattr(warmup, "warm", lambda kind: calls.append(kind))
+    args = cli.build_parser().parse_args(["generate", "x", "--cache-dtype", "float16"])
+    cli._warm_kernels(args)
+    assert calls == ["float16"] and "compiling attention kernels" in capsys.readouterr().err
+    monkeypatch.setattr(warmup, "kernels_cached", lambda: True)
+    cli._warm_kernels(args)
+    assert calls == ["float16"] * 2 and capsys.readouterr().err == ""
+
+
+@need_smollm2
+def test_a_closed_pipe_exits_quietly():
+    """`streamattn generate ... | head -c 10`: no BrokenPipeError traceback, nothing on stderr."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.run(f"{sys.executable} -m streamattn.cli generate 'Once upon a time' -q -n 40 --model "
+                       f"{smollm2_path()} | head -c 10", shell=True, capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.stdout == "Once upon " and p.stderr == "", p.stderr[-2000:]
+
+
+def test_warm_compiles_or_loads_every_storage_kind():
+    from streamattn.backends import warmup
+    assert isinstance(warmup.kernels_cached(), bool)
+    for kind in ("float32", "float16", "bfloat16"):
+        assert warmup.warm(kind) >= 0
+    assert warmup.kernels_cached()
