@@ -1,4 +1,4 @@
-"""``streamattn`` command line: pull, generate, inspect, bench, stream.
+"""``streamattn`` command line: pull, generate, inspect, bench, stream, serve, batch, perplexity.
 
 Adding a subcommand: write ``configure(parser)`` and ``run(args) -> int`` and add one
 ``register("name", "help", configure, run)`` line in the REGISTRATION block at the bottom.
