@@ -288,7 +288,10 @@ def test_fuzzer_catches_a_planted_slot_bug(monkeypatch, planted):
 
 
 def permits_one_too_many(cache, b, k):
-    return _good_refusal(cache, b, k - 1) if k > 0 else None
+    # Strictly more permissive than the rule: also allows k when k - 1 is allowed (never refuses what the
+    # rule allows; a plain shift by one would refuse k = length, which the rule allows: nothing left to need).
+    refused = _good_refusal(cache, b, k)
+    return None if refused is None or (k > 0 and _good_refusal(cache, b, k - 1) is None) else refused
 
 
 def refuses_one_too_early(cache, b, k):
