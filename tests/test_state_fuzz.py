@@ -302,12 +302,41 @@ _good_refusal = state.refusal
 
 
 @pytest.mark.parametrize("planted,match", [
-    (permits_one_too_many, r"can attend only its newest|relative error|lse error"),   # attend's guard or the oracle
     (refuses_one_too_early, r"refused but the rule allows it"),
-], ids=["permits-one-too-many", "refuses-one-too-early"])
+], ids=["refuses-one-too-early"])
 def test_fuzzer_catches_a_rewind_rule_off_by_one(monkeypatch, planted, match):
-    """The rewind rule is exact: one token more permissive gives wrong attention, one less refuses a safe rewind."""
+    """One token less permissive than the rule refuses a safe rewind, and the fuzzer says so. (One token more
+    permissive: the deterministic test below; 150 derandomised examples did not reliably reach that edge.)"""
     monkeypatch.setattr(state, "refusal", planted)
     quick = settings(CI, max_examples=150, derandomize=True, database=None, phases=[Phase.generate])
     with pytest.raises((AssertionError, ValueError), match=match):
         run_state_machine_as_test(CacheStateMachine, settings=quick)
+
+
+def test_one_token_more_permissive_rewind_gives_wrong_attention(monkeypatch):
+    """The rewind rule is exact on the permissive side too: allowing one token past it loses a key the next
+    query needs, which attend's guard or the float64 oracle exposes."""
+    from streamattn import CacheSpec, KVCache, attend
+    from streamattn.reference import TOLERANCE, attention
+    spec = CacheSpec(batch=1, kv_heads=1, head_dim=8, window=4, max_chunk=2)     # ring R = 4 + 2 - 1 = 5
+    rng = np.random.default_rng(7)
+    ks, vs = rng.standard_normal((2, 10, 8)).astype(np.float32)                    # [positions, d]
+    cache = KVCache(spec)
+    for j in range(9):                                                             # the ring has wrapped
+        cache.append(ks[None, None, j:j + 1], vs[None, None, j:j + 1])
+    with pytest.raises(state.RewindError):                                         # the rule: k = 3 is too far
+        state.rewind(cache, 0, 3)
+    monkeypatch.setattr(state, "refusal", permits_one_too_many)
+    state.rewind(cache, 0, 3)                                                      # planted: allowed (L' = 6)
+    cache.append(ks[None, None, 9:10], vs[None, None, 9:10])                       # the new token at position 6
+    q = rng.standard_normal((1, 1, 1, 8)).astype(np.float32)
+    k_true = np.concatenate([ks[:6], ks[9:10]])[None]                              # history 0..5, then 6
+    v_true = np.concatenate([vs[:6], vs[9:10]])[None]
+    want, _ = attention(q[0], k_true, v_true, np.array([6]), window=4)
+    try:
+        out, _ = attend(q, cache, backend="cpu")
+    except ValueError as e:                                                        # attend's own guard
+        assert "can attend only its newest" in str(e)
+        return
+    err = np.abs(out[0] - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err > TOLERANCE["float32"], f"a key the query needs was lost, yet attend matched (error {err:.1e})"
