@@ -168,14 +168,8 @@ def _pull_run(args) -> int:
 def _generate_configure(p):
     p.add_argument("prompt", help="prompt text ('-' reads stdin)")
     _model_args(p)
-    p.add_argument("-n", "--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    from streamattn.models.sampling import add_arguments as add_sampling_arguments
+    add_sampling_arguments(p)
     p.add_argument("--stats", action="store_true", help="print prefill/decode timing to stderr")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep decoding past end-of-sequence tokens, so exactly --max-tokens are generated "

@@ -103,3 +103,15 @@ def sample(logits, params: SamplingParams, rng: np.random.Generator, seen=()) ->
         return int(np.argmax(logits))
     probs = filtered_probs(logits, params)
     return int(rng.choice(probs.shape[0], p=probs))
+
+
+def add_arguments(p) -> None:
+    """The sampling flags shared by ``streamattn generate`` and ``streamattn batch`` (an argparse parser)."""
+    p.add_argument("-n", "--max-tokens", type=int, default=128, help="new tokens at most")
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from streamattn.models.sampling import SamplingParams
+from streamattn.models.sampling import SamplingParams, add_arguments as add_sampling_arguments
 from streamattn.scale.batch import ModelOptions, run_local
 from streamattn.scale.jobs import OutputFile, Progress, read_requests
 
@@ -27,14 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap 'prompt' lines in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per worker (per actor with --ray)")
-    p.add_argument("-n", "--max-tokens", type=int, default=128, help="default max_tokens of a line")
-    p.add_argument("--temperature", "-t", type=float, default=0.0, help="default temperature (0 = greedy)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="default stop string (repeatable)")
+    add_sampling_arguments(p)                      # each line may override them (streamattn.scale.jobs)
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (per actor with --ray)")
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
                    help="a bad line stops the run before any decoding (stop) or is reported and skipped (skip)")
