@@ -50,11 +50,12 @@ def drain(eng, seqs, limit=500):
     raise AssertionError("the engine did not finish its requests")
 
 
-def alone(tiny, j, mode="full"):
+def alone(tiny, j, mode="full", positions="absolute"):
     """Tokens of ``j`` through models/generate.Generator (another code path, one sequence)."""
     from streamattn.models.generate import Generator
     c = ServeConfig(prefill_chunk=8, **MODES[mode]).cache_kwargs
-    g = Generator(*tiny, cache=c["mode"], window=c["window"], sinks=c["sinks"], prefill_chunk=8)
+    g = Generator(*tiny, cache=c["mode"], window=c["window"], sinks=c["sinks"], prefill_chunk=8,
+                  positions=positions)
     return [ev.token_id for ev in g.stream(list(j.prompt), max_tokens=j.max_tokens, ignore_eos=True)]
 
 
@@ -74,6 +75,16 @@ def test_batched_engine_equals_each_request_alone(tiny, mode):
         assert s.generated == alone(tiny, j, mode)
         assert s.finish_reason == "length" and s.events[-1].usage["completion_tokens"] == j.max_tokens
     assert eng.running == 0 and all(int(c.lengths.max()) == 0 for c in eng.caches)   # slots freed, rows reset
+
+
+def test_cache_positions_reach_the_model(tiny):
+    """--positions cache on a sinks cache: each request equals the Generator with cache positions, and
+    (the ring having slid) differs from absolute positions somewhere, so the setting is not ignored."""
+    eng = make_engine(tiny, positions="cache", **MODES["sinks"])
+    jobs = [job(p, n=8) for p in prompts(7, 30, 12, 41)]
+    seqs = drain(eng, [submit(eng, j) for j in jobs])
+    assert [s.generated for s in seqs] == [alone(tiny, j, "sinks", positions="cache") for j in jobs]
+    assert any(s.generated != alone(tiny, j, "sinks") for j, s in zip(jobs, seqs))
 
 
 def test_long_prefill_stalls_a_running_stream_by_one_chunk_per_step(tiny):

@@ -53,7 +53,7 @@ class ServerState:
             set_threads(self.cfg.threads)
             path = resolve_model(self.cfg.model, quiet=True)
             t0 = time.perf_counter()
-            m = load_gguf(path)
+            m = load_gguf(path, weights=self.cfg.weights)
             tf = Transformer(m)
             if self.cfg.backend == "gpu":
                 import cupy

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 CACHE_MODES = ("full", "window", "sinks")
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
 BACKENDS = ("reference", "cpu", "gpu", "auto")
+POSITIONS = ("absolute", "cache")        # as streamattn.models.transformer.POSITIONS (not imported: light)
+WEIGHTS = ("quant", "f32")               # as load_gguf's weights=
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,11 @@ class ServeConfig:
         Prompt tokens per sequence per engine step (and the caches' ``max_chunk``): a long prompt stalls
         the running streams by at most one chunk per step.
     cache_dtype : {"float32", "float16", "bfloat16"}
+    positions : {"absolute", "cache"}
+        RoPE positions: in the text, or within the cache (StreamingLLM; sinks caches only differ,
+        docs/DESIGN.md §13).
+    weights : {"quant", "f32"}
+        Keep the GGUF's packed blocks (default) or dequantize everything to float32 (the reference path).
     model_id : str or None
         Name reported by /v1/models and required in requests (default: the model file's stem).
     debug_fail_text : str or None
@@ -55,6 +62,8 @@ class ServeConfig:
     backend: str = "cpu"
     prefill_chunk: int = 32
     cache_dtype: str = "float32"
+    positions: str = "absolute"
+    weights: str = "quant"
     model_id: str | None = None
     debug_fail_text: str | None = None
 
@@ -83,6 +92,8 @@ class ServeConfig:
         need(self.backend in BACKENDS, "backend", f"one of {BACKENDS}")
         need(is_int(self.prefill_chunk) and self.prefill_chunk >= 1, "prefill_chunk", "an integer >= 1")
         need(self.cache_dtype in CACHE_DTYPES, "cache_dtype", f"one of {CACHE_DTYPES}")
+        need(self.positions in POSITIONS, "positions", f"one of {POSITIONS}")
+        need(self.weights in WEIGHTS, "weights", f"one of {WEIGHTS}")
         need(self.debug_fail_text is None or (isinstance(self.debug_fail_text, str) and self.debug_fail_text),
              "debug_fail_text", "None or a non-empty string")
 

@@ -133,7 +133,8 @@ class Engine:
         caches = self.caches if B == self.cfg.parallel else self._head(B, counts)
         try:
             logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
-                                                last_only=True), copy=False)  # [B, vocab]
+                                                last_only=True, positions=self.cfg.positions),
+                             copy=False)                                   # [B, vocab]
         except Exception as e:                                             # shared by the batch
             traceback.print_exc()
             for s in active:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from streamattn.serve.config import BACKENDS, CACHE_DTYPES, CACHE_MODES, ServeConfig
+from streamattn.serve.config import BACKENDS, CACHE_DTYPES, CACHE_MODES, POSITIONS, WEIGHTS, ServeConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
                    help="prompt tokens per sequence per engine step")
     p.add_argument("--cache-dtype", choices=CACHE_DTYPES, default=d.cache_dtype)
+    p.add_argument("--positions", choices=POSITIONS, default=d.positions,
+                   help="RoPE positions in the text or within the cache (StreamingLLM, for --cache sinks)")
+    p.add_argument("--weights", choices=WEIGHTS, default=d.weights,
+                   help="quant: the GGUF's packed blocks (default); f32: dequantized float32 reference")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.add_argument("--debug-fail-text", default=None, help=argparse.SUPPRESS)
     from streamattn.scale.ray_serve import add_arguments as add_ray_arguments
@@ -36,7 +40,7 @@ def config_from_args(args) -> ServeConfig:
                        parallel=args.parallel, cache=args.cache, window=args.window, sinks=args.sinks,
                        max_queue=args.max_queue, prompt_cache_mb=args.prompt_cache_mb, threads=args.threads,
                        backend=args.backend, prefill_chunk=args.prefill_chunk, cache_dtype=args.cache_dtype,
-                       debug_fail_text=args.debug_fail_text)
+                       positions=args.positions, weights=args.weights, debug_fail_text=args.debug_fail_text)
 
 
 def run_args(args) -> int:
