@@ -2,7 +2,7 @@
 
     bash scripts/get_text.sh        # the Python 3.11 tutorial + HOWTOs from Debian's python3.11-doc
     PYTHONPATH=. nice -n 5 python benchmarks/long_perplexity.py [--tokens 16384] [--full-tokens 8192]
-        [--chunk 256] [--configs d,c,b,a] [--out benchmarks/results/long_perplexity]
+        [--chunk 256] [--configs d,c,b,a] [--offset N] [--out benchmarks/results/long_perplexity]
 
 SmolLM2-135M (trained context 8,192) over the text, teacher-forced through the caches in chunks:
 (a) the full cache up to the trained context, (b) a window of 1,024 keys without sinks, (c) 4 sinks + a
@@ -80,6 +80,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--weights", choices=("quant", "f32"), default="f32",
                    help="f32: the reference path (and the faster one for chunked prefill today)")
+    p.add_argument("--offset", type=int, default=0,
+                   help="start the stream at this token of the text (a content-controlled check: the same "
+                        "tokens scored at another stream position)")
     p.add_argument("--out", default="benchmarks/results/long_perplexity")
     args = p.parse_args(argv)
     names = args.configs.split(",")
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
     path = resolve_model(args.model, quiet=True)
     m = load_gguf(path, weights="f32")
     tok = Tokenizer.from_metadata(m.metadata)
-    ids = load_ids(args.text, tok, max(args.tokens, args.full_tokens))
+    ids = load_ids(args.text, tok, args.offset + max(args.tokens, args.full_tokens))
     err = check(Transformer(m), ids[:40])
     if args.weights != "f32":
         m = load_gguf(path, weights=args.weights)
@@ -108,8 +111,12 @@ def main(argv=None) -> int:
         kw = CONFIGS[name]
         print(f"({name}) {label({'window': None, 'sinks': 0, 'positions': 'absolute', **kw})}: {n} tokens, "
               f"chunk {args.chunk}, started {time.strftime('%H:%M:%S')}", file=sys.stderr)
-        r = perplexity(tf, ids[:n + 1], chunk=args.chunk, bucket=args.bucket, progress=progress_bar(False), **kw)
-        r = {"config": name, "file": args.text, "model": path.name, "weights": args.weights, **r}
+        if args.offset + n + 1 > len(ids):
+            raise SystemExit(f"--offset {args.offset} + {n} tokens runs past the text ({len(ids)} tokens)")
+        r = perplexity(tf, ids[args.offset:args.offset + n + 1], chunk=args.chunk, bucket=args.bucket,
+                       progress=progress_bar(False), **kw)
+        r = {"config": name, "file": args.text, "model": path.name, "weights": args.weights,
+             "offset": args.offset, **r}
         out.write_text(json.dumps(r, indent=1) + "\n")
     results = [json.loads(Path(f"{args.out}_{n}.json").read_text()) for n in sorted(CONFIGS)
                if Path(f"{args.out}_{n}.json").exists()]
