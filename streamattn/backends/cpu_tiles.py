@@ -126,6 +126,18 @@ def _accumulate(acc, p, vt, n, rows, kind):
 
 
 @njit(fastmath=FASTMATH, cache=True)
+def _qk_rows(R, qf, r, kt, n, sc, kind):
+    """sc[r + g, :n] = qf[r + g] . kt[:n] for g < R with the R-row kernel (n a multiple of 16)."""
+    for j in range(0, n, 16 // R):
+        if R == 4:
+            _QK4(qf, r, kt, j, sc, kind)
+        elif R == 2:
+            _QK2(qf, r, kt, j, sc, kind)
+        else:
+            _QK1(qf, r, kt, j, sc, kind)
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def _tile_scores(qf, kt, n, sc, kind, kpad, stail):
     """sc[r, :n] = qf[r] . kt[:n] for every row r (head_dim % 16 == 0): rows in fours, then two, one.
 
@@ -144,23 +156,9 @@ def _tile_scores(qf, kt, n, sc, kind, kpad, stail):
     r = 0
     while r < rows:
         R = 4 if rows - r >= 4 else (2 if rows - r >= 2 else 1)
-        if R == 4:
-            for j in range(0, nb, 4):
-                _QK4(qf, r, kt, j, sc, kind)
-            if tail:
-                for j in range(0, 16, 4):
-                    _QK4(qf, r, kpad, j, stail, kind)
-        elif R == 2:
-            for j in range(0, nb, 8):
-                _QK2(qf, r, kt, j, sc, kind)
-            if tail:
-                for j in range(0, 16, 8):
-                    _QK2(qf, r, kpad, j, stail, kind)
-        else:
-            for j in range(0, nb, 16):
-                _QK1(qf, r, kt, j, sc, kind)
-            if tail:
-                _QK1(qf, r, kpad, 0, stail, kind)
+        _qk_rows(R, qf, r, kt, nb, sc, kind)
+        if tail:
+            _qk_rows(R, qf, r, kpad, 16, stail, kind)
         r += R
     if tail:
         for r in range(rows):
