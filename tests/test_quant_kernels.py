@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
-from streamattn.models.qmatmul import HAVE_KERNELS, qmatmul, quantize_activations
+from streamattn.models.qmatmul import GROUP_ROWS, HAVE_KERNELS, group_activations, qmatmul, quantize_activations
 from streamattn.models.quant import SUPPORTED_TYPES, UnsupportedWeightType, pack
 
 pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="packed kernels need x86 AVX2 (CI machines have it)")
@@ -111,3 +111,60 @@ def test_errors():
     w = pack("w", "F32", np.ones((3, 32), np.float32), (3, 32))
     with pytest.raises(ValueError, match="x has 16 columns, the weight .* expects 32"):
         qmatmul(np.ones((1, 16), np.float32), w)
+
+
+def _rows_alone(x, w):
+    """Each row of x through the 1-row kernel alone: float32 [M, N]."""
+    return np.concatenate([qmatmul(x[b:b + 1], w, parallel=False, group_rows=1) for b in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_grouped_rows_equal_each_row_alone(type_name):
+    """A call of M rows (groups of ROWS through the multi-row kernel, then a 1-row remainder) is
+    bit-identical to every row alone, for M = 1..9 and a prefill-sized 37, any offset, 1 and 2 threads."""
+    cols = 512
+    data, _ = gguf_bytes(type_name, 19, cols, seed=11)
+    w = pack("t", type_name, data, (19, cols))
+    x = np.random.default_rng(12).standard_normal((40, cols)).astype(np.float32) * 3
+    alone = _rows_alone(x, w)
+    for m in list(range(1, 10)) + [37]:
+        np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False), alone[:m], err_msg=f"M={m}")
+    np.testing.assert_array_equal(qmatmul(x[3:40], w, parallel=False), alone[3:40])     # groups start at row 3
+    before = numba.get_num_threads()
+    try:
+        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(n)
+            for m in (5, 37):
+                np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=True), alone[:m], err_msg=f"M={m}, {n} thr")
+    finally:
+        numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K", "BF16"])
+def test_every_group_size_gives_the_same_bits(type_name):
+    """Every supported group_rows R gives each row the bits of the 1-row kernel (M = 37: groups of R,
+    then 37 % R rows alone)."""
+    data, _ = gguf_bytes(type_name, 13, 256, seed=2)
+    w = pack("t", type_name, data, (13, 256))
+    x = np.random.default_rng(4).standard_normal((37, 256)).astype(np.float32)
+    alone = _rows_alone(x, w)
+    for r in GROUP_ROWS:
+        np.testing.assert_array_equal(qmatmul(x, w, parallel=False, group_rows=r), alone, err_msg=f"R={r}")
+    with pytest.raises(ValueError, match=r"group_rows must be one of \(1, 2, 4, 8\) \(got 3\)"):
+        qmatmul(x, w, group_rows=3)
+
+
+def test_grouped_layout():
+    """group_activations interleaves each group of R rows by block; the rows after the last group stay
+    row-major."""
+    M, K, R = 5, 64, 2
+    xq = np.arange(M * K).reshape(M, K).astype(np.int8)
+    xd = np.arange(M * 2, dtype=np.float32).reshape(M, 2)
+    gq, gd, gs = np.empty_like(xq), np.empty_like(xd), np.empty_like(xd)
+    group_activations(xq, xd, -xd, R, gq, gd, gs)
+    blocks = xq.reshape(M, 2, 32)
+    want = np.concatenate([blocks[0:2].transpose(1, 0, 2).reshape(-1), blocks[2:4].transpose(1, 0, 2).reshape(-1),
+                           blocks[4].reshape(-1)])
+    np.testing.assert_array_equal(gq.reshape(-1), want)
+    np.testing.assert_array_equal(gd.reshape(-1), [0, 2, 1, 3, 4, 6, 5, 7, 8, 9])
+    np.testing.assert_array_equal(gs, -gd)
