@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
-from streamattn.models.qmatmul import GROUP_ROWS, HAVE_KERNELS, group_activations, qmatmul, quantize_activations
+from streamattn.models.qmatmul import (GROUP_ROWS, HAVE_KERNELS, glu_quantize_rows, group_activations, norm_quantize_rows,
+                                       qmatmul, quantize_activations)
 from streamattn.models.quant import SUPPORTED_TYPES, UnsupportedWeightType, pack
 
 pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="packed kernels need x86 AVX2 (CI machines have it)")
@@ -168,3 +169,49 @@ def test_grouped_layout():
     np.testing.assert_array_equal(gq.reshape(-1), want)
     np.testing.assert_array_equal(gd.reshape(-1), [0, 2, 1, 3, 4, 6, 5, 7, 8, 9])
     np.testing.assert_array_equal(gs, -gd)
+
+
+def _dequantized(xq, xd):
+    """Activations as the kernels see them: float64 [M, K] = xq * xd per 32 columns."""
+    return (xq.reshape(xq.shape[0], -1, 32) * xd[:, :, None].astype(np.float64)).reshape(xq.shape)
+
+
+def _check_quantized(fn, args, want, rel):
+    """fn(*args, xq, xd, xs) quantizes rows whose float64 values are ``want`` [M, K]: each element within
+    half a step of its 8-bit grid, plus ``rel`` of itself for float32 arithmetic and 1e-37 for values
+    under float32's normal range (1.2e-38); xs = xd * sum(q); rows 1..2 alone give the same bits as
+    inside the batch."""
+    M, K = want.shape
+    xq, xd, xs = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
+    fn(*args, xq, xd, xs)
+    step = np.repeat(xd, 32, axis=1).astype(np.float64)
+    assert np.all(np.abs(_dequantized(xq, xd) - want) <= 0.5 * step * (1 + 1e-6) + rel * np.abs(want) + 1e-37)
+    np.testing.assert_array_equal(xs, xd * xq.reshape(M, -1, 32).sum(-1).astype(np.float32))
+    part = [np.empty((2,) + a.shape[1:], a.dtype) for a in (xq, xd, xs)]
+    fn(*(a[1:3] if isinstance(a, np.ndarray) and a.ndim == 2 else a for a in args), *part)
+    for got, full in zip(part, (xq, xd, xs)):
+        np.testing.assert_array_equal(got, full[1:3])
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_fused_gated_activation_quantization(gelu):
+    """glu_quantize_rows against the float64 activation, extremes included: g from -100 to 100 and from
+    -12 to 12, where gelu's blocks of tiny values need g / (1 + e^-2z), not 1 + tanh z (which cancels to 0), and
+    e^x past float32's range must give 0, not g * 6e-39."""
+    F = 320
+    gu = (np.random.default_rng(8).standard_normal((4, 2 * F)) * 4).astype(np.float32)
+    gu[0, :F] = np.linspace(-100, 100, F)
+    gu[3, :F] = np.linspace(-12, 12, F)                 # blocks of 2.4: some hold only tiny gelu values
+    g, u = gu[:, :F].astype(np.float64), gu[:, F:].astype(np.float64)
+    a = np.sqrt(8 / np.pi) * (g + 0.044715 * g ** 3) if gelu else g
+    with np.errstate(over="ignore"):
+        want = g / (1 + np.exp(-a)) * u
+    _check_quantized(glu_quantize_rows, (gu, gelu), want, rel=1e-5)
+
+
+def test_fused_norm_quantization():
+    x = (np.random.default_rng(9).standard_normal((4, 576)) * [[1], [1e-3], [30], [1]]).astype(np.float32)
+    w = np.random.default_rng(10).standard_normal(576).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    _check_quantized(norm_quantize_rows, (x, w, 1e-5), want, rel=1e-4)

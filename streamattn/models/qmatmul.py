@@ -30,6 +30,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from streamattn.backends.cpu_simd import pow2
 from streamattn.models.qmatmul_kernels import make_fdot_rows, make_qdot_rows
 from streamattn.models.quant import QWeight
 
@@ -47,41 +48,30 @@ def _host_has_avx2() -> bool:
 HAVE_KERNELS = _host_has_avx2()
 
 
+@njit(cache=True, inline="always")
+def _quantize_row(y, b, xq, xd, xs):
+    """Quantize y: float32 [K] into row b of xq, xd, xs, per 32 columns (see :func:`quantize_rows`)."""
+    for i in range(y.shape[0] // 32):
+        amax = np.float32(0.0)
+        for j in range(32):
+            amax = max(amax, abs(y[i * 32 + j]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+        s = 0
+        for j in range(32):
+            q = np.int32(np.rint(y[i * 32 + j] * inv))
+            xq[b, i * 32 + j] = q
+            s += q
+        xd[b, i] = d
+        xs[b, i] = d * np.float32(s)
+
+
 @njit(cache=True)
 def quantize_rows(x, xq, xd, xs):
     """Quantize x: float32 [B, K] per 32 columns: xq int8 [B, K], xd = amax / 127, xs = xd * sum(xq)
     (float32 [B, K/32])."""
     for b in range(x.shape[0]):
-        for i in range(x.shape[1] // 32):
-            amax = np.float32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(x[b, i * 32 + j]))
-            d = amax / np.float32(127.0)
-            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-            s = 0
-            for j in range(32):
-                q = np.int32(np.rint(x[b, i * 32 + j] * inv))
-                xq[b, i * 32 + j] = q
-                s += q
-            xd[b, i] = d
-            xs[b, i] = d * np.float32(s)
-
-
-@njit(cache=True, fastmath=False)
-def _quantize_block(y, b, i, xq, xd, xs):
-    """Quantize y[0:32] (float32 scratch) into block i of row b."""
-    amax = np.float32(0.0)
-    for j in range(32):
-        amax = max(amax, abs(y[j]))
-    d = amax / np.float32(127.0)
-    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-    s = 0
-    for j in range(32):
-        q = np.int32(np.rint(y[j] * inv))
-        xq[b, i * 32 + j] = q
-        s += q
-    xd[b, i] = d
-    xs[b, i] = d * np.float32(s)
+        _quantize_row(x[b], b, xq, xd, xs)
 
 
 @njit(cache=True)
@@ -89,35 +79,58 @@ def norm_quantize_rows(x, w, eps, xq, xd, xs):
     """Fused RMSNorm and quantization: rows of ``x / sqrt(mean(x²) + eps) * w`` (x: float32 [B, K],
     w: [K]) into xq, xd, xs as :func:`quantize_rows`."""
     K = x.shape[1]
-    y = np.empty(32, np.float32)
+    y = np.empty(K, np.float32)                                     # one normed row
     for b in range(x.shape[0]):
         ss = np.float32(0.0)
         for j in range(K):
             ss += x[b, j] * x[b, j]
         inv = np.float32(1.0) / np.sqrt(ss * np.float32(1.0 / K) + np.float32(eps))
-        for i in range(K // 32):
-            for j in range(32):
-                y[j] = x[b, i * 32 + j] * inv * w[i * 32 + j]
-            _quantize_block(y, b, i, xq, xd, xs)
+        for j in range(K):
+            y[j] = x[b, j] * inv * w[j]
+        _quantize_row(y, b, xq, xd, xs)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
+def _exp(x):
+    """e^x for a float32 x, in plain arithmetic that LLVM vectorises (libm's expf is a scalar call, which
+    kept the gated activation at ~10 ns an element). x = k ln2 + r with |r| <= ln2/2; e^r from Cephes
+    expf's degree-5 polynomial (relative error < 1e-7 here), 2^k written into the exponent bits. Above
+    88 the result is inf (e^88.7 overflows float32 anyway), so g / (1 + e^x) is a signed 0 there, not
+    g * 6e-39; below -87 it stays e^-87 = 1.6e-38, the last normal power of 2 (1 + e^x is 1 there)."""
+    over = x > np.float32(88.0)
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = x - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)     # ln2 in two parts
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    e = (p * r * r + r + np.float32(1.0)) * pow2(np.int32(k))
+    return np.float32(np.inf) if over else e
+
+
+@njit(cache=True, error_model="numpy")
 def glu_quantize_rows(gu, gelu, xq, xd, xs):
     """Fused gated activation and quantization: rows of ``act(g) * u`` where gu = [g | u] float32
-    [B, 2F]; act is gelu-tanh when ``gelu`` else silu."""
+    [B, 2F]; act is gelu-tanh when ``gelu`` else silu, both as ``g / (1 + e^-a)`` (silu: a = g; gelu:
+    0.5 g (1 + tanh z) = g / (1 + e^-2z), which for z << 0 keeps the digits 1 + tanh z would cancel),
+    e^x by :func:`_exp`. ``error_model="numpy"``: a float division without Python's zero check, which
+    would stop the loop from vectorising (1 + e^x is never 0)."""
     F = gu.shape[1] // 2
-    y = np.empty(32, np.float32)
-    c = np.float32(np.sqrt(2.0 / np.pi))
+    y = np.empty(F, np.float32)                                     # one activated row
+    c2 = np.float32(2.0 * np.sqrt(2.0 / np.pi))
     for b in range(gu.shape[0]):
-        for i in range(F // 32):
-            for j in range(32):
-                g = gu[b, i * 32 + j]
-                if gelu:
-                    a = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g)))
-                else:
-                    a = g / (np.float32(1.0) + np.exp(-g))
-                y[j] = a * gu[b, F + i * 32 + j]
-            _quantize_block(y, b, i, xq, xd, xs)
+        if gelu:
+            for j in range(F):
+                g = gu[b, j]
+                y[j] = g / (np.float32(1.0) + _exp(-c2 * (g + np.float32(0.044715) * g * g * g))) * gu[b, F + j]
+        else:
+            for j in range(F):
+                g = gu[b, j]
+                y[j] = g / (np.float32(1.0) + _exp(-g)) * gu[b, F + j]
+        _quantize_row(y, b, xq, xd, xs)
 
 
 @njit(cache=True)
