@@ -10,12 +10,15 @@ tokens, through ``Generator.prefill`` (what ``streamattn generate`` times): quan
 float32 reference (OpenBLAS), at each thread count. Variants alternate within each repeat, in an order
 that flips every repeat; a warm-up prefill of each runs first (JIT). Before timing, the last-token logits
 of every R are checked bit-identical. Prints median prefill tok/s per variant, the share of time in the
-packed matmul kernels (``qmatmul``, activation quantization excluded), and ratios.
+packed matmul kernels (``qmatmul``, activation quantization excluded), ratios, and the process's CPU
+seconds over wall seconds: on a shared host, a 2-thread variant whose ratio stays near 1 was given one
+core's worth of time, and its CPU seconds against the 1-thread variant's show what threading costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -76,13 +79,15 @@ def main():
         set_threads(t)
         qm.ROWS = rows if rows is not None else qm.ROWS
         clock.seconds = 0.0
-        t0 = time.perf_counter()
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         logits = gen.prefill([ids])
-        return time.perf_counter() - t0, clock.seconds, logits
+        wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+        return wall, clock.seconds, cpu, logits
 
     ref = None
     for name, t in variants:                                   # warm-up (JIT) and the bit-identity check
-        _, _, logits = run(name, t)
+        *_, logits = run(name, t)
         if name.startswith("quant"):
             if ref is None:
                 ref = logits
@@ -91,20 +96,21 @@ def main():
     times = {v: [] for v in variants}
     for rep in range(args.repeats):
         for v in variants if rep % 2 == 0 else variants[::-1]:
-            s, k, _ = run(*v)
-            times[v].append((s, k))
+            s, k, c, _ = run(*v)
+            times[v].append((s, k, c))
         print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
-    base = {t: statistics.median(s for s, _ in times[(next(iter(gens)), t)]) for t in threads}
-    one = {name: statistics.median(s for s, _ in times[(name, threads[0])]) for name in gens}
+    base = {t: statistics.median(x[0] for x in times[(next(iter(gens)), t)]) for t in threads}
+    one = {name: statistics.median(x[0] for x in times[(name, threads[0])]) for name in gens}
     print(f"{args.model}, {len(ids)}-token prompt, chunk {args.chunk}, median of {args.repeats} (alternated)")
     print(f"{'variant':12s} {'thr':>3s} {'prefill tok/s':>13s} {'runs tok/s':>22s} {'qmatmul %':>9s} "
-          f"{'vs ' + next(iter(gens)):>12s} {'vs ' + str(threads[0]) + ' thr':>9s}")
+          f"{'vs ' + next(iter(gens)):>12s} {'vs ' + str(threads[0]) + ' thr':>9s} {'cpu s':>6s} {'cpu/wall':>8s}")
     for name, t in variants:
-        s = statistics.median(x for x, _ in times[(name, t)])
-        share = statistics.median(k / x for x, k in times[(name, t)])
-        runs = " ".join(f"{len(ids) / x:.0f}" for x, _ in times[(name, t)])
+        s = statistics.median(x[0] for x in times[(name, t)])
+        share = statistics.median(k / x for x, k, _ in times[(name, t)])
+        cpu = statistics.median(c for _, _, c in times[(name, t)])
+        runs = " ".join(f"{len(ids) / x[0]:.0f}" for x in times[(name, t)])
         print(f"{name:12s} {t:>3d} {len(ids) / s:13.1f} {runs:>22s} {100 * share:9.0f} {base[t] / s:12.2f} "
-              f"{one[name] / s:9.2f}")
+              f"{one[name] / s:9.2f} {cpu:6.2f} {cpu / s:8.2f}")
 
 
 if __name__ == "__main__":
