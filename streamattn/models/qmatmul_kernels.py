@@ -139,16 +139,16 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1):
                 else:                                   # two scales per 32-block: lanes 0-3, 4-7
                     s0 = _load(builder, sa, r, builder.mul(i, _i64(2)), F32)
                     s1 = _load(builder, sa, r, builder.add(builder.mul(i, _i64(2)), _i64(1)), F32)
+                    s01 = builder.shuffle_vector(_splat8(builder, s0), _splat8(builder, s1),
+                                                 ir.Constant(ir.VectorType(I32, 8), [0, 0, 0, 0, 8, 8, 8, 8]))
                 for j in range(R):
                     x32 = _load(builder, xa, b0, builder.mul(builder.add(iR, _i64(j)), _i64(32)), V32I8)
                     xd = _load(builder, da, b0, builder.add(iR, _i64(j)), F32)
                     isum = _isum(builder, wu, wsign, x32)
                     if group == 32:
                         sv = _splat8(builder, builder.fmul(s, xd))
-                    else:
-                        sv = builder.shuffle_vector(_splat8(builder, builder.fmul(s0, xd)),
-                                                    _splat8(builder, builder.fmul(s1, xd)),
-                                                    ir.Constant(ir.VectorType(I32, 8), [0, 0, 0, 0, 8, 8, 8, 8]))
+                    else:                               # lane-wise the same products s0 * xd, s1 * xd
+                        sv = builder.fmul(s01, _splat8(builder, xd))
                     f = builder.sitofp(isum, V8F)
                     acc = accs[j][p]
                     builder.store(builder.call(_llvm_fn(builder, "llvm.fmuladd.v8f32", V8F, [V8F, V8F, V8F]),
