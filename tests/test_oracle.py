@@ -62,10 +62,10 @@ def test_head_dims_and_long_history(head_dim, window):
     stream(spec, 8, 40, "cpu", chunks=[64, 1, 37, 64, 3], seed=head_dim)
 
 
-def test_split_merge_with_many_splits():
-    """B=1, one KV head, 3000 keys: the backend splits the keys; the merge must stay exact."""
+def test_page_merge_over_several_pages():
+    """B=1, one KV head, 3000 keys: two pages of keys, merged by their log-sum-exps; exact."""
     from streamattn.backends import cpu
-    assert cpu.choose_splits(1, 1, 3000, 2) > 1
+    assert cpu.count_pages([3000], [1], 0, 0) == 2 and cpu.count_pages([3000], [1000], 0, 0) == 2
     spec = CacheSpec(batch=1, kv_heads=1, head_dim=64, window=None, max_chunk=1000)
     stream(spec, 1, 4, "cpu", chunks=[1000, 1000, 999, 1])
 
@@ -109,17 +109,18 @@ def test_sinks_never_overwritten():
 
 def test_vectorised_exp_is_accurate_and_flushes_masked_scores():
     """The kernel's own exp (a polynomial, not libm): relative error <= 1e-6, -inf -> exactly 0."""
-    from streamattn.backends.cpu import _softmax_tile
-    x = np.concatenate([np.linspace(-87, 0, 997), [-np.inf, -200.0, -1e-30]]).astype(np.float32)
+    from streamattn.backends.cpu_tiles import _exp_tile, _lane_sum
+    x = np.concatenate([np.linspace(-87, 0, 997), [-np.inf, -200.0, -1e-30], [-np.inf] * 8]).astype(np.float32)
     ref = np.exp(x.astype(np.float64) - 0.25)
     got = x.copy()
-    total = _softmax_tile(got, x.size, np.float32(0.25))
+    _exp_tile(got, x.size, np.float32(0.25))
+    total = _lane_sum(got, x.size)
     rel = np.abs(got / np.where(ref > 0, ref, 1) - 1)
     # Near the running max (the weights that matter) 1e-6; far below it float32's rounding of
     # (x - max) * log2(e) itself costs ~|y| * 2^-24 relative, still far inside the f32 tolerance.
     assert rel[x >= -10].max() <= 1e-6
     assert rel[(ref > 1e-30) & (x < -10)].max() <= 1e-5
-    assert got[-3] == 0.0 and got[-2] == 0.0
+    assert got[-11] == 0.0 and got[-10] == 0.0 and not got[-8:].any()
     assert abs(total / ref.sum() - 1) <= 1e-6
 
 
@@ -141,13 +142,12 @@ def test_long_history_keeps_float32_tolerance(kv_heads, q_heads):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("q_heads", [1, 4])
-def test_one_item_over_several_tiles(monkeypatch, dtype, q_heads):
-    """One work item (no key split) reads 2 full tiles and part of a third, and the scores rise from tile
-    to tile, so the running max and sums are rescaled between tiles; decode must stay exact."""
+def test_scores_rising_over_several_pages(dtype, q_heads):
+    """Keys over 2 full pages and part of a third, the scores rising from page to page, so the merge
+    rescales every earlier page; decode must stay exact."""
     from streamattn.backends import cpu
-    monkeypatch.setattr(cpu, "choose_splits", lambda *args: 1)
     rng = np.random.default_rng(11)
-    L, D = 2 * cpu.TILE + 300, 16
+    L, D = 2 * cpu.PAGE + 300, 16
     spec = CacheSpec(batch=1, kv_heads=1, head_dim=D, dtype=dtype)
     q = rng.standard_normal((1, q_heads, 1, D)).astype(np.float32)
     ramp = np.linspace(0.0, 3.0, L, dtype=np.float32)[:, None] * q[0, 0, 0] / np.linalg.norm(q[0, 0, 0])

@@ -218,20 +218,23 @@ def _make_pv(R: int):
     """Intrinsic pv(acc, r0, p, vt, n, kind): acc[r0 + g] += sum_{j < n} p[r0 + g, j] * vt[j] for g < R.
 
     acc: [rows, D] float32, p: [rows, >= n] float32, vt: [>= n, D] storage, D % 16 == 0. Columns go in
-    groups of 4 vectors (then single vectors for D % 64), each group one pass over the n keys with its
-    accumulators in registers. Each accumulator is one chain of FMAs, 4 cycles apiece: with fewer than 8
-    chains (R * CG < 8) even and odd keys go to two sets, added at the end (R = 1: 2.0 -> ~1 ns per key).
+    groups of CG vectors (4, or 2 for four rows; then single vectors for the rest), each group one pass
+    over the n keys with its accumulators in registers. Even and odd keys go to two accumulator sets,
+    added at the end: more FMA chains in flight (one row: 2.0 -> ~1 ns per key), and one summation order
+    for every R, so a row's sum does not depend on how many rows the call has (batch invariance):
+    (acc + even keys in order) + (odd keys in order).
     """
+    U = 2                                             # accumulator sets: keys j with j % U == u
+    G4 = 4 if R <= 2 else 2                           # vectors per column group: R * G4 * U <= 16 accumulators
 
     def body(context, builder, sig, args, kind):
         aa, pa, va = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
         r0v, nv = args[1], args[4]
         D = va.cols
         rows = [builder.add(r0v, _const(g)) for g in range(R)]
-        wide_end = builder.mul(builder.udiv(D, _const(4 * W)), _const(4 * W))
-        for CG, start, count in ((4, _const(0), builder.udiv(D, _const(4 * W))),
+        wide_end = builder.mul(builder.udiv(D, _const(G4 * W)), _const(G4 * W))
+        for CG, start, count in ((G4, _const(0), builder.udiv(D, _const(G4 * W))),
                                  (1, wide_end, builder.udiv(builder.sub(D, wide_end), _const(W)))):
-            U = 2 if R * CG < 8 else 1                # accumulator sets: keys j with j % U == u
             accs = [[cgutils.alloca_once(builder, VF) for _ in range(R * CG)] for _ in range(U)]
 
             def add_key(key, cols, acc_set):

@@ -1,0 +1,187 @@
+"""Tile-level pieces of the CPU backend: scores, exps, their sum and P·V over one tile of keys.
+
+Each is written so that a row's result depends only on the row and the tile's keys, never on how many
+rows the call has or on keys past the row's last one (the batch invariance of :mod:`.cpu`). The vector
+paths need head_dim % 16 == 0 (:mod:`.cpu_simd`); ``_scores`` and ``_accumulate`` are the plain-Numba
+fallbacks for other sizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from .cpu_simd import PV, QK, bf16_to_f32, f16_to_f32, pow2
+
+# Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
+# masked scores are -inf on purpose.
+FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
+KIND = {"float32": 0, "float16": 1, "bfloat16": 2}
+_LOG2E = np.float32(1.4426950408889634)
+_QK1, _QK2, _QK4 = QK[1], QK[2], QK[4]   # module globals: Numba cannot index the dicts in a kernel
+_PV1, _PV2, _PV4 = PV[1], PV[2], PV[4]
+
+
+def _wide(x, kind):
+    """One storage element as float32: itself for float32, else float16 (kind 1) or bfloat16 (kind 2) bits."""
+
+
+@overload(_wide)
+def _wide_impl(x, kind):
+    if x == types.float32:
+        return lambda x, kind: x
+    return lambda x, kind: f16_to_f32(x) if kind == 1 else bf16_to_f32(x)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _exp_tile(x, n16, mx):
+    """x[:n16] <- exp(x[:n16] - mx) in place (n16 a multiple of 16); vectorisable (libm's exp is scalar).
+
+    2^y = 2^k * 2^f with k = floor(y + 1/2), f in [-1/2, 1/2]: 2^f from a degree-6 polynomial (Cephes
+    exp2f coefficients, relative error ~2e-7), 2^k by writing k + 127 into a float32's exponent bits.
+    y is clamped at -127, where those bits are 0: weights under 2^-127 of the running max become exactly
+    0, and so do masked (-inf) scores. (Not the 1.5 * 2^23 rounding trick: under 'reassoc' LLVM may fold
+    y - ((y + M) - M) to 0.) Blocks of 16 with a constant inner trip count: every element takes the same
+    vector code, never a scalar remainder loop that could contract differently.
+    """
+    for j0 in range(0, n16, 16):
+        for i in range(16):
+            y = max((x[j0 + i] - mx) * _LOG2E, np.float32(-127.0))
+            k = np.floor(y + np.float32(0.5))
+            f = y - k                           # [-1/2, 1/2]
+            p = np.float32(1.535336188319500e-4)
+            p = p * f + np.float32(1.339887440266574e-3)
+            p = p * f + np.float32(9.618437357674640e-3)
+            p = p * f + np.float32(5.550332471162809e-2)
+            p = p * f + np.float32(2.402264791363012e-1)
+            p = p * f + np.float32(6.931472028550421e-1)
+            p = p * f + np.float32(1.0)
+            x[j0 + i] = p * pow2(np.int32(k))
+
+
+@njit(fastmath=FASTMATH - {"reassoc"}, cache=True)
+def _lane_sum(x, n16):
+    """sum(x[:n16]) in one fixed order: 16 lanes (lane i holds x[i], x[i + 16], ... in turn), then a fixed
+    tree. Trailing zero blocks leave it unchanged, so a tile's sum does not depend on where the call's
+    keys end (batch invariance). No 'reassoc', so LLVM keeps this order."""
+    lanes = np.zeros(16, np.float32)
+    for j0 in range(0, n16, 16):
+        for i in range(16):
+            lanes[i] += x[j0 + i]
+    for i in range(8):
+        lanes[i] += lanes[i + 8]
+    for i in range(4):
+        lanes[i] += lanes[i + 4]
+    return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _scores(qr, kt, n, out, kind):
+    """out[j] = qr . kt[j] for j < n (one query row), widening 16-bit storage as it is read.
+
+    One key row at a time, in memory order: reading four rows interleaved (to share q's loads) streamed
+    float32 K from memory ~20% slower on one thread (18.7 vs 23.0 GB/s, MHA at 16k keys).
+    """
+    D = qr.shape[0]
+    for j in range(n):
+        a = np.float32(0.0)
+        kj = kt[j]
+        for i in range(D):
+            a += qr[i] * _wide(kj[i], kind)
+        out[j] = a
+
+
+@njit(fastmath=FASTMATH - {"reassoc"}, cache=True)
+def _accumulate(acc, p, vt, n, rows, kind):
+    """acc[r] += sum_j p[r, j] vt[j] for r < rows, j < n.
+
+    Eight V rows per pass and every query row inside it: acc is loaded and stored once per eight keys,
+    and the rows' chains are independent. No 'reassoc' here, or LLVM would fold the tree back into one
+    serial chain of FMAs through acc (latency-bound: 4 cycles per key).
+    acc: [rows, D], p: [rows, >= n], vt: [n, D]
+    """
+    D = acc.shape[1]
+    n4 = n - n % 8
+    for j in range(0, n4, 8):
+        v0, v1, v2, v3 = vt[j], vt[j + 1], vt[j + 2], vt[j + 3]
+        v4, v5, v6, v7 = vt[j + 4], vt[j + 5], vt[j + 6], vt[j + 7]
+        for r in range(rows):
+            a = acc[r]
+            pr = p[r]
+            p0, p1, p2, p3 = pr[j], pr[j + 1], pr[j + 2], pr[j + 3]
+            p4, p5, p6, p7 = pr[j + 4], pr[j + 5], pr[j + 6], pr[j + 7]
+            for i in range(D):
+                a[i] += ((p0 * _wide(v0[i], kind) + p1 * _wide(v1[i], kind)) +
+                         (p2 * _wide(v2[i], kind) + p3 * _wide(v3[i], kind))) + \
+                        ((p4 * _wide(v4[i], kind) + p5 * _wide(v5[i], kind)) +
+                         (p6 * _wide(v6[i], kind) + p7 * _wide(v7[i], kind)))
+    for j in range(n4, n):
+        vj = vt[j]
+        for r in range(rows):
+            a = acc[r]
+            pj = p[r, j]
+            for i in range(D):
+                a[i] += pj * _wide(vj[i], kind)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _tile_scores(qf, kt, n, sc, kind, kpad, stail):
+    """sc[r, :n] = qf[r] . kt[:n] for every row r (head_dim % 16 == 0): rows in fours, then two, one.
+
+    Every score is the same arithmetic whichever kernel computes it (lane-wise FMAs over head_dim, then
+    one fixed tree), and the keys past the last whole 16 go through the same kernels on a zero-padded
+    copy, so a score does not depend on the row count or on where the tile ends (batch invariance).
+    qf: [rows, D] float32, kt: [n, D] storage, sc: [rows, >= n] float32, kpad: [16, D] storage scratch,
+    stail: [rows, 16] float32 scratch
+    """
+    rows = qf.shape[0]
+    nb = n - n % 16                                    # keys in whole blocks of 16
+    tail = n - nb
+    if tail:
+        kpad[:tail] = kt[nb:n]
+        kpad[tail:] = 0
+    r = 0
+    while r < rows:
+        R = 4 if rows - r >= 4 else (2 if rows - r >= 2 else 1)
+        if R == 4:
+            for j in range(0, nb, 4):
+                _QK4(qf, r, kt, j, sc, kind)
+            if tail:
+                for j in range(0, 16, 4):
+                    _QK4(qf, r, kpad, j, stail, kind)
+        elif R == 2:
+            for j in range(0, nb, 8):
+                _QK2(qf, r, kt, j, sc, kind)
+            if tail:
+                for j in range(0, 16, 8):
+                    _QK2(qf, r, kpad, j, stail, kind)
+        else:
+            for j in range(0, nb, 16):
+                _QK1(qf, r, kt, j, sc, kind)
+            if tail:
+                _QK1(qf, r, kpad, 0, stail, kind)
+        r += R
+    if tail:
+        for r in range(rows):
+            sc[r, nb:n] = stail[r, :tail]
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _tile_accumulate(acc, p, vt, n, kind):
+    """acc[r] += sum_j p[r, j] vt[j] for every row r, j < n (head_dim % 16 == 0): rows in fours, two, one.
+
+    acc: [rows, D] float32, p: [rows, >= n] float32, vt: [n, D] storage
+    """
+    rows = acc.shape[0]
+    r = 0
+    while r < rows:
+        if rows - r >= 4:
+            _PV4(acc, r, p, vt, n, kind)
+            r += 4
+        elif rows - r >= 2:
+            _PV2(acc, r, p, vt, n, kind)
+            r += 2
+        else:
+            _PV1(acc, r, p, vt, n, kind)
+            r += 1
