@@ -1,11 +1,14 @@
 """Packed-weight matmul kernels (streamattn/models/qmatmul.py) against float32 numpy, alternated.
 
-    PYTHONPATH=. python benchmarks/quant_matmul.py [--repeats 7] [--rows 1,16]
+    PYTHONPATH=. python benchmarks/quant_matmul.py [--repeats 7] [--rows 1,4,64,256] [--group-rows 1,2,4,8]
+        [--threads 1] [--types Q4_1,Q8_0]
 
 For the matrix shapes of SmolLM2-135M (Q4_1) and Gemma-3-270M (Q5_0, Q4_K, Q6_K, Q8_0): median time of
-``x @ W.T`` for M activation rows (1 = a decode step, 16+ = prefill chunks), packed kernel beside
-``x @ W_f32.T`` (numpy/OpenBLAS on the dequantized matrix), one thread. Also the route not taken: a
-plain-Numba float FMA over unpacked Q4_1 nibbles (route (a) of issue 13), which LLVM did not vectorise.
+``x @ W.T`` for M activation rows (1 = a decode step, 4+ = prefill chunks), the packed kernel with each
+``group_rows`` R (activation rows per weight-block unpacking; R = 1 is the one-row kernel) beside
+``x @ W_f32.T`` (numpy/OpenBLAS on the dequantized matrix). Variants alternate within each repeat;
+outputs of every R are checked bit-identical before timing. Also the route not taken: a plain-Numba
+float FMA over unpacked Q4_1 nibbles (route (a) of issue 13), which LLVM did not vectorise.
 """
 
 import argparse
@@ -72,24 +75,42 @@ def timed(fn, reps):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--rows", default="1,16")
+    ap.add_argument("--rows", default="1,4,64,256", help="activation rows M, comma-separated")
+    ap.add_argument("--group-rows", default="1,2,4,8", help="kernel variants R, comma-separated")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--types", default="", help="only these GGUF types (default: every shape)")
     args = ap.parse_args()
-    set_threads(1)
+    set_threads(args.threads)
+    par = args.threads > 1
     rng = np.random.default_rng(0)
-    print(f"{'type':5s} {'N x K':>12s} {'M':>3s} {'packed us':>10s} {'f32 us':>9s} {'speed-up':>8s} {'Gw/s':>6s}")
+    group_rows = [int(r) for r in args.group_rows.split(",")]
+    heads = " ".join(f"{'R=' + str(r) + ' us':>10s}" for r in group_rows)
+    print(f"threads {args.threads}; median of {args.repeats}; Gw/s = weights x rows / s of the best R")
+    print(f"{'type':5s} {'N x K':>12s} {'M':>4s} {heads} {'f32 us':>9s} {'best/R=1':>8s} {'f32/best':>8s} {'Gw/s':>6s}")
     for type_name, n, k in SHAPES:
+        if args.types and type_name not in args.types.split(","):
+            continue
         w = packed(type_name, n, k, rng)
         wf = w.dequantize()
         for m in (int(r) for r in args.rows.split(",")):
             x = rng.standard_normal((m, k)).astype(np.float32)
-            reps = max(3, int(2e8 / (n * k * m)))
-            tq, tf = [], []
+            ref = qmatmul(x, w, parallel=par, group_rows=1)
+            for r in group_rows:                                # every R gives the same bits
+                assert np.array_equal(qmatmul(x, w, parallel=par, group_rows=r), ref), (type_name, m, r)
+            reps = max(2, int(1e8 / (n * k * m)))
+            times = {r: [] for r in group_rows + ["f32"]}
             for _ in range(args.repeats):                       # alternated
-                tq.append(timed(lambda: qmatmul(x, w, parallel=False), reps))
-                tf.append(timed(lambda: x @ wf.T, reps))
-            q, f = statistics.median(tq), statistics.median(tf)
-            print(f"{type_name:5s} {n:>5d} x {k:<5d} {m:>3d} {q * 1e6:10.1f} {f * 1e6:9.1f} {f / q:8.2f} "
-                  f"{n * k * m / q / 1e9:6.2f}")
+                for r in group_rows:
+                    times[r].append(timed(lambda: qmatmul(x, w, parallel=par, group_rows=r), reps))
+                times["f32"].append(timed(lambda: x @ wf.T, reps))
+            med = {r: statistics.median(t) for r, t in times.items()}
+            best = min(group_rows, key=med.get)
+            cols = " ".join(f"{med[r] * 1e6:10.1f}" for r in group_rows)
+            print(f"{type_name:5s} {n:>5d} x {k:<5d} {m:>4d} {cols} {med['f32'] * 1e6:9.1f} "
+                  f"{med.get(1, med[best]) / med[best]:8.2f} {med['f32'] / med[best]:8.2f} "
+                  f"{n * k * m / med[best] / 1e9:6.2f}  (best R={best})", flush=True)
+    if 1 not in group_rows:
+        return
     w = packed("Q4_1", 3072, 576, rng)
     x = rng.standard_normal(576).astype(np.float32)
     out = np.empty(3072, np.float32)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
-from streamattn.models.qmatmul import HAVE_KERNELS, qmatmul, quantize_activations
+from streamattn.models.qmatmul import (GROUP_ROWS, HAVE_KERNELS, glu_quantize_rows, group_activations, norm_quantize_rows,
+                                       qmatmul, quantize_activations)
 from streamattn.models.quant import SUPPORTED_TYPES, UnsupportedWeightType, pack
 
 pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="packed kernels need x86 AVX2 (CI machines have it)")
@@ -111,3 +112,106 @@ def test_errors():
     w = pack("w", "F32", np.ones((3, 32), np.float32), (3, 32))
     with pytest.raises(ValueError, match="x has 16 columns, the weight .* expects 32"):
         qmatmul(np.ones((1, 16), np.float32), w)
+
+
+def _rows_alone(x, w):
+    """Each row of x through the 1-row kernel alone: float32 [M, N]."""
+    return np.concatenate([qmatmul(x[b:b + 1], w, parallel=False, group_rows=1) for b in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_grouped_rows_equal_each_row_alone(type_name):
+    """A call of M rows (groups of ROWS through the multi-row kernel, then a 1-row remainder) is
+    bit-identical to every row alone, for M = 1..9 and a prefill-sized 37, any offset, 1 and 2 threads."""
+    cols = 512
+    data, _ = gguf_bytes(type_name, 19, cols, seed=11)
+    w = pack("t", type_name, data, (19, cols))
+    x = np.random.default_rng(12).standard_normal((40, cols)).astype(np.float32) * 3
+    alone = _rows_alone(x, w)
+    for m in list(range(1, 10)) + [37]:
+        np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False), alone[:m], err_msg=f"M={m}")
+    np.testing.assert_array_equal(qmatmul(x[3:40], w, parallel=False), alone[3:40])     # groups start at row 3
+    before = numba.get_num_threads()
+    try:
+        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(n)
+            for m in (5, 37):
+                np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=True), alone[:m], err_msg=f"M={m}, {n} thr")
+    finally:
+        numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K", "BF16"])
+def test_every_group_size_gives_the_same_bits(type_name):
+    """Every supported group_rows R gives each row the bits of the 1-row kernel (M = 37: groups of R,
+    then 37 % R rows alone)."""
+    data, _ = gguf_bytes(type_name, 13, 256, seed=2)
+    w = pack("t", type_name, data, (13, 256))
+    x = np.random.default_rng(4).standard_normal((37, 256)).astype(np.float32)
+    alone = _rows_alone(x, w)
+    for r in GROUP_ROWS:
+        np.testing.assert_array_equal(qmatmul(x, w, parallel=False, group_rows=r), alone, err_msg=f"R={r}")
+    with pytest.raises(ValueError, match=r"group_rows must be one of \(1, 2, 4, 8\) \(got 3\)"):
+        qmatmul(x, w, group_rows=3)
+
+
+def test_grouped_layout():
+    """group_activations interleaves each group of R rows by block; the rows after the last group stay
+    row-major."""
+    M, K, R = 5, 64, 2
+    xq = np.arange(M * K).reshape(M, K).astype(np.int8)
+    xd = np.arange(M * 2, dtype=np.float32).reshape(M, 2)
+    gq, gd, gs = np.empty_like(xq), np.empty_like(xd), np.empty_like(xd)
+    group_activations(xq, xd, -xd, R, gq, gd, gs)
+    blocks = xq.reshape(M, 2, 32)
+    want = np.concatenate([blocks[0:2].transpose(1, 0, 2).reshape(-1), blocks[2:4].transpose(1, 0, 2).reshape(-1),
+                           blocks[4].reshape(-1)])
+    np.testing.assert_array_equal(gq.reshape(-1), want)
+    np.testing.assert_array_equal(gd.reshape(-1), [0, 2, 1, 3, 4, 6, 5, 7, 8, 9])
+    np.testing.assert_array_equal(gs, -gd)
+
+
+def _dequantized(xq, xd):
+    """Activations as the kernels see them: float64 [M, K] = xq * xd per 32 columns."""
+    return (xq.reshape(xq.shape[0], -1, 32) * xd[:, :, None].astype(np.float64)).reshape(xq.shape)
+
+
+def _check_quantized(fn, args, want, rel):
+    """fn(*args, xq, xd, xs) quantizes rows whose float64 values are ``want`` [M, K]: each element within
+    half a step of its 8-bit grid, plus ``rel`` of itself for float32 arithmetic and 1e-37 for values
+    under float32's normal range (1.2e-38); xs = xd * sum(q); rows 1..2 alone give the same bits as
+    inside the batch."""
+    M, K = want.shape
+    xq, xd, xs = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
+    fn(*args, xq, xd, xs)
+    step = np.repeat(xd, 32, axis=1).astype(np.float64)
+    assert np.all(np.abs(_dequantized(xq, xd) - want) <= 0.5 * step * (1 + 1e-6) + rel * np.abs(want) + 1e-37)
+    np.testing.assert_array_equal(xs, xd * xq.reshape(M, -1, 32).sum(-1).astype(np.float32))
+    part = [np.empty((2,) + a.shape[1:], a.dtype) for a in (xq, xd, xs)]
+    fn(*(a[1:3] if isinstance(a, np.ndarray) and a.ndim == 2 else a for a in args), *part)
+    for got, full in zip(part, (xq, xd, xs)):
+        np.testing.assert_array_equal(got, full[1:3])
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_fused_gated_activation_quantization(gelu):
+    """glu_quantize_rows against the float64 activation, extremes included: g from -100 to 100 and from
+    -12 to 12, where gelu's blocks of tiny values need g / (1 + e^-2z), not 1 + tanh z (which cancels to 0), and
+    e^x past float32's range must give 0, not g * 6e-39."""
+    F = 320
+    gu = (np.random.default_rng(8).standard_normal((4, 2 * F)) * 4).astype(np.float32)
+    gu[0, :F] = np.linspace(-100, 100, F)
+    gu[3, :F] = np.linspace(-12, 12, F)                 # blocks of 2.4: some hold only tiny gelu values
+    g, u = gu[:, :F].astype(np.float64), gu[:, F:].astype(np.float64)
+    a = np.sqrt(8 / np.pi) * (g + 0.044715 * g ** 3) if gelu else g
+    with np.errstate(over="ignore"):
+        want = g / (1 + np.exp(-a)) * u
+    _check_quantized(glu_quantize_rows, (gu, gelu), want, rel=1e-5)
+
+
+def test_fused_norm_quantization():
+    x = (np.random.default_rng(9).standard_normal((4, 576)) * [[1], [1e-3], [30], [1]]).astype(np.float32)
+    w = np.random.default_rng(10).standard_normal(576).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    _check_quantized(norm_quantize_rows, (x, w, 1e-5), want, rel=1e-4)

@@ -1,0 +1,199 @@
+"""LLVM-IR block dot products of :mod:`streamattn.models.qmatmul`: one weight row against R activation rows.
+
+Numba has no vector types, and plain Numba loops over the same blocks did not vectorise (0.3-0.4 G
+weights/s, see docs/PERF.md), so the dot products are emitted as IR here, like streamattn/backends/cpu_simd.
+
+Each intrinsic takes one weight row ``r`` and R consecutive activation rows ``b .. b+R-1`` and writes
+``out[b + j, r]``. A 32-block of the weight is loaded and unpacked once (nibble split, ``|w|`` for the
+sign trick, its scale and min) and then dotted against the R activation blocks: for a prefill chunk the
+unpacking and the weight's loads are shared by R rows instead of redone for each.
+
+Bit-identity across R (batch invariance): every output element is computed by the same instructions in
+the same order whatever R is — row j has its own accumulators (8 float lanes for even blocks, 8 for odd
+blocks, and two scalar min-term sums), its block i goes into the same lanes with the same FMA, and the
+final lane sum is the same fixed tree. R only changes which other rows' work is interleaved between
+them, which no row's arithmetic can see. So R = 1 is the 1-row kernel, and a row's result does not
+depend on how many rows were in the call or where it sat among them.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from streamattn.backends.cpu_simd import _addr, _c_arrays, _fmuladd, _llvm_fn, _load16, _Rows
+
+I1, I8, I16, I32, I64, F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                              ir.FloatType())
+V16I8, V32I8, V16I16, V8I32, V8F, V16F = (ir.VectorType(I8, 16), ir.VectorType(I8, 32), ir.VectorType(I16, 16),
+                                          ir.VectorType(I32, 8), ir.VectorType(F32, 8), ir.VectorType(F32, 16))
+
+
+def _i64(n):
+    return ir.Constant(I64, n)
+
+
+def _unsigned_weights(builder, w32, signed: bool):
+    """(|w|, w) for the sign trick: vpmaddubsw multiplies unsigned by signed bytes, so a signed weight
+    block is taken as |w| and each activation block gets w's sign (:func:`_isum`). Done once per block,
+    shared by the R activation rows."""
+    if not signed:
+        return w32, None
+    return builder.call(_llvm_fn(builder, "llvm.abs.v32i8", V32I8, [V32I8, I1]), [w32, ir.Constant(I1, 0)]), w32
+
+
+def _isum(builder, wu, wsign, x32):
+    """<8 x i32>: lane i = sum of w[j] * x[j] over j in 4i..4i+3 (wu: <32 x i8> unsigned weights,
+    ``wsign`` the signed weights whose signs x takes, or None)."""
+    if wsign is not None:
+        x32 = builder.call(_llvm_fn(builder, "llvm.x86.avx2.psign.b", V32I8, [V32I8, V32I8]), [x32, wsign])
+    p16 = builder.call(_llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [V32I8, V32I8]), [wu, x32])
+    ones = ir.Constant(V16I16, [1] * 16)
+    return builder.call(_llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [V16I16, V16I16]), [p16, ones])
+
+
+def _splat(builder, x, n):
+    """<n x float> of the scalar x."""
+    ty = ir.VectorType(F32, n)
+    v = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(I32, n), [0] * n))
+
+
+def _splat8(builder, x):
+    return _splat(builder, x, 8)
+
+
+def _hsum(builder, v, n):
+    """Sum of the n lanes of v by a fixed halving tree (the same order on every call)."""
+    while n > 1:
+        h = n // 2
+        ty = ir.VectorType(I32, h)
+        lo = builder.shuffle_vector(v, v, ir.Constant(ty, list(range(h))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ty, list(range(h, n))))
+        v, n = builder.fadd(lo, hi), h
+    return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+def _load(builder, rows, r, c, ty):
+    return builder.load(_addr(builder, rows, r, c, ty), align=1, typ=ty)
+
+
+def _fma_scalar(builder, a, b, c):
+    return builder.call(_llvm_fn(builder, "llvm.fmuladd.f32", F32, [F32, F32, F32]), [a, b, c])
+
+
+def _store_out(builder, oa, row, col, value):
+    builder.store(value, _addr(builder, oa, row, col, F32), align=4)
+
+
+def make_qdot_rows(kind: str, group: int = 32, R: int = 1):
+    """Intrinsic dot(qs, scale, minv, r, xq, xd, xs, b, out) -> None: ``out[b + j, r]`` = row r of a
+    packed weight ("q4" or "q8" planes; ``minv`` is ignored for "q8") times quantized activation row
+    b + j, for j < R.
+
+    The R activation rows from b are stored interleaved by block (:func:`streamattn.models.qmatmul.
+    group_activations`): block i of row b + j at flat element ``b * K + (i * R + j) * 32`` of xq, its
+    ``xd`` and ``xs`` at ``b * K/32 + i * R + j``. So one pointer reaches all R rows at constant
+    offsets, and their ``xs`` of a block are one vector. For R = 1 that is the plain row-major layout.
+
+    Route (ggml's): per 32-block one integer dot product — ``vpmaddubsw`` (unsigned x signed bytes ->
+    int16 pairs) and ``vpmaddwd`` (-> int32 quads) — turned to float and added lane-wise with one FMA by
+    ``scale * xd``; a "q4" block's min term is one FMA, ``minv * xs`` (lane j of an R-lane vector: the
+    same IEEE operation as a scalar FMA). Two chains per row (even and odd blocks), so FMA latency
+    does not bound a 1-row loop.
+    """
+    VR = ir.VectorType(F32, R)
+
+    @intrinsic
+    def qdot(typingctx, qs, scale, minv, r, xq, xd, xs, b, out):
+        if not _c_arrays(qs, scale, minv, xq, xd, xs, out):
+            return None
+
+        def codegen(context, builder, sig, args):
+            qa, sa, ma, xa, da, ua, oa = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6, 8))
+            r = context.cast(builder, args[3], sig.args[3], types.int64)
+            b0 = context.cast(builder, args[7], sig.args[7], types.int64)
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(2)]
+                    for _ in range(R)]                                              # [row][parity]
+            accms = [cgutils.alloca_once_value(builder, ir.Constant(VR, [0.0] * R)) for _ in range(2)]  # [parity]
+
+            def block(i, p):
+                """Block i of the weight row into chain p of every row."""
+                iR = builder.mul(i, _i64(R))
+                if kind == "q4":
+                    raw = _load(builder, qa, r, builder.mul(i, _i64(16)), V16I8)
+                    lo = builder.and_(raw, ir.Constant(V16I8, [15] * 16))
+                    hi = builder.lshr(raw, ir.Constant(V16I8, [4] * 16))
+                    w32 = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+                    minv = _splat(builder, _load(builder, ma, r, i, F32), R)
+                    builder.store(builder.call(_llvm_fn(builder, f"llvm.fmuladd.v{R}f32", VR, [VR, VR, VR]),
+                                               [minv, _load(builder, ua, b0, iR, VR), builder.load(accms[p])]),
+                                  accms[p])
+                else:
+                    w32 = _load(builder, qa, r, builder.mul(i, _i64(32)), V32I8)
+                wu, wsign = _unsigned_weights(builder, w32, signed=kind != "q4")
+                if group == 32:
+                    s = _load(builder, sa, r, i, F32)
+                else:                                   # two scales per 32-block: lanes 0-3, 4-7
+                    s0 = _load(builder, sa, r, builder.mul(i, _i64(2)), F32)
+                    s1 = _load(builder, sa, r, builder.add(builder.mul(i, _i64(2)), _i64(1)), F32)
+                    s01 = builder.shuffle_vector(_splat8(builder, s0), _splat8(builder, s1),
+                                                 ir.Constant(ir.VectorType(I32, 8), [0, 0, 0, 0, 8, 8, 8, 8]))
+                for j in range(R):
+                    x32 = _load(builder, xa, b0, builder.mul(builder.add(iR, _i64(j)), _i64(32)), V32I8)
+                    xd = _load(builder, da, b0, builder.add(iR, _i64(j)), F32)
+                    isum = _isum(builder, wu, wsign, x32)
+                    if group == 32:
+                        sv = _splat8(builder, builder.fmul(s, xd))
+                    else:                               # lane-wise the same products s0 * xd, s1 * xd
+                        sv = builder.fmul(s01, _splat8(builder, xd))
+                    f = builder.sitofp(isum, V8F)
+                    acc = accs[j][p]
+                    builder.store(builder.call(_llvm_fn(builder, "llvm.fmuladd.v8f32", V8F, [V8F, V8F, V8F]),
+                                               [f, sv, builder.load(acc)]), acc)
+
+            nblk = builder.udiv(xa.cols, _i64(32))
+            with cgutils.for_range(builder, builder.udiv(nblk, _i64(2))) as loop:
+                i = builder.mul(loop.index, _i64(2))
+                block(i, 0)
+                block(builder.add(i, _i64(1)), 1)
+            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nblk, _i64(2)), _i64(0))):
+                block(builder.sub(nblk, _i64(1)), 0)
+            mins = builder.fadd(builder.load(accms[0]), builder.load(accms[1]))
+            for j in range(R):
+                vec = builder.fadd(builder.load(accs[j][0]), builder.load(accs[j][1]))
+                res = builder.fadd(_hsum(builder, vec, 8), builder.extract_element(mins, ir.Constant(I32, j)))
+                _store_out(builder, oa, builder.add(b0, _i64(j)), r, res)
+            return context.get_dummy_value()
+        return types.void(qs, scale, minv, r, xq, xd, xs, b, out), codegen
+    return qdot
+
+
+def make_fdot_rows(kind: int, R: int = 1):
+    """Intrinsic dot(w, r, x, b, out) -> None: ``out[b + j, r]`` = row r of float storage (0 float32,
+    1 float16 bits, 2 bfloat16 bits) times float32 row b + j, for j < R; 16 lanes per step, each
+    16-column chunk of the weight loaded and widened once for the R rows."""
+    @intrinsic
+    def fdot(typingctx, w, r, x, b, out):
+        if not _c_arrays(w, x, out):
+            return None
+
+        def codegen(context, builder, sig, args):
+            wa, xa, oa = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
+            r = context.cast(builder, args[1], sig.args[1], types.int64)
+            b0 = context.cast(builder, args[3], sig.args[3], types.int64)
+            rows = [builder.add(b0, _i64(j)) for j in range(R)]
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(R)]
+            with cgutils.for_range(builder, builder.udiv(xa.cols, _i64(16))) as loop:
+                col = builder.mul(loop.index, _i64(16))
+                wv = _load16(builder, wa, r, col, kind)
+                for j in range(R):
+                    builder.store(_fmuladd(builder, wv, _load16(builder, xa, rows[j], col, 0),
+                                           builder.load(accs[j])), accs[j])
+            for j in range(R):
+                _store_out(builder, oa, rows[j], r, _hsum(builder, builder.load(accs[j]), 16))
+            return context.get_dummy_value()
+        return types.void(w, r, x, b, out), codegen
+    return fdot
