@@ -39,9 +39,16 @@ def need_gemma(f):
     return pytest.mark.model(_no_gemma(f))
 
 
+_LOADED: dict = {}   # path -> (metadata, Tokenizer) of a model :func:`load` already read
+
+
 @functools.lru_cache(maxsize=None)
 def tokenizer(path: str):
-    """Tokenizer of a GGUF from its metadata only (no weights), once per session."""
+    """Tokenizer of a GGUF from its metadata only (no weights), once per session; taken from a model
+    :func:`load` already read when there is one (gguf's reader spends ~10-20 s on Gemma's 262k-token
+    vocabulary, and the tokenizer build ~7 s)."""
+    if path in _LOADED:
+        return _LOADED[path]
     import gguf
     from streamattn.models.loader import read_metadata
     from streamattn.models.tokenizer import Tokenizer
@@ -57,7 +64,9 @@ def load(path: str, weights: str = "f32"):
     from streamattn.models.transformer import Transformer
     from streamattn.models.tokenizer import Tokenizer
     m = load_gguf(path, weights=weights)
-    return m, Transformer(m), Tokenizer.from_metadata(m.metadata)
+    if path not in _LOADED:
+        _LOADED[path] = (m.metadata, Tokenizer.from_metadata(m.metadata))
+    return m, Transformer(m), _LOADED[path][1]
 
 
 def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: int = 32, n_heads: int = 4,
