@@ -48,7 +48,8 @@ def oracle_logits(m, tokens, *, user_window=None, sinks=0):
         q, k = rope(q), rope(k)
         win = own if user_window is None else (user_window if own is None else min(own, user_window))
         jj, ii = np.meshgrid(pos, pos)
-        vis = (jj <= ii) if win is None else (jj <= ii) & ((jj > ii - win) | (jj < (sinks if user_window else 0)))
+        sinks_here = sinks if user_window and (own is None or user_window < own) else 0   # as new_caches
+        vis = (jj <= ii) if win is None else (jj <= ii) & ((jj > ii - win) | (jj < sinks_here))
         G = H // Hk
         o = np.empty((T, H, hd))
         for head in range(H):
@@ -82,7 +83,8 @@ def stream_logits(tf, tokens, *, chunk, mode="full", window=None, sinks=0):
 @pytest.mark.parametrize("arch,chunk,mode,window,sinks", [
     ("gemma3", 1, "full", None, 0),       # gemma's own window of 4 on 5 of 6 layers, ring wraps many times
     ("gemma3", 3, "full", None, 0),
-    ("gemma3", 5, "sinks", 6, 2),         # user window on the global layer too
+    ("gemma3", 5, "sinks", 6, 2),         # user window + sinks on the global layer; local layers as trained
+    ("gemma3", 2, "sinks", 3, 1),         # a user window under gemma's own: every layer takes it, with sinks
     ("llama", 1, "full", None, 0),
     ("llama", 4, "window", 5, 0),
     ("llama", 7, "sinks", 4, 3),

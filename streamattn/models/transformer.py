@@ -235,7 +235,8 @@ class Transformer:
         mode : {"full", "window", "sinks"}
             "full": causal caches on global layers; "window": sliding window of ``window`` keys
             everywhere; "sinks": window plus ``sinks`` attention-sink tokens. Layers the model itself
-            slides (gemma3 local layers) always keep their own window (or the smaller user one).
+            slides (gemma3 local layers) always keep their own window, without sinks (as trained),
+            unless the user's window is smaller: then they take it, with the sinks.
         window, sinks : int
         max_chunk : int
             Largest chunk that ``forward`` will be given (prefill chunk size).
@@ -252,8 +253,10 @@ class Transformer:
         c = self.config
         caches = []
         for i in range(c.n_layers):
-            w = self.layer_window(i, mode, window)
-            s = sinks if (mode == "sinks" and w is not None) else 0
+            w, own = self.layer_window(i, mode, window), c.layer_windows[i]
+            # sinks where the user's window binds; a layer the model slides itself within the user's
+            # window keeps exactly the attention it was trained with (its own window, no sinks)
+            s = sinks if (mode == "sinks" and w is not None and (own is None or w < own)) else 0
             caches.append(KVCache(CacheSpec(batch=batch, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                             dtype=dtype, window=w, sinks=s, max_chunk=max_chunk,
                                             max_len=max_len if w is None else None),
