@@ -224,3 +224,12 @@ def test_serve_config_validates(kw, msg):
     with pytest.raises(ValueError, match=msg):
         ServeConfig(**kw)
     assert ServeConfig(cache="window").cache_kwargs["window"] == 256
+
+
+def test_config_choices_are_the_model_layers():
+    """serve/config keeps its own tuples (it must not import the model layer); they must not drift."""
+    from streamattn.models.loader import WEIGHT_KINDS
+    from streamattn.models.transformer import POSITIONS
+    from streamattn.serve import config
+    assert config.POSITIONS == POSITIONS and config.WEIGHTS == WEIGHT_KINDS
+

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 CACHE_MODES = ("full", "window", "sinks")
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
 BACKENDS = ("reference", "cpu", "gpu", "auto")
-POSITIONS = ("absolute", "cache")        # as streamattn.models.transformer.POSITIONS (not imported: light)
-WEIGHTS = ("quant", "f32")               # as load_gguf's weights=
+POSITIONS = ("absolute", "cache")        # = models.transformer.POSITIONS (not imported: config stays light;
+#                                           tests/test_serve_engine.py checks they agree)
+WEIGHTS = ("quant", "f32")               # = models.loader.WEIGHT_KINDS (checked there too)
 
 
 @dataclass(frozen=True)
