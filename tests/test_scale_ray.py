@@ -3,6 +3,7 @@ actor loses no line and duplicates none. Ray starts once for this file and is sh
 cannot start, the tests fail with Ray's reason."""
 
 import json
+import time
 from dataclasses import asdict as dataclasses_asdict
 
 import pytest
@@ -61,24 +62,34 @@ def _run(tmp_path, **kw):
 @need_smollm2
 def test_killed_actor_loses_no_line_and_writes_none_twice(ray_cluster, single_process_texts, tmp_path):
     """Two actors give the single process's texts, even when one is killed after the first record (its
-    batch is retried by the restarted actor; a run without a kill takes the same path, less the retry)."""
+    batch is retried on the other actor or on its restart; a run without a kill takes the same path, less
+    the retry)."""
     from ray.util.queue import Queue
     announced = Queue()
-    killed = []
+    killed, restarts = [], []
 
     def on_result(res):                      # the first record is in: kill an actor while the rest run
         if not killed:
             victim = announced.get(timeout=60)
             ray_cluster.kill(victim, no_restart=False)
             killed.append(victim)
+            # Ray's GCS counts the restart as soon as it begins (the pinned ray==2.60 has no public call for
+            # it without the dashboard). Whether the restarted actor finishes loading before the other one
+            # has done the remaining batches is a race, so the count is read here, not its announcement.
+            # ray.kill returns before the GCS has seen the death: poll it for up to 30 s.
+            deadline = time.monotonic() + 30
+            while True:
+                n = ray_cluster._private.state.actors(victim._actor_id.hex())["NumRestarts"]
+                if n >= 1 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            restarts.append(n)
 
     recs = _run(tmp_path, announce=announced, on_result=on_result)
-    assert killed
+    assert killed and restarts[0] >= 1, f"the killed actor was not restarted (NumRestarts {restarts})"
     assert len(recs) == 16 and sorted(r["id"] for r in recs) == sorted(single_process_texts)
     assert {r["id"]: r["text"] for r in recs} == single_process_texts        # two actors = one process
     assert all(r["completion_tokens"] == N_TOKENS and r["finish_reason"] == "length" for r in recs)
-    restarted = announced.qsize()            # the other actor's handle, plus the killed one's restart
-    assert restarted >= 2, f"only {restarted} actor start(s) after the kill: was the actor restarted?"
 
 
 def _free_port() -> int:
