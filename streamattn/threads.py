@@ -1,20 +1,26 @@
 """CPU threads: how idle pool workers wait (set once, at import) and the thread counts of the two pools.
 
-A decode step alternates ~120 small BLAS calls (numpy's OpenBLAS: weight matmuls) with 30 Numba parallel
-launches (attention; Numba's 'omp' threading layer = GNU libgomp on Linux). By default both runtimes keep
-idle workers spinning after each call (libgomp: GOMP_SPINCOUNT 300000 turns; OpenBLAS: 2^28 cycles).
-On a 2-core host the spinning workers of one pool take the cores the other pool's next call needs, and a
-descheduled worker costs a whole time slice. Measured on SmolLM2-135M, 2026-11-30 (issue 13):
-``generate --threads 2`` decoded at 2.9 tok/s vs 50 with 1 thread; with OMP_WAIT_POLICY=passive set by
-hand, 71 tok/s. Older figures (scripts/bench_decode.py, one step at L=259, load avg ~3): 2+2 threads
-468 ms, 1+1 threads 20-22 ms, 2+2 with OMP_WAIT_POLICY=passive 21-24 ms.
+A decode step on packed weights is ~120 Numba parallel launches (weight matmuls, attention; Numba's 'omp'
+threading layer = GNU libgomp on Linux) with a few microseconds of Python between them; the float32
+reference path adds numpy's OpenBLAS for its matmuls. How an idle worker waits decides what two threads
+are worth:
+
+- Spinning long (libgomp's default 300,000 turns; OpenBLAS 2^28 cycles): on a 2-core host the spinning
+  workers of one pool take the cores the other pool's next call needs. Measured on SmolLM2-135M,
+  2026-11-30 (issue 13): ``generate --threads 2`` decoded at 2.9 tok/s vs 50 with 1 thread.
+- Blocking at once (OMP_WAIT_POLICY=passive, this module's choice until 2026-11-30): every launch then
+  pays a futex wake-up of the sleeping worker, ~60 us on these guests, more than a small matmul takes
+  (576x576 Q4_1: 16 us on one thread, 80 us on two). 2 threads decoded slower than 1 (41 vs 53 tok/s).
+- Spinning briefly (GOMP_SPINCOUNT 3,000 turns, about 100-150 us here): the worker is still awake at the
+  next launch of the same step and asleep soon after the step ends. 2 threads: 75 tok/s vs 53 with 1.
+  1,000 turns was too short (51 tok/s), 10,000-100,000 slower again (68-71): docs/PERF.md.
 
 So importing streamattn sets, before numpy loads OpenBLAS and before Numba's first parallel launch
 loads libgomp (both read these variables once, when they load), the defaults in :data:`RUNTIME_ENV`:
-idle workers sleep at once, and Numba's threading layer is chosen explicitly. A value the user exported
-wins. The settings cannot reach a runtime that was loaded before streamattn was imported (e.g. numpy
-imported first: OpenBLAS keeps spinning); :func:`runtime_report` says what took effect, and
-docs/threads.md has the measurements behind the choice.
+a short spin, OpenBLAS's shortest, and Numba's threading layer chosen explicitly. A value the user
+exported wins (an exported OMP_WAIT_POLICY also keeps libgomp's own spin count for that policy). The
+settings cannot reach a runtime that was loaded before streamattn was imported (e.g. numpy imported
+first: OpenBLAS keeps spinning); :func:`runtime_report` says what took effect.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import sys
 
 #: Environment defaults applied at import (``os.environ.setdefault``: an exported value wins).
 RUNTIME_ENV = {
-    "OMP_WAIT_POLICY": "PASSIVE",        # libgomp: idle workers block at once (GOMP_SPINCOUNT 0)
+    "GOMP_SPINCOUNT": "3000",            # libgomp: idle workers spin 3,000 turns, then block
     "OPENBLAS_THREAD_TIMEOUT": "4",      # OpenBLAS: idle workers sleep after 2^4 cycles (its minimum), not 2^28
 }
 if sys.platform.startswith("linux"):      # numba's Linux wheels ship the omp layer (GNU libgomp)
@@ -47,6 +53,8 @@ def _configure_runtime() -> dict:
     """Apply :data:`RUNTIME_ENV` as defaults; returns which runtimes were already loaded (too late)."""
     late = {"openblas": "numpy" in sys.modules, "libgomp": _loaded("libgomp")}
     for key, value in RUNTIME_ENV.items():
+        if key == "GOMP_SPINCOUNT" and "OMP_WAIT_POLICY" in os.environ:
+            continue                              # the user's policy keeps its own spin count
         os.environ.setdefault(key, value)
     if "numba" in sys.modules:                    # numba read NUMBA_THREADING_LAYER at its import
         import numba
@@ -56,7 +64,9 @@ def _configure_runtime() -> dict:
     return late
 
 
-_USER_SET = {k: os.environ[k] for k in RUNTIME_ENV if k in os.environ}
+#: What :func:`runtime_report` reads back: our defaults, and the policy a user may export instead.
+REPORTED = ("OMP_WAIT_POLICY", *RUNTIME_ENV)
+_USER_SET = {k: os.environ[k] for k in REPORTED if k in os.environ}
 _LATE = _configure_runtime()
 
 
@@ -66,7 +76,7 @@ def runtime_report() -> dict:
     Returns
     -------
     dict
-        ``env``: each :data:`RUNTIME_ENV` key with the value the C runtime sees (``getenv``);
+        ``env``: each :data:`REPORTED` key with the value the C runtime sees (``getenv``, None: unset);
         ``user_set``: the keys the user had exported (their values won); ``late``: runtimes already
         loaded before streamattn was imported (``{"openblas": bool, "libgomp": bool}``: True means the
         default could not apply); ``threading_layer``: Numba's layer once a parallel kernel has run,
@@ -74,12 +84,12 @@ def runtime_report() -> dict:
 
     Examples
     --------
-    >>> runtime_report()["env"]["OMP_WAIT_POLICY"] in ("PASSIVE", "passive", "ACTIVE", "active")
+    >>> runtime_report()["env"]["OPENBLAS_THREAD_TIMEOUT"] is not None
     True
     """
     libc = ctypes.CDLL(None)
     libc.getenv.restype = ctypes.c_char_p
-    env = {k: (libc.getenv(k.encode()) or b"").decode() or None for k in RUNTIME_ENV}
+    env = {k: (libc.getenv(k.encode()) or b"").decode() or None for k in REPORTED}
     layer = None
     if "numba" in sys.modules:
         import numba

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from streamattn.threads import RUNTIME_ENV, runtime_report, set_threads
+from streamattn.threads import REPORTED, RUNTIME_ENV, runtime_report, set_threads
 
 _PROBE = """
 import streamattn                                          # first, as the CLI does
@@ -20,7 +20,7 @@ print(json.dumps(runtime_report()))
 
 
 def _run(extra_env: dict) -> tuple:
-    env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV and k != "GOMP_SPINCOUNT"}
+    env = {k: v for k, v in os.environ.items() if k not in REPORTED}
     env.update(OMP_DISPLAY_ENV="VERBOSE", **extra_env)     # libgomp prints its settings as it loads
     p = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -30,18 +30,22 @@ def _run(extra_env: dict) -> tuple:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the omp layer and /proc are Linux's")
 def test_wait_policy_reaches_the_openmp_runtime():
     report, omp = _run({})
-    assert "OMP_WAIT_POLICY = 'PASSIVE'" in omp and "GOMP_SPINCOUNT = '0'" in omp   # libgomp's own view
+    assert f"GOMP_SPINCOUNT = '{RUNTIME_ENV['GOMP_SPINCOUNT']}'" in omp      # libgomp's own view
     assert report["threading_layer"] == "omp"
-    assert report["env"] == RUNTIME_ENV and report["user_set"] == {}
+    assert report["env"] == {"OMP_WAIT_POLICY": None, **RUNTIME_ENV} and report["user_set"] == {}
     assert report["late"] == {"openblas": False, "libgomp": False}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the omp layer and /proc are Linux's")
 def test_an_exported_value_wins():
-    """The same check tells the policies apart: a user's ACTIVE makes libgomp spin (a non-zero spin count)."""
+    """The same check tells the policies apart: a user's ACTIVE keeps libgomp's own (long) spin, not ours,
+    and a user's GOMP_SPINCOUNT replaces ours."""
     report, omp = _run({"OMP_WAIT_POLICY": "ACTIVE"})
-    assert "OMP_WAIT_POLICY = 'ACTIVE'" in omp and "GOMP_SPINCOUNT = '0'" not in omp
+    assert "OMP_WAIT_POLICY = 'ACTIVE'" in omp and "GOMP_SPINCOUNT = '30000000000'" in omp
     assert report["user_set"] == {"OMP_WAIT_POLICY": "ACTIVE"} and report["env"]["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert report["env"]["GOMP_SPINCOUNT"] is None
+    report, omp = _run({"GOMP_SPINCOUNT": "0"})
+    assert "GOMP_SPINCOUNT = '0'" in omp and report["user_set"] == {"GOMP_SPINCOUNT": "0"}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps is Linux's")
