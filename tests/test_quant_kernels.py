@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
-from streamattn.models.qmatmul import (GROUP_ROWS, HAVE_KERNELS, glu_quantize_rows, group_activations, norm_quantize_rows,
+from streamattn.models.qmatmul import (GROUP_ROWS, HAVE_KERNELS, VNNI, glu_quantize_rows, group_activations, norm_quantize_rows,
                                        qmatmul, quantize_activations)
 from streamattn.models.quant import SUPPORTED_TYPES, UnsupportedWeightType, pack
 
@@ -139,6 +139,25 @@ def test_grouped_rows_equal_each_row_alone(type_name):
                 np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=True), alone[:m], err_msg=f"M={m}, {n} thr")
     finally:
         numba.set_num_threads(before)
+
+
+@pytest.mark.skipif(not VNNI, reason="this CPU has no VNNI: only the vpmaddubsw route exists here")
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_vnni_route_gives_the_same_bits(type_name):
+    """vpdpbusd and vpmaddubsw + vpmaddwd give the same integer block sums, so the same bits: for every
+    integer kind (Q8 with its -128 weights, K-quants' 16-column scales), 1 row and groups of R."""
+    data, _ = gguf_bytes(type_name, 13, 512, seed=5)
+    w = pack("t", type_name, data, (13, 512))
+    x = np.random.default_rng(6).standard_normal((37, 512)).astype(np.float32) * 5
+    x[0, :32] = [127.0] * 16 + [-127.0] * 16                  # a block at full scale: |x| reaches 127
+    for r in (1, 4):
+        np.testing.assert_array_equal(qmatmul(x, w, parallel=False, group_rows=r, vnni=True),
+                                      qmatmul(x, w, parallel=False, group_rows=r, vnni=False), err_msg=f"R={r}")
+    if type_name == "Q8_0":                                    # and a row of -128 weights (|w| = 128)
+        wq = pack("t", "Q8_0", data, (13, 512))
+        wq.qs[0, :] = -128
+        np.testing.assert_array_equal(qmatmul(x, wq, parallel=False, vnni=True),
+                                      qmatmul(x, wq, parallel=False, vnni=False))
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K", "BF16"])

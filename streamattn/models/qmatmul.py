@@ -25,13 +25,17 @@ whether this CPU has them, and ``load_gguf(path, weights="f32")`` is the path fo
 from __future__ import annotations
 
 import functools
+import hashlib
+from pathlib import Path
 
 import numba
 import numpy as np
 from numba import njit, prange
 
+from streamattn.backends import cpu_simd
 from streamattn.backends.cpu_simd import pow2
-from streamattn.models.qmatmul_kernels import make_fdot_rows, make_qdot_rows
+from streamattn.models import qmatmul_kernels
+from streamattn.models.qmatmul_kernels import VNNI, _host_cpu_has, make_fdot_rows, make_qdot_rows
 from streamattn.models.quant import QWeight
 
 #: Activation rows per weight-block unpacking (measured: docs/PERF.md). Results do not depend on it.
@@ -40,12 +44,7 @@ GROUP_ROWS = (1, 2, 4, 8)
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
-def _host_has_avx2() -> bool:
-    import llvmlite.binding as llvm
-    return "+avx2" in llvm.get_host_cpu_features().flatten().split(",")
-
-
-HAVE_KERNELS = _host_has_avx2()
+HAVE_KERNELS = _host_cpu_has("avx2")
 
 
 @njit(cache=True, inline="always")
@@ -153,15 +152,33 @@ def group_activations(xq, xd, xs, R, gq, gd, gs):
                 fq[o * 32 + t] = xq[b, i * 32 + t]
 
 
+def _drop_stale_cache() -> None:
+    """Numba keys a cached function on its own source file, not on the IR kernels it inlines (from
+    qmatmul_kernels.py and cpu_simd.py): after those files change, this module's cached drivers would
+    still run the old code. A stamp of them beside the cache deletes this module's cache files when it
+    differs (as streamattn.backends.cpu does for the attention kernels)."""
+    try:
+        cache_dir = Path(quantize_rows._cache._cache_path)
+        stamp = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (qmatmul_kernels, cpu_simd))).hexdigest()
+        marker = cache_dir / "streamattn_qmatmul_kernels.sha256"
+        if not marker.exists() or marker.read_text() != stamp:
+            for f in cache_dir.glob(f"{__name__.rsplit('.', 1)[-1]}.*.nb[ic]"):
+                f.unlink()
+            marker.write_text(stamp)
+    except (OSError, AttributeError):            # no writable cache, or numba internals moved
+        pass
+
+
 def _njit_drivers(body, pbody):
     return njit(cache=True)(body), njit(parallel=True, cache=True)(pbody)
 
 
 @functools.cache
-def _qdrivers(kind: str, group: int, R: int):
+def _qdrivers(kind: str, group: int, R: int, vnni: bool = VNNI):
     """Serial and row-parallel loops over weight rows r: activation rows in groups of R, then one by
-    one, out[b, r] = dot(qs, scale, minv, r, xq, xd, xs, b)."""
-    dot_r, dot_1 = make_qdot_rows(kind, group, R), make_qdot_rows(kind, group, 1)
+    one, out[b, r] = dot(qs, scale, minv, r, xq, xd, xs, b). ``vnni``: which integer dot product
+    (:func:`~streamattn.models.qmatmul_kernels.make_qdot_rows`; the same results)."""
+    dot_r, dot_1 = make_qdot_rows(kind, group, R, vnni), make_qdot_rows(kind, group, 1, vnni)
 
     def body(qs, scale, minv, xq, xd, xs, out):
         M = xq.shape[0]
@@ -208,6 +225,7 @@ def _fdrivers(kind: str, R: int):
     return _njit_drivers(body, pbody)
 
 
+_drop_stale_cache()
 _EMPTY = np.zeros((1, 1), np.float32)
 
 
@@ -241,7 +259,8 @@ def glu_qmatmul(gu, gelu: bool, w: QWeight):
         *gu.shape[:-1], w.shape[0])
 
 
-def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_rows: int | None = None):
+def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_rows: int | None = None,
+            vnni: bool | None = None):
     """``x @ W.T`` for a packed weight.
 
     Parameters
@@ -255,6 +274,9 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
     group_rows : {1, 2, 4, 8}, optional
         Activation rows per weight-block unpacking (default: the module's :data:`ROWS`, read at each
         call, so a benchmark can switch it for a whole model). The result is the same.
+    vnni : bool, optional
+        Integer dot products by ``vpdpbusd`` (default: where the CPU has it, :data:`VNNI`) or by
+        ``vpmaddubsw`` + ``vpmaddwd``. The result is the same; True on a CPU without VNNI raises.
 
     Returns
     -------
@@ -276,6 +298,9 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
         raise ValueError(f"group_rows must be one of {GROUP_ROWS} (got {group_rows!r})")
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} columns, the weight {w.shape} expects {K}")
+    vnni = VNNI if vnni is None else bool(vnni)
+    if vnni and not VNNI:
+        raise ValueError("vnni=True needs a CPU with AVX-VNNI or AVX512-VNNI (this one has neither)")
     lead = x.shape[:-1]
     x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)
     out = np.empty((x2.shape[0], N), np.float32)
@@ -289,5 +314,5 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
             group_activations(xq, xd, xs, group_rows, *grouped)
             xq, xd, xs = grouped
         minv = w.minv if w.minv is not None else _EMPTY
-        _qdrivers(w.kind, w.group, group_rows)[par](w.qs, w.scale, minv, xq, xd, xs, out)
+        _qdrivers(w.kind, w.group, group_rows, vnni)[par](w.qs, w.scale, minv, xq, xd, xs, out)
     return out.reshape(*lead, N)
