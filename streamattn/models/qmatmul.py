@@ -41,6 +41,9 @@ from streamattn.models.quant import QWeight
 #: Activation rows per weight-block unpacking (measured: docs/PERF.md). Results do not depend on it.
 ROWS = 4
 GROUP_ROWS = (1, 2, 4, 8)
+#: Weight rows per call of the kernel that takes activation rows one by one (decode): an activation block
+#: is loaded once for both, and their chains interleave. Results do not depend on it (docs/PERF.md).
+WEIGHT_ROWS = 2
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
@@ -174,29 +177,37 @@ def _njit_drivers(body, pbody):
 
 
 @functools.cache
-def _qdrivers(kind: str, group: int, R: int, vnni: bool = VNNI):
+def _qdrivers(kind: str, group: int, R: int, vnni: bool = VNNI, WR: int = 1):
     """Serial and row-parallel loops over weight rows r: activation rows in groups of R, then one by
     one, out[b, r] = dot(qs, scale, minv, r, xq, xd, xs, b). ``vnni``: which integer dot product
-    (:func:`~streamattn.models.qmatmul_kernels.make_qdot_rows`; the same results)."""
+    (:func:`~streamattn.models.qmatmul_kernels.make_qdot_rows`; the same results). ``WR``: weight rows
+    per call of the one-by-one kernel (the same results; the loop then runs over pairs of rows)."""
     dot_r, dot_1 = make_qdot_rows(kind, group, R, vnni), make_qdot_rows(kind, group, 1, vnni)
+    dot_w = make_qdot_rows(kind, group, 1, vnni, WR)
+
+    def rows(qs, scale, minv, xq, xd, xs, out, r):
+        """Weight rows r .. r + WR - 1 (those below N) against every activation row."""
+        M = xq.shape[0]
+        full = M - M % R
+        for rr in range(r, min(r + WR, qs.shape[0])):
+            for b in range(0, full, R):
+                dot_r(qs, scale, minv, rr, xq, xd, xs, b, out)
+        if r + WR <= qs.shape[0]:
+            for b in range(full, M):
+                dot_w(qs, scale, minv, r, xq, xd, xs, b, out)
+        else:
+            for rr in range(r, qs.shape[0]):
+                for b in range(full, M):
+                    dot_1(qs, scale, minv, rr, xq, xd, xs, b, out)
 
     def body(qs, scale, minv, xq, xd, xs, out):
-        M = xq.shape[0]
-        full = M - M % R
-        for r in range(qs.shape[0]):
-            for b in range(0, full, R):
-                dot_r(qs, scale, minv, r, xq, xd, xs, b, out)
-            for b in range(full, M):
-                dot_1(qs, scale, minv, r, xq, xd, xs, b, out)
+        for k in range((qs.shape[0] + WR - 1) // WR):
+            rows(qs, scale, minv, xq, xd, xs, out, k * WR)
 
     def pbody(qs, scale, minv, xq, xd, xs, out):
-        M = xq.shape[0]
-        full = M - M % R
-        for r in prange(qs.shape[0]):
-            for b in range(0, full, R):
-                dot_r(qs, scale, minv, r, xq, xd, xs, b, out)
-            for b in range(full, M):
-                dot_1(qs, scale, minv, r, xq, xd, xs, b, out)
+        for k in prange((qs.shape[0] + WR - 1) // WR):
+            rows(qs, scale, minv, xq, xd, xs, out, k * WR)
+    rows = njit(cache=True, inline="always")(rows)
     return _njit_drivers(body, pbody)
 
 
@@ -314,5 +325,6 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
             group_activations(xq, xd, xs, group_rows, *grouped)
             xq, xd, xs = grouped
         minv = w.minv if w.minv is not None else _EMPTY
-        _qdrivers(w.kind, w.group, group_rows, vnni)[par](w.qs, w.scale, minv, xq, xd, xs, out)
+        wr = WEIGHT_ROWS if w.kind == "q4" else 1
+        _qdrivers(w.kind, w.group, group_rows, vnni, wr)[par](w.qs, w.scale, minv, xq, xd, xs, out)
     return out.reshape(*lead, N)

@@ -108,7 +108,7 @@ def _store_out(builder, oa, row, col, value):
     builder.store(value, _addr(builder, oa, row, col, F32), align=4)
 
 
-def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False):
+def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, WR: int = 1):
     """Intrinsic dot(qs, scale, minv, r, xq, xd, xs, b, out) -> None: ``out[b + j, r]`` = row r of a
     packed weight ("q4" or "q8" planes; ``minv`` is ignored for "q8") times quantized activation row
     b + j, for j < R.
@@ -123,6 +123,10 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False):
     ``scale * xd``; a "q4" block's min term is one FMA, ``minv * xs`` (lane j of an R-lane vector: the
     same IEEE operation as a scalar FMA). Two chains per row (even and odd blocks), so FMA latency
     does not bound a 1-row loop. ``vnni``: see :func:`_isum` (the same results; only for CPUs with it).
+
+    ``WR`` weight rows r .. r + WR - 1 in one call (``out[b + j, r + w]``): each activation block is
+    loaded once for them and their chains interleave, which hides latency in the one-row (decode)
+    kernel. Each output element still takes exactly the operations above, so WR changes no bit.
     """
     VR = ir.VectorType(F32, R)
 
@@ -133,15 +137,16 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False):
 
         def codegen(context, builder, sig, args):
             qa, sa, ma, xa, da, ua, oa = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6, 8))
-            r = context.cast(builder, args[3], sig.args[3], types.int64)
+            r0 = context.cast(builder, args[3], sig.args[3], types.int64)
             b0 = context.cast(builder, args[7], sig.args[7], types.int64)
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(2)]
-                    for _ in range(R)]                                              # [row][parity]
-            accms = [cgutils.alloca_once_value(builder, ir.Constant(VR, [0.0] * R)) for _ in range(2)]  # [parity]
+            wrows = [builder.add(r0, _i64(w)) for w in range(WR)]
+            accs = [[[cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(2)]
+                     for _ in range(R)] for _ in range(WR)]                        # [weight row][row][parity]
+            accms = [[cgutils.alloca_once_value(builder, ir.Constant(VR, [0.0] * R)) for _ in range(2)]
+                     for _ in range(WR)]                                            # [weight row][parity]
 
-            def block(i, p):
-                """Block i of the weight row into chain p of every row."""
-                iR = builder.mul(i, _i64(R))
+            def unpack(r, i, p, accm):
+                """Weight row r's block i: (|w|, sign source, scale or scale pair); q4's min term into accm."""
                 if kind == "q4":
                     raw = _load(builder, qa, r, builder.mul(i, _i64(16)), V16I8)
                     lo = builder.and_(raw, ir.Constant(V16I8, [15] * 16))
@@ -149,8 +154,8 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False):
                     w32 = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
                     minv = _splat(builder, _load(builder, ma, r, i, F32), R)
                     builder.store(builder.call(_llvm_fn(builder, f"llvm.fmuladd.v{R}f32", VR, [VR, VR, VR]),
-                                               [minv, _load(builder, ua, b0, iR, VR), builder.load(accms[p])]),
-                                  accms[p])
+                                               [minv, _load(builder, ua, b0, builder.mul(i, _i64(R)), VR),
+                                                builder.load(accm)]), accm)
                 else:
                     w32 = _load(builder, qa, r, builder.mul(i, _i64(32)), V32I8)
                 wu, wsign = _unsigned_weights(builder, w32, signed=kind != "q4")
@@ -159,20 +164,27 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False):
                 else:                                   # two scales per 32-block: lanes 0-3, 4-7
                     s0 = _load(builder, sa, r, builder.mul(i, _i64(2)), F32)
                     s1 = _load(builder, sa, r, builder.add(builder.mul(i, _i64(2)), _i64(1)), F32)
-                    s01 = builder.shuffle_vector(_splat8(builder, s0), _splat8(builder, s1),
-                                                 ir.Constant(ir.VectorType(I32, 8), [0, 0, 0, 0, 8, 8, 8, 8]))
+                    s = builder.shuffle_vector(_splat8(builder, s0), _splat8(builder, s1),
+                                               ir.Constant(ir.VectorType(I32, 8), [0, 0, 0, 0, 8, 8, 8, 8]))
+                return wu, wsign, s
+
+            def block(i, p):
+                """Block i of each weight row into chain p of every activation row."""
+                iR = builder.mul(i, _i64(R))
+                ws = [unpack(wrows[w], i, p, accms[w][p]) for w in range(WR)]
                 for j in range(R):
                     x32 = _load(builder, xa, b0, builder.mul(builder.add(iR, _i64(j)), _i64(32)), V32I8)
                     xd = _load(builder, da, b0, builder.add(iR, _i64(j)), F32)
-                    isum = _isum(builder, wu, wsign, x32, vnni)
-                    if group == 32:
-                        sv = _splat8(builder, builder.fmul(s, xd))
-                    else:                               # lane-wise the same products s0 * xd, s1 * xd
-                        sv = builder.fmul(s01, _splat8(builder, xd))
-                    f = builder.sitofp(isum, V8F)
-                    acc = accs[j][p]
-                    builder.store(builder.call(_llvm_fn(builder, "llvm.fmuladd.v8f32", V8F, [V8F, V8F, V8F]),
-                                               [f, sv, builder.load(acc)]), acc)
+                    for w, (wu, wsign, s) in enumerate(ws):
+                        isum = _isum(builder, wu, wsign, x32, vnni)
+                        if group == 32:
+                            sv = _splat8(builder, builder.fmul(s, xd))
+                        else:                           # lane-wise the same products s0 * xd, s1 * xd
+                            sv = builder.fmul(s, _splat8(builder, xd))
+                        f = builder.sitofp(isum, V8F)
+                        acc = accs[w][j][p]
+                        builder.store(builder.call(_llvm_fn(builder, "llvm.fmuladd.v8f32", V8F, [V8F, V8F, V8F]),
+                                                   [f, sv, builder.load(acc)]), acc)
 
             nblk = builder.udiv(xa.cols, _i64(32))
             with cgutils.for_range(builder, builder.udiv(nblk, _i64(2))) as loop:
@@ -181,11 +193,12 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False):
                 block(builder.add(i, _i64(1)), 1)
             with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nblk, _i64(2)), _i64(0))):
                 block(builder.sub(nblk, _i64(1)), 0)
-            mins = builder.fadd(builder.load(accms[0]), builder.load(accms[1]))
-            for j in range(R):
-                vec = builder.fadd(builder.load(accs[j][0]), builder.load(accs[j][1]))
-                res = builder.fadd(_hsum(builder, vec, 8), builder.extract_element(mins, ir.Constant(I32, j)))
-                _store_out(builder, oa, builder.add(b0, _i64(j)), r, res)
+            for w in range(WR):
+                mins = builder.fadd(builder.load(accms[w][0]), builder.load(accms[w][1]))
+                for j in range(R):
+                    vec = builder.fadd(builder.load(accs[w][j][0]), builder.load(accs[w][j][1]))
+                    res = builder.fadd(_hsum(builder, vec, 8), builder.extract_element(mins, ir.Constant(I32, j)))
+                    _store_out(builder, oa, builder.add(b0, _i64(j)), wrows[w], res)
             return context.get_dummy_value()
         return types.void(qs, scale, minv, r, xq, xd, xs, b, out), codegen
     return qdot
