@@ -11,8 +11,9 @@ process: prefill tok/s = prompt tokens / (prompt in -> first token out), decode 
 (first token -> last token), peak RSS from the kernel (``os.wait4``). Runs alternate engine, thread
 count and model in every repeat (the order flips each repeat); the table holds medians. Our side's
 command line is ``python -m streamattn.cli generate - --model M --threads T --ignore-eos --stats -q -n N``
-plus ``--ours-args`` (default ``--prefill-chunk 256``: the packed kernels gain little past 64 rows,
-docs/PERF.md). Results: benchmarks/results/peer_llamacpp_<date>.{json,md,png}.
+plus ``--ours-args`` (default ``--prefill-chunk 256 --cache-dtype float16``: the packed kernels gain
+little past 64 rows, docs/PERF.md; and llama.cpp keeps K and V as float16 unless told otherwise, its
+``type_k``/``type_v`` default, so both engines store the same precision). Results: benchmarks/results/peer_llamacpp_<date>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per run (exactly: EOS ignored)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine/model/threads (medians)")
-    ap.add_argument("--ours-args", default="--prefill-chunk 256",
+    ap.add_argument("--ours-args", default="--prefill-chunk 256 --cache-dtype float16",
                     help="extra arguments for `streamattn generate` (e.g. \"--prefill-chunk 512 --weights f32\")")
     ap.add_argument("--peer-dir", type=Path, default=ROOT / ".peer" / "llamacpp",
                     help="where scripts/install_llamacpp_peer.sh put node-llama-cpp")
