@@ -234,3 +234,31 @@ def test_fused_norm_quantization():
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w
     _check_quantized(norm_quantize_rows, (x, w, 1e-5), want, rel=1e-4)
+
+
+_CACHE_PROBE = """
+import numpy as np
+from gguf.quants import quantize
+import gguf
+from streamattn.models.quant import pack
+from streamattn.models.qmatmul import qmatmul
+for name in ("Q4_1", "Q8_0", "F16"):
+    data = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    data = data.astype(np.float16) if name == "F16" else quantize(data, gguf.GGMLQuantizationType[name])
+    qmatmul(np.ones((1, 64), np.float32), pack("w", name, data, (8, 64)), parallel=False)
+"""
+
+
+def test_drivers_are_loaded_from_numba_cache_in_a_new_process():
+    """The matmul drivers are closures over kernel intrinsics: their cache key must be the same in every
+    process (it was not: each start compiled them anew, 0.3-1.3 s a weight kind, and the cache grew)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_DEBUG_CACHE="1")
+    runs = [subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True,
+                           timeout=600) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    second = [line for line in runs[1].stdout.splitlines() if "drivers" in line]
+    assert any("data loaded" in line for line in second), second
+    assert not any("saved" in line for line in second), second

@@ -181,33 +181,40 @@ def _qdrivers(kind: str, group: int, R: int, vnni: bool = VNNI, WR: int = 1):
     """Serial and row-parallel loops over weight rows r: activation rows in groups of R, then one by
     one, out[b, r] = dot(qs, scale, minv, r, xq, xd, xs, b). ``vnni``: which integer dot product
     (:func:`~streamattn.models.qmatmul_kernels.make_qdot_rows`; the same results). ``WR``: weight rows
-    per call of the one-by-one kernel (the same results; the loop then runs over pairs of rows)."""
+    per call of the one-by-one kernel (the same results; the loop then runs over pairs of rows). Serial
+    and parallel loops are two functions: Numba's cache key does not tell its parallel flag apart."""
     dot_r, dot_1 = make_qdot_rows(kind, group, R, vnni), make_qdot_rows(kind, group, 1, vnni)
     dot_w = make_qdot_rows(kind, group, 1, vnni, WR)
 
-    def rows(qs, scale, minv, xq, xd, xs, out, r):
-        """Weight rows r .. r + WR - 1 (those below N) against every activation row."""
-        M = xq.shape[0]
-        full = M - M % R
-        for rr in range(r, min(r + WR, qs.shape[0])):
-            for b in range(0, full, R):
-                dot_r(qs, scale, minv, rr, xq, xd, xs, b, out)
-        if r + WR <= qs.shape[0]:
-            for b in range(full, M):
-                dot_w(qs, scale, minv, r, xq, xd, xs, b, out)
-        else:
-            for rr in range(r, qs.shape[0]):
-                for b in range(full, M):
-                    dot_1(qs, scale, minv, rr, xq, xd, xs, b, out)
-
     def body(qs, scale, minv, xq, xd, xs, out):
-        for k in range((qs.shape[0] + WR - 1) // WR):
-            rows(qs, scale, minv, xq, xd, xs, out, k * WR)
+        M, N = xq.shape[0], qs.shape[0]
+        full = M - M % R
+        for k in range((N + WR - 1) // WR):
+            r = k * WR
+            for rr in range(r, min(r + WR, N)):
+                for b in range(0, full, R):
+                    dot_r(qs, scale, minv, rr, xq, xd, xs, b, out)
+            for b in range(full, M):
+                if r + WR <= N:
+                    dot_w(qs, scale, minv, r, xq, xd, xs, b, out)
+                else:
+                    for rr in range(r, N):
+                        dot_1(qs, scale, minv, rr, xq, xd, xs, b, out)
 
     def pbody(qs, scale, minv, xq, xd, xs, out):
-        for k in prange((qs.shape[0] + WR - 1) // WR):
-            rows(qs, scale, minv, xq, xd, xs, out, k * WR)
-    rows = njit(cache=True, inline="always")(rows)
+        M, N = xq.shape[0], qs.shape[0]
+        full = M - M % R
+        for k in prange((N + WR - 1) // WR):
+            r = k * WR
+            for rr in range(r, min(r + WR, N)):
+                for b in range(0, full, R):
+                    dot_r(qs, scale, minv, rr, xq, xd, xs, b, out)
+            for b in range(full, M):
+                if r + WR <= N:
+                    dot_w(qs, scale, minv, r, xq, xd, xs, b, out)
+                else:
+                    for rr in range(r, N):
+                        dot_1(qs, scale, minv, rr, xq, xd, xs, b, out)
     return _njit_drivers(body, pbody)
 
 

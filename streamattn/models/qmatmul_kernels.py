@@ -18,6 +18,8 @@ depend on how many rows were in the call or where it sat among them.
 
 from __future__ import annotations
 
+import functools
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -29,6 +31,8 @@ I1, I8, I16, I32, I64, F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.I
                               ir.FloatType())
 V16I8, V32I8, V16I16, V8I32, V8F, V16F = (ir.VectorType(I8, 16), ir.VectorType(I8, 32), ir.VectorType(I16, 16),
                                           ir.VectorType(I32, 8), ir.VectorType(F32, 8), ir.VectorType(F32, 16))
+for _t in (I1, I8, I16, I32, I64, F32, V16I8, V32I8, V16I16, V8I32, V8F, V16F):
+    str(_t)                                       # cache each str() now: see _stable
 
 
 def _host_cpu_has(feature: str) -> bool:
@@ -108,6 +112,19 @@ def _store_out(builder, oa, row, col, value):
     builder.store(value, _addr(builder, oa, row, col, F32), align=4)
 
 
+def _stable(intr, key: str):
+    """Give an intrinsic a fixed identity. Numba pickles an intrinsic with a per-process uuid1; a cached
+    function holding it as a closure variable (the drivers of streamattn.models.qmatmul) then gets a
+    new cache key in every process: it was compiled anew at each start (0.3-1.3 s a weight kind) and
+    its cache grew a file each time. ``key`` must name everything the code depends on."""
+    intr._set_uuid(f"streamattn.models.qmatmul_kernels:{key}")
+    for v in intr._defn.__closure__ or ():        # llvmlite types cache their str() once printed, which
+        if isinstance(v.cell_contents, ir.Type):  # changes their pickle between key lookup and save:
+            str(v.cell_contents)                  # print them all now (the module's constants: below)
+    return intr
+
+
+@functools.cache
 def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, WR: int = 1):
     """Intrinsic dot(qs, scale, minv, r, xq, xd, xs, b, out) -> None: ``out[b + j, r]`` = row r of a
     packed weight ("q4" or "q8" planes; ``minv`` is ignored for "q8") times quantized activation row
@@ -201,9 +218,10 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
                     _store_out(builder, oa, builder.add(b0, _i64(j)), wrows[w], res)
             return context.get_dummy_value()
         return types.void(qs, scale, minv, r, xq, xd, xs, b, out), codegen
-    return qdot
+    return _stable(qdot, f"qdot:{kind}:{group}:{R}:{int(vnni)}:{WR}")
 
 
+@functools.cache
 def make_fdot_rows(kind: int, R: int = 1):
     """Intrinsic dot(w, r, x, b, out) -> None: ``out[b + j, r]`` = row r of float storage (0 float32,
     1 float16 bits, 2 bfloat16 bits) times float32 row b + j, for j < R; 16 lanes per step, each
@@ -229,4 +247,4 @@ def make_fdot_rows(kind: int, R: int = 1):
                 _store_out(builder, oa, rows[j], r, _hsum(builder, builder.load(accs[j]), 16))
             return context.get_dummy_value()
         return types.void(w, r, x, b, out), codegen
-    return fdot
+    return _stable(fdot, f"fdot:{kind}:{R}")
