@@ -64,8 +64,9 @@ def _check_model_args(args) -> None:
 MAX_PREFILL_CHUNK = 8192
 
 
-def _warm_kernels(args) -> None:
-    """Compile or load the CPU attention kernels before the timed prefill; say so when compiling."""
+def _warm_kernels(args, model=None) -> None:
+    """Compile or load the CPU kernels before the timed prefill (attention; with ``model``, everything
+    its forward calls); say so when compiling."""
     if args.backend not in ("cpu", "auto"):
         return
     from streamattn.backends import gpu
@@ -76,6 +77,8 @@ def _warm_kernels(args) -> None:
         print("compiling attention kernels (once after an install; Numba caches them) ...", file=sys.stderr,
               flush=True)
     warmup.warm(args.cache_dtype)
+    if model is not None:
+        warmup.warm_model(model, args.cache_dtype)
 
 
 # ---------------------------------------------------------------------------------------- shared
@@ -183,7 +186,7 @@ def _generate_run(args) -> int:
                               min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
     _check_model_args(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    gen, _, tok = _load(args)
+    gen, tf, tok = _load(args)
     if args.chat and args.system:
         prompt = tok.apply_chat([{"role": "system", "content": args.system}, {"role": "user", "content": prompt}])
         ids, chat = tok.encode(prompt), False
@@ -195,7 +198,7 @@ def _generate_run(args) -> int:
             print(f"\rprefill {done}/{total} tokens", end="\n" if done == total else "", file=sys.stderr,
                   flush=True)
 
-    _warm_kernels(args)
+    _warm_kernels(args, tf)
     global _OPEN_LINE
     _OPEN_LINE = True
     if not args.chat:
