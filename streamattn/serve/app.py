@@ -58,6 +58,9 @@ class ServerState:
             if self.cfg.backend == "gpu":
                 import cupy
                 tf.to(cupy)
+            else:                                 # kernels loaded now, not in the first request's TTFT
+                from streamattn.backends.warmup import warm_model
+                warm_model(tf, self.cfg.cache_dtype)
             self.tok = Tokenizer.from_metadata(m.metadata)
             self.context = int(m.config.context_length)
             self.model_id = self.model_id or Path(path).stem
