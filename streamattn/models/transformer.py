@@ -143,6 +143,57 @@ def rope(xp, x, cos, sin, style):
     return x * cos + partner * sin
 
 
+def heads_rope(xp, h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm=None, eps=0.0):
+    """Attention heads from the fused projection: split, [per-head RMSNorm of q and k,] RoPE on q and k.
+
+    Parameters
+    ----------
+    h : float32 [B, T, (H + 2*Hk) * hd]
+        ``rms_norm(x) @ Wqkv.T``: q heads, then k heads, then v heads.
+    cos, sin : float32 [B, T, 1, hd]
+        :func:`rope_tables` at the tokens' positions.
+    style : {"interleaved", "neox"}
+    n_heads, n_kv_heads : int
+    qk_norm : float32 [H + Hk, hd], optional
+        Per-head RMSNorm weights of the q heads, then the k heads (Gemma-3), with ``eps``.
+
+    Returns
+    -------
+    q : [B, H, T, hd], k, v : [B, Hk, T, hd], contiguous
+
+    On numpy, one compiled pass (:mod:`streamattn.models.heads_kernel`); on any other ``xp`` (CuPy),
+    the array code of :func:`_heads_rope_xp`. Both do the same float32 arithmetic in the same order.
+
+    >>> h = np.ones((1, 1, 3 * 4), np.float32); c, s = rope_tables(np.zeros((1, 1, 1)), np.ones(2), "neox")
+    >>> [a.shape for a in heads_rope(np, h, c, s, style="neox", n_heads=1, n_kv_heads=1)]
+    [(1, 1, 1, 4), (1, 1, 1, 4), (1, 1, 1, 4)]
+    """
+    if xp is np:
+        from streamattn.models.heads_kernel import heads_rope_cpu
+        return heads_rope_cpu(h, cos, sin, style=style, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                              qk_norm=qk_norm, eps=eps)
+    return _heads_rope_xp(xp, h, cos, sin, style=style, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                          qk_norm=qk_norm, eps=eps)
+
+
+def _qk_heads(xp, h, n_qk, hd, qk_norm, eps):
+    """h's q and k heads [B, T, n_qk, hd], per-head RMSNormed when ``qk_norm`` is given."""
+    qk = h[..., : n_qk * hd].reshape(*h.shape[:-1], n_qk, hd)
+    return qk if qk_norm is None else rms_norm(xp, qk, qk_norm, eps)
+
+
+def _heads_rope_xp(xp, h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm, eps):
+    """:func:`heads_rope` as array operations of ``xp``."""
+    B, T = h.shape[:2]
+    H, Hk = n_heads, n_kv_heads
+    hd = h.shape[-1] // (H + 2 * Hk)
+    qk = rope(xp, _qk_heads(xp, h, H + Hk, hd, qk_norm, eps), cos, sin, style)   # [B, T, H + Hk, hd]
+    q = xp.ascontiguousarray(qk[:, :, :H].transpose(0, 2, 1, 3))                # [B, H, T, hd]
+    k = xp.ascontiguousarray(qk[:, :, H:].transpose(0, 2, 1, 3))                # [B, Hk, T, hd]
+    v = xp.ascontiguousarray(h[..., (H + Hk) * hd:].reshape(B, T, Hk, hd).transpose(0, 2, 1, 3))
+    return q, k, v
+
+
 def rope_tables(pos, inv_freq, style):
     """Full-width (cos, signed sin) float32 tables [*pos.shape, hd] for :func:`rope`."""
     ang = pos[..., None].astype(np.float64) * inv_freq                            # [..., hd/2]
@@ -317,21 +368,17 @@ class Transformer:
         attn_counts = None if counts is None else cnt
         for i, (lw, cache) in enumerate(zip(self.layers, caches)):
             h = norm_linear(xp, x, lw.attn_norm, c.norm_eps, lw.wqkv)                  # [B, T, qd+2kvd]
-            qk = h[..., : (H + Hk) * hd].reshape(B, T, H + Hk, hd)                      # q heads, then k heads
-            if c.qk_norm:
-                qk = rms_norm(xp, qk, lw.qk_norm, c.norm_eps)
             base = c.rope_base if c.layer_windows[i] is None else c.rope_base_local
+            q, k, v = heads_rope(xp, h, *tables[base], style=c.rope_style, n_heads=H, n_kv_heads=Hk,
+                                 qk_norm=lw.qk_norm, eps=c.norm_eps)  # q [B, H, T, hd], k, v [B, Hk, T, hd]
             q_sink = None
             if positions == "cache" and cache.spec.sinks:                               # [B, H, T, hd]
                 newest = cache.spec.sinks + cache.spec.window - 1
                 if (base, newest) not in sink_tables:
                     sink_tables[base, newest] = self._rope_tables(np.minimum(pos, newest), base)
+                qs = _qk_heads(xp, h, H + Hk, hd, lw.qk_norm, c.norm_eps)[:, :, :H]
                 q_sink = xp.ascontiguousarray(
-                    rope(xp, qk[:, :, :H], *sink_tables[base, newest], c.rope_style).transpose(0, 2, 1, 3))
-            qk = rope(xp, qk, *tables[base], c.rope_style)                              # one rotation for q and k
-            q = xp.ascontiguousarray(qk[:, :, :H].transpose(0, 2, 1, 3))               # [B, H, T, hd]
-            k = qk[:, :, H:].transpose(0, 2, 1, 3)                                      # [B, Hk, T, hd]
-            v = xp.ascontiguousarray(h[..., (H + Hk) * hd:].reshape(B, T, Hk, hd).transpose(0, 2, 1, 3))
+                    rope(xp, qs, *sink_tables[base, newest], c.rope_style).transpose(0, 2, 1, 3))
             cache.append(k, v, counts=attn_counts)                                      # write, then attend
             o, _ = attend(q, cache, backend=backend, scale=c.attn_scale, counts=attn_counts,
                           q_sink=q_sink)                                                # [B, H, T, hd]
