@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from streamattn.models.heads_kernel import heads_rope_cpu
-from streamattn.models.transformer import _heads_rope_xp, rope_tables
+from streamattn.models.rope import ROPE_BLOCK, RopeTables, rope_tables
+from streamattn.models.transformer import _heads_rope_xp
 
 # (n_heads, n_kv_heads, head_dim, style, qk_norm): the real layers, then odd sizes
 SHAPES = {
@@ -85,3 +86,24 @@ def test_style_and_norm_change_the_answer():
             outs[style, norm is None] = q
     vals = list(outs.values())
     assert all(not np.array_equal(a, b) for i, a in enumerate(vals) for b in vals[i + 1:])
+
+
+# -- RopeTables: the block lookup gives rope_tables' values exactly ----------------------------------
+@pytest.mark.parametrize("style", ["interleaved", "neox"])
+def test_rope_table_lookup_equals_direct_tables(style):
+    hd = 64
+    inv = {base: 1.0 / base ** (np.arange(hd // 2, dtype=np.float64) * 2 / hd) for base in (1e4, 1e6)}
+    tabs = RopeTables(inv, style)
+    rng = np.random.default_rng(3)
+    asks = [np.array([[p]]) for p in range(0, 200)]                                 # decode: blocks restart
+    asks += [np.array([[5], [40]]) + np.arange(3), np.array([[31_000 + ROPE_BLOCK - 1]]),
+             np.array([[0], [ROPE_BLOCK]]),                                        # wider than a block: direct
+             np.arange(100)[None], rng.integers(0, 10**6, (3, 4)), np.array([[7]])]  # back below the block
+    for pos in asks:
+        got = tabs(pos)
+        assert set(got) == set(inv)
+        for base, f in inv.items():
+            want = rope_tables(pos[:, :, None], f, style)
+            for g, w in zip(got[base], want):
+                assert g.shape == w.shape == pos.shape + (1, hd) and g.dtype == np.float32
+                assert np.array_equal(g, w), (base, pos)

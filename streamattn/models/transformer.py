@@ -34,6 +34,7 @@ import numpy as np
 from streamattn import CacheSpec, KVCache, attend
 from streamattn.models.loader import FUSED, GGUFModel, ModelConfig
 from streamattn.models.quant import QWeight, concat_rows
+from streamattn.models.rope import RopeTables, rope, rope_tables  # noqa: F401  (rope_tables: re-exported)
 
 CACHE_MODES = ("full", "window", "sinks")
 POSITIONS = ("absolute", "cache")
@@ -128,21 +129,6 @@ def silu(xp, x):
     return x / (1.0 + xp.exp(-x))
 
 
-def rope(xp, x, cos, sin, style):
-    """Rotate pairs of x: [..., hd] by full-width tables cos, sin: [..., hd] (see ``rope_tables``).
-
-    Each pair (a, b) becomes (a cos - b sin, a sin + b cos): ``x * cos + partner(x) * sin`` where
-    ``partner`` swaps each pair's members and ``sin`` carries the sign (-sin on a, +sin on b).
-    Pairs are (2i, 2i+1) for 'interleaved' (llama.cpp's llama GGUFs) and (i, i + hd/2) for 'neox'.
-    """
-    hd = x.shape[-1]
-    if style == "interleaved":
-        partner = x.reshape(*x.shape[:-1], hd // 2, 2)[..., ::-1].reshape(x.shape)
-    else:
-        partner = xp.concatenate([x[..., hd // 2:], x[..., : hd // 2]], axis=-1)
-    return x * cos + partner * sin
-
-
 def heads_rope(xp, h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm=None, eps=0.0):
     """Attention heads from the fused projection: split, [per-head RMSNorm of q and k,] RoPE on q and k.
 
@@ -194,16 +180,6 @@ def _heads_rope_xp(xp, h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm, eps)
     return q, k, v
 
 
-def rope_tables(pos, inv_freq, style):
-    """Full-width (cos, signed sin) float32 tables [*pos.shape, hd] for :func:`rope`."""
-    ang = pos[..., None].astype(np.float64) * inv_freq                            # [..., hd/2]
-    c, s = np.cos(ang), np.sin(ang)
-    if style == "interleaved":
-        return (np.repeat(c, 2, axis=-1).astype(np.float32),
-                np.stack([-s, s], axis=-1).reshape(*s.shape[:-1], -1).astype(np.float32))
-    return (np.concatenate([c, c], -1).astype(np.float32), np.concatenate([-s, s], -1).astype(np.float32))
-
-
 class Transformer:
     """A GGUF model ready to run on streamattn caches.
 
@@ -249,8 +225,8 @@ class Transformer:
                 post_attn_norm=w.get(p + "post_attention_norm.weight"),
                 post_ffw_norm=w.get(p + "post_ffw_norm.weight")))
         half = c.head_dim // 2
-        self._inv_freq = {base: (1.0 / base ** (np.arange(half, dtype=np.float64) * 2 / c.head_dim))
-                          for base in {c.rope_base, c.rope_base_local}}
+        self._rope = RopeTables({base: (1.0 / base ** (np.arange(half, dtype=np.float64) * 2 / c.head_dim))
+                                 for base in {c.rope_base, c.rope_base_local}}, c.rope_style)
 
     def to(self, xp):
         """Move every weight array to array module ``xp`` (e.g. cupy); returns self. Packed weights are
@@ -316,7 +292,8 @@ class Transformer:
 
     # ------------------------------------------------------------------ forward
     def _rope_tables(self, pos, base):
-        cos, sin = rope_tables(pos[:, :, None], self._inv_freq[base], self.config.rope_style)  # [B, T, 1, hd]
+        """(cos, sin) [B, T, 1, hd] of RoPE base ``base`` at positions ``pos`` [B, T], computed now."""
+        cos, sin = rope_tables(pos[:, :, None], self._rope.inv_freq[base], self.config.rope_style)
         return self.xp.asarray(cos), self.xp.asarray(sin)
 
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
@@ -359,7 +336,7 @@ class Transformer:
             raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
         cnt = np.full(B, T, np.int64) if counts is None else np.asarray(counts, np.int64)
         pos = np.asarray(caches[0].lengths, np.int64)[:, None] + np.arange(T)[None, :]   # [B, T]
-        tables = {base: self._rope_tables(pos, base) for base in self._inv_freq}
+        tables = {base: (xp.asarray(cos), xp.asarray(sin)) for base, (cos, sin) in self._rope(pos).items()}
         sink_tables = {}    # (base, n_s + n_c - 1) -> tables at the queries' cache positions
         H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
         x = xp.asarray(embed_rows(xp, self.embed, tokens.reshape(-1))).reshape(B, T, c.d_model)  # [B, T, d]
