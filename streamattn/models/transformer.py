@@ -25,13 +25,15 @@ Layer recipe (pre-norm; gemma3 extras in brackets)::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from streamattn import CacheSpec, KVCache, attend
+from streamattn import CacheSpec, KVCache
+from streamattn.dispatch import _append_attend   # attend() without re-checking what forward built
 from streamattn.models.loader import FUSED, GGUFModel, ModelConfig
 from streamattn.models.quant import QWeight, concat_rows
 from streamattn.models.rope import RopeTables, rope, rope_tables  # noqa: F401  (rope_tables: re-exported)
@@ -56,11 +58,19 @@ class LayerWeights:
     post_ffw_norm: object = None   # [d_model]   gemma3
 
 
+@functools.cache
+def _cpu_kernels(name: str):
+    """Module ``streamattn.models.<name>`` (qmatmul, heads_kernel): imported on first use, since their Numba
+    kernels load then and a GPU model never needs them; cached because an import statement in a function
+    costs ~0.6 us a call, ~150 calls a decode step."""
+    import importlib
+    return importlib.import_module(f"streamattn.models.{name}")
+
+
 def linear(xp, x, w):
     """``x @ w.T``: x [..., in], w [out, in] a float array or a :class:`QWeight` -> [..., out]."""
     if isinstance(w, QWeight):
-        from streamattn.models.qmatmul import qmatmul
-        return qmatmul(x, w)
+        return _cpu_kernels("qmatmul").qmatmul(x, w)
     if isinstance(w, tuple):                     # row groups of different block kinds
         return xp.concatenate([linear(xp, x, p) for p in w], axis=-1)
     return x @ w.T
@@ -74,8 +84,7 @@ def norm_linear(xp, x, norm_w, eps, w):
     """``rms_norm(x, norm_w) @ w.T``; on packed integer weights the norm is fused into the quantization
     of the activations (one compiled pass)."""
     if _int_kernel(w):
-        from streamattn.models.qmatmul import norm_qmatmul
-        return norm_qmatmul(x, norm_w, eps, w)
+        return _cpu_kernels("qmatmul").norm_qmatmul(x, norm_w, eps, w)
     return linear(xp, rms_norm(xp, x, norm_w, eps), w)
 
 
@@ -83,8 +92,7 @@ def glu_linear(xp, gu, activation, w):
     """``(act(g) * u) @ w.T`` for gu = [g | u] [..., 2*d_ff]; act 'silu' or 'gelu_tanh'. Fused like
     :func:`norm_linear` on packed integer weights."""
     if _int_kernel(w):
-        from streamattn.models.qmatmul import glu_qmatmul
-        return glu_qmatmul(gu, activation == "gelu_tanh", w)
+        return _cpu_kernels("qmatmul").glu_qmatmul(gu, activation == "gelu_tanh", w)
     d_ff = gu.shape[-1] // 2
     g, u = gu[..., :d_ff], gu[..., d_ff:]
     return linear(xp, (gelu_tanh(xp, g) if activation == "gelu_tanh" else silu(xp, g)) * u, w)
@@ -155,9 +163,8 @@ def heads_rope(xp, h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm=None, eps
     [(1, 1, 1, 4), (1, 1, 1, 4), (1, 1, 1, 4)]
     """
     if xp is np:
-        from streamattn.models.heads_kernel import heads_rope_cpu
-        return heads_rope_cpu(h, cos, sin, style=style, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                              qk_norm=qk_norm, eps=eps)
+        return _cpu_kernels("heads_kernel").heads_rope_cpu(h, cos, sin, style=style, n_heads=n_heads,
+                                                           n_kv_heads=n_kv_heads, qk_norm=qk_norm, eps=eps)
     return _heads_rope_xp(xp, h, cos, sin, style=style, n_heads=n_heads, n_kv_heads=n_kv_heads,
                           qk_norm=qk_norm, eps=eps)
 
@@ -356,20 +363,19 @@ class Transformer:
                 qs = _qk_heads(xp, h, H + Hk, hd, lw.qk_norm, c.norm_eps)[:, :, :H]
                 q_sink = xp.ascontiguousarray(
                     rope(xp, qs, *sink_tables[base, newest], c.rope_style).transpose(0, 2, 1, 3))
-            cache.append(k, v, counts=attn_counts)                                      # write, then attend
-            o, _ = attend(q, cache, backend=backend, scale=c.attn_scale, counts=attn_counts,
-                          q_sink=q_sink)                                                # [B, H, T, hd]
+            o, _ = _append_attend(q, k, v, cache, backend=backend, scale=float(c.attn_scale),
+                                  counts=attn_counts, q_sink=q_sink)                    # write, then attend
             if attn_hook is not None:
                 attn_hook(i, q, k, v, o)
             a = linear(xp, o.transpose(0, 2, 1, 3).reshape(B, T, H * hd), lw.wo)       # [B, T, d]
             if c.post_norms:
                 a = rms_norm(xp, a, lw.post_attn_norm, c.norm_eps)
-            x = x + a
+            x += a                                                                      # x: this call's own array
             gu = norm_linear(xp, x, lw.ffn_norm, c.norm_eps, lw.wgu)                   # [B, T, 2*d_ff]
             m = glu_linear(xp, gu, c.activation, lw.wdown)                               # [B, T, d]
             if c.post_norms:
                 m = rms_norm(xp, m, lw.post_ffw_norm, c.norm_eps)
-            x = x + m                                                                   # [B, T, d]
+            x += m                                                                      # [B, T, d]
         if last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
         return norm_linear(xp, x, self.output_norm, c.norm_eps, self.output)          # [..., vocab]
