@@ -129,22 +129,47 @@ class KVCache:
 
         Raises ValueError or TypeError, naming the argument, before anything is written.
         """
+        self._write(k, v, self._validate_append(k, v, counts))
+
+    def _append_trusted(self, k, v, counts=None) -> None:
+        """:meth:`append` for a chunk its caller built with this cache's shape and device (the model).
+
+        k, v: float [batch, kv_heads, T, head_dim] on this cache's device; counts: None or int [batch].
+        Skips the checks of the arguments' types and shapes, which cannot fail for such a caller, and
+        keeps those of their values, which can: counts in 0..T, max_chunk, max_len, and the stored
+        values finite (``check_finite``). A refused chunk leaves the cache unchanged, as in append.
+        """
+        T = k.shape[2]
+        counts = np.full(self.spec.batch, T, np.int64) if counts is None else self._check_counts(counts, T)
+        self._check_room(counts)
+        self._write(k, v, counts)
+
+    def _write(self, k, v, counts) -> None:
+        """Store a validated chunk: cast, check finite as stored (before writing), grow, write, count."""
         xp, spec = self.xp, self.spec
-        counts = self._validate_append(k, v, counts)
-        with np.errstate(over="ignore"):      # an overflow to inf is caught just below, by name
-            ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
-            vs = to_storage(v, spec.dtype, xp)
+        if k.dtype == spec.storage_dtype and v.dtype == spec.storage_dtype:      # no cast: no overflow
+            ks, vs = k, v                                # (not bf16: its storage dtype is no float)
+        else:
+            with np.errstate(over="ignore"):      # an overflow to inf is caught just below, by name
+                ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
+                vs = to_storage(v, spec.dtype, xp)
         if spec.check_finite:
             check_stored_finite(ks, vs, counts, spec.dtype, xp)
-        need = int((self.lengths + counts).max())
-        if spec.window is None and need > self.slots:
-            self._grow(need)
+        if spec.window is None:
+            need = int(self.lengths[0] + counts[0]) if spec.batch == 1 else int((self.lengths + counts).max())
+            if need > self.slots:
+                self._grow(need)
         for b in range(spec.batch):
             c = int(counts[b])
             if c == 0:
                 continue
-            slots = self.slots_of(np.arange(self.lengths[b], self.lengths[b] + c))  # [c]
-            idx = xp.asarray(slots)
+            L = int(self.lengths[b])
+            if c == 1:                          # one token (decode): basic indexing, no index array
+                s = int(self.slots_of(L))
+                self.k[b, :, s] = ks[b, :, 0]
+                self.v[b, :, s] = vs[b, :, 0]
+                continue
+            idx = xp.asarray(self.slots_of(np.arange(L, L + c)))                     # [c]
             self.k[b][:, idx] = ks[b, :, :c]
             self.v[b][:, idx] = vs[b, :, :c]
         if spec.window is not None:  # the writes destroyed positions up to L + count - 1 - R
@@ -167,16 +192,24 @@ class KVCache:
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape (got {tuple(k.shape)} and {tuple(v.shape)})")
         T = k.shape[2]
-        if counts is None:
-            counts = np.full(spec.batch, T, dtype=np.int64)
-        else:
-            counts = np.asarray(counts)
-            if counts.shape != (spec.batch,) or counts.dtype.kind not in "iu":
-                raise ValueError(f"counts must be an int array of shape ({spec.batch},) "
-                                 f"(got shape {counts.shape}, dtype {counts.dtype})")
-            if counts.min() < 0 or counts.max() > T:
-                raise ValueError(f"counts must lie in 0..T={T} (got {counts.tolist()})")
-            counts = counts.astype(np.int64)
+        counts = np.full(spec.batch, T, dtype=np.int64) if counts is None else self._check_counts(counts, T)
+        self._check_room(counts)
+        return counts
+
+    def _check_counts(self, counts, T):
+        """counts as int64 [batch], each in 0..T, or ValueError."""
+        spec = self.spec
+        counts = np.asarray(counts)
+        if counts.shape != (spec.batch,) or counts.dtype.kind not in "iu":
+            raise ValueError(f"counts must be an int array of shape ({spec.batch},) "
+                             f"(got shape {counts.shape}, dtype {counts.dtype})")
+        if counts.min() < 0 or counts.max() > T:
+            raise ValueError(f"counts must lie in 0..T={T} (got {counts.tolist()})")
+        return counts.astype(np.int64)
+
+    def _check_room(self, counts):
+        """ValueError unless a chunk of ``counts`` tokens fits: max_chunk (window), max_len (causal)."""
+        spec = self.spec
         if spec.window is not None and counts.max() > spec.max_chunk:
             raise ValueError(f"a chunk of {int(counts.max())} tokens exceeds max_chunk={spec.max_chunk} of this "
                              f"window cache (its ring has {spec.max_chunk - 1} slots of slack); append in pieces "
@@ -188,7 +221,6 @@ class KVCache:
                 raise ValueError(f"sequence {b} would reach {int(self.lengths[b] + counts[b])} tokens, over "
                                  f"max_len={spec.max_len} of this causal cache; use a window cache for "
                                  "unbounded streams or a larger max_len")
-        return counts
 
     def reserve(self, tokens: int) -> None:
         """Causal caches: allocate room for ``tokens`` per sequence now, so later appends never reallocate."""

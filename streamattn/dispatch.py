@@ -84,16 +84,47 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
     if spec.window is not None and counts.max() > spec.max_chunk:
         raise ValueError(f"counts {counts.tolist()} exceed max_chunk={spec.max_chunk}: queries older than "
                          "one chunk may have lost keys to the ring")
-    short = np.nonzero(counts > cache.answerable())[0] if spec.window is not None else ()
+    _check_answerable(cache, counts)
+    return _run(fn, q, cache, 1.0 / float(np.sqrt(spec.head_dim)) if scale is None else float(scale), counts,
+                q_sink)
+
+
+def _append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts=None, q_sink=None):
+    """``cache.append(k, v, counts)`` then ``attend(q, cache, ...)`` for the model, which built q, k, v
+    itself: float [batch, heads, T, head_dim] arrays of the cache's shape and device, scale a finite
+    float, counts None or int [batch], q_sink None or like q (see :func:`attend` for the arguments).
+
+    Skips the checks that cannot fail for such a caller (types, shapes, dtypes, scale, counts against
+    the lengths just appended) and keeps those that can: what ``KVCache._append_trusted`` keeps (counts
+    in 0..T, max_chunk, max_len, k and v finite as stored), what a rewound ring can still answer, and
+    the NaN on rows whose lse is not finite. q is not checked for NaN or inf: a non-finite query row
+    makes its scores non-finite, so its lse is too, and the row comes back NaN, never as a number.
+    """
+    cache._append_trusted(k, v, counts)
+    spec = cache.spec
+    counts = cache.last_counts if counts is None else counts
+    _check_answerable(cache, counts)
+    return _run(backends.get(backend, cache.device), q, cache, scale, counts, q_sink if spec.sinks else None)
+
+
+def _check_answerable(cache: KVCache, counts) -> None:
+    """ValueError unless every sequence's ring still holds the keys its ``counts`` newest queries need."""
+    if cache.spec.window is None:
+        return
+    short = np.nonzero(counts > cache.answerable())[0]
     if len(short):
         b = int(short[0])
         raise ValueError(f"sequence {b} can attend only its newest {int(cache.answerable()[b])} tokens exactly "
                          f"(asked for {int(counts[b])}): after a rewind its ring holds keys from position "
                          f"{int(cache.held_from[b])} on; append new tokens and attend those")
-    scale = 1.0 / float(np.sqrt(spec.head_dim)) if scale is None else float(scale)
+
+
+def _run(fn, q, cache: KVCache, scale: float, counts, q_sink):
+    """The backend call on validated arguments, then the NaN rule."""
+    spec = cache.spec
     out, lse = fn(q, cache.k, cache.v, cache.lengths, counts, window=spec.window or 0, sinks=spec.sinks,
                   scale=scale, kind=spec.dtype, q_sink=q_sink)
-    return _poison_non_finite(out, lse, counts, xp)
+    return _poison_non_finite(out, lse, counts, cache.xp)
 
 
 def _poison_non_finite(out, lse, counts, xp):
@@ -104,6 +135,8 @@ def _poison_non_finite(out, lse, counts, xp):
     would answer zeros with lse = -inf there, which reads exactly like a padding row: a wrong number must
     never look like a valid empty answer. Costs one pass over lse [batch, q_heads, T].
     """
+    if isinstance(lse, np.ndarray) and np.isfinite(lse).all():    # no padding row, no bad row: the usual decode
+        return out, lse
     T = lse.shape[2]
     real = (np.arange(T)[None, :] < np.asarray(counts)[:, None])[:, None, :]      # [batch, 1, T], host
     if isinstance(lse, np.ndarray):

@@ -33,7 +33,11 @@ def ring_slots(positions, *, sinks: int, ring: int):
 
     >>> ring_slots(np.arange(8), sinks=2, ring=3).tolist()
     [0, 1, 2, 3, 4, 2, 3, 4]
+    >>> ring_slots(7, sinks=2, ring=3)                  # one Python int: the same rule in int arithmetic
+    4
     """
+    if isinstance(positions, int):
+        return positions if positions < sinks else sinks + (positions - sinks) % ring
     positions = np.asarray(positions)
     return np.where(positions < sinks, positions, sinks + (positions - sinks) % ring)
 
@@ -68,8 +72,11 @@ def to_storage(x, dtype: str, xp):
 
 def check_stored_finite(ks, vs, counts, dtype: str, xp) -> None:
     """Refuse a chunk whose real rows (``counts[b]`` per sequence) are NaN or inf *as stored*: run after
-    the cast, so a float32 1e5 that overflows a float16 cache is refused too. ks, vs: [batch, kv_heads, T, d]."""
+    the cast, so a float32 1e5 that overflows a float16 cache is refused too. ks, vs: [batch, kv_heads, T, d].
+    One pass over the whole chunk first: when it is all finite (the usual case), no per-sequence look."""
     for name, x in (("k", ks), ("v", vs)):
+        if bool(xp.isfinite(widen_bf16(x, xp) if dtype == "bfloat16" else x).all()):
+            continue
         for b in range(x.shape[0]):
             rows = x[b, :, :int(counts[b])]
             if not rows.size:

@@ -221,9 +221,37 @@ def _merge_splits(part_out, part_lse, out, lse):
             lse[b, hq, t] = mx + math.log(tot)
 
 
+@njit(cache=True)
+def _grid(lengths, counts, window, sinks, group):
+    """(npages, nblocks) of :func:`_attend_pages`: the most pages any sequence reads (at least 1), and
+    blocks of ROW_BLOCK rows for the ``group * max(counts)`` query rows of a kv head (at least 1)."""
+    npages, most = 1, 0
+    for b in range(lengths.shape[0]):
+        n_sink, _, n_main = _main_pages(lengths[b], counts[b], window, sinks)
+        npages = max(npages, n_sink + n_main)
+        most = max(most, counts[b])
+    return npages, max(1, (group * most + ROW_BLOCK - 1) // ROW_BLOCK)
+
+
+@njit(cache=True)
+def _attend_all(q, qs, k, v, lengths, counts, window, sinks, kind):
+    """:func:`_attend_pages` then :func:`_merge_splits`, with their buffers: one call from Python instead
+    of two calls and four allocations (~3 us less per decode call). Arguments as for _attend_pages;
+    returns out [B, Hq, T, D], lse [B, Hq, T] float32."""
+    B, Hq, T, D = q.shape
+    npages, nblocks = _grid(lengths, counts, window, sinks, Hq // k.shape[1])
+    part_out = np.empty((B, Hq, T, npages, D), np.float32)      # [B, Hq, T, npages, D]
+    part_lse = np.empty((B, Hq, T, npages), np.float32)         # [B, Hq, T, npages]
+    _attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, part_out, part_lse)
+    out = np.empty((B, Hq, T, D), np.float32)                   # [B, Hq, T, D]
+    lse = np.empty((B, Hq, T), np.float32)                      # [B, Hq, T]
+    _merge_splits(part_out, part_lse, out, lse)
+    return out, lse
+
+
 def count_pages(lengths, counts, window: int, sinks: int) -> int:
     """Most pages any sequence of the call reads (at least 1): the ``npages`` of :func:`_attend_pages`."""
-    return max([1] + [sum(_main_pages(int(L), int(c), window, sinks)[::2]) for L, c in zip(lengths, counts)])
+    return _grid(np.asarray(lengths, np.int64), np.asarray(counts, np.int64), window, sinks, 1)[0]
 
 
 def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, kind: str, q_sink=None):
@@ -246,7 +274,6 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
     out : [batch, q_heads, T, head_dim] in q's dtype (rows t >= counts[b] are 0)
     lse : [batch, q_heads, T] float32 (-inf on padding rows)
     """
-    B, Hq, T, D = q.shape
     qs = np.ascontiguousarray(q, dtype=np.float32) * np.float32(scale)       # [B, Hq, T, D]
     qss = qs if q_sink is None else np.ascontiguousarray(q_sink, dtype=np.float32) * np.float32(scale)
     k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)   # (the cache's own storage: no copy)
@@ -254,14 +281,7 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
     vb = v.view(kb.dtype)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     counts = np.ascontiguousarray(counts, dtype=np.int64)
-    npages = count_pages(lengths, counts, window, sinks)
-    nblocks = max(1, -(-(Hq // k.shape[1]) * int(counts.max(initial=0)) // ROW_BLOCK))
-    part_out = np.empty((B, Hq, T, npages, D), np.float32)
-    part_lse = np.empty((B, Hq, T, npages), np.float32)
-    _attend_pages(qs, qss, kb, vb, lengths, counts, window, sinks, npages, nblocks, KIND[kind], part_out, part_lse)
-    out = np.empty((B, Hq, T, D), np.float32)
-    lse = np.empty((B, Hq, T), np.float32)
-    _merge_splits(part_out, part_lse, out, lse)
+    out, lse = _attend_all(qs, qss, kb, vb, lengths, counts, window, sinks, KIND[kind])
     return out.astype(q.dtype, copy=False), lse
 
 

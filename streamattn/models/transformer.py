@@ -25,15 +25,18 @@ Layer recipe (pre-norm; gemma3 extras in brackets)::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from streamattn import CacheSpec, KVCache, attend
+from streamattn import CacheSpec, KVCache
+from streamattn.dispatch import _append_attend   # attend() without re-checking what forward built
 from streamattn.models.loader import FUSED, GGUFModel, ModelConfig
 from streamattn.models.quant import QWeight, concat_rows
+from streamattn.models.rope import RopeTables, rope, rope_tables  # noqa: F401  (rope_tables: re-exported)
 
 CACHE_MODES = ("full", "window", "sinks")
 POSITIONS = ("absolute", "cache")
@@ -55,11 +58,19 @@ class LayerWeights:
     post_ffw_norm: object = None   # [d_model]   gemma3
 
 
+@functools.cache
+def _cpu_kernels(name: str):
+    """Module ``streamattn.models.<name>`` (qmatmul, heads_kernel): imported on first use, since their Numba
+    kernels load then and a GPU model never needs them; cached because an import statement in a function
+    costs ~0.6 us a call, ~150 calls a decode step."""
+    import importlib
+    return importlib.import_module(f"streamattn.models.{name}")
+
+
 def linear(xp, x, w):
     """``x @ w.T``: x [..., in], w [out, in] a float array or a :class:`QWeight` -> [..., out]."""
     if isinstance(w, QWeight):
-        from streamattn.models.qmatmul import qmatmul
-        return qmatmul(x, w)
+        return _cpu_kernels("qmatmul").qmatmul(x, w)
     if isinstance(w, tuple):                     # row groups of different block kinds
         return xp.concatenate([linear(xp, x, p) for p in w], axis=-1)
     return x @ w.T
@@ -73,8 +84,7 @@ def norm_linear(xp, x, norm_w, eps, w):
     """``rms_norm(x, norm_w) @ w.T``; on packed integer weights the norm is fused into the quantization
     of the activations (one compiled pass)."""
     if _int_kernel(w):
-        from streamattn.models.qmatmul import norm_qmatmul
-        return norm_qmatmul(x, norm_w, eps, w)
+        return _cpu_kernels("qmatmul").norm_qmatmul(x, norm_w, eps, w)
     return linear(xp, rms_norm(xp, x, norm_w, eps), w)
 
 
@@ -82,8 +92,7 @@ def glu_linear(xp, gu, activation, w):
     """``(act(g) * u) @ w.T`` for gu = [g | u] [..., 2*d_ff]; act 'silu' or 'gelu_tanh'. Fused like
     :func:`norm_linear` on packed integer weights."""
     if _int_kernel(w):
-        from streamattn.models.qmatmul import glu_qmatmul
-        return glu_qmatmul(gu, activation == "gelu_tanh", w)
+        return _cpu_kernels("qmatmul").glu_qmatmul(gu, activation == "gelu_tanh", w)
     d_ff = gu.shape[-1] // 2
     g, u = gu[..., :d_ff], gu[..., d_ff:]
     return linear(xp, (gelu_tanh(xp, g) if activation == "gelu_tanh" else silu(xp, g)) * u, w)
@@ -128,29 +137,54 @@ def silu(xp, x):
     return x / (1.0 + xp.exp(-x))
 
 
-def rope(xp, x, cos, sin, style):
-    """Rotate pairs of x: [..., hd] by full-width tables cos, sin: [..., hd] (see ``rope_tables``).
+def heads_rope(xp, h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm=None, eps=0.0):
+    """Attention heads from the fused projection: split, [per-head RMSNorm of q and k,] RoPE on q and k.
 
-    Each pair (a, b) becomes (a cos - b sin, a sin + b cos): ``x * cos + partner(x) * sin`` where
-    ``partner`` swaps each pair's members and ``sin`` carries the sign (-sin on a, +sin on b).
-    Pairs are (2i, 2i+1) for 'interleaved' (llama.cpp's llama GGUFs) and (i, i + hd/2) for 'neox'.
+    Parameters
+    ----------
+    h : float32 [B, T, (H + 2*Hk) * hd]
+        ``rms_norm(x) @ Wqkv.T``: q heads, then k heads, then v heads.
+    cos, sin : float32 [B, T, 1, hd]
+        :func:`rope_tables` at the tokens' positions.
+    style : {"interleaved", "neox"}
+    n_heads, n_kv_heads : int
+    qk_norm : float32 [H + Hk, hd], optional
+        Per-head RMSNorm weights of the q heads, then the k heads (Gemma-3), with ``eps``.
+
+    Returns
+    -------
+    q : [B, H, T, hd], k, v : [B, Hk, T, hd], contiguous
+
+    On numpy, one compiled pass (:mod:`streamattn.models.heads_kernel`); on any other ``xp`` (CuPy),
+    the array code of :func:`_heads_rope_xp`. Both do the same float32 arithmetic in the same order.
+
+    >>> h = np.ones((1, 1, 3 * 4), np.float32); c, s = rope_tables(np.zeros((1, 1, 1)), np.ones(2), "neox")
+    >>> [a.shape for a in heads_rope(np, h, c, s, style="neox", n_heads=1, n_kv_heads=1)]
+    [(1, 1, 1, 4), (1, 1, 1, 4), (1, 1, 1, 4)]
     """
-    hd = x.shape[-1]
-    if style == "interleaved":
-        partner = x.reshape(*x.shape[:-1], hd // 2, 2)[..., ::-1].reshape(x.shape)
-    else:
-        partner = xp.concatenate([x[..., hd // 2:], x[..., : hd // 2]], axis=-1)
-    return x * cos + partner * sin
+    if xp is np:
+        return _cpu_kernels("heads_kernel").heads_rope_cpu(h, cos, sin, style=style, n_heads=n_heads,
+                                                           n_kv_heads=n_kv_heads, qk_norm=qk_norm, eps=eps)
+    return _heads_rope_xp(xp, h, cos, sin, style=style, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                          qk_norm=qk_norm, eps=eps)
 
 
-def rope_tables(pos, inv_freq, style):
-    """Full-width (cos, signed sin) float32 tables [*pos.shape, hd] for :func:`rope`."""
-    ang = pos[..., None].astype(np.float64) * inv_freq                            # [..., hd/2]
-    c, s = np.cos(ang), np.sin(ang)
-    if style == "interleaved":
-        return (np.repeat(c, 2, axis=-1).astype(np.float32),
-                np.stack([-s, s], axis=-1).reshape(*s.shape[:-1], -1).astype(np.float32))
-    return (np.concatenate([c, c], -1).astype(np.float32), np.concatenate([-s, s], -1).astype(np.float32))
+def _qk_heads(xp, h, n_qk, hd, qk_norm, eps):
+    """h's q and k heads [B, T, n_qk, hd], per-head RMSNormed when ``qk_norm`` is given."""
+    qk = h[..., : n_qk * hd].reshape(*h.shape[:-1], n_qk, hd)
+    return qk if qk_norm is None else rms_norm(xp, qk, qk_norm, eps)
+
+
+def _heads_rope_xp(xp, h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm, eps):
+    """:func:`heads_rope` as array operations of ``xp``."""
+    B, T = h.shape[:2]
+    H, Hk = n_heads, n_kv_heads
+    hd = h.shape[-1] // (H + 2 * Hk)
+    qk = rope(xp, _qk_heads(xp, h, H + Hk, hd, qk_norm, eps), cos, sin, style)   # [B, T, H + Hk, hd]
+    q = xp.ascontiguousarray(qk[:, :, :H].transpose(0, 2, 1, 3))                # [B, H, T, hd]
+    k = xp.ascontiguousarray(qk[:, :, H:].transpose(0, 2, 1, 3))                # [B, Hk, T, hd]
+    v = xp.ascontiguousarray(h[..., (H + Hk) * hd:].reshape(B, T, Hk, hd).transpose(0, 2, 1, 3))
+    return q, k, v
 
 
 class Transformer:
@@ -198,8 +232,8 @@ class Transformer:
                 post_attn_norm=w.get(p + "post_attention_norm.weight"),
                 post_ffw_norm=w.get(p + "post_ffw_norm.weight")))
         half = c.head_dim // 2
-        self._inv_freq = {base: (1.0 / base ** (np.arange(half, dtype=np.float64) * 2 / c.head_dim))
-                          for base in {c.rope_base, c.rope_base_local}}
+        self._rope = RopeTables({base: (1.0 / base ** (np.arange(half, dtype=np.float64) * 2 / c.head_dim))
+                                 for base in {c.rope_base, c.rope_base_local}}, c.rope_style)
 
     def to(self, xp):
         """Move every weight array to array module ``xp`` (e.g. cupy); returns self. Packed weights are
@@ -265,7 +299,8 @@ class Transformer:
 
     # ------------------------------------------------------------------ forward
     def _rope_tables(self, pos, base):
-        cos, sin = rope_tables(pos[:, :, None], self._inv_freq[base], self.config.rope_style)  # [B, T, 1, hd]
+        """(cos, sin) [B, T, 1, hd] of RoPE base ``base`` at positions ``pos`` [B, T], computed now."""
+        cos, sin = rope_tables(pos[:, :, None], self._rope.inv_freq[base], self.config.rope_style)
         return self.xp.asarray(cos), self.xp.asarray(sin)
 
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
@@ -308,7 +343,7 @@ class Transformer:
             raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
         cnt = np.full(B, T, np.int64) if counts is None else np.asarray(counts, np.int64)
         pos = np.asarray(caches[0].lengths, np.int64)[:, None] + np.arange(T)[None, :]   # [B, T]
-        tables = {base: self._rope_tables(pos, base) for base in self._inv_freq}
+        tables = {base: (xp.asarray(cos), xp.asarray(sin)) for base, (cos, sin) in self._rope(pos).items()}
         sink_tables = {}    # (base, n_s + n_c - 1) -> tables at the queries' cache positions
         H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
         x = xp.asarray(embed_rows(xp, self.embed, tokens.reshape(-1))).reshape(B, T, c.d_model)  # [B, T, d]
@@ -317,35 +352,30 @@ class Transformer:
         attn_counts = None if counts is None else cnt
         for i, (lw, cache) in enumerate(zip(self.layers, caches)):
             h = norm_linear(xp, x, lw.attn_norm, c.norm_eps, lw.wqkv)                  # [B, T, qd+2kvd]
-            qk = h[..., : (H + Hk) * hd].reshape(B, T, H + Hk, hd)                      # q heads, then k heads
-            if c.qk_norm:
-                qk = rms_norm(xp, qk, lw.qk_norm, c.norm_eps)
             base = c.rope_base if c.layer_windows[i] is None else c.rope_base_local
+            q, k, v = heads_rope(xp, h, *tables[base], style=c.rope_style, n_heads=H, n_kv_heads=Hk,
+                                 qk_norm=lw.qk_norm, eps=c.norm_eps)  # q [B, H, T, hd], k, v [B, Hk, T, hd]
             q_sink = None
             if positions == "cache" and cache.spec.sinks:                               # [B, H, T, hd]
                 newest = cache.spec.sinks + cache.spec.window - 1
                 if (base, newest) not in sink_tables:
                     sink_tables[base, newest] = self._rope_tables(np.minimum(pos, newest), base)
+                qs = _qk_heads(xp, h, H + Hk, hd, lw.qk_norm, c.norm_eps)[:, :, :H]
                 q_sink = xp.ascontiguousarray(
-                    rope(xp, qk[:, :, :H], *sink_tables[base, newest], c.rope_style).transpose(0, 2, 1, 3))
-            qk = rope(xp, qk, *tables[base], c.rope_style)                              # one rotation for q and k
-            q = xp.ascontiguousarray(qk[:, :, :H].transpose(0, 2, 1, 3))               # [B, H, T, hd]
-            k = qk[:, :, H:].transpose(0, 2, 1, 3)                                      # [B, Hk, T, hd]
-            v = xp.ascontiguousarray(h[..., (H + Hk) * hd:].reshape(B, T, Hk, hd).transpose(0, 2, 1, 3))
-            cache.append(k, v, counts=attn_counts)                                      # write, then attend
-            o, _ = attend(q, cache, backend=backend, scale=c.attn_scale, counts=attn_counts,
-                          q_sink=q_sink)                                                # [B, H, T, hd]
+                    rope(xp, qs, *sink_tables[base, newest], c.rope_style).transpose(0, 2, 1, 3))
+            o, _ = _append_attend(q, k, v, cache, backend=backend, scale=float(c.attn_scale),
+                                  counts=attn_counts, q_sink=q_sink)                    # write, then attend
             if attn_hook is not None:
                 attn_hook(i, q, k, v, o)
             a = linear(xp, o.transpose(0, 2, 1, 3).reshape(B, T, H * hd), lw.wo)       # [B, T, d]
             if c.post_norms:
                 a = rms_norm(xp, a, lw.post_attn_norm, c.norm_eps)
-            x = x + a
+            x += a                                                                      # x: this call's own array
             gu = norm_linear(xp, x, lw.ffn_norm, c.norm_eps, lw.wgu)                   # [B, T, 2*d_ff]
             m = glu_linear(xp, gu, c.activation, lw.wdown)                               # [B, T, d]
             if c.post_norms:
                 m = rms_norm(xp, m, lw.post_ffw_norm, c.norm_eps)
-            x = x + m                                                                   # [B, T, d]
+            x += m                                                                      # [B, T, d]
         if last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
         return norm_linear(xp, x, self.output_norm, c.norm_eps, self.output)          # [..., vocab]
