@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
-from streamattn.models.qmatmul import (GROUP_ROWS, HAVE_KERNELS, VNNI, glu_quantize_rows, group_activations, norm_quantize_rows,
+from streamattn.models.qmatmul import (GROUP_ROWS, HAVE_KERNELS, VNNI, WIDE, glu_quantize_rows, group_activations, norm_quantize_rows,
                                        qmatmul, quantize_activations)
 from streamattn.models.quant import SUPPORTED_TYPES, UnsupportedWeightType, pack
 
@@ -158,6 +158,22 @@ def test_vnni_route_gives_the_same_bits(type_name):
         wq.qs[0, :] = -128
         np.testing.assert_array_equal(qmatmul(x, wq, parallel=False, vnni=True),
                                       qmatmul(x, wq, parallel=False, vnni=False))
+
+
+@pytest.mark.skipif(not WIDE, reason="this CPU has no AVX-512 BW: only the 256-bit kernels exist here")
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_wide_kernel_gives_the_same_bits(type_name):
+    """Two blocks per 512-bit vector and the scale products of a chunk in one multiply (the one-row
+    kernel on AVX-512) give the bits of the 256-bit kernel: K with no whole chunk, chunks and a tail,
+    whole chunks only; an odd row count (the last Q4 row alone, the others in pairs)."""
+    cols = [256, 512, 768, 1536] if type_name in ("Q4_K", "Q6_K") else [96, 512, 576, 640, 1536]
+    for K in cols:
+        data, _ = gguf_bytes(type_name, 13, K, seed=K)
+        w = pack("t", type_name, data, (13, K))
+        x = np.random.default_rng(K).standard_normal((3, K)).astype(np.float32) * 4
+        x[0, :32] = [127.0] * 16 + [-127.0] * 16
+        np.testing.assert_array_equal(qmatmul(x, w, parallel=False, wide=True),
+                                      qmatmul(x, w, parallel=False, wide=False), err_msg=f"K={K}")
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K", "BF16"])

@@ -35,7 +35,7 @@ from numba import njit, prange
 from streamattn.backends import cpu_simd
 from streamattn.backends.cpu_simd import pow2
 from streamattn.models import qmatmul_kernels
-from streamattn.models.qmatmul_kernels import VNNI, _host_cpu_has, make_fdot_rows, make_qdot_rows
+from streamattn.models.qmatmul_kernels import VNNI, WIDE, WIDE_VNNI, _host_cpu_has, make_fdot_rows, make_qdot_rows
 from streamattn.models.quant import QWeight
 
 #: Activation rows per weight-block unpacking (measured: docs/PERF.md). Results do not depend on it.
@@ -177,14 +177,15 @@ def _njit_drivers(body, pbody):
 
 
 @functools.cache
-def _qdrivers(kind: str, group: int, R: int, vnni: bool = VNNI, WR: int = 1):
+def _qdrivers(kind: str, group: int, R: int, vnni: bool = VNNI, WR: int = 1, wide: bool = False):
     """Serial and row-parallel loops over weight rows r: activation rows in groups of R, then one by
     one, out[b, r] = dot(qs, scale, minv, r, xq, xd, xs, b). ``vnni``: which integer dot product
     (:func:`~streamattn.models.qmatmul_kernels.make_qdot_rows`; the same results). ``WR``: weight rows
     per call of the one-by-one kernel (the same results; the loop then runs over pairs of rows). Serial
     and parallel loops are two functions: Numba's cache key does not tell its parallel flag apart."""
-    dot_r, dot_1 = make_qdot_rows(kind, group, R, vnni), make_qdot_rows(kind, group, 1, vnni)
-    dot_w = make_qdot_rows(kind, group, 1, vnni, WR)
+    dot_r = make_qdot_rows(kind, group, R, vnni)
+    wvnni = vnni and WIDE_VNNI if wide else vnni        # the 512-bit vpdpbusd is AVX512-VNNI's
+    dot_1, dot_w = make_qdot_rows(kind, group, 1, wvnni, 1, wide), make_qdot_rows(kind, group, 1, wvnni, WR, wide)
 
     def body(qs, scale, minv, xq, xd, xs, out):
         M, N = xq.shape[0], qs.shape[0]
@@ -278,7 +279,7 @@ def glu_qmatmul(gu, gelu: bool, w: QWeight):
 
 
 def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_rows: int | None = None,
-            vnni: bool | None = None):
+            vnni: bool | None = None, wide: bool | None = None):
     """``x @ W.T`` for a packed weight.
 
     Parameters
@@ -295,6 +296,9 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
     vnni : bool, optional
         Integer dot products by ``vpdpbusd`` (default: where the CPU has it, :data:`VNNI`) or by
         ``vpmaddubsw`` + ``vpmaddwd``. The result is the same; True on a CPU without VNNI raises.
+    wide : bool, optional
+        Rows taken one by one go through the 512-bit two-blocks-per-vector kernel (default: where the
+        CPU has AVX-512 BW, :data:`~streamattn.models.qmatmul_kernels.WIDE`). The result is the same.
 
     Returns
     -------
@@ -319,6 +323,9 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
     vnni = VNNI if vnni is None else bool(vnni)
     if vnni and not VNNI:
         raise ValueError("vnni=True needs a CPU with AVX-VNNI or AVX512-VNNI (this one has neither)")
+    wide = WIDE if wide is None else bool(wide)
+    if wide and not WIDE:
+        raise ValueError("wide=True needs a CPU with AVX-512 BW (this one has none)")
     lead = x.shape[:-1]
     x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)
     out = np.empty((x2.shape[0], N), np.float32)
@@ -333,5 +340,5 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
             xq, xd, xs = grouped
         minv = w.minv if w.minv is not None else _EMPTY
         wr = WEIGHT_ROWS if w.kind == "q4" else 1
-        _qdrivers(w.kind, w.group, group_rows, vnni, wr)[par](w.qs, w.scale, minv, xq, xd, xs, out)
+        _qdrivers(w.kind, w.group, group_rows, vnni, wr, wide)[par](w.qs, w.scale, minv, xq, xd, xs, out)
     return out.reshape(*lead, N)

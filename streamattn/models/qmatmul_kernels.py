@@ -31,7 +31,8 @@ I1, I8, I16, I32, I64, F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.I
                               ir.FloatType())
 V16I8, V32I8, V16I16, V8I32, V8F, V16F = (ir.VectorType(I8, 16), ir.VectorType(I8, 32), ir.VectorType(I16, 16),
                                           ir.VectorType(I32, 8), ir.VectorType(F32, 8), ir.VectorType(F32, 16))
-for _t in (I1, I8, I16, I32, I64, F32, V16I8, V32I8, V16I16, V8I32, V8F, V16F):
+V64I8, V32I16, V16I32 = ir.VectorType(I8, 64), ir.VectorType(I16, 32), ir.VectorType(I32, 16)
+for _t in (I1, I8, I16, I32, I64, F32, V16I8, V32I8, V16I16, V8I32, V8F, V16F, V64I8, V32I16, V16I32):
     str(_t)                                       # cache each str() now: see _stable
 
 
@@ -44,6 +45,27 @@ def _host_cpu_has(feature: str) -> bool:
 #: Whether this CPU has the VNNI byte dot product (AVX-VNNI, or AVX512-VNNI with VL): then a block's four-byte
 #: sums are one ``vpdpbusd`` instead of ``vpmaddubsw`` + ``vpmaddwd``, with the same integer results.
 VNNI = _host_cpu_has("avxvnni") or (_host_cpu_has("avx512vnni") and _host_cpu_has("avx512vl"))
+
+
+#: Whether the one-row kernel may take two blocks per 512-bit vector (AVX-512 BW): see make_qdot_rows.
+WIDE = _host_cpu_has("avx512bw") and _host_cpu_has("avx512f")
+WIDE_VNNI = WIDE and _host_cpu_has("avx512vnni")
+
+
+def _isum2(builder, wu, wsign, x64, vnni: bool):
+    """<16 x i32>: :func:`_isum` of two blocks at once (wu, x64: <64 x i8>; lanes 0-7 the first block's,
+    8-15 the second's), the same integers. AVX-512 has no vpsignb: x takes w's sign by a select (where w
+    is 0 the lane's product is 0 whatever x is)."""
+    if wsign is not None:
+        zero = ir.Constant(V64I8, [0] * 64)
+        x64 = builder.select(builder.icmp_signed("<", wsign, zero), builder.sub(zero, x64), x64)
+    if vnni:
+        dp = _llvm_fn(builder, "llvm.x86.avx512.vpdpbusd.512", V16I32, [V16I32, V16I32, V16I32])
+        return builder.call(dp, [ir.Constant(V16I32, [0] * 16), builder.bitcast(wu, V16I32),
+                                 builder.bitcast(x64, V16I32)])
+    p16 = builder.call(_llvm_fn(builder, "llvm.x86.avx512.pmaddubs.w.512", V32I16, [V64I8, V64I8]), [wu, x64])
+    return builder.call(_llvm_fn(builder, "llvm.x86.avx512.pmaddw.d.512", V16I32, [V32I16, V32I16]),
+                        [p16, ir.Constant(V32I16, [1] * 32)])
 
 
 def _i64(n):
@@ -125,7 +147,7 @@ def _stable(intr, key: str):
 
 
 @functools.cache
-def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, WR: int = 1):
+def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, WR: int = 1, wide: bool = False):
     """Intrinsic dot(qs, scale, minv, r, xq, xd, xs, b, out) -> None: ``out[b + j, r]`` = row r of a
     packed weight ("q4" or "q8" planes; ``minv`` is ignored for "q8") times quantized activation row
     b + j, for j < R.
@@ -144,6 +166,13 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
     ``WR`` weight rows r .. r + WR - 1 in one call (``out[b + j, r + w]``): each activation block is
     loaded once for them and their chains interleave, which hides latency in the one-row (decode)
     kernel. Each output element still takes exactly the operations above, so WR changes no bit.
+
+    ``wide`` (R = 1 only; AVX-512): blocks go in 512-bit pairs (i even, i + 1) — one 64-byte weight and
+    activation load, one integer dot product, one 16-lane FMA whose low half is chain 0 and high half
+    chain 1 — and the ``scale * xd`` products of 16 blocks (8 for 16-column scales) are one vector
+    multiply, each pair taking its lanes by a shuffle. Every lane sees the same operations in the same
+    order as the narrow kernel (the same products, the same FMAs into the same chain), so the bits are
+    the same; the q4 min terms stay scalar as above. Chunks of 16 blocks, the rest as above.
     """
     VR = ir.VectorType(F32, R)
 
@@ -185,6 +214,58 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
                                                ir.Constant(ir.VectorType(I32, 8), [0, 0, 0, 0, 8, 8, 8, 8]))
                 return wu, wsign, s
 
+            CH = 16 if group == 32 else 8            # blocks per vector of scale products
+
+            def wide_chunks(nblk):
+                """Blocks 0 .. CH * (nblk // CH) - 1 in pairs (see ``wide``); returns where they end."""
+                nch = builder.udiv(nblk, _i64(CH))
+                accw = [cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(WR)]
+                cat = ir.Constant(ir.VectorType(I32, 64), [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)])
+                with cgutils.for_range(builder, nch) as loop:
+                    c0 = builder.mul(loop.index, _i64(CH))
+                    xd16 = builder.load(_addr(builder, da, b0, c0, V16F if group == 32 else V8F), align=4)
+                    if group != 32:                  # each block's xd twice: the products s0 * xd, s1 * xd
+                        xd16 = builder.shuffle_vector(xd16, xd16, ir.Constant(ir.VectorType(I32, 16), [
+                            k // 2 for k in range(16)]))
+                    svs = [builder.fmul(builder.load(_addr(builder, sa, wrows[w], builder.mul(c0, _i64(32 // group)),
+                                                           V16F), align=4), xd16) for w in range(WR)]
+                    for k in range(CH // 2):
+                        i = builder.add(c0, _i64(2 * k))
+                        i1 = builder.add(i, _i64(1))
+                        x64 = _load(builder, xa, b0, builder.mul(i, _i64(32)), V64I8)
+                        if group == 32:
+                            lanes = [2 * k] * 8 + [2 * k + 1] * 8
+                        else:
+                            lanes = [4 * k] * 4 + [4 * k + 1] * 4 + [4 * k + 2] * 4 + [4 * k + 3] * 4
+                        for w in range(WR):
+                            r = wrows[w]
+                            if kind == "q4":
+                                raw = _load(builder, qa, r, builder.mul(i, _i64(16)), V32I8)
+                                lo = builder.and_(raw, ir.Constant(V32I8, [15] * 32))
+                                hi = builder.lshr(raw, ir.Constant(V32I8, [4] * 32))
+                                wu, wsign = builder.shuffle_vector(lo, hi, cat), None
+                                for blk, p in ((i, 0), (i1, 1)):
+                                    minv = _splat(builder, _load(builder, ma, r, blk, F32), 1)
+                                    builder.store(builder.call(
+                                        _llvm_fn(builder, "llvm.fmuladd.v1f32", VR, [VR, VR, VR]),
+                                        [minv, _load(builder, ua, b0, blk, VR), builder.load(accms[w][p])]),
+                                        accms[w][p])
+                            else:
+                                wsign = _load(builder, qa, r, builder.mul(i, _i64(32)), V64I8)
+                                wu = builder.call(_llvm_fn(builder, "llvm.abs.v64i8", V64I8, [V64I8, I1]),
+                                                  [wsign, ir.Constant(I1, 0)])
+                            isum = _isum2(builder, wu, wsign, x64, vnni)
+                            sv = builder.shuffle_vector(svs[w], svs[w], ir.Constant(ir.VectorType(I32, 16), lanes))
+                            builder.store(builder.call(
+                                _llvm_fn(builder, "llvm.fmuladd.v16f32", V16F, [V16F, V16F, V16F]),
+                                [builder.sitofp(isum, V16F), sv, builder.load(accw[w])]), accw[w])
+                for w in range(WR):                  # the halves are chains 0 and 1 of the narrow kernel
+                    a16 = builder.load(accw[w])
+                    for p in range(2):
+                        builder.store(builder.shuffle_vector(a16, a16, ir.Constant(ir.VectorType(I32, 8), list(
+                            range(8 * p, 8 * p + 8)))), accs[w][0][p])
+                return builder.mul(nch, _i64(CH))
+
             def block(i, p):
                 """Block i of each weight row into chain p of every activation row."""
                 iR = builder.mul(i, _i64(R))
@@ -204,11 +285,15 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
                                                    [f, sv, builder.load(acc)]), acc)
 
             nblk = builder.udiv(xa.cols, _i64(32))
-            with cgutils.for_range(builder, builder.udiv(nblk, _i64(2))) as loop:
-                i = builder.mul(loop.index, _i64(2))
+            start = _i64(0)
+            if wide:
+                start = wide_chunks(nblk)
+            with cgutils.for_range(builder, builder.udiv(builder.sub(nblk, start), _i64(2))) as loop:
+                i = builder.add(start, builder.mul(loop.index, _i64(2)))
                 block(i, 0)
                 block(builder.add(i, _i64(1)), 1)
-            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nblk, _i64(2)), _i64(0))):
+            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(builder.sub(nblk, start), _i64(2)),
+                                                       _i64(0))):
                 block(builder.sub(nblk, _i64(1)), 0)
             for w in range(WR):
                 mins = builder.fadd(builder.load(accms[w][0]), builder.load(accms[w][1]))
@@ -218,7 +303,9 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
                     _store_out(builder, oa, builder.add(b0, _i64(j)), wrows[w], res)
             return context.get_dummy_value()
         return types.void(qs, scale, minv, r, xq, xd, xs, b, out), codegen
-    return _stable(qdot, f"qdot:{kind}:{group}:{R}:{int(vnni)}:{WR}")
+    if wide and R != 1:
+        raise ValueError(f"wide kernels take one activation row (R=1, got {R})")
+    return _stable(qdot, f"qdot:{kind}:{group}:{R}:{int(vnni)}:{WR}:{int(wide)}")
 
 
 @functools.cache
