@@ -78,7 +78,8 @@ def _warm_kernels(args, model=None) -> None:
               flush=True)
     warmup.warm(args.cache_dtype)
     if model is not None:
-        warmup.warm_model(model, args.cache_dtype)
+        from streamattn.models.generate import warm_model
+        warm_model(model, args.cache_dtype)
 
 
 # ---------------------------------------------------------------------------------------- shared

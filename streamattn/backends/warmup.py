@@ -33,19 +33,3 @@ def warm(kind: str) -> float:
     cpu.attend(np.zeros((1, 1, 1, 16), np.float32), store, store, one, one, window=0, sinks=0, scale=1.0, kind=kind)
     return time.perf_counter() - t0
 
-
-def warm_model(model, kind: str) -> float:
-    """Run ``model`` (a CPU :class:`~streamattn.models.transformer.Transformer`) once on throwaway caches:
-    a chunk of :data:`~streamattn.models.qmatmul.ROWS` tokens, then one token, so that every kernel a
-    prefill and a decode step call (the packed matmul drivers of each weight kind, the fused norm and
-    activation quantizers, attention for storage ``kind``) is compiled or loaded from Numba's cache now,
-    outside any timing, as llama.cpp's warm-up decode does. Seconds taken.
-
-    Loading the matmul drivers of one weight kind took 0.3-1.3 s in a fresh process (docs/PERF.md), which
-    a timed prefill had counted."""
-    from streamattn.models.qmatmul import ROWS
-    t0 = time.perf_counter()
-    caches = model.new_caches(batch=1, max_chunk=ROWS, dtype=kind)
-    model.forward(np.zeros((1, ROWS), np.int64), caches, last_only=True)
-    model.forward(np.zeros((1, 1), np.int64), caches, last_only=True)
-    return time.perf_counter() - t0

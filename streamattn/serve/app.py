@@ -59,7 +59,7 @@ class ServerState:
                 import cupy
                 tf.to(cupy)
             else:                                 # kernels loaded now, not in the first request's TTFT
-                from streamattn.backends.warmup import warm_model
+                from streamattn.models.generate import warm_model
                 warm_model(tf, self.cfg.cache_dtype)
             self.tok = Tokenizer.from_metadata(m.metadata)
             self.context = int(m.config.context_length)
