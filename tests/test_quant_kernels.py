@@ -163,17 +163,20 @@ def test_vnni_route_gives_the_same_bits(type_name):
 @pytest.mark.skipif(not WIDE, reason="this CPU has no AVX-512 BW: only the 256-bit kernels exist here")
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_wide_kernel_gives_the_same_bits(type_name):
-    """Two blocks per 512-bit vector and the scale products of a chunk in one multiply (the one-row
-    kernel on AVX-512) give the bits of the 256-bit kernel: K with no whole chunk, chunks and a tail,
-    whole chunks only; an odd row count (the last Q4 row alone, the others in pairs)."""
+    """Two blocks per 512-bit vector and the scale products of a chunk in one multiply (AVX-512) give the
+    bits of the 256-bit kernels: K with no whole chunk, chunks and a tail, whole chunks only; rows one by
+    one (3 rows) and in groups of R = 4 and 8 (37 rows: groups, then rows alone); an odd weight row count
+    (the last Q4 row alone, the others in pairs)."""
     cols = [256, 512, 768, 1536] if type_name in ("Q4_K", "Q6_K") else [96, 512, 576, 640, 1536]
     for K in cols:
         data, _ = gguf_bytes(type_name, 13, K, seed=K)
         w = pack("t", type_name, data, (13, K))
-        x = np.random.default_rng(K).standard_normal((3, K)).astype(np.float32) * 4
+        x = np.random.default_rng(K).standard_normal((37, K)).astype(np.float32) * 4
         x[0, :32] = [127.0] * 16 + [-127.0] * 16
-        np.testing.assert_array_equal(qmatmul(x, w, parallel=False, wide=True),
-                                      qmatmul(x, w, parallel=False, wide=False), err_msg=f"K={K}")
+        for m, r in ((3, 4), (37, 4), (37, 8)):
+            np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, wide=True, group_rows=r),
+                                          qmatmul(x[:m], w, parallel=False, wide=False, group_rows=r),
+                                          err_msg=f"K={K} M={m} R={r}")
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K", "BF16"])

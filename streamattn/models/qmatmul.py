@@ -38,8 +38,9 @@ from streamattn.models import qmatmul_kernels
 from streamattn.models.qmatmul_kernels import VNNI, WIDE, WIDE_VNNI, _host_cpu_has, make_fdot_rows, make_qdot_rows
 from streamattn.models.quant import QWeight
 
-#: Activation rows per weight-block unpacking (measured: docs/PERF.md). Results do not depend on it.
-ROWS = 4
+#: Activation rows per weight-block unpacking (measured: docs/PERF.md): 8 with the wide (AVX-512) kernels,
+#: whose 32 vector registers hold 8 rows' accumulators and scale products, else 4. Results do not depend on it.
+ROWS = 8 if WIDE else 4
 GROUP_ROWS = (1, 2, 4, 8)
 #: Weight rows per call of the kernel that takes activation rows one by one (decode): an activation block
 #: is loaded once for both, and their chains interleave. Results do not depend on it (docs/PERF.md).
@@ -155,6 +156,27 @@ def group_activations(xq, xd, xs, R, gq, gd, gs):
                 fq[o * 32 + t] = xq[b, i * 32 + t]
 
 
+@njit(cache=True)
+def group_activations_wide(xq, xd, xs, R, pairs_end, gq, gd, gs):
+    """:func:`group_activations` for the wide R-row kernels: in each group of R rows, blocks below
+    ``pairs_end`` (the kernel's whole chunks) go as pairs, block pair p of row j at flat byte
+    ``g0 * K + (p * R + j) * 64``, the later blocks interleaved as there; xd stays row-major (the kernel
+    multiplies a row's xd of a chunk as one vector); xs interleaved as there."""
+    M, K = xq.shape
+    nb = K // 32
+    full = M - M % R
+    fq, fs = gq.reshape(-1), gs.reshape(-1)
+    gd[:] = xd
+    for b in range(M):
+        g0, j, n = (b - b % R, b % R, R) if b < full else (b, 0, 1)
+        for i in range(nb):
+            o = g0 * nb + i * n + j                                  # as group_activations
+            fs[o] = xs[b, i]
+            q = (g0 * nb + (i // 2 * n + j) * 2 + i % 2) * 32 if i < pairs_end else o * 32
+            for t in range(32):
+                fq[q + t] = xq[b, i * 32 + t]
+
+
 def _drop_stale_cache() -> None:
     """Numba keys a cached function on its own source file, not on the IR kernels it inlines (from
     qmatmul_kernels.py and cpu_simd.py): after those files change, this module's cached drivers would
@@ -183,8 +205,8 @@ def _qdrivers(kind: str, group: int, R: int, vnni: bool = VNNI, WR: int = 1, wid
     (:func:`~streamattn.models.qmatmul_kernels.make_qdot_rows`; the same results). ``WR``: weight rows
     per call of the one-by-one kernel (the same results; the loop then runs over pairs of rows). Serial
     and parallel loops are two functions: Numba's cache key does not tell its parallel flag apart."""
-    dot_r = make_qdot_rows(kind, group, R, vnni)
     wvnni = vnni and WIDE_VNNI if wide else vnni        # the 512-bit vpdpbusd is AVX512-VNNI's
+    dot_r = make_qdot_rows(kind, group, R, wvnni, 1, wide)
     dot_1, dot_w = make_qdot_rows(kind, group, 1, wvnni, 1, wide), make_qdot_rows(kind, group, 1, wvnni, WR, wide)
 
     def body(qs, scale, minv, xq, xd, xs, out):
@@ -336,7 +358,11 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
         xq, xd, xs = quantize_activations(x2) if acts is None else acts
         if group_rows > 1 and x2.shape[0] >= group_rows:
             grouped = _acts_like(*xq.shape)
-            group_activations(xq, xd, xs, group_rows, *grouped)
+            if wide:
+                ch = 16 if w.group == 32 else 8                  # the kernel's chunk of blocks
+                group_activations_wide(xq, xd, xs, group_rows, ch * (K // 32 // ch), *grouped)
+            else:
+                group_activations(xq, xd, xs, group_rows, *grouped)
             xq, xd, xs = grouped
         minv = w.minv if w.minv is not None else _EMPTY
         wr = WEIGHT_ROWS if w.kind == "q4" else 1

@@ -167,10 +167,11 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
     loaded once for them and their chains interleave, which hides latency in the one-row (decode)
     kernel. Each output element still takes exactly the operations above, so WR changes no bit.
 
-    ``wide`` (R = 1 only; AVX-512): blocks go in 512-bit pairs (i even, i + 1) — one 64-byte weight and
-    activation load, one integer dot product, one 16-lane FMA whose low half is chain 0 and high half
-    chain 1 — and the ``scale * xd`` products of 16 blocks (8 for 16-column scales) are one vector
-    multiply, each pair taking its lanes by a shuffle. Every lane sees the same operations in the same
+    ``wide`` (AVX-512): blocks go in 512-bit pairs (i even, i + 1) — one 64-byte weight and activation
+    load, one integer dot product, one 16-lane FMA whose low half is chain 0 and high half chain 1 — and
+    the ``scale * xd`` products of 16 blocks (8 for 16-column scales) are one vector multiply per
+    activation row, each pair taking its lanes by a shuffle. For R > 1 the activations come laid out by
+    :func:`streamattn.models.qmatmul.group_activations_wide` (pairs of blocks per row, xd row-major). Every lane sees the same operations in the same
     order as the narrow kernel (the same products, the same FMAs into the same chain), so the bits are
     the same; the q4 min terms stay scalar as above. Chunks of 16 blocks, the rest as above.
     """
@@ -219,20 +220,27 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
             def wide_chunks(nblk):
                 """Blocks 0 .. CH * (nblk // CH) - 1 in pairs (see ``wide``); returns where they end."""
                 nch = builder.udiv(nblk, _i64(CH))
-                accw = [cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(WR)]
+                accw = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(R)]
+                        for _ in range(WR)]                                         # [weight row][row]
                 cat = ir.Constant(ir.VectorType(I32, 64), [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)])
                 with cgutils.for_range(builder, nch) as loop:
                     c0 = builder.mul(loop.index, _i64(CH))
-                    xd16 = builder.load(_addr(builder, da, b0, c0, V16F if group == 32 else V8F), align=4)
-                    if group != 32:                  # each block's xd twice: the products s0 * xd, s1 * xd
-                        xd16 = builder.shuffle_vector(xd16, xd16, ir.Constant(ir.VectorType(I32, 16), [
-                            k // 2 for k in range(16)]))
-                    svs = [builder.fmul(builder.load(_addr(builder, sa, wrows[w], builder.mul(c0, _i64(32 // group)),
-                                                           V16F), align=4), xd16) for w in range(WR)]
+                    xd16 = []
+                    for j in range(R):                # row j's xd of the chunk (row-major: see group_activations)
+                        v = builder.load(_addr(builder, da, builder.add(b0, _i64(j)), c0, V16F if group == 32 else V8F),
+                                         align=4)
+                        if group != 32:              # each block's xd twice: the products s0 * xd, s1 * xd
+                            v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 16), [k // 2 for k in range(16)]))
+                        xd16.append(v)
+                    s16 = [builder.load(_addr(builder, sa, wrows[w], builder.mul(c0, _i64(32 // group)), V16F), align=4)
+                           for w in range(WR)]
+                    svs = [[builder.fmul(s16[w], xd16[j]) for j in range(R)] for w in range(WR)]
                     for k in range(CH // 2):
                         i = builder.add(c0, _i64(2 * k))
                         i1 = builder.add(i, _i64(1))
-                        x64 = _load(builder, xa, b0, builder.mul(i, _i64(32)), V64I8)
+                        pair0 = builder.mul(builder.udiv(i, _i64(2)), _i64(R))     # pair i/2 of row j: (i/2 R + j) 64 bytes
+                        x64s = [_load(builder, xa, b0, builder.mul(builder.add(pair0, _i64(j)), _i64(64)), V64I8)
+                                for j in range(R)]
                         if group == 32:
                             lanes = [2 * k] * 8 + [2 * k + 1] * 8
                         else:
@@ -245,25 +253,27 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
                                 hi = builder.lshr(raw, ir.Constant(V32I8, [4] * 32))
                                 wu, wsign = builder.shuffle_vector(lo, hi, cat), None
                                 for blk, p in ((i, 0), (i1, 1)):
-                                    minv = _splat(builder, _load(builder, ma, r, blk, F32), 1)
+                                    minv = _splat(builder, _load(builder, ma, r, blk, F32), R)
                                     builder.store(builder.call(
-                                        _llvm_fn(builder, "llvm.fmuladd.v1f32", VR, [VR, VR, VR]),
-                                        [minv, _load(builder, ua, b0, blk, VR), builder.load(accms[w][p])]),
-                                        accms[w][p])
+                                        _llvm_fn(builder, f"llvm.fmuladd.v{R}f32", VR, [VR, VR, VR]),
+                                        [minv, _load(builder, ua, b0, builder.mul(blk, _i64(R)), VR),
+                                         builder.load(accms[w][p])]), accms[w][p])
                             else:
                                 wsign = _load(builder, qa, r, builder.mul(i, _i64(32)), V64I8)
                                 wu = builder.call(_llvm_fn(builder, "llvm.abs.v64i8", V64I8, [V64I8, I1]),
                                                   [wsign, ir.Constant(I1, 0)])
-                            isum = _isum2(builder, wu, wsign, x64, vnni)
-                            sv = builder.shuffle_vector(svs[w], svs[w], ir.Constant(ir.VectorType(I32, 16), lanes))
-                            builder.store(builder.call(
-                                _llvm_fn(builder, "llvm.fmuladd.v16f32", V16F, [V16F, V16F, V16F]),
-                                [builder.sitofp(isum, V16F), sv, builder.load(accw[w])]), accw[w])
+                            for j in range(R):
+                                isum = _isum2(builder, wu, wsign, x64s[j], vnni)
+                                sv = builder.shuffle_vector(svs[w][j], svs[w][j], ir.Constant(ir.VectorType(I32, 16), lanes))
+                                builder.store(builder.call(
+                                    _llvm_fn(builder, "llvm.fmuladd.v16f32", V16F, [V16F, V16F, V16F]),
+                                    [builder.sitofp(isum, V16F), sv, builder.load(accw[w][j])]), accw[w][j])
                 for w in range(WR):                  # the halves are chains 0 and 1 of the narrow kernel
-                    a16 = builder.load(accw[w])
-                    for p in range(2):
-                        builder.store(builder.shuffle_vector(a16, a16, ir.Constant(ir.VectorType(I32, 8), list(
-                            range(8 * p, 8 * p + 8)))), accs[w][0][p])
+                    for j in range(R):
+                        a16 = builder.load(accw[w][j])
+                        for p in range(2):
+                            builder.store(builder.shuffle_vector(a16, a16, ir.Constant(ir.VectorType(I32, 8), list(
+                                range(8 * p, 8 * p + 8)))), accs[w][j][p])
                 return builder.mul(nch, _i64(CH))
 
             def block(i, p):
@@ -272,7 +282,8 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
                 ws = [unpack(wrows[w], i, p, accms[w][p]) for w in range(WR)]
                 for j in range(R):
                     x32 = _load(builder, xa, b0, builder.mul(builder.add(iR, _i64(j)), _i64(32)), V32I8)
-                    xd = _load(builder, da, b0, builder.add(iR, _i64(j)), F32)
+                    xd = (_load(builder, da, builder.add(b0, _i64(j)), i, F32) if wide    # row-major xd
+                          else _load(builder, da, b0, builder.add(iR, _i64(j)), F32))
                     for w, (wu, wsign, s) in enumerate(ws):
                         isum = _isum(builder, wu, wsign, x32, vnni)
                         if group == 32:
@@ -303,8 +314,6 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
                     _store_out(builder, oa, builder.add(b0, _i64(j)), wrows[w], res)
             return context.get_dummy_value()
         return types.void(qs, scale, minv, r, xq, xd, xs, b, out), codegen
-    if wide and R != 1:
-        raise ValueError(f"wide kernels take one activation row (R=1, got {R})")
     return _stable(qdot, f"qdot:{kind}:{group}:{R}:{int(vnni)}:{WR}:{int(wide)}")
 
 
