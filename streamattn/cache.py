@@ -4,8 +4,9 @@ One ``KVCache`` is one layer. K and V are preallocated ``[batch, kv_heads, slots
 on the CPU, CuPy on the GPU) plus ``lengths[batch]``, the number of tokens each sequence has seen, which is
 also the absolute position of its next token. The cache does no arithmetic on K or V: the backends do.
 
-Slot of absolute position j (the one place this rule is written in Python; the kernels derive the same
-rule from (slot, length)):
+Slot of absolute position j (written in Python once, ``storage.ring_slots``; the CPU write,
+``storage.write_rows``, computes it in its compiled loop, and the attention kernels derive the same rule
+from (slot, length)):
 
 * causal: ``slot(j) = j``; storage grows by doubling (capped by ``max_len``).
 * window / sinks: ``slots = n_s + n_c + C - 1`` and ``slot(j) = j`` for j < n_s, else
@@ -41,7 +42,8 @@ import numpy as np
 from .arrays import check_sequence_index, to_host
 from .cache_state import StateOps
 from .spec import CacheSpec
-from .storage import check_stored_finite, ring_slots, slot_positions, storage_zeros, to_storage, widen_bf16
+from .storage import (EXPONENT_BITS, bits, check_stored_finite, non_finite_error, ring_slots, slot_positions,
+                      storage_zeros, to_storage, widen_bf16, write_rows)
 
 _INITIAL_CAUSAL_SLOTS = 256
 
@@ -146,7 +148,8 @@ class KVCache(StateOps):
         self._write(k, v, counts)
 
     def _write(self, k, v, counts) -> None:
-        """Store a validated chunk: cast, check finite as stored (before writing), grow, write, count."""
+        """Store a validated chunk: cast, check finite as stored (before writing), grow, write, count (on
+        the CPU the check, write and count are one compiled call, :func:`streamattn.storage.write_rows`)."""
         xp, spec = self.xp, self.spec
         if k.dtype == spec.storage_dtype and v.dtype == spec.storage_dtype:      # no cast: no overflow
             ks, vs = k, v                                # (not bf16: its storage dtype is no float)
@@ -154,12 +157,22 @@ class KVCache(StateOps):
             with np.errstate(over="ignore"):      # an overflow to inf is caught just below, by name
                 ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
                 vs = to_storage(v, spec.dtype, xp)
-        if spec.check_finite:
-            check_stored_finite(ks, vs, counts, spec.dtype, xp)
         if spec.window is None:
             need = int(self.lengths[0] + counts[0]) if spec.batch == 1 else int((self.lengths + counts).max())
             if need > self.slots:
+                if spec.check_finite:             # refuse before growing: a refused chunk changes nothing
+                    check_stored_finite(ks, vs, counts, spec.dtype, xp)
                 self._grow(need)
+        if xp is np:                              # one compiled call: check as stored, write, count
+            bad = write_rows(bits(self.k), bits(self.v), bits(ks), bits(vs), self.lengths,
+                             np.ascontiguousarray(counts, np.int64), self.last_counts, self.held_from,
+                             spec.sinks, self.ring, spec.window is not None, spec.check_finite,
+                             EXPONENT_BITS[spec.dtype])
+            if bad >= 0:
+                raise non_finite_error("kv"[bad % 2], bad // 2, spec.dtype)
+            return
+        if spec.check_finite:
+            check_stored_finite(ks, vs, counts, spec.dtype, xp)
         for b in range(spec.batch):
             c = int(counts[b])
             if c == 0:

@@ -280,10 +280,13 @@ def ring_one_short(positions, *, sinks, ring):
 
 @pytest.mark.parametrize("planted", [ring_offset_by_one, ring_one_short])
 def test_fuzzer_catches_a_planted_slot_bug(monkeypatch, planted):
-    """The fuzzer is only worth something if it fails on a wrong slot rule: plant one, expect a mismatch."""
+    """The fuzzer is only worth something if it fails on a wrong slot rule: plant one, expect a mismatch.
+    The planted rule reaches what the cache says it holds (``temporal_view``) and the array write path;
+    CPU writes are one compiled call (``storage.write_rows``) with its own copy of the rule, so the
+    mismatch shows as stored rows that are not the history, or as attention off the oracle."""
     monkeypatch.setattr(streamattn.cache, "ring_slots", planted)
     quick = settings(CI, max_examples=60, derandomize=True, database=None, phases=[Phase.generate])
-    with pytest.raises(AssertionError, match=r"relative error|lse error|padding rows"):
+    with pytest.raises(AssertionError, match=r"relative error|lse error|padding rows|[KV] rows of sequence"):
         run_state_machine_as_test(CacheStateMachine, settings=quick)
 
 

@@ -139,7 +139,10 @@ def _stable(intr, key: str):
     function holding it as a closure variable (the drivers of streamattn.models.qmatmul) then gets a
     new cache key in every process: it was compiled anew at each start (0.3-1.3 s a weight kind) and
     its cache grew a file each time. ``key`` must name everything the code depends on."""
-    intr._set_uuid(f"streamattn.models.qmatmul_kernels:{key}")
+    try:
+        intr._set_uuid(f"streamattn.models.qmatmul_kernels:{key}")
+    except (AttributeError, AssertionError):      # numba internals moved: only the cache misses again
+        pass
     for v in intr._defn.__closure__ or ():        # llvmlite types cache their str() once printed, which
         if isinstance(v.cell_contents, ir.Type):  # changes their pickle between key lookup and save:
             str(v.cell_contents)                  # print them all now (the module's constants: below)
