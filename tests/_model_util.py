@@ -45,14 +45,13 @@ _LOADED: dict = {}   # path -> (metadata, Tokenizer) of a model :func:`load` alr
 @functools.lru_cache(maxsize=None)
 def tokenizer(path: str):
     """Tokenizer of a GGUF from its metadata only (no weights), once per session; taken from a model
-    :func:`load` already read when there is one (gguf's reader spends ~10-20 s on Gemma's 262k-token
-    vocabulary, and the tokenizer build ~7 s)."""
+    :func:`load` already read when there is one (the tokenizer build takes ~2-7 s on Gemma's 262k-token
+    vocabulary)."""
     if path in _LOADED:
         return _LOADED[path]
-    import gguf
-    from streamattn.models.loader import read_metadata
+    from streamattn.models.loader import _open, read_metadata
     from streamattn.models.tokenizer import Tokenizer
-    md = read_metadata(gguf.GGUFReader(path), path)
+    md = read_metadata(_open(path), path)
     return md, Tokenizer.from_metadata(md)
 
 

@@ -1,7 +1,8 @@
 """Read a GGUF model file: metadata -> :class:`ModelConfig`, tensors -> packed or float32 weights.
 
-Built on llama.cpp's own ``gguf`` package (``GGUFReader`` for the container, ``gguf.quants.dequantize``
-for Q4_1, Q8_0, Q4_K, Q5_0, Q6_K, ... on the float32 path). Matrices stay in their block formats by
+Built on llama.cpp's own ``gguf`` package (its type tables; ``gguf.quants.dequantize`` for Q4_1, Q8_0,
+Q4_K, Q5_0, Q6_K, ... on the float32 path); the container is read by :mod:`streamattn.models.gguf_read`
+(GGUFReader's results, 50x faster on Gemma's vocabulary). Matrices stay in their block formats by
 default (:mod:`streamattn.models.quant`, one packed copy); ``weights="f32"`` is the float32 reference.
 
 Facts about the files this module relies on (see docs/DESIGN.md §10):
@@ -144,7 +145,9 @@ class GGUFModel:
 
 
 def read_metadata(reader, path: str) -> dict:
-    """All scalar/string/array metadata of a GGUFReader as plain Python values."""
+    """All scalar/string/array metadata as plain Python values: a GGUFFile's, or a GGUFReader's decoded."""
+    if hasattr(reader, "metadata"):
+        return dict(reader.metadata)
     out = {}
     for key, f in reader.fields.items():
         if key.startswith("GGUF."):
@@ -233,7 +236,7 @@ def config_from_metadata(md: dict, path: str = "<metadata>") -> ModelConfig:
 
 
 def _open(path: str):
-    import gguf
+    from streamattn.models.gguf_read import GGUFFile
 
     if not os.path.exists(path):
         raise ModelFileError(f"{path}: no such file; give --model PATH.gguf or run "
@@ -245,17 +248,10 @@ def _open(path: str):
     if magic != b"GGUF":
         raise ModelFileError(f"{path}: not a GGUF file (first bytes {magic!r}, expected b'GGUF')")
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # noqa: BLE001 - gguf raises ValueError/IndexError/... on damaged files
+        return GGUFFile(path)       # checks every count and every tensor's end against the file's size
+    except Exception as e:  # noqa: BLE001 - any parse failure of a damaged file
         raise ModelFileError(f"{path}: the GGUF container cannot be read ({type(e).__name__}: {e}); the "
                              "file is truncated or corrupt - re-download it") from e
-    size = os.path.getsize(path)
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size or t.data.nbytes != t.n_bytes:
-            raise ModelFileError(f"{path}: tensor {t.name!r} ends at byte {end} but the file has {size} "
-                                 "bytes; the file is truncated - re-download it")
-    return reader
 
 
 WEIGHT_KINDS = ("quant", "f32")
@@ -304,8 +300,8 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     md = read_metadata(reader, path)
     config = config_from_metadata(md, path)
     check_tensor_names(config, (t.name for t in reader.tensors), path)
-    # only the tensors' views of the file map outlive the reader: its field objects (the tokenizer's
-    # ~100k strings as numpy parts) take ~160 MB for SmolLM2, and would stay alive through the packing
+    # only the tensors' views of the file map outlive the reader (GGUFReader's field objects, the
+    # tokenizer's ~100k strings as numpy parts, took ~160 MB for SmolLM2; the metadata is in md now)
     tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors]
     file_map = reader.data
     del reader
