@@ -194,8 +194,11 @@ def _drop_stale_cache() -> None:
         pass
 
 
-def _njit_drivers(body, pbody):
-    return njit(cache=True)(body), njit(parallel=True, cache=True)(pbody)
+def _njit_drivers(loops):
+    """The serial and the row-parallel driver from one source: ``loops(rows)`` returns the loop over
+    weight rows, ``rows`` being ``range`` or ``prange``. Numba keys a cached closure on its cells, so
+    the two (which differ in that cell) never share an entry, though its key ignores the parallel flag."""
+    return njit(cache=True)(loops(range)), njit(parallel=True, cache=True)(loops(prange))
 
 
 @functools.cache
@@ -203,42 +206,28 @@ def _qdrivers(kind: str, group: int, R: int, vnni: bool = VNNI, WR: int = 1, wid
     """Serial and row-parallel loops over weight rows r: activation rows in groups of R, then one by
     one, out[b, r] = dot(qs, scale, minv, r, xq, xd, xs, b). ``vnni``: which integer dot product
     (:func:`~streamattn.models.qmatmul_kernels.make_qdot_rows`; the same results). ``WR``: weight rows
-    per call of the one-by-one kernel (the same results; the loop then runs over pairs of rows). Serial
-    and parallel loops are two functions: Numba's cache key does not tell its parallel flag apart."""
+    per call of the one-by-one kernel (the same results; the loop then runs over pairs of rows)."""
     wvnni = vnni and WIDE_VNNI if wide else vnni        # the 512-bit vpdpbusd is AVX512-VNNI's
     dot_r = make_qdot_rows(kind, group, R, wvnni, 1, wide)
     dot_1, dot_w = make_qdot_rows(kind, group, 1, wvnni, 1, wide), make_qdot_rows(kind, group, 1, wvnni, WR, wide)
 
-    def body(qs, scale, minv, xq, xd, xs, out):
-        M, N = xq.shape[0], qs.shape[0]
-        full = M - M % R
-        for k in range((N + WR - 1) // WR):
-            r = k * WR
-            for rr in range(r, min(r + WR, N)):
-                for b in range(0, full, R):
-                    dot_r(qs, scale, minv, rr, xq, xd, xs, b, out)
-            for b in range(full, M):
-                if r + WR <= N:
-                    dot_w(qs, scale, minv, r, xq, xd, xs, b, out)
-                else:
-                    for rr in range(r, N):
-                        dot_1(qs, scale, minv, rr, xq, xd, xs, b, out)
-
-    def pbody(qs, scale, minv, xq, xd, xs, out):
-        M, N = xq.shape[0], qs.shape[0]
-        full = M - M % R
-        for k in prange((N + WR - 1) // WR):
-            r = k * WR
-            for rr in range(r, min(r + WR, N)):
-                for b in range(0, full, R):
-                    dot_r(qs, scale, minv, rr, xq, xd, xs, b, out)
-            for b in range(full, M):
-                if r + WR <= N:
-                    dot_w(qs, scale, minv, r, xq, xd, xs, b, out)
-                else:
-                    for rr in range(r, N):
-                        dot_1(qs, scale, minv, rr, xq, xd, xs, b, out)
-    return _njit_drivers(body, pbody)
+    def loops(rows):
+        def body(qs, scale, minv, xq, xd, xs, out):
+            M, N = xq.shape[0], qs.shape[0]
+            full = M - M % R
+            for k in rows((N + WR - 1) // WR):
+                r = k * WR
+                for rr in range(r, min(r + WR, N)):
+                    for b in range(0, full, R):
+                        dot_r(qs, scale, minv, rr, xq, xd, xs, b, out)
+                for b in range(full, M):
+                    if r + WR <= N:
+                        dot_w(qs, scale, minv, r, xq, xd, xs, b, out)
+                    else:
+                        for rr in range(r, N):
+                            dot_1(qs, scale, minv, rr, xq, xd, xs, b, out)
+        return body
+    return _njit_drivers(loops)
 
 
 @functools.cache
@@ -246,24 +235,17 @@ def _fdrivers(kind: str, R: int):
     """As :func:`_qdrivers` for float storage: out[b, r] = dot(w, r, x, b)."""
     dot_r, dot_1 = make_fdot_rows(_FKINDS[kind], R), make_fdot_rows(_FKINDS[kind], 1)
 
-    def body(w, x, out):
-        M = x.shape[0]
-        full = M - M % R
-        for r in range(w.shape[0]):
-            for b in range(0, full, R):
-                dot_r(w, r, x, b, out)
-            for b in range(full, M):
-                dot_1(w, r, x, b, out)
-
-    def pbody(w, x, out):
-        M = x.shape[0]
-        full = M - M % R
-        for r in prange(w.shape[0]):
-            for b in range(0, full, R):
-                dot_r(w, r, x, b, out)
-            for b in range(full, M):
-                dot_1(w, r, x, b, out)
-    return _njit_drivers(body, pbody)
+    def loops(rows):
+        def body(w, x, out):
+            M = x.shape[0]
+            full = M - M % R
+            for r in rows(w.shape[0]):
+                for b in range(0, full, R):
+                    dot_r(w, r, x, b, out)
+                for b in range(full, M):
+                    dot_1(w, r, x, b, out)
+        return body
+    return _njit_drivers(loops)
 
 
 _drop_stale_cache()
