@@ -78,7 +78,8 @@ def _unsigned_weights(builder, w32, signed: bool):
     shared by the R activation rows."""
     if not signed:
         return w32, None
-    return builder.call(_llvm_fn(builder, "llvm.abs.v32i8", V32I8, [V32I8, I1]), [w32, ir.Constant(I1, 0)]), w32
+    ty = w32.type                                   # <32 x i8>, or <64 x i8> for a pair of blocks
+    return builder.call(_llvm_fn(builder, f"llvm.abs.v{ty.count}i8", ty, [ty, I1]), [w32, ir.Constant(I1, 0)]), w32
 
 
 def _isum(builder, wu, wsign, x32, vnni: bool):
@@ -174,8 +175,8 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
     load, one integer dot product, one 16-lane FMA whose low half is chain 0 and high half chain 1 — and
     the ``scale * xd`` products of 16 blocks (8 for 16-column scales) are one vector multiply per
     activation row, each pair taking its lanes by a shuffle. For R > 1 the activations come laid out by
-    :func:`streamattn.models.qmatmul.group_activations_wide` (pairs of blocks per row, xd row-major). Every lane sees the same operations in the same
-    order as the narrow kernel (the same products, the same FMAs into the same chain), so the bits are
+    :func:`streamattn.models.qmatmul.group_activations_wide` (pairs of blocks per row, xd row-major).
+    Every lane sees the same operations in the same order as the narrow kernel (the same products, the same FMAs into the same chain), so the bits are
     the same; the q4 min terms stay scalar as above. Chunks of 16 blocks, the rest as above.
     """
     VR = ir.VectorType(F32, R)
@@ -195,17 +196,29 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
             accms = [[cgutils.alloca_once_value(builder, ir.Constant(VR, [0.0] * R)) for _ in range(2)]
                      for _ in range(WR)]                                            # [weight row][parity]
 
+            def min_term(r, i, accm):
+                """q4: weight row r's block i min term, ``minv * xs`` for the R rows, into accm."""
+                minv = _splat(builder, _load(builder, ma, r, i, F32), R)
+                builder.store(builder.call(_llvm_fn(builder, f"llvm.fmuladd.v{R}f32", VR, [VR, VR, VR]),
+                                           [minv, _load(builder, ua, b0, builder.mul(i, _i64(R)), VR),
+                                            builder.load(accm)]), accm)
+
+            def nibbles(r, i, n):
+                """q4: the 16 n bytes of weight row r from block i as <32 n x i8>, each block's low
+                nibbles then its high ones (n = 1: block i; n = 2: blocks i and i + 1)."""
+                vb = ir.VectorType(I8, 16 * n)
+                raw = _load(builder, qa, r, builder.mul(i, _i64(16)), vb)
+                lo = builder.and_(raw, ir.Constant(vb, [15] * (16 * n)))
+                hi = builder.lshr(raw, ir.Constant(vb, [4] * (16 * n)))
+                order = [x for blk in range(n) for x in (*range(16 * blk, 16 * blk + 16),
+                                                          *range(16 * (n + blk), 16 * (n + blk) + 16))]
+                return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32 * n), order))
+
             def unpack(r, i, p, accm):
                 """Weight row r's block i: (|w|, sign source, scale or scale pair); q4's min term into accm."""
                 if kind == "q4":
-                    raw = _load(builder, qa, r, builder.mul(i, _i64(16)), V16I8)
-                    lo = builder.and_(raw, ir.Constant(V16I8, [15] * 16))
-                    hi = builder.lshr(raw, ir.Constant(V16I8, [4] * 16))
-                    w32 = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
-                    minv = _splat(builder, _load(builder, ma, r, i, F32), R)
-                    builder.store(builder.call(_llvm_fn(builder, f"llvm.fmuladd.v{R}f32", VR, [VR, VR, VR]),
-                                               [minv, _load(builder, ua, b0, builder.mul(i, _i64(R)), VR),
-                                                builder.load(accm)]), accm)
+                    w32 = nibbles(r, i, 1)
+                    min_term(r, i, accm)
                 else:
                     w32 = _load(builder, qa, r, builder.mul(i, _i64(32)), V32I8)
                 wu, wsign = _unsigned_weights(builder, w32, signed=kind != "q4")
@@ -225,7 +238,6 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
                 nch = builder.udiv(nblk, _i64(CH))
                 accw = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(R)]
                         for _ in range(WR)]                                         # [weight row][row]
-                cat = ir.Constant(ir.VectorType(I32, 64), [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)])
                 with cgutils.for_range(builder, nch) as loop:
                     c0 = builder.mul(loop.index, _i64(CH))
                     xd16 = []
@@ -251,20 +263,12 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
                         for w in range(WR):
                             r = wrows[w]
                             if kind == "q4":
-                                raw = _load(builder, qa, r, builder.mul(i, _i64(16)), V32I8)
-                                lo = builder.and_(raw, ir.Constant(V32I8, [15] * 32))
-                                hi = builder.lshr(raw, ir.Constant(V32I8, [4] * 32))
-                                wu, wsign = builder.shuffle_vector(lo, hi, cat), None
-                                for blk, p in ((i, 0), (i1, 1)):
-                                    minv = _splat(builder, _load(builder, ma, r, blk, F32), R)
-                                    builder.store(builder.call(
-                                        _llvm_fn(builder, f"llvm.fmuladd.v{R}f32", VR, [VR, VR, VR]),
-                                        [minv, _load(builder, ua, b0, builder.mul(blk, _i64(R)), VR),
-                                         builder.load(accms[w][p])]), accms[w][p])
+                                wu, wsign = nibbles(r, i, 2), None
+                                min_term(r, i, accms[w][0])
+                                min_term(r, i1, accms[w][1])
                             else:
-                                wsign = _load(builder, qa, r, builder.mul(i, _i64(32)), V64I8)
-                                wu = builder.call(_llvm_fn(builder, "llvm.abs.v64i8", V64I8, [V64I8, I1]),
-                                                  [wsign, ir.Constant(I1, 0)])
+                                wu, wsign = _unsigned_weights(
+                                    builder, _load(builder, qa, r, builder.mul(i, _i64(32)), V64I8), signed=True)
                             for j in range(R):
                                 isum = _isum2(builder, wu, wsign, x64s[j], vnni)
                                 sv = builder.shuffle_vector(svs[w][j], svs[w][j], ir.Constant(ir.VectorType(I32, 16), lanes))
