@@ -4,9 +4,8 @@ One ``KVCache`` is one layer. K and V are preallocated ``[batch, kv_heads, slots
 on the CPU, CuPy on the GPU) plus ``lengths[batch]``, the number of tokens each sequence has seen, which is
 also the absolute position of its next token. The cache does no arithmetic on K or V: the backends do.
 
-Slot of absolute position j (written in Python once, ``storage.ring_slots``; the CPU write,
-``storage.write_rows``, computes it in its compiled loop, and the attention kernels derive the same rule
-from (slot, length)):
+Slot of absolute position j (written once, ``storage.slot_of``, which the cache's Python side and its
+compiled CPU write both call; the attention kernels derive the same rule from (slot, length)):
 
 * causal: ``slot(j) = j``; storage grows by doubling (capped by ``max_len``).
 * window / sinks: ``slots = n_s + n_c + C - 1`` and ``slot(j) = j`` for j < n_s, else

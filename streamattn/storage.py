@@ -27,20 +27,32 @@ def storage_zeros(xp, shape, dtype):
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def ring_slots(positions, *, sinks: int, ring: int):
-    """Slots of absolute ``positions`` (any int array) in a cache with ``sinks`` fixed and ``ring`` rotating slots.
+@njit(cache=True)
+def slot_of(pos, sinks, ring):
+    """Slot of absolute position ``pos`` in a cache with ``sinks`` fixed and ``ring`` rotating slots: the
+    rule, written once (:func:`ring_slots` maps it over arrays, :func:`write_rows` calls it per row).
+    Causal caches are the case ``sinks=0, ring=capacity`` (then slot == position)."""
+    return pos if pos < sinks else sinks + (pos - sinks) % ring
 
-    Causal caches are the case ``sinks=0, ring=capacity`` (then slot == position).
+
+@njit(cache=True)
+def _map_slots(positions, sinks, ring, out):
+    for i in range(positions.size):
+        out[i] = slot_of(positions[i], sinks, ring)
+
+
+def ring_slots(positions, *, sinks: int, ring: int):
+    """Slots of absolute ``positions`` (an int or an int array; int64 array out) by :func:`slot_of`.
 
     >>> ring_slots(np.arange(8), sinks=2, ring=3).tolist()
     [0, 1, 2, 3, 4, 2, 3, 4]
-    >>> ring_slots(7, sinks=2, ring=3)                  # one Python int: the same rule in int arithmetic
+    >>> int(ring_slots(7, sinks=2, ring=3))
     4
     """
-    if isinstance(positions, int):
-        return positions if positions < sinks else sinks + (positions - sinks) % ring
-    positions = np.asarray(positions)
-    return np.where(positions < sinks, positions, sinks + (positions - sinks) % ring)
+    positions = np.asarray(positions, np.int64)
+    out = np.empty(positions.shape, np.int64)
+    _map_slots(np.ascontiguousarray(positions).reshape(-1), sinks, ring, out.reshape(-1))
+    return out
 
 
 def slot_positions(length: int, *, slots: int, sinks: int):
@@ -107,7 +119,7 @@ def bits(x):
 def write_rows(kst, vst, ks, vs, lengths, counts, last_counts, held_from, sinks, ring, window, check, expbits):
     """One chunk into a CPU ring, as bits: ``kst, vst`` [B, H, slots, D] and ``ks, vs`` [B, H, T, D] unsigned
     views of the storage and of the chunk cast to it (:func:`bits`); row t < counts[b] of sequence b goes
-    to the slot of position lengths[b] + t (:func:`ring_slots`); then the counters move (held_from only
+    to the slot of position lengths[b] + t (:func:`slot_of`); then the counters move (held_from only
     for a window cache). With ``check``, first looks for a NaN or inf (all ``expbits`` set) among the
     real rows, k before v, and returns ``2 b + (0 for k, 1 for v)`` of the first without writing anything;
     else returns -1. One compiled call where the Python path took ~15 array operations per layer."""
@@ -124,8 +136,7 @@ def write_rows(kst, vst, ks, vs, lengths, counts, last_counts, held_from, sinks,
     for b in range(B):
         L = lengths[b]
         for t in range(counts[b]):
-            pos = L + t
-            s = pos if pos < sinks else sinks + (pos - sinks) % ring
+            s = slot_of(L + t, sinks, ring)
             for h in range(H):
                 kst[b, h, s, :] = ks[b, h, t, :]
                 vst[b, h, s, :] = vs[b, h, t, :]
