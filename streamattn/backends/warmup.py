@@ -32,4 +32,3 @@ def warm(kind: str) -> float:
     one = np.ones(1, np.int64)
     cpu.attend(np.zeros((1, 1, 1, 16), np.float32), store, store, one, one, window=0, sinks=0, scale=1.0, kind=kind)
     return time.perf_counter() - t0
-

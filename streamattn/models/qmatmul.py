@@ -292,7 +292,7 @@ def _quantized_matmul(w: QWeight, xq, xd, xs, *, parallel=None, group_rows=None,
     out = np.empty((M, w.shape[0]), np.float32)
     if group_rows > 1 and M >= group_rows:
         grouped = _acts_like(*xq.shape)
-        if wide:                                             # every whole pair of the kernel's chunks
+        if wide:                                             # the kernel's whole chunks go as pairs
             ch = 16 if w.group == 32 else 8
             group_activations_wide(xq, xd, xs, group_rows, ch * (xq.shape[1] // 32 // ch), *grouped)
         else:
