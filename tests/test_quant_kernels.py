@@ -12,7 +12,8 @@ from gguf.quants import dequantize, quantize
 
 from streamattn.models.qmatmul import (GROUP_ROWS, HAVE_KERNELS, VNNI, WIDE, glu_quantize_rows, group_activations, norm_quantize_rows,
                                        qmatmul, quantize_activations)
-from streamattn.models.quant import SUPPORTED_TYPES, UnsupportedWeightType, pack
+from streamattn.models.quant import (SUPPORTED_TYPES, QWeight, UnsupportedWeightType, compact, concat_rows, floats,
+                                     move_planes, pack)
 
 pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="packed kernels need x86 AVX2 (CI machines have it)")
 
@@ -177,6 +178,57 @@ def test_wide_kernel_gives_the_same_bits(type_name):
             np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, wide=True, group_rows=r),
                                           qmatmul(x[:m], w, parallel=False, wide=False, group_rows=r),
                                           err_msg=f"K={K} M={m} R={r}")
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_float16_scale_planes_give_the_bits_of_float32_ones(type_name):
+    """pack stores scale and min planes as float16 bits where that is exact (the file's own float16
+    scales always are); the kernels widen them to the float32 the other storage holds: same bits, rows
+    one by one and in groups, wide and narrow kernels."""
+    K = 1536 if type_name in ("Q4_K", "Q6_K") else 576
+    data, _ = gguf_bytes(type_name, 13, K, seed=7)
+    w = pack("t", type_name, data, (13, K))
+    if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0"):
+        assert w.scale.dtype == np.uint16 and (w.minv is None or w.minv.dtype == np.uint16)
+    as_f32 = QWeight(w.kind, w.shape, w.qs, floats(w.scale), None if w.minv is None else floats(w.minv),
+                     w.group, w.source)
+    assert as_f32.scale.dtype == np.float32
+    x = np.random.default_rng(1).standard_normal((11, K)).astype(np.float32)
+    for wide in (False, True) if WIDE else (False,):
+        for m in (1, 11):
+            np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, wide=wide),
+                                          qmatmul(x[:m], as_f32, parallel=False, wide=wide), err_msg=f"{wide} {m}")
+
+
+def test_compact_keeps_float32_where_float16_is_not_exact():
+    exact, inexact = np.array([[0.5, -3.0]], np.float32), np.array([[0.1, 1.0]], np.float32)
+    assert compact(exact).dtype == np.uint16 and (floats(compact(exact)) == exact).all()
+    assert compact(inexact) is inexact
+    # rows of both storages side by side (a fused q/k/v whose parts differ) are widened, not mixed bitwise
+    a = QWeight("q8", (1, 64), np.ones((1, 64), np.int8), compact(exact))
+    b = QWeight("q8", (1, 64), np.ones((1, 64), np.int8), inexact)
+    np.testing.assert_array_equal(concat_rows([a, b]).dequantize(), np.concatenate([a.dequantize(), b.dequantize()]))
+
+
+def test_move_planes_into_one_buffer_keeps_values():
+    ws, want = [], {}
+    for i, t in enumerate(("Q4_1", "Q8_0", "Q6_K", "F16")):
+        data, _ = gguf_bytes(t, 7 + i, 256, seed=i)
+        ws.append((t, pack("t", t, data, (7 + i, 256))))
+        want[t] = ws[-1][1].dequantize()
+    got = {}
+    move_planes(ws, lambda name, w: got.__setitem__(name, w))
+    assert ws == [] and list(got) == list(want)
+    bases = set()
+    for t, w in got.items():
+        np.testing.assert_array_equal(w.dequantize(), want[t])
+        for p in (w.qs, w.scale, w.minv):
+            if p is not None:
+                assert p.flags.c_contiguous and p.ctypes.data % 64 == 0
+                while p.base is not None:
+                    p = p.base
+                bases.add(id(p))
+    assert len(bases) == 1                                           # one allocation holds every plane
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K", "BF16"])

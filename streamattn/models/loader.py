@@ -26,11 +26,11 @@ from typing import Callable
 
 import numpy as np
 
+from streamattn.models.arrange import fuse, into_one_buffer
 from streamattn.models.metadata_checks import LIMITS, ModelFileError, check_tensor_names
 
 SUPPORTED_ARCHS = ("llama", "gemma3")
 # Row groups of a layer multiplied by the same input, kept as one matrix: fused name -> parts (in row order)
-FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
 GEMMA3_ROPE_BASE_LOCAL = 10_000.0
 GEMMA3_GLOBAL_EVERY = 6          # layers 5, 11, 17, ... are global; the others slide
 
@@ -141,7 +141,7 @@ class GGUFModel:
     weights: dict = field(repr=False)
     metadata: dict = field(repr=False)
     weights_kind: str = "f32"
-    fused: dict = field(default_factory=dict, repr=False)   # "blk.{i}.attn_qkv.weight" ... (see FUSED)
+    fused: dict = field(default_factory=dict, repr=False)   # "blk.{i}.attn_qkv.weight" ... (see arrange.FUSED)
 
 
 def read_metadata(reader, path: str) -> dict:
@@ -332,7 +332,9 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
             progress(i + 1, total, name)
     del tensors, file_map
     _check_tensors(config, out, path)
-    fused = _fuse(out, config.n_layers)
+    fused = fuse(out, config.n_layers)
+    if weights == "quant":
+        into_one_buffer(out, fused, config.n_layers)
     return GGUFModel(path=path, config=config, weights=out, metadata=md, weights_kind=weights, fused=fused)
 
 
@@ -343,33 +345,6 @@ def _drop_pages(file_map) -> None:
     if mm is not None and hasattr(mm, "madvise"):
         import mmap
         mm.madvise(mmap.MADV_DONTNEED)
-
-
-def _fuse(weights: dict, n_layers: int) -> dict:
-    """Each layer's :data:`FUSED` row groups as one matrix; the parts in ``weights`` become row views of
-    it (one copy in memory). Groups whose packed kinds differ stay apart (the model multiplies them
-    one by one)."""
-    from streamattn.models.quant import QWeight, concat_rows, row_slice
-
-    fused = {}
-    for i in range(n_layers):
-        for key, parts in FUSED.items():
-            names = [f"blk.{i}.{p}.weight" for p in parts]
-            ws = [weights[n] for n in names]
-            if all(isinstance(w, QWeight) for w in ws):
-                f = concat_rows(ws)
-            elif not any(isinstance(w, QWeight) for w in ws):
-                f = np.ascontiguousarray(np.concatenate(ws, 0), np.float32)
-            else:
-                f = None
-            if f is None:
-                continue
-            fused[f"blk.{i}.{key}.weight"] = f
-            row = 0
-            for n, w in zip(names, ws):
-                weights[n] = row_slice(f, row, row + w.shape[0])
-                row += w.shape[0]
-    return fused
 
 
 def _check_tensors(c: ModelConfig, w: dict, path: str) -> None:

@@ -10,7 +10,8 @@ Weight rows are the outer loop (split over threads); for each, the activation ro
 :data:`ROWS` through a kernel that unpacks each weight block once for the whole group, then the
 remainder one by one; the groups' activations are first copied interleaved by block
 (:func:`group_activations`), so one pointer reaches a group's R rows. A weight row is read from memory once and stays in L1 for every activation row
-of the call (prefill chunks and decode batches).
+of the call (prefill chunks and decode batches). Each weight row's planes are prefetched
+:data:`PREFETCH_BYTES` ahead; the loader keeps all planes in one buffer (streamattn/models/arrange.py).
 
 Batch invariance: an output element ``out[b, r]`` is always the same function of row ``r`` and
 activation row ``b`` alone — the blocks in column order into 8 float lanes, then a fixed tree of lane
@@ -35,7 +36,8 @@ from numba import njit, prange
 from streamattn.backends import cpu_simd
 from streamattn.backends.cpu_simd import pow2
 from streamattn.models import qmatmul_kernels
-from streamattn.models.qmatmul_kernels import VNNI, WIDE, WIDE_VNNI, _host_cpu_has, make_fdot_rows, make_qdot_rows
+from streamattn.models.qmatmul_kernels import (VNNI, WIDE, WIDE_VNNI, _host_cpu_has, make_fdot_rows, make_qdot_rows,
+                                                prefetch_rows)
 from streamattn.models.quant import QWeight
 
 #: Activation rows per weight-block unpacking (measured: docs/PERF.md): 8 with the wide (AVX-512) kernels,
@@ -45,6 +47,9 @@ GROUP_ROWS = (1, 2, 4, 8)
 #: Weight rows per call of the kernel that takes activation rows one by one (decode): an activation block
 #: is loaded once for both, and their chains interleave. Results do not depend on it (docs/PERF.md).
 WEIGHT_ROWS = 2
+#: How far ahead of the weight row being read each of its planes is prefetched (measured: docs/PERF.md; the
+#: hardware prefetcher alone left a decode step's weight reads at ~10 GB/s, a third under a plain read's).
+PREFETCH_BYTES = 2048
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
@@ -210,13 +215,20 @@ def _qdrivers(kind: str, group: int, R: int, vnni: bool = VNNI, WR: int = 1, wid
     wvnni = vnni and WIDE_VNNI if wide else vnni        # the 512-bit vpdpbusd is AVX512-VNNI's
     dot_r = make_qdot_rows(kind, group, R, wvnni, 1, wide)
     dot_1, dot_w = make_qdot_rows(kind, group, 1, wvnni, 1, wide), make_qdot_rows(kind, group, 1, wvnni, WR, wide)
+    has_min = kind == "q4"
+    pf = PREFETCH_BYTES
 
     def loops(rows):
         def body(qs, scale, minv, xq, xd, xs, out):
             M, N = xq.shape[0], qs.shape[0]
             full = M - M % R
+            ahead = (pf + qs.strides[0] - 1) // qs.strides[0]    # weight rows
             for k in rows((N + WR - 1) // WR):
                 r = k * WR
+                prefetch_rows(qs, r + ahead, WR)
+                prefetch_rows(scale, r + ahead, WR)
+                if has_min:
+                    prefetch_rows(minv, r + ahead, WR)
                 for rr in range(r, min(r + WR, N)):
                     for b in range(0, full, R):
                         dot_r(qs, scale, minv, rr, xq, xd, xs, b, out)

@@ -127,6 +127,17 @@ def _load(builder, rows, r, c, ty):
     return builder.load(_addr(builder, rows, r, c, ty), align=1, typ=ty)
 
 
+def _load_floats(builder, rows, r, c, n: int = 1):
+    """rows[r, c:c + n] as float (n = 1) or <n x float>: ``rows`` holds float32, or float16 bits (uint16,
+    widened here: exactly, so both storages give the same floats)."""
+    if rows.itemsize == 4:
+        ty = F32 if n == 1 else ir.VectorType(F32, n)
+        return builder.load(_addr(builder, rows, r, c, ty), align=4, typ=ty)
+    half = ir.HalfType() if n == 1 else ir.VectorType(ir.HalfType(), n)
+    bits = builder.load(_addr(builder, rows, r, c, I16 if n == 1 else ir.VectorType(I16, n)), align=2)
+    return builder.fpext(builder.bitcast(bits, half), F32 if n == 1 else ir.VectorType(F32, n))
+
+
 def _fma_scalar(builder, a, b, c):
     return builder.call(_llvm_fn(builder, "llvm.fmuladd.f32", F32, [F32, F32, F32]), [a, b, c])
 
@@ -198,7 +209,7 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
 
             def min_term(r, i, accm):
                 """q4: weight row r's block i min term, ``minv * xs`` for the R rows, into accm."""
-                minv = _splat(builder, _load(builder, ma, r, i, F32), R)
+                minv = _splat(builder, _load_floats(builder, ma, r, i), R)
                 builder.store(builder.call(_llvm_fn(builder, f"llvm.fmuladd.v{R}f32", VR, [VR, VR, VR]),
                                            [minv, _load(builder, ua, b0, builder.mul(i, _i64(R)), VR),
                                             builder.load(accm)]), accm)
@@ -223,10 +234,10 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
                     w32 = _load(builder, qa, r, builder.mul(i, _i64(32)), V32I8)
                 wu, wsign = _unsigned_weights(builder, w32, signed=kind != "q4")
                 if group == 32:
-                    s = _load(builder, sa, r, i, F32)
+                    s = _load_floats(builder, sa, r, i)
                 else:                                   # two scales per 32-block: lanes 0-3, 4-7
-                    s0 = _load(builder, sa, r, builder.mul(i, _i64(2)), F32)
-                    s1 = _load(builder, sa, r, builder.add(builder.mul(i, _i64(2)), _i64(1)), F32)
+                    s0 = _load_floats(builder, sa, r, builder.mul(i, _i64(2)))
+                    s1 = _load_floats(builder, sa, r, builder.add(builder.mul(i, _i64(2)), _i64(1)))
                     s = builder.shuffle_vector(_splat8(builder, s0), _splat8(builder, s1),
                                                ir.Constant(ir.VectorType(I32, 8), [0, 0, 0, 0, 8, 8, 8, 8]))
                 return wu, wsign, s
@@ -247,7 +258,7 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
                         if group != 32:              # each block's xd twice: the products s0 * xd, s1 * xd
                             v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 16), [k // 2 for k in range(16)]))
                         xd16.append(v)
-                    s16 = [builder.load(_addr(builder, sa, wrows[w], builder.mul(c0, _i64(32 // group)), V16F), align=4)
+                    s16 = [_load_floats(builder, sa, wrows[w], builder.mul(c0, _i64(32 // group)), 16)
                            for w in range(WR)]
                     svs = [[builder.fmul(s16[w], xd16[j]) for j in range(R)] for w in range(WR)]
                     for k in range(CH // 2):
@@ -351,3 +362,32 @@ def make_fdot_rows(kind: int, R: int = 1):
             return context.get_dummy_value()
         return types.void(w, r, x, b, out), codegen
     return _stable(fdot, f"fdot:{kind}:{R}")
+
+
+def _make_prefetch_rows():
+    """Intrinsic prefetch_rows(a, r, n) -> None: prefetch every 64-byte line of rows r .. r + n - 1 of the
+    C array ``a`` for reading, into L2 (hint T1: the lines are read once, a few rows later). A prefetch
+    never faults, so rows past the end are harmless."""
+    @intrinsic
+    def prefetch_rows(typingctx, a, r, n):
+        if not _c_arrays(a):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ra = _Rows(context, builder, sig.args[0], args[0])
+            r0 = context.cast(builder, args[1], sig.args[1], types.int64)
+            n = context.cast(builder, args[2], sig.args[2], types.int64)
+            start = builder.ptrtoint(_addr(builder, ra, r0, _i64(0), I8), I64)
+            first = builder.and_(start, _i64(-64))                  # the line the rows start in
+            end = builder.add(start, builder.mul(n, ra.row_stride))
+            fn = _llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+            lines = builder.udiv(builder.add(builder.sub(end, first), _i64(63)), _i64(64))
+            with cgutils.for_range(builder, lines) as loop:
+                p = builder.inttoptr(builder.add(first, builder.mul(loop.index, _i64(64))), I8.as_pointer())
+                builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+            return context.get_dummy_value()
+        return types.void(a, r, n), codegen
+    return _stable(prefetch_rows, "prefetch_rows:T1")
+
+
+prefetch_rows = _make_prefetch_rows()

@@ -34,7 +34,8 @@ import numpy as np
 
 from streamattn import CacheSpec, KVCache
 from streamattn.dispatch import _append_attend   # attend() without re-checking what forward built
-from streamattn.models.loader import FUSED, GGUFModel, ModelConfig
+from streamattn.models.arrange import FUSED
+from streamattn.models.loader import GGUFModel, ModelConfig
 from streamattn.models.quant import QWeight, concat_rows
 from streamattn.models.rope import RopeTables, rope, rope_tables  # noqa: F401  (rope_tables: re-exported)
 
