@@ -1,6 +1,9 @@
 """streamattn: exact streaming attention over ring KV caches (Numba on CPU, CuPy on GPU)."""
 
 from . import threads as _threads  # first: sets the thread runtimes' wait policy before numpy/numba load
+from .memory import import_numba_arraymath as _import_numba_arraymath
+
+_import_numba_arraymath()          # before the first kernel: see streamattn/memory.py
 from .spec import CacheSpec
 from .cache import KVCache
 from .dispatch import attend
