@@ -30,3 +30,41 @@ def test_importing_streamattn_skips_scipy_linalg_and_hides_nothing_after():
     """).split()
     assert got[:3] == ["no-linalg", "False", "False"], got
     assert got[3] in ("importable", "no-scipy")
+
+
+def test_release_compiler_pages_drops_llvm_from_rss_and_compiling_still_works():
+    got = _run("""
+        import numpy as np
+        from numba import njit
+        from streamattn.memory import release_compiler_pages
+
+        def llvm_rss_kb():
+            total, inside = 0, False
+            for line in open("/proc/self/smaps"):
+                head = line.split()
+                if "-" in head[0] and ":" not in head[0]:
+                    inside = "libllvmlite" in line
+                elif inside and head[0] == "Rss:":
+                    total += int(head[1])
+            return total
+
+        @njit
+        def f(a):
+            return a.sum()
+
+        f(np.ones(3))
+        before = llvm_rss_kb()
+        advised = release_compiler_pages()
+        after = llvm_rss_kb()
+
+        @njit
+        def g(a):
+            return a.sum() * 2                          # a fresh compile reads the pages back
+
+        print(before, advised, after, g(np.ones(3)), f(np.ones(4)))
+    """).split()
+    before, advised, after = int(got[0]), int(got[1]), int(got[2])
+    assert got[3:] == ["6.0", "4.0"]
+    assert before > 20_000                               # KB: LLVM's code was resident after a compile
+    assert advised > 0, "madvise(MADV_PAGEOUT) refused (Linux < 5.4?)"
+    assert after < before / 2, (before, after)

@@ -240,10 +240,13 @@ def warm_model(model, kind: str) -> float:
     outside any timing, as llama.cpp's warm-up decode does. Seconds taken.
 
     Loading the matmul drivers of one weight kind took 0.3-1.3 s in a fresh process (docs/PERF.md), which
-    a timed prefill had counted."""
+    a timed prefill had counted. Then LLVM's library pages, which only loading needed, are handed back
+    (:func:`streamattn.memory.release_compiler_pages`)."""
+    from streamattn.memory import release_compiler_pages
     from streamattn.models.qmatmul import ROWS
     t0 = time.perf_counter()
     caches = model.new_caches(batch=1, max_chunk=ROWS, dtype=kind)
     model.forward(np.zeros((1, ROWS), np.int64), caches, last_only=True)
     model.forward(np.zeros((1, 1), np.int64), caches, last_only=True)
+    release_compiler_pages()                     # every kernel is loaded: LLVM's pages can go (memory.py)
     return time.perf_counter() - t0
