@@ -32,19 +32,25 @@ def test_importing_streamattn_skips_scipy_linalg_and_hides_nothing_after():
     assert got[3] in ("importable", "no-scipy")
 
 
-def test_release_compiler_pages_drops_llvm_from_rss_and_compiling_still_works():
+def test_release_compiler_pages_drops_llvm_pages_and_compiling_still_works():
+    """The pages only this process maps (Private_Clean: the test's parent may map LLVM's library too, and
+    the kernel never reclaims a page another process maps) leave the resident set; a fresh compile after
+    it, and a call of a function compiled before it, still work. This process (pytest, which has loaded
+    numba) first hands its own pages back, so that the child's are its own."""
+    from streamattn.memory import release_compiler_pages
+    release_compiler_pages()
     got = _run("""
         import numpy as np
         from numba import njit
         from streamattn.memory import release_compiler_pages
 
-        def llvm_rss_kb():
+        def llvm_private_kb():
             total, inside = 0, False
             for line in open("/proc/self/smaps"):
                 head = line.split()
                 if "-" in head[0] and ":" not in head[0]:
-                    inside = "libllvmlite" in line
-                elif inside and head[0] == "Rss:":
+                    inside = "libllvmlite" in line and "w" not in head[1]
+                elif inside and head[0] == "Private_Clean:":
                     total += int(head[1])
             return total
 
@@ -53,9 +59,9 @@ def test_release_compiler_pages_drops_llvm_from_rss_and_compiling_still_works():
             return a.sum()
 
         f(np.ones(3))
-        before = llvm_rss_kb()
+        before = llvm_private_kb()
         advised = release_compiler_pages()
-        after = llvm_rss_kb()
+        after = llvm_private_kb()
 
         @njit
         def g(a):
@@ -65,6 +71,6 @@ def test_release_compiler_pages_drops_llvm_from_rss_and_compiling_still_works():
     """).split()
     before, advised, after = int(got[0]), int(got[1]), int(got[2])
     assert got[3:] == ["6.0", "4.0"]
-    assert before > 20_000                               # KB: LLVM's code was resident after a compile
     assert advised > 0, "madvise(MADV_PAGEOUT) refused (Linux < 5.4?)"
-    assert after < before / 2, (before, after)
+    assert before > 10_000, before                      # KB: LLVM's code the compile touched
+    assert after <= before // 4, (before, after)
