@@ -34,10 +34,11 @@ import numpy as np
 from numba import njit, prange
 
 from streamattn.backends import cpu_simd
-from streamattn.backends.cpu_simd import pow2
 from streamattn.models import qmatmul_kernels
 from streamattn.models.qmatmul_kernels import (VNNI, WIDE, WIDE_VNNI, _host_cpu_has, make_fdot_rows, make_qdot_rows,
                                                 prefetch_rows)
+from streamattn.models.qacts import (glu_quantize_rows, group_activations, group_activations_wide,  # noqa: F401
+                                      norm_quantize_rows, quantize_rows)
 from streamattn.models.quant import QWeight
 
 #: Activation rows per weight-block unpacking (measured: docs/PERF.md): 8 with the wide (AVX-512) kernels,
@@ -54,132 +55,6 @@ _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
 HAVE_KERNELS = _host_cpu_has("avx2")
-
-
-@njit(cache=True, inline="always")
-def _quantize_row(y, b, xq, xd, xs):
-    """Quantize y: float32 [K] into row b of xq, xd, xs, per 32 columns (see :func:`quantize_rows`)."""
-    for i in range(y.shape[0] // 32):
-        amax = np.float32(0.0)
-        for j in range(32):
-            amax = max(amax, abs(y[i * 32 + j]))
-        d = amax / np.float32(127.0)
-        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-        s = 0
-        for j in range(32):
-            q = np.int32(np.rint(y[i * 32 + j] * inv))
-            xq[b, i * 32 + j] = q
-            s += q
-        xd[b, i] = d
-        xs[b, i] = d * np.float32(s)
-
-
-@njit(cache=True)
-def quantize_rows(x, xq, xd, xs):
-    """Quantize x: float32 [B, K] per 32 columns: xq int8 [B, K], xd = amax / 127, xs = xd * sum(xq)
-    (float32 [B, K/32])."""
-    for b in range(x.shape[0]):
-        _quantize_row(x[b], b, xq, xd, xs)
-
-
-@njit(cache=True)
-def norm_quantize_rows(x, w, eps, xq, xd, xs):
-    """Fused RMSNorm and quantization: rows of ``x / sqrt(mean(x²) + eps) * w`` (x: float32 [B, K],
-    w: [K]) into xq, xd, xs as :func:`quantize_rows`."""
-    K = x.shape[1]
-    y = np.empty(K, np.float32)                                     # one normed row
-    for b in range(x.shape[0]):
-        ss = np.float32(0.0)
-        for j in range(K):
-            ss += x[b, j] * x[b, j]
-        inv = np.float32(1.0) / np.sqrt(ss * np.float32(1.0 / K) + np.float32(eps))
-        for j in range(K):
-            y[j] = x[b, j] * inv * w[j]
-        _quantize_row(y, b, xq, xd, xs)
-
-
-@njit(cache=True, inline="always")
-def _exp(x):
-    """e^x for a float32 x, in plain arithmetic that LLVM vectorises (libm's expf is a scalar call, which
-    kept the gated activation at ~10 ns an element). x = k ln2 + r with |r| <= ln2/2; e^r from Cephes
-    expf's degree-5 polynomial (relative error < 1e-7 here), 2^k written into the exponent bits. Above
-    88 the result is inf (e^88.7 overflows float32 anyway), so g / (1 + e^x) is a signed 0 there, not
-    g * 6e-39; below -87 it stays e^-87 = 1.6e-38, the last normal power of 2 (1 + e^x is 1 there)."""
-    over = x > np.float32(88.0)
-    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
-    k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = x - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)     # ln2 in two parts
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    e = (p * r * r + r + np.float32(1.0)) * pow2(np.int32(k))
-    return np.float32(np.inf) if over else e
-
-
-@njit(cache=True, error_model="numpy")
-def glu_quantize_rows(gu, gelu, xq, xd, xs):
-    """Fused gated activation and quantization: rows of ``act(g) * u`` where gu = [g | u] float32
-    [B, 2F]; act is gelu-tanh when ``gelu`` else silu, both as ``g / (1 + e^-a)`` (silu: a = g; gelu:
-    0.5 g (1 + tanh z) = g / (1 + e^-2z), which for z << 0 keeps the digits 1 + tanh z would cancel),
-    e^x by :func:`_exp`. ``error_model="numpy"``: a float division without Python's zero check, which
-    would stop the loop from vectorising (1 + e^x is never 0)."""
-    F = gu.shape[1] // 2
-    y = np.empty(F, np.float32)                                     # one activated row
-    c2 = np.float32(2.0 * np.sqrt(2.0 / np.pi))
-    for b in range(gu.shape[0]):
-        if gelu:
-            for j in range(F):
-                g = gu[b, j]
-                y[j] = g / (np.float32(1.0) + _exp(-c2 * (g + np.float32(0.044715) * g * g * g))) * gu[b, F + j]
-        else:
-            for j in range(F):
-                g = gu[b, j]
-                y[j] = g / (np.float32(1.0) + _exp(-g)) * gu[b, F + j]
-        _quantize_row(y, b, xq, xd, xs)
-
-
-@njit(cache=True)
-def group_activations(xq, xd, xs, R, gq, gd, gs):
-    """Copy quantized activations (xq int8 [M, K], xd, xs float32 [M, K/32]) into gq, gd, gs (same
-    shapes) with each group of R rows interleaved by block, the layout the R-row kernels read
-    (:func:`streamattn.models.qmatmul_kernels.make_qdot_rows`); the M % R rows after the last group
-    stay row-major."""
-    M, K = xq.shape
-    nb = K // 32
-    full = M - M % R
-    fq, fd, fs = gq.reshape(-1), gd.reshape(-1), gs.reshape(-1)     # C arrays: flat views
-    for b in range(M):
-        g0, j, n = (b - b % R, b % R, R) if b < full else (b, 0, 1)
-        for i in range(nb):
-            o = g0 * nb + i * n + j                                  # block i of row j of the group at g0
-            fd[o] = xd[b, i]
-            fs[o] = xs[b, i]
-            for t in range(32):
-                fq[o * 32 + t] = xq[b, i * 32 + t]
-
-
-@njit(cache=True)
-def group_activations_wide(xq, xd, xs, R, pairs_end, gq, gd, gs):
-    """:func:`group_activations` for the wide R-row kernels: in each group of R rows, blocks below
-    ``pairs_end`` (the kernel's whole chunks) go as pairs, block pair p of row j at flat byte
-    ``g0 * K + (p * R + j) * 64``, the later blocks interleaved as there; xd stays row-major (the kernel
-    multiplies a row's xd of a chunk as one vector); xs interleaved as there."""
-    M, K = xq.shape
-    nb = K // 32
-    full = M - M % R
-    fq, fs = gq.reshape(-1), gs.reshape(-1)
-    gd[:] = xd
-    for b in range(M):
-        g0, j, n = (b - b % R, b % R, R) if b < full else (b, 0, 1)
-        for i in range(nb):
-            o = g0 * nb + i * n + j                                  # as group_activations
-            fs[o] = xs[b, i]
-            q = (g0 * nb + (i // 2 * n + j) * 2 + i % 2) * 32 if i < pairs_end else o * 32
-            for t in range(32):
-                fq[q + t] = xq[b, i * 32 + t]
 
 
 def _drop_stale_cache() -> None:
@@ -260,6 +135,20 @@ def _fdrivers(kind: str, R: int):
     return _njit_drivers(loops)
 
 
+@njit(cache=True)
+def _grouped(xq, xd, xs, R, wide, group):
+    """Copies of quantized activations in the layout the R-row kernels read (:func:`group_activations`,
+    or :func:`group_activations_wide` for the wide kernels, whose whole chunks go as pairs)."""
+    M, K = xq.shape
+    gq, gd, gs = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
+    if wide:
+        ch = 16 if group == 32 else 8
+        group_activations_wide(xq, xd, xs, R, ch * (K // 32 // ch), gq, gd, gs)
+    else:
+        group_activations(xq, xd, xs, R, gq, gd, gs)
+    return gq, gd, gs
+
+
 _drop_stale_cache()
 _EMPTY = np.zeros((1, 1), np.float32)
 
@@ -303,13 +192,7 @@ def _quantized_matmul(w: QWeight, xq, xd, xs, *, parallel=None, group_rows=None,
     M = xq.shape[0]
     out = np.empty((M, w.shape[0]), np.float32)
     if group_rows > 1 and M >= group_rows:
-        grouped = _acts_like(*xq.shape)
-        if wide:                                             # the kernel's whole chunks go as pairs
-            ch = 16 if w.group == 32 else 8
-            group_activations_wide(xq, xd, xs, group_rows, ch * (xq.shape[1] // 32 // ch), *grouped)
-        else:
-            group_activations(xq, xd, xs, group_rows, *grouped)
-        xq, xd, xs = grouped
+        xq, xd, xs = _grouped(xq, xd, xs, group_rows, wide, w.group)
     par = numba.get_num_threads() > 1 if parallel is None else parallel
     minv = w.minv if w.minv is not None else _EMPTY
     wr = WEIGHT_ROWS if w.kind == "q4" else 1

@@ -167,7 +167,7 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
     packed weight ("q4" or "q8" planes; ``minv`` is ignored for "q8") times quantized activation row
     b + j, for j < R.
 
-    The R activation rows from b are stored interleaved by block (:func:`streamattn.models.qmatmul.
+    The R activation rows from b are stored interleaved by block (:func:`streamattn.models.qacts.
     group_activations`): block i of row b + j at flat element ``b * K + (i * R + j) * 32`` of xq, its
     ``xd`` and ``xs`` at ``b * K/32 + i * R + j``. So one pointer reaches all R rows at constant
     offsets, and their ``xs`` of a block are one vector. For R = 1 that is the plain row-major layout.
@@ -186,7 +186,7 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
     load, one integer dot product, one 16-lane FMA whose low half is chain 0 and high half chain 1 — and
     the ``scale * xd`` products of 16 blocks (8 for 16-column scales) are one vector multiply per
     activation row, each pair taking its lanes by a shuffle. For R > 1 the activations come laid out by
-    :func:`streamattn.models.qmatmul.group_activations_wide` (pairs of blocks per row, xd row-major).
+    :func:`streamattn.models.qacts.group_activations_wide` (pairs of blocks per row, xd row-major).
     Every lane sees the same operations in the same order as the narrow kernel (the same products, the same FMAs into the same chain), so the bits are
     the same; the q4 min terms stay scalar as above. Chunks of 16 blocks, the rest as above.
     """
