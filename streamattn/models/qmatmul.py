@@ -50,7 +50,7 @@ GROUP_ROWS = (1, 2, 4, 8)
 WEIGHT_ROWS = 2
 #: How far ahead of the weight row being read each of its planes is prefetched (measured: docs/PERF.md; the
 #: hardware prefetcher alone left a decode step's weight reads at ~10 GB/s, a third under a plain read's).
-PREFETCH_BYTES = 2048
+PREFETCH_BYTES = 4096
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
