@@ -183,21 +183,24 @@ def test_wide_kernel_gives_the_same_bits(type_name):
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_float16_scale_planes_give_the_bits_of_float32_ones(type_name):
     """pack stores scale and min planes as float16 bits where that is exact (the file's own float16
-    scales always are); the kernels widen them to the float32 the other storage holds: same bits, rows
-    one by one and in groups, wide and narrow kernels."""
+    scales always are); the kernels widen them to the float32 the other storage would hold: same bits,
+    rows one by one and in groups, wide and narrow kernels. K-quant products that pack keeps as float32
+    are rounded to float16 here, so their 16-column groups (Q6_K) take the float16 loads too."""
     K = 1536 if type_name in ("Q4_K", "Q6_K") else 576
     data, _ = gguf_bytes(type_name, 13, K, seed=7)
     w = pack("t", type_name, data, (13, K))
     if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0"):
         assert w.scale.dtype == np.uint16 and (w.minv is None or w.minv.dtype == np.uint16)
-    as_f32 = QWeight(w.kind, w.shape, w.qs, floats(w.scale), None if w.minv is None else floats(w.minv),
-                     w.group, w.source)
-    assert as_f32.scale.dtype == np.float32
+    half = (lambda p: None if p is None else floats(p).astype(np.float16).view(np.uint16))
+    w16 = QWeight(w.kind, w.shape, w.qs, half(w.scale), half(w.minv), w.group, w.source)
+    w32 = QWeight(w.kind, w.shape, w.qs, floats(w16.scale), None if w.minv is None else floats(w16.minv),
+                  w.group, w.source)
+    assert w16.scale.dtype == np.uint16 and w32.scale.dtype == np.float32
     x = np.random.default_rng(1).standard_normal((11, K)).astype(np.float32)
     for wide in (False, True) if WIDE else (False,):
-        for m in (1, 11):
-            np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, wide=wide),
-                                          qmatmul(x[:m], as_f32, parallel=False, wide=wide), err_msg=f"{wide} {m}")
+        for m in (1, 2, 11):
+            np.testing.assert_array_equal(qmatmul(x[:m], w16, parallel=False, wide=wide),
+                                          qmatmul(x[:m], w32, parallel=False, wide=wide), err_msg=f"{wide} {m}")
 
 
 def test_compact_keeps_float32_where_float16_is_not_exact():

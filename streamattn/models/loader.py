@@ -30,7 +30,6 @@ from streamattn.models.arrange import fuse, into_one_buffer
 from streamattn.models.metadata_checks import LIMITS, ModelFileError, check_tensor_names
 
 SUPPORTED_ARCHS = ("llama", "gemma3")
-# Row groups of a layer multiplied by the same input, kept as one matrix: fused name -> parts (in row order)
 GEMMA3_ROPE_BASE_LOCAL = 10_000.0
 GEMMA3_GLOBAL_EVERY = 6          # layers 5, 11, 17, ... are global; the others slide
 

@@ -34,7 +34,7 @@ import numpy as np
 from numba import njit, prange
 
 from streamattn.backends import cpu_simd
-from streamattn.models import qmatmul_kernels
+from streamattn.models import qacts, qmatmul_kernels
 from streamattn.models.qmatmul_kernels import (VNNI, WIDE, WIDE_VNNI, _host_cpu_has, make_fdot_rows, make_qdot_rows,
                                                 prefetch_rows)
 from streamattn.models.qacts import (glu_quantize_rows, group_activations, group_activations_wide,  # noqa: F401
@@ -49,7 +49,8 @@ GROUP_ROWS = (1, 2, 4, 8)
 #: is loaded once for both, and their chains interleave. Results do not depend on it (docs/PERF.md).
 WEIGHT_ROWS = 2
 #: How far ahead of the weight row being read each of its planes is prefetched (measured: docs/PERF.md; the
-#: hardware prefetcher alone left a decode step's weight reads at ~10 GB/s, a third under a plain read's).
+#: hardware prefetcher alone left a decode step's weight reads at ~10 GB/s, ~45% under a plain read's).
+#: Read when a weight kind's drivers are first built (:func:`_qdrivers` is cached).
 PREFETCH_BYTES = 4096
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
@@ -59,16 +60,19 @@ HAVE_KERNELS = _host_cpu_has("avx2")
 
 def _drop_stale_cache() -> None:
     """Numba keys a cached function on its own source file, not on the IR kernels it inlines (from
-    qmatmul_kernels.py and cpu_simd.py): after those files change, this module's cached drivers would
-    still run the old code. A stamp of them beside the cache deletes this module's cache files when it
-    differs (as streamattn.backends.cpu does for the attention kernels)."""
+    qmatmul_kernels.py and cpu_simd.py) nor on the compiled functions it calls (qacts.py, whose
+    quantizers use cpu_simd's pow2): after those files change, this module's and qacts' cached code
+    would still run the old code. A stamp of them beside the cache deletes both modules' cache files
+    when it differs (as streamattn.backends.cpu does for the attention kernels)."""
     try:
-        cache_dir = Path(quantize_rows._cache._cache_path)
-        stamp = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (qmatmul_kernels, cpu_simd))).hexdigest()
+        cache_dir = Path(_grouped._cache._cache_path)
+        stamp = hashlib.sha256(b"".join(Path(m.__file__).read_bytes()
+                                        for m in (qmatmul_kernels, cpu_simd, qacts))).hexdigest()
         marker = cache_dir / "streamattn_qmatmul_kernels.sha256"
         if not marker.exists() or marker.read_text() != stamp:
-            for f in cache_dir.glob(f"{__name__.rsplit('.', 1)[-1]}.*.nb[ic]"):
-                f.unlink()
+            for module in (__name__, qacts.__name__):
+                for f in cache_dir.glob(f"{module.rsplit('.', 1)[-1]}.*.nb[ic]"):
+                    f.unlink()
             marker.write_text(stamp)
     except (OSError, AttributeError):            # no writable cache, or numba internals moved
         pass

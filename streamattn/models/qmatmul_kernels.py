@@ -196,6 +196,8 @@ def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, W
     def qdot(typingctx, qs, scale, minv, r, xq, xd, xs, b, out):
         if not _c_arrays(qs, scale, minv, xq, xd, xs, out):
             return None
+        if any(p.dtype not in (types.float32, types.uint16) for p in (scale, minv)):
+            return None                          # _load_floats reads float32, or float16 bits as uint16
 
         def codegen(context, builder, sig, args):
             qa, sa, ma, xa, da, ua, oa = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6, 8))
