@@ -150,18 +150,7 @@ class KVCache(StateOps):
         """Store a validated chunk: cast, check finite as stored (before writing), grow, write, count (on
         the CPU the check, write and count are one compiled call, :func:`streamattn.storage.write_rows`)."""
         xp, spec = self.xp, self.spec
-        if k.dtype == spec.storage_dtype and v.dtype == spec.storage_dtype:      # no cast: no overflow
-            ks, vs = k, v                                # (not bf16: its storage dtype is no float)
-        else:
-            with np.errstate(over="ignore"):      # an overflow to inf is caught just below, by name
-                ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
-                vs = to_storage(v, spec.dtype, xp)
-        if spec.window is None:
-            need = int(self.lengths[0] + counts[0]) if spec.batch == 1 else int((self.lengths + counts).max())
-            if need > self.slots:
-                if spec.check_finite:             # refuse before growing: a refused chunk changes nothing
-                    check_stored_finite(ks, vs, counts, spec.dtype, xp)
-                self._grow(need)
+        ks, vs = self._stage(k, v, counts)
         if xp is np:                              # one compiled call: check as stored, write, count
             bad = write_rows(bits(self.k), bits(self.v), bits(ks), bits(vs), self.lengths,
                              np.ascontiguousarray(counts, np.int64), self.last_counts, self.held_from,
@@ -189,6 +178,24 @@ class KVCache(StateOps):
             np.maximum(self.held_from, self.lengths + counts - self.ring, out=self.held_from)
         self.lengths += counts
         self.last_counts[:] = counts           # in place: a head() view and its parent share the counters
+
+    def _stage(self, k, v, counts):
+        """A validated chunk cast to the storage (ks, vs), with room made for it: a causal cache grows,
+        after refusing a chunk that is not finite as stored (so a refused chunk changes nothing)."""
+        xp, spec = self.xp, self.spec
+        if k.dtype == spec.storage_dtype and v.dtype == spec.storage_dtype:      # no cast: no overflow
+            ks, vs = k, v                                # (not bf16: its storage dtype is no float)
+        else:
+            with np.errstate(over="ignore"):      # an overflow to inf is caught just below, by name
+                ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
+                vs = to_storage(v, spec.dtype, xp)
+        if spec.window is None:
+            need = int(self.lengths[0] + counts[0]) if spec.batch == 1 else int((self.lengths + counts).max())
+            if need > self.slots:
+                if spec.check_finite:             # refuse before growing: a refused chunk changes nothing
+                    check_stored_finite(ks, vs, counts, spec.dtype, xp)
+                self._grow(need)
+        return ks, vs
 
     def _validate_append(self, k, v, counts):
         spec, xp = self.spec, self.xp

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import backends
 from .cache import KVCache
+from .storage import EXPONENT_BITS, bits, non_finite_error
 
 
 def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = None, counts=None,
@@ -100,11 +103,40 @@ def _append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, count
     the NaN on rows whose lse is not finite. q is not checked for NaN or inf: a non-finite query row
     makes its scores non-finite, so its lse is too, and the row comes back NaN, never as a number.
     """
-    cache._append_trusted(k, v, counts)
     spec = cache.spec
+    if (counts is None and spec.window is None and spec.sinks == 0 and cache.device == "cpu"
+            and backend in ("cpu", "auto") and q.dtype == np.float32 and q.flags.c_contiguous):
+        return _append_attend_cpu(q, k, v, cache, scale)
+    cache._append_trusted(k, v, counts)
     counts = cache.last_counts if counts is None else counts
     _check_answerable(cache, counts)
     return _run(backends.get(backend, cache.device), q, cache, scale, counts, q_sink if spec.sinks else None)
+
+
+def _append_attend_cpu(q, k, v, cache: KVCache, scale: float):
+    """:func:`_append_attend` for a causal CPU cache without sinks, every row real: the cache's own
+    staging (cast, refuse before growing, grow), then one compiled call for the write and the attention
+    (:func:`streamattn.backends.cpu.write_attend`: the same kernels, the same bits)."""
+    spec = cache.spec
+    counts = np.full(spec.batch, k.shape[2], np.int64)
+    if spec.max_len is not None:
+        cache._check_room(counts)
+    ks, vs = cache._stage(k, v, counts)
+    kst, vst = bits(cache.k), bits(cache.v)
+    ka, va = (cache.k, cache.v) if spec.dtype == "float32" else (kst, vst)
+    bad, out, lse, finite = _cpu().write_attend(q, scale, kst, vst, bits(ks), bits(vs), ka, va, cache.lengths,
+                                                counts, cache.last_counts, cache.held_from, cache.ring,
+                                                spec.check_finite, EXPONENT_BITS[spec.dtype], _cpu().KIND[spec.dtype])
+    if bad >= 0:
+        raise non_finite_error("kv"[bad % 2], bad // 2, spec.dtype)
+    return (out, lse) if finite else _poison_non_finite(out, lse, counts, np)
+
+
+@functools.cache
+def _cpu():
+    """The CPU backend module, imported on first use (its kernels load then)."""
+    from .backends import cpu
+    return cpu
 
 
 def _check_answerable(cache: KVCache, counts) -> None:

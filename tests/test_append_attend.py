@@ -40,10 +40,12 @@ def test_same_answers_and_state_as_append_then_attend(mode, dtype):
     assert int(fast.lengths.max()) > fast.slots or mode == "causal"          # the ring wrapped
 
 
+@pytest.mark.parametrize("mode", ["causal", "window"])
 @pytest.mark.parametrize("dtype,value", [("float32", np.nan), ("float16", 1e5), ("bfloat16", np.inf)])
-def test_non_finite_key_is_refused_and_the_cache_unchanged(dtype, value):
+def test_non_finite_key_is_refused_and_the_cache_unchanged(dtype, value, mode):
+    """Both routes (a causal cache takes the one compiled call, a window cache the staged one)."""
     rng = np.random.default_rng(1)
-    cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, window=4, dtype=dtype))
+    cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, dtype=dtype, **SPECS[mode]))
     _append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), cache, backend="cpu", scale=0.25)
     snap = snapshot(cache)
     for which in "kv":
@@ -99,11 +101,12 @@ def test_a_rewound_ring_still_refuses_what_it_cannot_answer():
     assert str(got.value) == str(want.value)
 
 
+@pytest.mark.parametrize("mode", ["causal", "window"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_a_non_finite_query_comes_back_nan(bad):
+def test_a_non_finite_query_comes_back_nan(bad, mode):
     """Not refused (the model's q is not re-checked) but never a number: the row is NaN, out and lse."""
     rng = np.random.default_rng(5)
-    cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, window=4))
+    cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, **SPECS[mode]))
     for _ in range(3):
         _append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), cache, backend="cpu", scale=0.25)
     q = chunk(rng, 2, 2, 1)
@@ -113,10 +116,30 @@ def test_a_non_finite_query_comes_back_nan(bad):
     assert np.isfinite(out[0]).all() and np.isfinite(out[1, 0]).all() and np.isfinite(lse[1, 0]).all()
 
 
-def test_a_non_finite_key_with_the_check_off_gives_nan():
+@pytest.mark.parametrize("mode", ["causal", "window"])
+def test_a_non_finite_key_with_the_check_off_gives_nan(mode):
     rng = np.random.default_rng(6)
-    cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, window=4, check_finite=False))
+    cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, check_finite=False, **SPECS[mode]))
     k = chunk(rng, 2, 1, 1)
     k[0, 0, 0, 0] = np.nan
     out, lse = _append_attend(chunk(rng, 2, 1, 1), k, chunk(rng, 2, 1, 1), cache, backend="cpu", scale=0.25)
     assert np.isnan(out[0]).all() and np.isnan(lse[0]).all() and np.isfinite(out[1]).all()
+
+
+def test_causal_cpu_chunks_take_the_one_compiled_call(monkeypatch):
+    """A causal cache without sinks, every row real: write and attention in one compiled call
+    (backends.cpu.write_attend); ragged counts, sinks and windows go the staged way. Both give the bits of
+    append then attend (test_same_answers_and_state_as_append_then_attend)."""
+    from streamattn.backends import cpu
+    calls = []
+    real = cpu.write_attend
+    monkeypatch.setattr(cpu, "write_attend", lambda *a: calls.append(a[9].copy()) or real(*a))
+    rng = np.random.default_rng(8)
+    causal = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, dtype="float16"))
+    _append_attend(chunk(rng, 2, 2, 3), chunk(rng, 2, 1, 3), chunk(rng, 2, 1, 3), causal, backend="cpu", scale=0.5)
+    assert len(calls) == 1 and calls[0].tolist() == [3, 3]
+    _append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), causal, backend="cpu", scale=0.5,
+                   counts=np.array([1, 0]))
+    window = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, **SPECS["window"]))
+    _append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), window, backend="cpu", scale=0.5)
+    assert len(calls) == 1

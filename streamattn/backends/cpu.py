@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
+from .. import storage
+from ..storage import write_rows
 from . import cpu_simd, cpu_tiles
 from .cpu_simd import row_max
 from .cpu_tiles import FASTMATH, KIND, _accumulate, _exp_tile, _lane_sum, _scores, _tile_accumulate, _tile_scores
@@ -249,6 +251,25 @@ def _attend_all(q, qs, k, v, lengths, counts, window, sinks, kind):
     return out, lse
 
 
+@njit(cache=True)
+def write_attend(q, scale, kst, vst, ks, vs, ka, va, lengths, counts, last_counts, held_from, ring, check,
+                 expbits, kind):
+    """Append then attend for a causal cache without sinks, one call from Python (the model's decode and
+    prefill chunks): :func:`streamattn.storage.write_rows` of the chunk (kst, vst: the storage as bits;
+    ks, vs: the chunk as stored, as bits; refused whole if not finite), then :func:`_attend_all` of
+    ``q * scale`` (q: float32 [B, Hq, T, D]) over ka, va (the storage as the kernels read it). The same
+    calls and bits as ``KVCache.append`` then :func:`attend`, without the Python between them (~1 ms a
+    SmolLM2 decode step in the model, where that Python runs with its data evicted: docs/PERF.md).
+    Returns (bad, out, lse, finite): bad >= 0 names the refused rows (nothing written; out, lse empty);
+    finite: every lse is finite (else the caller applies the NaN rule)."""
+    bad = write_rows(kst, vst, ks, vs, lengths, counts, last_counts, held_from, 0, ring, False, check, expbits)
+    if bad >= 0:
+        return bad, np.empty((0, 0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), True
+    qs = q * np.float32(scale)
+    out, lse = _attend_all(qs, qs, ka, va, lengths, counts, 0, 0, kind)
+    return bad, out, lse, bool(np.isfinite(lse).all())
+
+
 def count_pages(lengths, counts, window: int, sinks: int) -> int:
     """Most pages any sequence of the call reads (at least 1): the ``npages`` of :func:`_attend_pages`."""
     return _grid(np.asarray(lengths, np.int64), np.asarray(counts, np.int64), window, sinks, 1)[0]
@@ -286,15 +307,15 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
 
 
 def _drop_stale_kernels(kernels=None, source=None) -> None:
-    """Numba keys a cached kernel on its own source file only, not on what it inlines: after cpu_simd.py
-    or cpu_tiles.py changes (a git pull, an edit), this module's cached kernels would still run the old
-    code. A stamp of those files (``source``: one path) beside the cache flushes ``kernels`` (default:
+    """Numba keys a cached kernel on its own source file only, not on what it inlines or calls: after
+    cpu_simd.py, cpu_tiles.py or storage.py (write_attend calls its write_rows) changes (a git pull, an
+    edit), this module's cached kernels would still run the old code. A stamp of those files (``source``: one path) beside the cache flushes ``kernels`` (default:
     the cached kernels of this module and of cpu_tiles) when it differs."""
     try:
         if kernels is None:
             kernels = [f for mod in (globals(), vars(cpu_tiles)) for f in mod.values()
                        if getattr(f, "_cache", None) is not None and hasattr(f._cache, "flush")]
-        files = [source] if source else [cpu_simd.__file__, cpu_tiles.__file__]
+        files = [source] if source else [cpu_simd.__file__, cpu_tiles.__file__, storage.__file__]
         stamp = hashlib.sha256(b"".join(Path(f).read_bytes() for f in files)).hexdigest()
         marker = Path(kernels[0]._cache._cache_path) / "streamattn_cpu_simd.sha256"
         if not marker.exists() or marker.read_text() != stamp:
