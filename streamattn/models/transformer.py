@@ -350,7 +350,7 @@ class Transformer:
         x = xp.asarray(embed_rows(xp, self.embed, tokens.reshape(-1))).reshape(B, T, c.d_model)  # [B, T, d]
         if c.embed_scale != 1.0:
             x = x * np.float32(c.embed_scale)
-        attn_counts = None if counts is None else cnt
+        attn_counts = None if counts is None or (cnt == T).all() else cnt    # None: every row real (one-call path)
         for i, (lw, cache) in enumerate(zip(self.layers, caches)):
             h = norm_linear(xp, x, lw.attn_norm, c.norm_eps, lw.wqkv)                  # [B, T, qd+2kvd]
             base = c.rope_base if c.layer_windows[i] is None else c.rope_base_local
