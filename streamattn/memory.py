@@ -1,7 +1,8 @@
 """Process memory: what streamattn does to keep ``streamattn generate`` small (docs/PERF.md, 2026-12-01).
 
 Peak RSS of ``streamattn generate`` on SmolLM2-135M (705-token prompt, 1 thread, fp16 cache, prefill
-chunk 256): 331 MB before both of these, 315 after the first, 284 after the second.
+chunk 256): 331 MB before both of these, 315 after the first, 284 after the second (286-293 MB since
+the one-call cache write + attention, backends.cpu.write_attend, is among the kernels loaded).
 
 - **No scipy.linalg for numba's BLAS probe.** ``numba.np.arraymath`` imports ``scipy.linalg`` when it is
   itself imported (on the first compiled call), only to set a flag that picks np.correlate's inner
