@@ -124,9 +124,10 @@ def _append_attend_cpu(q, k, v, cache: KVCache, scale: float):
     ks, vs = cache._stage(k, v, counts)
     kst, vst = bits(cache.k), bits(cache.v)
     ka, va = (cache.k, cache.v) if spec.dtype == "float32" else (kst, vst)
-    bad, out, lse, finite = _cpu().write_attend(q, scale, kst, vst, bits(ks), bits(vs), ka, va, cache.lengths,
-                                                counts, cache.last_counts, cache.held_from, cache.ring,
-                                                spec.check_finite, EXPONENT_BITS[spec.dtype], _cpu().KIND[spec.dtype])
+    cpu = _cpu()
+    bad, out, lse, finite = cpu.write_attend(q, scale, kst, vst, bits(ks), bits(vs), ka, va, cache.lengths, counts,
+                                             cache.last_counts, cache.held_from, cache.ring, spec.check_finite,
+                                             EXPONENT_BITS[spec.dtype], cpu.KIND[spec.dtype])
     if bad >= 0:
         raise non_finite_error("kv"[bad % 2], bad // 2, spec.dtype)
     return (out, lse) if finite else _poison_non_finite(out, lse, counts, np)

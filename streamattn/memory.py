@@ -44,6 +44,15 @@ def import_numba_arraymath() -> None:
         arraymath.ensure_blas = real
 
 
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the kernel (glibc ``malloc_trim``; nothing elsewhere). The loader
+    calls it after moving each weight, so freed copies do not stay resident (docs/PERF.md)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 MADV_PAGEOUT = 21                 # Linux 5.4+: reclaim these pages now (clean file pages are just dropped)
 
 

@@ -23,14 +23,13 @@ that were slower): docs/PERF.md.
 
 from __future__ import annotations
 
-import hashlib
 import math
-from pathlib import Path
 
 import numpy as np
 from numba import njit, prange
 
 from .. import storage
+from ..kernel_cache import drop_when_changed
 from ..storage import write_rows
 from . import cpu_simd, cpu_tiles
 from .cpu_simd import row_max
@@ -307,23 +306,18 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
 
 
 def _drop_stale_kernels(kernels=None, source=None) -> None:
-    """Numba keys a cached kernel on its own source file only, not on what it inlines or calls: after
-    cpu_simd.py, cpu_tiles.py or storage.py (write_attend calls its write_rows) changes (a git pull, an
-    edit), this module's cached kernels would still run the old code. A stamp of those files (``source``: one path) beside the cache flushes ``kernels`` (default:
-    the cached kernels of this module and of cpu_tiles) when it differs."""
-    try:
-        if kernels is None:
-            kernels = [f for mod in (globals(), vars(cpu_tiles)) for f in mod.values()
-                       if getattr(f, "_cache", None) is not None and hasattr(f._cache, "flush")]
-        files = [source] if source else [cpu_simd.__file__, cpu_tiles.__file__, storage.__file__]
-        stamp = hashlib.sha256(b"".join(Path(f).read_bytes() for f in files)).hexdigest()
-        marker = Path(kernels[0]._cache._cache_path) / "streamattn_cpu_simd.sha256"
-        if not marker.exists() or marker.read_text() != stamp:
-            for f in kernels:
-                f._cache.flush()
-            marker.write_text(stamp)
-    except (OSError, AttributeError, IndexError):   # no writable cache, or numba internals moved
-        pass
+    """Flush ``kernels`` (default: the cached kernels of this module and of cpu_tiles) once when
+    cpu_simd.py, cpu_tiles.py or storage.py (write_attend calls its write_rows) changed, or ``source``
+    (one path) does: :func:`streamattn.kernel_cache.drop_when_changed`."""
+    if kernels is None:
+        kernels = [f for mod in (globals(), vars(cpu_tiles)) for f in mod.values()
+                   if getattr(f, "_cache", None) is not None and hasattr(f._cache, "flush")]
+    files = [source] if source else [cpu_simd.__file__, cpu_tiles.__file__, storage.__file__]
+
+    def flush(_directory):
+        for f in kernels:
+            f._cache.flush()
+    drop_when_changed(files, "streamattn_cpu_simd.sha256", lambda: kernels[0]._cache._cache_path, flush)
 
 
 _drop_stale_kernels()

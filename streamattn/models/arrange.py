@@ -32,11 +32,17 @@ def fuse(weights: dict, n_layers: int) -> dict:
             if f is None:
                 continue
             fused[f"blk.{i}.{key}.weight"] = f
-            row = 0
-            for n, w in zip(names, ws):
-                weights[n] = row_slice(f, row, row + w.shape[0])
-                row += w.shape[0]
+            _slice_parts(weights, f, names)
     return fused
+
+
+def _slice_parts(weights: dict, whole, names) -> None:
+    """weights[name] for each of ``names`` (in row order): its rows of the fused matrix ``whole``, as views."""
+    row = 0
+    for n in names:
+        rows = weights[n].shape[0]
+        weights[n] = row_slice(whole, row, row + rows)
+        row += rows
 
 
 _USE_ORDER = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_gate_up", "ffn_down")
@@ -62,11 +68,7 @@ def into_one_buffer(weights: dict, fused: dict, n_layers: int) -> None:
             weights[name] = new
             return
         fused[name] = new
-        row = 0
-        for part in parts_of[name]:
-            rows = weights[part].shape[0]
-            weights[part] = row_slice(new, row, row + rows)
-            row += rows
+        _slice_parts(weights, new, parts_of[name])
 
     owners = sorted(((n, w) for n, w in (*weights.items(), *fused.items()) if isinstance(w, QWeight)
                      and n not in viewed), key=lambda nw: order(nw[0]))

@@ -234,8 +234,8 @@ def _stop_cut(prev: str, piece: str, stop) -> int | None:
 
 def warm_model(model, kind: str) -> float:
     """Run ``model`` (a CPU :class:`~streamattn.models.transformer.Transformer`) once on throwaway caches:
-    a chunk of :data:`~streamattn.models.qmatmul.ROWS` tokens, then one token, so that every kernel a
-    prefill and a decode step call (the packed matmul drivers of each weight kind, the fused norm and
+    a chunk of :data:`~streamattn.models.qmatmul.ROWS` tokens, one token, then a chunk with a padded row,
+    so that every kernel a prefill, a decode step and a ragged batch call (the packed matmul drivers of each weight kind, the fused norm and
     activation quantizers, attention for storage ``kind``) is compiled or loaded from Numba's cache now,
     outside any timing, as llama.cpp's warm-up decode does. Seconds taken.
 
@@ -248,7 +248,7 @@ def warm_model(model, kind: str) -> float:
     caches = model.new_caches(batch=1, max_chunk=ROWS, dtype=kind)
     model.forward(np.zeros((1, ROWS), np.int64), caches, last_only=True)
     model.forward(np.zeros((1, 1), np.int64), caches, last_only=True)
-    model.forward(np.zeros((1, 2), np.int64), caches, counts=np.array([1]), last_only=True)  # a padded row: the
-    # staged append + attend of ragged batches (dispatch._append_attend), as the server's first batch takes
+    # a padded row: the staged append + attend of ragged batches (dispatch._append_attend), as servers take
+    model.forward(np.zeros((1, 2), np.int64), caches, counts=np.array([1]), last_only=True)
     release_compiler_pages()                     # every kernel is loaded: LLVM's pages can go (memory.py)
     return time.perf_counter() - t0

@@ -26,14 +26,13 @@ whether this CPU has them, and ``load_gguf(path, weights="f32")`` is the path fo
 from __future__ import annotations
 
 import functools
-import hashlib
-from pathlib import Path
 
 import numba
 import numpy as np
 from numba import njit, prange
 
 from streamattn.backends import cpu_simd
+from streamattn.kernel_cache import drop_when_changed
 from streamattn.models import qacts, qmatmul_kernels
 from streamattn.models.qmatmul_kernels import (VNNI, WIDE, WIDE_VNNI, _host_cpu_has, make_fdot_rows, make_qdot_rows,
                                                 prefetch_rows)
@@ -59,23 +58,15 @@ HAVE_KERNELS = _host_cpu_has("avx2")
 
 
 def _drop_stale_cache() -> None:
-    """Numba keys a cached function on its own source file, not on the IR kernels it inlines (from
-    qmatmul_kernels.py and cpu_simd.py) nor on the compiled functions it calls (qacts.py, whose
-    quantizers use cpu_simd's pow2): after those files change, this module's and qacts' cached code
-    would still run the old code. A stamp of them beside the cache deletes both modules' cache files
-    when it differs (as streamattn.backends.cpu does for the attention kernels)."""
-    try:
-        cache_dir = Path(_grouped._cache._cache_path)
-        stamp = hashlib.sha256(b"".join(Path(m.__file__).read_bytes()
-                                        for m in (qmatmul_kernels, cpu_simd, qacts))).hexdigest()
-        marker = cache_dir / "streamattn_qmatmul_kernels.sha256"
-        if not marker.exists() or marker.read_text() != stamp:
-            for module in (__name__, qacts.__name__):
-                for f in cache_dir.glob(f"{module.rsplit('.', 1)[-1]}.*.nb[ic]"):
-                    f.unlink()
-            marker.write_text(stamp)
-    except (OSError, AttributeError):            # no writable cache, or numba internals moved
-        pass
+    """Delete this module's and qacts' cache files once when what their cached code inlines or calls
+    changed (qmatmul_kernels.py, cpu_simd.py, qacts.py: :func:`streamattn.kernel_cache.drop_when_changed`).
+    The drivers are closures made on demand, so their files go by name rather than by dispatcher."""
+    def delete(directory):
+        for module in (__name__, qacts.__name__):
+            for f in directory.glob(f"{module.rsplit('.', 1)[-1]}.*.nb[ic]"):
+                f.unlink()
+    drop_when_changed([m.__file__ for m in (qmatmul_kernels, cpu_simd, qacts)], "streamattn_qmatmul_kernels.sha256",
+                      lambda: _grouped._cache._cache_path, delete)
 
 
 def _njit_drivers(loops):

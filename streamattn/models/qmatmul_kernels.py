@@ -366,30 +366,28 @@ def make_fdot_rows(kind: int, R: int = 1):
     return _stable(fdot, f"fdot:{kind}:{R}")
 
 
-def _make_prefetch_rows():
-    """Intrinsic prefetch_rows(a, r, n) -> None: prefetch every 64-byte line of rows r .. r + n - 1 of the
-    C array ``a`` for reading, into L2 (hint T1: the lines are read once, a few rows later). A prefetch
-    never faults, so rows past the end are harmless."""
-    @intrinsic
-    def prefetch_rows(typingctx, a, r, n):
-        if not _c_arrays(a):
-            return None
+@intrinsic
+def _prefetch_rows(typingctx, a, r, n):
+    """prefetch_rows(a, r, n) -> None: prefetch every 64-byte line of rows r .. r + n - 1 of the C array
+    ``a`` for reading, into L2 (hint T1: the lines are read once, a few rows later). A prefetch never
+    faults, so rows past the end are harmless."""
+    if not _c_arrays(a):
+        return None
 
-        def codegen(context, builder, sig, args):
-            ra = _Rows(context, builder, sig.args[0], args[0])
-            r0 = context.cast(builder, args[1], sig.args[1], types.int64)
-            n = context.cast(builder, args[2], sig.args[2], types.int64)
-            start = builder.ptrtoint(_addr(builder, ra, r0, _i64(0), I8), I64)
-            first = builder.and_(start, _i64(-64))                  # the line the rows start in
-            end = builder.add(start, builder.mul(n, ra.row_stride))
-            fn = _llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
-            lines = builder.udiv(builder.add(builder.sub(end, first), _i64(63)), _i64(64))
-            with cgutils.for_range(builder, lines) as loop:
-                p = builder.inttoptr(builder.add(first, builder.mul(loop.index, _i64(64))), I8.as_pointer())
-                builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
-            return context.get_dummy_value()
-        return types.void(a, r, n), codegen
-    return _stable(prefetch_rows, "prefetch_rows:T1")
+    def codegen(context, builder, sig, args):
+        ra = _Rows(context, builder, sig.args[0], args[0])
+        r0 = context.cast(builder, args[1], sig.args[1], types.int64)
+        n = context.cast(builder, args[2], sig.args[2], types.int64)
+        start = builder.ptrtoint(_addr(builder, ra, r0, _i64(0), I8), I64)
+        first = builder.and_(start, _i64(-64))                      # the line the rows start in
+        end = builder.add(start, builder.mul(n, ra.row_stride))
+        fn = _llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+        lines = builder.udiv(builder.add(builder.sub(end, first), _i64(63)), _i64(64))
+        with cgutils.for_range(builder, lines) as loop:
+            p = builder.inttoptr(builder.add(first, builder.mul(loop.index, _i64(64))), I8.as_pointer())
+            builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+    return types.void(a, r, n), codegen
 
 
-prefetch_rows = _make_prefetch_rows()
+prefetch_rows = _stable(_prefetch_rows, "prefetch_rows:T1")

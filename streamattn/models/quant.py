@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from streamattn.memory import trim_heap
+
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
 KINDS = ("q4", "q8", "f32", "f16", "bf16")
 
@@ -178,15 +180,7 @@ def move_planes(ws: list, moved) -> None:
         new = QWeight(w.kind, w.shape, *planes, w.group, w.source)
         del w, p, src
         moved(name, new)
-        _trim()
-
-
-def _trim() -> None:
-    import ctypes
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        trim_heap()
 
 
 def _f16(b) -> np.ndarray:

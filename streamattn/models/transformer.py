@@ -37,7 +37,7 @@ from streamattn.dispatch import _append_attend   # attend() without re-checking 
 from streamattn.models.arrange import FUSED
 from streamattn.models.loader import GGUFModel, ModelConfig
 from streamattn.models.quant import QWeight, concat_rows
-from streamattn.models.rope import RopeTables, rope, rope_tables  # noqa: F401  (rope_tables: re-exported)
+from streamattn.models.rope import RopeTables, rope, rope_tables
 
 CACHE_MODES = ("full", "window", "sinks")
 POSITIONS = ("absolute", "cache")
