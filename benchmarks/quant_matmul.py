@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit
 
 from streamattn.models.qmatmul import qmatmul
-from streamattn.models.quant import floats, pack
+from streamattn.models.quant import pack
 from streamattn.threads import set_threads
 
 SHAPES = [("Q4_1", 1536 * 2, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q5_0", 2048 * 2, 640),
@@ -114,10 +114,10 @@ def main():
     w = packed("Q4_1", 3072, 576, rng)
     x = rng.standard_normal(576).astype(np.float32)
     out = np.empty(3072, np.float32)
-    scale, minv = floats(w.scale), floats(w.minv)           # float32 (pack keeps exact float16 bits)
+    qs, scale, minv = w.row_major()                         # nibble bytes [N, K/2], float32 scales
     ta, tb = [], []
     for _ in range(args.repeats):
-        ta.append(timed(lambda: q4_float_route(w.qs, scale, minv, x, out), 20))
+        ta.append(timed(lambda: q4_float_route(qs, scale, minv, x, out), 20))
         tb.append(timed(lambda: qmatmul(x[None], w, parallel=False), 20))
     want = w.dequantize().astype(np.float64) @ x                # route (a) must compute the matmul it times
     if not np.allclose(out, want, rtol=1e-4, atol=1e-3 * np.abs(want).max()):

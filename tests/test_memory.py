@@ -20,7 +20,8 @@ def test_importing_streamattn_skips_scipy_linalg_and_hides_nothing_after():
         from streamattn.models.qmatmul import quantize_rows      # a first compiled call's imports
         import numpy as np
         x = np.ones((1, 32), np.float32)
-        quantize_rows(x, np.empty((1, 32), np.int8), np.empty((1, 1), np.float32), np.empty((1, 1), np.float32))
+        quantize_rows(x, np.empty((1, 32), np.int8), np.empty((1, 1), np.float32), np.empty((1, 1), np.float32),
+                      np.empty((1, 2), np.int32))
         import numba.np.arraymath as am
         import numba.np.linalg as la
         print("linalg" if "scipy.linalg" in sys.modules else "no-linalg", am._HAVE_BLAS,

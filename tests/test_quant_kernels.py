@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
-from streamattn.models.qmatmul import (GROUP_ROWS, HAVE_KERNELS, VNNI, WIDE, glu_quantize_rows, group_activations, norm_quantize_rows,
-                                       qmatmul, quantize_activations)
+from streamattn.models.qmatmul import (GROUP_ROWS, HAVE_KERNELS, glu_quantize_rows, norm_quantize_rows, qmatmul,
+                                       quantize_activations)
+from streamattn.models.qmatmul_kernels import LANES, LANES_VNNI
 from streamattn.models.quant import (SUPPORTED_TYPES, QWeight, UnsupportedWeightType, compact, concat_rows, floats,
-                                     move_planes, pack)
+                                     interleave, move_planes, pack, row_slice)
 
 pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="packed kernels need x86 AVX2 (CI machines have it)")
 
@@ -50,7 +51,8 @@ def test_pack_equals_gguf_dequantize(type_name):
     assert w.shape == (37, 512) and w.source == type_name
     np.testing.assert_array_equal(w.dequantize(), want.astype(np.float32))
     np.testing.assert_array_equal(w.rows(np.array([[5, 0], [36, 5]])), want.astype(np.float32)[[[5, 0], [36, 5]]])
-    assert w.nbytes <= (4 if type_name == "F32" else 2 if type_name in ("F16", "BF16") else 1.25) * 37 * 512
+    padded = 37 if type_name in ("F32", "F16", "BF16") else -(-37 // LANES) * LANES    # whole groups of rows
+    assert w.nbytes <= (4 if type_name == "F32" else 2 if type_name in ("F16", "BF16") else 1.25) * padded * 512
 
 
 @pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
@@ -64,7 +66,7 @@ def test_qmatmul_matches_float64_oracle(type_name, rows, batch):
     assert got.shape == (batch, rows) and got.dtype == np.float32
     if w.kind in ("q4", "q8"):
         # exact up to float32 rounding against the activations the kernel multiplies ...
-        xq, xd, _ = quantize_activations(x)
+        xq, xd, *_ = quantize_activations(x)
         xdq = (xq.reshape(batch, -1, 32).astype(np.float64) * xd[:, :, None]).reshape(batch, cols)
         want = xdq @ w64.T
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -81,7 +83,7 @@ def test_model_shapes(rows, cols):
     rows = rows + 1 if rows % 2 == 0 else rows                                         # odd row counts
     data, w64 = gguf_bytes(type_name, rows, cols)
     x = np.random.default_rng(3).standard_normal((2, cols)).astype(np.float32)
-    xq, xd, _ = quantize_activations(x)
+    xq, xd, *_ = quantize_activations(x)
     want = (xq.reshape(2, -1, 32) * xd[:, :, None].astype(np.float64)).reshape(2, cols) @ w64.T
     got = qmatmul(x, pack("t", type_name, data, (rows, cols)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -142,49 +144,78 @@ def test_grouped_rows_equal_each_row_alone(type_name):
         numba.set_num_threads(before)
 
 
-@pytest.mark.skipif(not VNNI, reason="this CPU has no VNNI: only the vpmaddubsw route exists here")
+def _with_minus_128(type_name, data):
+    """Q8_0 data whose first row's values are all -128 (|w| = 128, the most vpmaddubsw must take)."""
+    if type_name != "Q8_0":
+        return data
+    data = data.copy()
+    data.reshape(data.shape[0], -1, 34)[0, :, 2:] = 0x80
+    return data
+
+
+@pytest.mark.skipif(not LANES_VNNI, reason="this CPU has no VNNI: only the vpmaddubsw route exists here")
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_vnni_route_gives_the_same_bits(type_name):
     """vpdpbusd and vpmaddubsw + vpmaddwd give the same integer block sums, so the same bits: for every
     integer kind (Q8 with its -128 weights, K-quants' 16-column scales), 1 row and groups of R."""
     data, _ = gguf_bytes(type_name, 13, 512, seed=5)
-    w = pack("t", type_name, data, (13, 512))
+    w = pack("t", type_name, _with_minus_128(type_name, data), (13, 512))
     x = np.random.default_rng(6).standard_normal((37, 512)).astype(np.float32) * 5
     x[0, :32] = [127.0] * 16 + [-127.0] * 16                  # a block at full scale: |x| reaches 127
-    for r in (1, 4):
+    for r in (1, 4, 8):
         np.testing.assert_array_equal(qmatmul(x, w, parallel=False, group_rows=r, vnni=True),
                                       qmatmul(x, w, parallel=False, group_rows=r, vnni=False), err_msg=f"R={r}")
-    if type_name == "Q8_0":                                    # and a row of -128 weights (|w| = 128)
-        wq = pack("t", "Q8_0", data, (13, 512))
-        wq.qs[0, :] = -128
-        np.testing.assert_array_equal(qmatmul(x, wq, parallel=False, vnni=True),
-                                      qmatmul(x, wq, parallel=False, vnni=False))
 
 
-@pytest.mark.skipif(not WIDE, reason="this CPU has no AVX-512 BW: only the 256-bit kernels exist here")
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
-def test_wide_kernel_gives_the_same_bits(type_name):
-    """Two blocks per 512-bit vector and the scale products of a chunk in one multiply (AVX-512) give the
-    bits of the 256-bit kernels: K with no whole chunk, chunks and a tail, whole chunks only; rows one by
-    one (3 rows) and in groups of R = 4 and 8 (37 rows: groups, then rows alone); an odd weight row count
-    (the last Q4 row alone, the others in pairs)."""
-    cols = [256, 512, 768, 1536] if type_name in ("Q4_K", "Q6_K") else [96, 512, 576, 640, 1536]
+def test_every_lane_width_gives_the_same_bits(type_name):
+    """Groups of 8 rows (the AVX2 kernels' width) and of 16 (AVX-512) give every output element the same
+    operations, so the same bits: K with one block to many, rows one by one and in groups of R, a row
+    count that leaves the last group part-filled, both integer routes where this CPU has them."""
+    cols = [256, 768] if type_name in ("Q4_K", "Q6_K") else [32, 96, 576, 1536]
     for K in cols:
         data, _ = gguf_bytes(type_name, 13, K, seed=K)
-        w = pack("t", type_name, data, (13, K))
+        data = _with_minus_128(type_name, data)
         x = np.random.default_rng(K).standard_normal((37, K)).astype(np.float32) * 4
         x[0, :32] = [127.0] * 16 + [-127.0] * 16
-        for m, r in ((3, 4), (37, 4), (37, 8)):
-            np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, wide=True, group_rows=r),
-                                          qmatmul(x[:m], w, parallel=False, wide=False, group_rows=r),
-                                          err_msg=f"K={K} M={m} R={r}")
+        want = qmatmul(x, pack("t", type_name, data, (13, K), lanes=LANES), parallel=False, group_rows=1)
+        for lanes in (8, 16) if LANES == 16 else (8,):
+            w = pack("t", type_name, data, (13, K), lanes=lanes)
+            for vnni in (False, True) if LANES_VNNI else (False,):
+                for m, r in ((3, 4), (37, 4), (37, 8)):
+                    np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, group_rows=r, vnni=vnni), want[:m],
+                                                  err_msg=f"K={K} lanes={lanes} vnni={vnni} M={m} R={r}")
+
+
+def test_interleaved_layout():
+    """pack's q8 and q4 planes: groups of ``lanes`` rows; in block b, vector s, lane n holds four bytes of
+    row n (q8: its values 4s..4s+3, plus 128; q4: its file bytes 4s..4s+3); scales [groups, blocks *
+    lanes]; a part-filled last group is padded; row_slice cuts whole groups only."""
+    rows, K, lanes = 11, 64, 8
+    data, w64 = gguf_bytes("Q8_0", rows, K, seed=3)
+    w = pack("t", "Q8_0", data, (rows, K), lanes=lanes)
+    vals = data.reshape(rows, 2, 34)[..., 2:].view(np.int8)                     # [rows, blocks, 32]
+    assert w.qs.shape == (2, 2 * 32 * lanes) and w.qs.dtype == np.uint8 and w.scale.shape == (2, 2 * lanes)
+    got = w.qs.reshape(2, 2, 8, lanes, 4)                                      # [group, block, s, lane, 4]
+    np.testing.assert_array_equal(got[1, 1, 5, 2], vals[lanes + 2, 1, 20:24].astype(np.int16) + 128)
+    np.testing.assert_array_equal(got[0, 0, 0, 7], vals[7, 0, 0:4].astype(np.int16) + 128)
+    d = np.ascontiguousarray(data.reshape(rows, 2, 34)[..., 0:2]).view(np.float16)[..., 0]   # [rows, blocks]
+    assert floats(w.scale).reshape(2, 2, lanes)[1, 0, 2] == d[lanes + 2, 0]
+    assert (floats(w.scale).reshape(2, 2, lanes)[1, :, rows - lanes:] == 0).all()       # padding rows
+    data4, _ = gguf_bytes("Q4_1", rows, K, seed=4)
+    w4 = pack("t", "Q4_1", data4, (rows, K), lanes=lanes)
+    nib = data4.reshape(rows, 2, 20)[..., 4:]                                   # the file's 16 nibble bytes
+    np.testing.assert_array_equal(w4.qs.reshape(2, 2, 4, lanes, 4)[0, 1, 3, 6], nib[6, 1, 12:16])
+    np.testing.assert_array_equal(row_slice(w, lanes, rows).dequantize(), w64[lanes:].astype(np.float32))
+    with pytest.raises(ValueError, match=r"rows 0\.\.5 of a weight interleaved by 8 rows"):
+        row_slice(w, 0, 5)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_float16_scale_planes_give_the_bits_of_float32_ones(type_name):
     """pack stores scale and min planes as float16 bits where that is exact (the file's own float16
     scales always are); the kernels widen them to the float32 the other storage would hold: same bits,
-    rows one by one and in groups, wide and narrow kernels. K-quant products that pack keeps as float32
+    rows one by one and in groups. K-quant products that pack keeps as float32
     are rounded to float16 here, so their 16-column groups (Q6_K) take the float16 loads too."""
     K = 1536 if type_name in ("Q4_K", "Q6_K") else 576
     data, _ = gguf_bytes(type_name, 13, K, seed=7)
@@ -192,15 +223,14 @@ def test_float16_scale_planes_give_the_bits_of_float32_ones(type_name):
     if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0"):
         assert w.scale.dtype == np.uint16 and (w.minv is None or w.minv.dtype == np.uint16)
     half = (lambda p: None if p is None else floats(p).astype(np.float16).view(np.uint16))
-    w16 = QWeight(w.kind, w.shape, w.qs, half(w.scale), half(w.minv), w.group, w.source)
+    w16 = QWeight(w.kind, w.shape, w.qs, half(w.scale), half(w.minv), w.group, w.source, w.lanes)
     w32 = QWeight(w.kind, w.shape, w.qs, floats(w16.scale), None if w.minv is None else floats(w16.minv),
-                  w.group, w.source)
+                  w.group, w.source, w.lanes)
     assert w16.scale.dtype == np.uint16 and w32.scale.dtype == np.float32
     x = np.random.default_rng(1).standard_normal((11, K)).astype(np.float32)
-    for wide in (False, True) if WIDE else (False,):
-        for m in (1, 2, 11):
-            np.testing.assert_array_equal(qmatmul(x[:m], w16, parallel=False, wide=wide),
-                                          qmatmul(x[:m], w32, parallel=False, wide=wide), err_msg=f"{wide} {m}")
+    for m in (1, 2, 11):
+        np.testing.assert_array_equal(qmatmul(x[:m], w16, parallel=False), qmatmul(x[:m], w32, parallel=False),
+                                      err_msg=f"M={m}")
 
 
 def test_compact_keeps_float32_where_float16_is_not_exact():
@@ -208,8 +238,9 @@ def test_compact_keeps_float32_where_float16_is_not_exact():
     assert compact(exact).dtype == np.uint16 and (floats(compact(exact)) == exact).all()
     assert compact(inexact) is inexact
     # rows of both storages side by side (a fused q/k/v whose parts differ) are widened, not mixed bitwise
-    a = QWeight("q8", (1, 64), np.ones((1, 64), np.int8), compact(exact))
-    b = QWeight("q8", (1, 64), np.ones((1, 64), np.int8), inexact)
+    a = interleave(QWeight("q8", (16, 64), np.ones((16, 64), np.int8), np.repeat(exact, 16, 0)), 16)
+    b = interleave(QWeight("q8", (16, 64), np.ones((16, 64), np.int8), np.repeat(inexact, 16, 0)), 16)
+    assert a.scale.dtype == np.uint16 and b.scale.dtype == np.float32
     np.testing.assert_array_equal(concat_rows([a, b]).dequantize(), np.concatenate([a.dequantize(), b.dequantize()]))
 
 
@@ -248,41 +279,27 @@ def test_every_group_size_gives_the_same_bits(type_name):
         qmatmul(x, w, group_rows=3)
 
 
-def test_grouped_layout():
-    """group_activations interleaves each group of R rows by block; the rows after the last group stay
-    row-major."""
-    M, K, R = 5, 64, 2
-    xq = np.arange(M * K).reshape(M, K).astype(np.int8)
-    xd = np.arange(M * 2, dtype=np.float32).reshape(M, 2)
-    gq, gd, gs = np.empty_like(xq), np.empty_like(xd), np.empty_like(xd)
-    group_activations(xq, xd, -xd, R, gq, gd, gs)
-    blocks = xq.reshape(M, 2, 32)
-    want = np.concatenate([blocks[0:2].transpose(1, 0, 2).reshape(-1), blocks[2:4].transpose(1, 0, 2).reshape(-1),
-                           blocks[4].reshape(-1)])
-    np.testing.assert_array_equal(gq.reshape(-1), want)
-    np.testing.assert_array_equal(gd.reshape(-1), [0, 2, 1, 3, 4, 6, 5, 7, 8, 9])
-    np.testing.assert_array_equal(gs, -gd)
-
-
 def _dequantized(xq, xd):
     """Activations as the kernels see them: float64 [M, K] = xq * xd per 32 columns."""
     return (xq.reshape(xq.shape[0], -1, 32) * xd[:, :, None].astype(np.float64)).reshape(xq.shape)
 
 
 def _check_quantized(fn, args, want, rel):
-    """fn(*args, xq, xd, xs) quantizes rows whose float64 values are ``want`` [M, K]: each element within
-    half a step of its 8-bit grid, plus ``rel`` of itself for float32 arithmetic and 1e-37 for values
-    under float32's normal range (1.2e-38); xs = xd * sum(q); rows 1..2 alone give the same bits as
-    inside the batch."""
+    """fn(*args, xq, xd, xs, xc) quantizes rows whose float64 values are ``want`` [M, K]: each element
+    within half a step of its 8-bit grid, plus ``rel`` of itself for float32 arithmetic and 1e-37 for
+    values under float32's normal range (1.2e-38); xs = xd * sum(q) per 32, xc = -128 sum(q) per 16;
+    rows 1..2 alone give the same bits as inside the batch."""
     M, K = want.shape
-    xq, xd, xs = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
-    fn(*args, xq, xd, xs)
+    acts = quantize_activations(np.zeros((M, K), np.float32))             # arrays of the right kinds
+    fn(*args, *acts)
+    xq, xd, xs, xc = acts
     step = np.repeat(xd, 32, axis=1).astype(np.float64)
     assert np.all(np.abs(_dequantized(xq, xd) - want) <= 0.5 * step * (1 + 1e-6) + rel * np.abs(want) + 1e-37)
     np.testing.assert_array_equal(xs, xd * xq.reshape(M, -1, 32).sum(-1).astype(np.float32))
-    part = [np.empty((2,) + a.shape[1:], a.dtype) for a in (xq, xd, xs)]
+    np.testing.assert_array_equal(xc, -128 * xq.reshape(M, -1, 16).sum(-1, dtype=np.int32))
+    part = [np.empty((2,) + a.shape[1:], a.dtype) for a in acts]
     fn(*(a[1:3] if isinstance(a, np.ndarray) and a.ndim == 2 else a for a in args), *part)
-    for got, full in zip(part, (xq, xd, xs)):
+    for got, full in zip(part, acts):
         np.testing.assert_array_equal(got, full[1:3])
 
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
 
 N_TOKENS = 4
 PROMPTS = [f"{s} {i}" for i, s in enumerate(["The capital of France is", "My favourite fruit is",
-                                              "1, 2, 3,", "Once upon a time"] * 4)]       # 16 prompts
+                                              "1, 2, 3,", "Once upon a time"] * 8)]       # 32 prompts
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def single_process_texts():
     _, tf, tok = load(smollm2_path(), weights="quant")          # what the runners load
     reqs = _requests()
     with threads(1):
-        res = [x for i in range(0, 16, 4) for x in complete(Generator(tf, tok), reqs[i:i + 4], ModelOptions())]
+        res = [x for i in range(0, len(reqs), 4) for x in complete(Generator(tf, tok), reqs[i:i + 4], ModelOptions())]
     return {r["record"]["id"]: r["record"]["text"] for r in res}
 
 
@@ -87,7 +87,7 @@ def test_killed_actor_loses_no_line_and_writes_none_twice(ray_cluster, single_pr
 
     recs = _run(tmp_path, announce=announced, on_result=on_result)
     assert killed and restarts[0] >= 1, f"the killed actor was not restarted (NumRestarts {restarts})"
-    assert len(recs) == 16 and sorted(r["id"] for r in recs) == sorted(single_process_texts)
+    assert len(recs) == len(PROMPTS) and sorted(r["id"] for r in recs) == sorted(single_process_texts)
     assert {r["id"]: r["text"] for r in recs} == single_process_texts        # two actors = one process
     assert all(r["completion_tokens"] == N_TOKENS and r["finish_reason"] == "length" for r in recs)
 

@@ -1,6 +1,6 @@
 """Activations of :mod:`streamattn.models.qmatmul` quantized to 8 bits (llama.cpp's Q8_1 layout), with the
-elementwise work fused in front of it (RMSNorm, the gated activation), and the interleaved layouts the
-R-row kernels read. Plain Numba; the dot products themselves are in qmatmul_kernels."""
+elementwise work fused in front of it (RMSNorm, the gated activation). Plain Numba; the dot products
+themselves are in qmatmul_kernels."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from streamattn.backends.cpu_simd import pow2
 
 
 @njit(cache=True, inline="always")
-def _quantize_row(y, b, xq, xd, xs):
-    """Quantize y: float32 [K] into row b of xq, xd, xs, per 32 columns (see :func:`quantize_rows`)."""
+def _quantize_row(y, b, xq, xd, xs, xc):
+    """Quantize y: float32 [K] into row b of xq, xd, xs, xc, per 32 columns (see :func:`quantize_rows`)."""
     for i in range(y.shape[0] // 32):
         amax = np.float32(0.0)
         for j in range(32):
@@ -20,26 +20,31 @@ def _quantize_row(y, b, xq, xd, xs):
         d = amax / np.float32(127.0)
         inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
         s = 0
-        for j in range(32):
-            q = np.int32(np.rint(y[i * 32 + j] * inv))
-            xq[b, i * 32 + j] = q
-            s += q
+        for h in range(2):
+            sh = 0
+            for j in range(16 * h, 16 * h + 16):
+                q = np.int32(np.rint(y[i * 32 + j] * inv))
+                xq[b, i * 32 + j] = q
+                sh += q
+            xc[b, 2 * i + h] = -128 * sh
+            s += sh
         xd[b, i] = d
         xs[b, i] = d * np.float32(s)
 
 
 @njit(cache=True)
-def quantize_rows(x, xq, xd, xs):
+def quantize_rows(x, xq, xd, xs, xc):
     """Quantize x: float32 [B, K] per 32 columns: xq int8 [B, K], xd = amax / 127, xs = xd * sum(xq)
-    (float32 [B, K/32])."""
+    (float32 [B, K/32]), and xc = -128 * sum(xq) per 16 columns (int32 [B, K/16]: what the kernels take
+    back out of the dot products of the "q8" weights' biased bytes)."""
     for b in range(x.shape[0]):
-        _quantize_row(x[b], b, xq, xd, xs)
+        _quantize_row(x[b], b, xq, xd, xs, xc)
 
 
 @njit(cache=True)
-def norm_quantize_rows(x, w, eps, xq, xd, xs):
+def norm_quantize_rows(x, w, eps, xq, xd, xs, xc):
     """Fused RMSNorm and quantization: rows of ``x / sqrt(mean(x²) + eps) * w`` (x: float32 [B, K],
-    w: [K]) into xq, xd, xs as :func:`quantize_rows`."""
+    w: [K]) into xq, xd, xs, xc as :func:`quantize_rows`."""
     K = x.shape[1]
     y = np.empty(K, np.float32)                                     # one normed row
     for b in range(x.shape[0]):
@@ -49,7 +54,7 @@ def norm_quantize_rows(x, w, eps, xq, xd, xs):
         inv = np.float32(1.0) / np.sqrt(ss * np.float32(1.0 / K) + np.float32(eps))
         for j in range(K):
             y[j] = x[b, j] * inv * w[j]
-        _quantize_row(y, b, xq, xd, xs)
+        _quantize_row(y, b, xq, xd, xs, xc)
 
 
 @njit(cache=True, inline="always")
@@ -74,7 +79,7 @@ def _exp(x):
 
 
 @njit(cache=True, error_model="numpy")
-def glu_quantize_rows(gu, gelu, xq, xd, xs):
+def glu_quantize_rows(gu, gelu, xq, xd, xs, xc):
     """Fused gated activation and quantization: rows of ``act(g) * u`` where gu = [g | u] float32
     [B, 2F]; act is gelu-tanh when ``gelu`` else silu, both as ``g / (1 + e^-a)`` (silu: a = g; gelu:
     0.5 g (1 + tanh z) = g / (1 + e^-2z), which for z << 0 keeps the digits 1 + tanh z would cancel),
@@ -92,45 +97,4 @@ def glu_quantize_rows(gu, gelu, xq, xd, xs):
             for j in range(F):
                 g = gu[b, j]
                 y[j] = g / (np.float32(1.0) + _exp(-g)) * gu[b, F + j]
-        _quantize_row(y, b, xq, xd, xs)
-
-
-@njit(cache=True)
-def group_activations(xq, xd, xs, R, gq, gd, gs):
-    """Copy quantized activations (xq int8 [M, K], xd, xs float32 [M, K/32]) into gq, gd, gs (same
-    shapes) with each group of R rows interleaved by block, the layout the R-row kernels read
-    (:func:`streamattn.models.qmatmul_kernels.make_qdot_rows`); the M % R rows after the last group
-    stay row-major."""
-    M, K = xq.shape
-    nb = K // 32
-    full = M - M % R
-    fq, fd, fs = gq.reshape(-1), gd.reshape(-1), gs.reshape(-1)     # C arrays: flat views
-    for b in range(M):
-        g0, j, n = (b - b % R, b % R, R) if b < full else (b, 0, 1)
-        for i in range(nb):
-            o = g0 * nb + i * n + j                                  # block i of row j of the group at g0
-            fd[o] = xd[b, i]
-            fs[o] = xs[b, i]
-            for t in range(32):
-                fq[o * 32 + t] = xq[b, i * 32 + t]
-
-
-@njit(cache=True)
-def group_activations_wide(xq, xd, xs, R, pairs_end, gq, gd, gs):
-    """:func:`group_activations` for the wide R-row kernels: in each group of R rows, blocks below
-    ``pairs_end`` (the kernel's whole chunks) go as pairs, block pair p of row j at flat byte
-    ``g0 * K + (p * R + j) * 64``, the later blocks interleaved as there; xd stays row-major (the kernel
-    multiplies a row's xd of a chunk as one vector); xs interleaved as there."""
-    M, K = xq.shape
-    nb = K // 32
-    full = M - M % R
-    fq, fs = gq.reshape(-1), gs.reshape(-1)
-    gd[:] = xd
-    for b in range(M):
-        g0, j, n = (b - b % R, b % R, R) if b < full else (b, 0, 1)
-        for i in range(nb):
-            o = g0 * nb + i * n + j                                  # as group_activations
-            fs[o] = xs[b, i]
-            q = (g0 * nb + (i // 2 * n + j) * 2 + i % 2) * 32 if i < pairs_end else o * 32
-            for t in range(32):
-                fq[q + t] = xq[b, i * 32 + t]
+        _quantize_row(y, b, xq, xd, xs, xc)

@@ -1,19 +1,15 @@
-"""LLVM-IR block dot products of :mod:`streamattn.models.qmatmul`: one weight row against R activation rows.
+"""LLVM-IR block dot products of :mod:`streamattn.models.qmatmul`: a group of weight rows against R
+activation rows.
 
 Numba has no vector types, and plain Numba loops over the same blocks did not vectorise (0.3-0.4 G
 weights/s, see docs/PERF.md), so the dot products are emitted as IR here, like streamattn/backends/cpu_simd.
 
-Each intrinsic takes one weight row ``r`` and R consecutive activation rows ``b .. b+R-1`` and writes
-``out[b + j, r]``. A 32-block of the weight is loaded and unpacked once (nibble split, ``|w|`` for the
-sign trick, its scale and min) and then dotted against the R activation blocks: for a prefill chunk the
-unpacking and the weight's loads are shared by R rows instead of redone for each.
-
-Bit-identity across R (batch invariance): every output element is computed by the same instructions in
-the same order whatever R is — row j has its own accumulators (8 float lanes for even blocks, 8 for odd
-blocks, and two scalar min-term sums), its block i goes into the same lanes with the same FMA, and the
-final lane sum is the same fixed tree. R only changes which other rows' work is interleaved between
-them, which no row's arithmetic can see. So R = 1 is the 1-row kernel, and a row's result does not
-depend on how many rows were in the call or where it sat among them.
+A packed weight is stored in groups of :data:`LANES` rows interleaved by four bytes
+(:mod:`streamattn.models.quant`), so each vector lane is one weight row: a block's integer products
+are ``group / 4`` byte dot products against four activation bytes broadcast to every lane, its exact
+sum scaled by one FMA, and the group's outputs leave as one vector store — no horizontal sums
+(:func:`make_qdot` gives the contract). Each block of the group is loaded and unpacked once for R
+activation rows (prefill chunks, decode batches).
 """
 
 from __future__ import annotations
@@ -47,58 +43,13 @@ def _host_cpu_has(feature: str) -> bool:
 VNNI = _host_cpu_has("avxvnni") or (_host_cpu_has("avx512vnni") and _host_cpu_has("avx512vl"))
 
 
-#: Whether the one-row kernel may take two blocks per 512-bit vector (AVX-512 BW): see make_qdot_rows.
+#: Whether this CPU has AVX-512 F and BW (16-lane kernels: :data:`LANES`).
 WIDE = _host_cpu_has("avx512bw") and _host_cpu_has("avx512f")
 WIDE_VNNI = WIDE and _host_cpu_has("avx512vnni")
 
 
-def _isum2(builder, wu, wsign, x64, vnni: bool):
-    """<16 x i32>: :func:`_isum` of two blocks at once (wu, x64: <64 x i8>; lanes 0-7 the first block's,
-    8-15 the second's), the same integers. AVX-512 has no vpsignb: x takes w's sign by a select (where w
-    is 0 the lane's product is 0 whatever x is)."""
-    if wsign is not None:
-        zero = ir.Constant(V64I8, [0] * 64)
-        x64 = builder.select(builder.icmp_signed("<", wsign, zero), builder.sub(zero, x64), x64)
-    if vnni:
-        dp = _llvm_fn(builder, "llvm.x86.avx512.vpdpbusd.512", V16I32, [V16I32, V16I32, V16I32])
-        return builder.call(dp, [ir.Constant(V16I32, [0] * 16), builder.bitcast(wu, V16I32),
-                                 builder.bitcast(x64, V16I32)])
-    p16 = builder.call(_llvm_fn(builder, "llvm.x86.avx512.pmaddubs.w.512", V32I16, [V64I8, V64I8]), [wu, x64])
-    return builder.call(_llvm_fn(builder, "llvm.x86.avx512.pmaddw.d.512", V16I32, [V32I16, V32I16]),
-                        [p16, ir.Constant(V32I16, [1] * 32)])
-
-
 def _i64(n):
     return ir.Constant(I64, n)
-
-
-def _unsigned_weights(builder, w32, signed: bool):
-    """(|w|, w) for the sign trick: vpmaddubsw multiplies unsigned by signed bytes, so a signed weight
-    block is taken as |w| and each activation block gets w's sign (:func:`_isum`). Done once per block,
-    shared by the R activation rows."""
-    if not signed:
-        return w32, None
-    ty = w32.type                                   # <32 x i8>, or <64 x i8> for a pair of blocks
-    return builder.call(_llvm_fn(builder, f"llvm.abs.v{ty.count}i8", ty, [ty, I1]), [w32, ir.Constant(I1, 0)]), w32
-
-
-def _isum(builder, wu, wsign, x32, vnni: bool):
-    """<8 x i32>: lane i = sum of w[j] * x[j] over j in 4i..4i+3 (wu: <32 x i8> unsigned weights,
-    ``wsign`` the signed weights whose signs x takes, or None).
-
-    ``vnni``: one ``vpdpbusd`` (into zero). Otherwise ``vpmaddubsw`` (pairs into int16, saturating) then
-    ``vpmaddwd`` by ones. The two agree exactly: a pair never saturates, since |w| <= 128 (Q8 -128 taken
-    as unsigned 128; Q4 nibbles <= 15) and |x| <= 127, so a pair sum is at most 2 * 128 * 127 = 32512.
-    About 10% faster on a Q4_1 matvec (docs/PERF.md)."""
-    if wsign is not None:
-        x32 = builder.call(_llvm_fn(builder, "llvm.x86.avx2.psign.b", V32I8, [V32I8, V32I8]), [x32, wsign])
-    if vnni:
-        dp = _llvm_fn(builder, "llvm.x86.avx512.vpdpbusd.256", V8I32, [V8I32, V8I32, V8I32])
-        return builder.call(dp, [ir.Constant(V8I32, [0] * 8), builder.bitcast(wu, V8I32),
-                                 builder.bitcast(x32, V8I32)])
-    p16 = builder.call(_llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [V32I8, V32I8]), [wu, x32])
-    ones = ir.Constant(V16I16, [1] * 16)
-    return builder.call(_llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [V16I16, V16I16]), [p16, ones])
 
 
 def _splat(builder, x, n):
@@ -106,10 +57,6 @@ def _splat(builder, x, n):
     ty = ir.VectorType(F32, n)
     v = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(I32, 0))
     return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(I32, n), [0] * n))
-
-
-def _splat8(builder, x):
-    return _splat(builder, x, 8)
 
 
 def _hsum(builder, v, n):
@@ -138,10 +85,6 @@ def _load_floats(builder, rows, r, c, n: int = 1):
     return builder.fpext(builder.bitcast(bits, half), F32 if n == 1 else ir.VectorType(F32, n))
 
 
-def _fma_scalar(builder, a, b, c):
-    return builder.call(_llvm_fn(builder, "llvm.fmuladd.f32", F32, [F32, F32, F32]), [a, b, c])
-
-
 def _store_out(builder, oa, row, col, value):
     builder.store(value, _addr(builder, oa, row, col, F32), align=4)
 
@@ -161,180 +104,149 @@ def _stable(intr, key: str):
     return intr
 
 
+#: Weight rows per interleaved group of a packed weight (:mod:`streamattn.models.quant`), which is the
+#: number of float lanes of the kernels' vectors: 16 with AVX-512 (F and BW), else 8 (AVX2).
+LANES = 16 if WIDE else 8
+#: Whether this CPU has the byte dot product ``vpdpbusd`` at :data:`LANES` lanes (AVX512-VNNI for 16;
+#: AVX-VNNI, or AVX512-VNNI with VL, for 8); otherwise ``vpmaddubsw`` + ``vpmaddwd``, the same integers.
+LANES_VNNI = WIDE_VNNI if LANES == 16 else VNNI
+
+
+def _int_dot(builder, acc, w, x, lanes: int, vnni: bool):
+    """acc + (lane i: sum of w[4i + p] * x[4i + p], p < 4): w unsigned bytes, x signed (<4 lanes x i8>
+    each), acc <lanes x i32>. ``vnni``: one ``vpdpbusd``; else ``vpmaddubsw`` (saturating pairs into
+    int16) + ``vpmaddwd`` by ones + add, exact when no pair passes 32767: callers keep w <= 128."""
+    vi, vb = ir.VectorType(I32, lanes), ir.VectorType(I8, 4 * lanes)
+    if vnni:
+        dp = _llvm_fn(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", vi, [vi, vi, vi])
+        return builder.call(dp, [acc, builder.bitcast(w, vi), builder.bitcast(x, vi)])
+    vh = ir.VectorType(I16, 2 * lanes)
+    if lanes == 16:
+        names = ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512")
+    else:
+        names = ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd")
+    p16 = builder.call(_llvm_fn(builder, names[0], vh, [vb, vb]), [builder.bitcast(w, vb), builder.bitcast(x, vb)])
+    p32 = builder.call(_llvm_fn(builder, names[1], vi, [vh, vh]), [p16, ir.Constant(vh, [1] * (2 * lanes))])
+    return builder.add(acc, p32)
+
+
+def _prefetch(builder, ptr):
+    fn = _llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+    builder.call(fn, [builder.bitcast(ptr, I8.as_pointer()), ir.Constant(I32, 0), ir.Constant(I32, 2),
+                      ir.Constant(I32, 1)])
+
+
 @functools.cache
-def make_qdot_rows(kind: str, group: int = 32, R: int = 1, vnni: bool = False, WR: int = 1, wide: bool = False):
-    """Intrinsic dot(qs, scale, minv, r, xq, xd, xs, b, out) -> None: ``out[b + j, r]`` = row r of a
-    packed weight ("q4" or "q8" planes; ``minv`` is ignored for "q8") times quantized activation row
-    b + j, for j < R.
+def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: bool = LANES_VNNI,
+              prefetch: int = 0):
+    """Intrinsic dot(qs, scale, minv, g, xq, xd, xs, xc, m, out) -> None: ``out[m + j, lanes g + n]`` for
+    n < lanes and j < R: weight rows lanes g .. lanes g + lanes - 1 (interleaved group g of a packed "q4"
+    or "q8" weight: :mod:`streamattn.models.quant`) times quantized activation rows m .. m + R - 1
+    (:mod:`streamattn.models.qacts`, row-major).
 
-    The R activation rows from b are stored interleaved by block (:func:`streamattn.models.qacts.
-    group_activations`): block i of row b + j at flat element ``b * K + (i * R + j) * 32`` of xq, its
-    ``xd`` and ``xs`` at ``b * K/32 + i * R + j``. So one pointer reaches all R rows at constant
-    offsets, and their ``xs`` of a block are one vector. For R = 1 that is the plain row-major layout.
+    One vector lane per weight row. Per block of ``group`` columns (32; 16 for Q6_K) and activation row:
+    the exact integer sum S of the block's products, made of ``group / 4`` byte dot products of a
+    weight vector (lane n: four consecutive bytes of row n) with four bytes of the activation row
+    broadcast to every lane; then ``acc = fma(float(S), scale * xd, acc)`` and, for "q4",
+    ``accm = fma(minv, xs, accm)``; the result is ``acc + accm``, written as one vector. "q8" weights
+    are stored as unsigned bytes ``w + 128`` (``vpdpbusd`` multiplies unsigned by signed bytes), so S
+    starts from ``xc`` (-128 times the activations' sum over the block); "q4" nibbles are unsigned as
+    they are. Without ``vnni`` the q8 bytes are turned back to signed, and x takes w's sign (``|w|``
+    times ``sign(w) x``, as ``vpmaddubsw`` needs).
 
-    Route (ggml's): per 32-block one integer dot product — ``vpmaddubsw`` (unsigned x signed bytes ->
-    int16 pairs) and ``vpmaddwd`` (-> int32 quads) — turned to float and added lane-wise with one FMA by
-    ``scale * xd``; a "q4" block's min term is one FMA, ``minv * xs`` (lane j of an R-lane vector: the
-    same IEEE operation as a scalar FMA). Two chains per row (even and odd blocks), so FMA latency
-    does not bound a 1-row loop. ``vnni``: see :func:`_isum` (the same results; only for CPUs with it).
-
-    ``WR`` weight rows r .. r + WR - 1 in one call (``out[b + j, r + w]``): each activation block is
-    loaded once for them and their chains interleave, which hides latency in the one-row (decode)
-    kernel. Each output element still takes exactly the operations above, so WR changes no bit.
-
-    ``wide`` (AVX-512): blocks go in 512-bit pairs (i even, i + 1) — one 64-byte weight and activation
-    load, one integer dot product, one 16-lane FMA whose low half is chain 0 and high half chain 1 — and
-    the ``scale * xd`` products of 16 blocks (8 for 16-column scales) are one vector multiply per
-    activation row, each pair taking its lanes by a shuffle. For R > 1 the activations come laid out by
-    :func:`streamattn.models.qacts.group_activations_wide` (pairs of blocks per row, xd row-major).
-    Every lane sees the same operations in the same order as the narrow kernel (the same products, the same FMAs into the same chain), so the bits are
-    the same; the q4 min terms stay scalar as above. Chunks of 16 blocks, the rest as above.
+    Bit-identity (batch and thread invariance): every output element takes exactly these operations
+    in block order whatever R, the lane width or the integer route is (S is an exact integer however
+    it is summed), so an activation row gets the same bits alone or in any group, and a weight row
+    the same in any group of rows. ``prefetch``: bytes ahead of the weight and scale reads to
+    prefetch (the one-row decode kernel reads from memory; 0: none).
     """
-    VR = ir.VectorType(F32, R)
+    G = lanes
+    VG, VGI, VB = ir.VectorType(F32, G), ir.VectorType(I32, G), ir.VectorType(I8, 4 * G)
+    steps = group // 4
+    wbytes = (16 if kind == "q4" else group) * G            # weight bytes of one block of the G rows
+    ahead_blocks = -(-prefetch // wbytes)
 
     @intrinsic
-    def qdot(typingctx, qs, scale, minv, r, xq, xd, xs, b, out):
-        if not _c_arrays(qs, scale, minv, xq, xd, xs, out):
+    def qdot(typingctx, qs, scale, minv, g, xq, xd, xs, xc, m, out):
+        if not _c_arrays(qs, scale, minv, xq, xd, xs, xc, out):
             return None
         if any(p.dtype not in (types.float32, types.uint16) for p in (scale, minv)):
             return None                          # _load_floats reads float32, or float16 bits as uint16
 
         def codegen(context, builder, sig, args):
-            qa, sa, ma, xa, da, ua, oa = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6, 8))
-            r0 = context.cast(builder, args[3], sig.args[3], types.int64)
-            b0 = context.cast(builder, args[7], sig.args[7], types.int64)
-            wrows = [builder.add(r0, _i64(w)) for w in range(WR)]
-            accs = [[[cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(2)]
-                     for _ in range(R)] for _ in range(WR)]                        # [weight row][row][parity]
-            accms = [[cgutils.alloca_once_value(builder, ir.Constant(VR, [0.0] * R)) for _ in range(2)]
-                     for _ in range(WR)]                                            # [weight row][parity]
-
-            def min_term(r, i, accm):
-                """q4: weight row r's block i min term, ``minv * xs`` for the R rows, into accm."""
-                minv = _splat(builder, _load_floats(builder, ma, r, i), R)
-                builder.store(builder.call(_llvm_fn(builder, f"llvm.fmuladd.v{R}f32", VR, [VR, VR, VR]),
-                                           [minv, _load(builder, ua, b0, builder.mul(i, _i64(R)), VR),
-                                            builder.load(accm)]), accm)
-
-            def nibbles(r, i, n):
-                """q4: the 16 n bytes of weight row r from block i as <32 n x i8>, each block's low
-                nibbles then its high ones (n = 1: block i; n = 2: blocks i and i + 1)."""
-                vb = ir.VectorType(I8, 16 * n)
-                raw = _load(builder, qa, r, builder.mul(i, _i64(16)), vb)
-                lo = builder.and_(raw, ir.Constant(vb, [15] * (16 * n)))
-                hi = builder.lshr(raw, ir.Constant(vb, [4] * (16 * n)))
-                order = [x for blk in range(n) for x in (*range(16 * blk, 16 * blk + 16),
-                                                          *range(16 * (n + blk), 16 * (n + blk) + 16))]
-                return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32 * n), order))
-
-            def unpack(r, i, p, accm):
-                """Weight row r's block i: (|w|, sign source, scale or scale pair); q4's min term into accm."""
+            qa, sa, ma, xa, da, ua, ca, oa = (_Rows(context, builder, sig.args[i], args[i])
+                                              for i in (0, 1, 2, 4, 5, 6, 7, 9))
+            g0 = context.cast(builder, args[3], sig.args[3], types.int64)
+            m0 = context.cast(builder, args[8], sig.args[8], types.int64)
+            rows = [builder.add(m0, _i64(j)) for j in range(R)]
+            zero = ir.Constant(VG, [0.0] * G)
+            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
+            accms = [cgutils.alloca_once_value(builder, zero) for _ in range(R)] if kind == "q4" else []
+            fma = _llvm_fn(builder, f"llvm.fmuladd.v{G}f32", VG, [VG, VG, VG])
+            nblk = builder.udiv(xa.cols, _i64(group))
+            with cgutils.for_range(builder, nblk) as loop:
+                b = loop.index
+                wcol = builder.mul(b, _i64(wbytes))
+                if prefetch:
+                    for t in range(0, wbytes, 64):
+                        _prefetch(builder, _addr(builder, qa, g0, builder.add(wcol, _i64(prefetch + t)), I8))
+                    ahead = builder.mul(builder.add(b, _i64(ahead_blocks)), _i64(G))
+                    for p in ((sa, ma) if kind == "q4" else (sa,)):
+                        _prefetch(builder, _addr(builder, p, g0, ahead, I8))
                 if kind == "q4":
-                    w32 = nibbles(r, i, 1)
-                    min_term(r, i, accm)
+                    raw = [_load(builder, qa, g0, builder.add(wcol, _i64(4 * G * t)), VB) for t in range(4)]
+                    ws = ([builder.and_(v, ir.Constant(VB, [15] * (4 * G))) for v in raw]
+                          + [builder.lshr(v, ir.Constant(VB, [4] * (4 * G))) for v in raw])
+                    signs = None
                 else:
-                    w32 = _load(builder, qa, r, builder.mul(i, _i64(32)), V32I8)
-                wu, wsign = _unsigned_weights(builder, w32, signed=kind != "q4")
-                if group == 32:
-                    s = _load_floats(builder, sa, r, i)
-                else:                                   # two scales per 32-block: lanes 0-3, 4-7
-                    s0 = _load_floats(builder, sa, r, builder.mul(i, _i64(2)))
-                    s1 = _load_floats(builder, sa, r, builder.add(builder.mul(i, _i64(2)), _i64(1)))
-                    s = builder.shuffle_vector(_splat8(builder, s0), _splat8(builder, s1),
-                                               ir.Constant(ir.VectorType(I32, 8), [0, 0, 0, 0, 8, 8, 8, 8]))
-                return wu, wsign, s
-
-            CH = 16 if group == 32 else 8            # blocks per vector of scale products
-
-            def wide_chunks(nblk):
-                """Blocks 0 .. CH * (nblk // CH) - 1 in pairs (see ``wide``); returns where they end."""
-                nch = builder.udiv(nblk, _i64(CH))
-                accw = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(R)]
-                        for _ in range(WR)]                                         # [weight row][row]
-                with cgutils.for_range(builder, nch) as loop:
-                    c0 = builder.mul(loop.index, _i64(CH))
-                    xd16 = []
-                    for j in range(R):                # row j's xd of the chunk (row-major: see group_activations)
-                        v = builder.load(_addr(builder, da, builder.add(b0, _i64(j)), c0, V16F if group == 32 else V8F),
-                                         align=4)
-                        if group != 32:              # each block's xd twice: the products s0 * xd, s1 * xd
-                            v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 16), [k // 2 for k in range(16)]))
-                        xd16.append(v)
-                    s16 = [_load_floats(builder, sa, wrows[w], builder.mul(c0, _i64(32 // group)), 16)
-                           for w in range(WR)]
-                    svs = [[builder.fmul(s16[w], xd16[j]) for j in range(R)] for w in range(WR)]
-                    for k in range(CH // 2):
-                        i = builder.add(c0, _i64(2 * k))
-                        i1 = builder.add(i, _i64(1))
-                        pair0 = builder.mul(builder.udiv(i, _i64(2)), _i64(R))     # pair i/2 of row j: (i/2 R + j) 64 bytes
-                        x64s = [_load(builder, xa, b0, builder.mul(builder.add(pair0, _i64(j)), _i64(64)), V64I8)
-                                for j in range(R)]
+                    ws = [_load(builder, qa, g0, builder.add(wcol, _i64(4 * G * s)), VB) for s in range(steps)]
+                    signs = None
+                    if not vnni:                       # back to signed w; |w| <= 128 for vpmaddubsw
+                        signs = [builder.xor(v, ir.Constant(VB, [-128] * (4 * G))) for v in ws]
+                        ws = [builder.call(_llvm_fn(builder, f"llvm.abs.v{4 * G}i8", VB, [VB, I1]),
+                                           [v, ir.Constant(I1, 0)]) for v in signs]
+                bG = builder.mul(b, _i64(G))
+                sv = _load_floats(builder, sa, g0, bG, G)
+                mv = _load_floats(builder, ma, g0, bG, G) if kind == "q4" else None
+                for j in range(R):
+                    r = rows[j]
+                    if kind == "q8" and vnni:          # S of the biased bytes minus 128 sum(x)
                         if group == 32:
-                            lanes = [2 * k] * 8 + [2 * k + 1] * 8
+                            c = builder.add(_load(builder, ca, r, builder.mul(b, _i64(2)), I32),
+                                            _load(builder, ca, r, builder.add(builder.mul(b, _i64(2)), _i64(1)), I32))
                         else:
-                            lanes = [4 * k] * 4 + [4 * k + 1] * 4 + [4 * k + 2] * 4 + [4 * k + 3] * 4
-                        for w in range(WR):
-                            r = wrows[w]
-                            if kind == "q4":
-                                wu, wsign = nibbles(r, i, 2), None
-                                min_term(r, i, accms[w][0])
-                                min_term(r, i1, accms[w][1])
-                            else:
-                                wu, wsign = _unsigned_weights(
-                                    builder, _load(builder, qa, r, builder.mul(i, _i64(32)), V64I8), signed=True)
-                            for j in range(R):
-                                isum = _isum2(builder, wu, wsign, x64s[j], vnni)
-                                sv = builder.shuffle_vector(svs[w][j], svs[w][j], ir.Constant(ir.VectorType(I32, 16), lanes))
-                                builder.store(builder.call(
-                                    _llvm_fn(builder, "llvm.fmuladd.v16f32", V16F, [V16F, V16F, V16F]),
-                                    [builder.sitofp(isum, V16F), sv, builder.load(accw[w][j])]), accw[w][j])
-                for w in range(WR):                  # the halves are chains 0 and 1 of the narrow kernel
-                    for j in range(R):
-                        a16 = builder.load(accw[w][j])
-                        for p in range(2):
-                            builder.store(builder.shuffle_vector(a16, a16, ir.Constant(ir.VectorType(I32, 8), list(
-                                range(8 * p, 8 * p + 8)))), accs[w][j][p])
-                return builder.mul(nch, _i64(CH))
-
-            def block(i, p):
-                """Block i of each weight row into chain p of every activation row."""
-                iR = builder.mul(i, _i64(R))
-                ws = [unpack(wrows[w], i, p, accms[w][p]) for w in range(WR)]
-                for j in range(R):
-                    x32 = _load(builder, xa, b0, builder.mul(builder.add(iR, _i64(j)), _i64(32)), V32I8)
-                    xd = (_load(builder, da, builder.add(b0, _i64(j)), i, F32) if wide    # row-major xd
-                          else _load(builder, da, b0, builder.add(iR, _i64(j)), F32))
-                    for w, (wu, wsign, s) in enumerate(ws):
-                        isum = _isum(builder, wu, wsign, x32, vnni)
-                        if group == 32:
-                            sv = _splat8(builder, builder.fmul(s, xd))
-                        else:                           # lane-wise the same products s0 * xd, s1 * xd
-                            sv = builder.fmul(s, _splat8(builder, xd))
-                        f = builder.sitofp(isum, V8F)
-                        acc = accs[w][j][p]
-                        builder.store(builder.call(_llvm_fn(builder, "llvm.fmuladd.v8f32", V8F, [V8F, V8F, V8F]),
-                                                   [f, sv, builder.load(acc)]), acc)
-
-            nblk = builder.udiv(xa.cols, _i64(32))
-            start = _i64(0)
-            if wide:
-                start = wide_chunks(nblk)
-            with cgutils.for_range(builder, builder.udiv(builder.sub(nblk, start), _i64(2))) as loop:
-                i = builder.add(start, builder.mul(loop.index, _i64(2)))
-                block(i, 0)
-                block(builder.add(i, _i64(1)), 1)
-            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(builder.sub(nblk, start), _i64(2)),
-                                                       _i64(0))):
-                block(builder.sub(nblk, _i64(1)), 0)
-            for w in range(WR):
-                mins = builder.fadd(builder.load(accms[w][0]), builder.load(accms[w][1]))
-                for j in range(R):
-                    vec = builder.fadd(builder.load(accs[w][j][0]), builder.load(accs[w][j][1]))
-                    res = builder.fadd(_hsum(builder, vec, 8), builder.extract_element(mins, ir.Constant(I32, j)))
-                    _store_out(builder, oa, builder.add(b0, _i64(j)), wrows[w], res)
+                            c = _load(builder, ca, r, b, I32)
+                        iacc = _splat_int(builder, c, G)
+                    else:
+                        iacc = ir.Constant(VGI, [0] * G)
+                    for s in range(steps):
+                        xv = builder.bitcast(_splat_int(builder, _load(builder, xa, r, builder.add(
+                            builder.mul(b, _i64(group)), _i64(4 * s)), I32), G), VB)
+                        if signs is not None:
+                            xv = builder.select(builder.icmp_signed("<", signs[s], ir.Constant(VB, [0] * (4 * G))),
+                                                builder.sub(ir.Constant(VB, [0] * (4 * G)), xv), xv)
+                        iacc = _int_dot(builder, iacc, ws[s], xv, G, vnni)
+                    xdb = b if group == 32 else builder.udiv(b, _i64(32 // group))
+                    sp = builder.fmul(sv, _splat(builder, _load(builder, da, r, xdb, F32), G))
+                    builder.store(builder.call(fma, [builder.sitofp(iacc, VG), sp, builder.load(accs[j])]), accs[j])
+                    if kind == "q4":
+                        builder.store(builder.call(fma, [mv, _splat(builder, _load(builder, ua, r, b, F32), G),
+                                                         builder.load(accms[j])]), accms[j])
+            for j in range(R):
+                res = builder.load(accs[j])
+                if kind == "q4":
+                    res = builder.fadd(res, builder.load(accms[j]))
+                builder.store(res, _addr(builder, oa, rows[j], builder.mul(g0, _i64(G)), VG), align=4)
             return context.get_dummy_value()
-        return types.void(qs, scale, minv, r, xq, xd, xs, b, out), codegen
-    return _stable(qdot, f"qdot:{kind}:{group}:{R}:{int(vnni)}:{WR}:{int(wide)}")
+        return types.void(qs, scale, minv, g, xq, xd, xs, xc, m, out), codegen
+    return _stable(qdot, f"qdot:{kind}:{group}:{R}:{G}:{int(vnni)}:{prefetch}")
+
+
+def _splat_int(builder, x, n):
+    """<n x i32> of the scalar i32 x."""
+    ty = ir.VectorType(I32, n)
+    v = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(ty, [0] * n))
 
 
 @functools.cache

@@ -4,20 +4,32 @@ A GGUF block interleaves per-block scales with the quantized values. :func:`pack
 at load time, into planes the kernels in :mod:`streamattn.models.qmatmul` read with vector loads:
 
 ==========  ==========  =================================================================================
-GGUF type   kind        planes (``N`` rows, ``K`` columns)
+GGUF type   kind        values per row (``K`` columns), before interleaving
 ==========  ==========  =================================================================================
-Q4_0, Q4_1  ``"q4"``    ``qs`` uint8 [N, K/2] (the file's nibble bytes, unchanged: byte j of a 32-block
-                        holds element j low, element j+16 high), ``scale``, ``minv`` [N, K/32] (below);
-                        value = scale * q + minv (Q4_0: minv = -8 * scale)
-Q4_K        ``"q4"``    the same planes: each super-block's 6-bit sub-block scales and mins are
-                        multiplied out (d * sc, -dmin * m) and its nibbles re-paired into the Q4_1 order
-Q8_0, Q5_0  ``"q8"``    ``qs`` int8 [N, K] (Q5_0: the 5-bit values minus 16), ``scale`` [N, K/32]
-Q6_K        ``"q8"``    ``qs`` int8 [N, K] (the 6-bit values minus 32), ``scale`` [N, K/16]
-                        (d * the int8 sub-block scale); ``group`` 16
-F32, F16,   ``"f32"``,  ``qs`` the values as stored (float32, or the 16-bit patterns as uint16)
+Q4_0, Q4_1  ``"q4"``    the file's nibble bytes, unchanged (byte j of a 32-block holds element j low,
+                        element j+16 high); ``scale``, ``minv`` per 32-block: value = scale * q + minv
+                        (Q4_0: minv = -8 * scale)
+Q4_K        ``"q4"``    the same: each super-block's 6-bit sub-block scales and mins are multiplied
+                        out (d * sc, -dmin * m) and its nibbles re-paired into the Q4_1 order
+Q8_0, Q5_0  ``"q8"``    the values as bytes ``q + 128`` (Q5_0: the 5-bit values minus 16), ``scale`` per
+                        32-block
+Q6_K        ``"q8"``    the same (the 6-bit values minus 32), ``scale`` per 16 columns (d * the int8
+                        sub-block scale); ``group`` 16
+F32, F16,   ``"f32"``,  ``qs`` the values as stored (float32, or the 16-bit patterns as uint16), row-major
 BF16        ``"f16"``,
             ``"bf16"``
 ==========  ==========  =================================================================================
+
+**Interleaved groups of rows.** The "q4"/"q8" planes hold rows in groups of ``lanes`` (16 on AVX-512,
+8 on AVX2: :data:`streamattn.models.qmatmul_kernels.LANES`; the last group padded with zero rows),
+one plane row per group. Within a group, block b's bytes come as ``steps`` vectors of ``4 * lanes``
+bytes, lane n of vector s holding four consecutive bytes of row n: for "q8", its values 4s .. 4s + 3
+of the block (``steps`` = group / 4); for "q4", its file bytes 4s .. 4s + 3 (``steps`` = 4), whose
+low nibbles are the block's elements 4s .. 4s + 3 and high nibbles 16 + 4s ..: so a vector is one
+load and each lane is one weight row of the kernels' byte dot products. ``scale`` and ``minv`` are
+``[groups, blocks * lanes]``, block b's ``lanes`` values in a row. The q8 bytes are ``q + 128``
+because ``vpdpbusd`` multiplies unsigned by signed bytes (the kernels take 128 times the activations'
+sum back out, exactly).
 
 Scale and min planes are stored as float16 bits (uint16) wherever float16 holds every value exactly
 (the file's own float16 scales: Q4_0, Q4_1, Q8_0, Q5_0; the products of Q4_K and Q6_K where they fit),
@@ -26,7 +38,7 @@ decode step reads 13% fewer bytes (SmolLM2: 111 -> 96 MB).
 
 Every repacking is exact: :meth:`QWeight.dequantize` equals ``gguf.quants.dequantize`` of the file's
 bytes. Bytes per weight: Q4_0/Q4_1 0.625 (0.5 + two float16 per 32; Q4_K 0.75 where its products need
-float32), Q8_0 and Q5_0 1.0625, Q6_K 1.125 or 1.25 (the 5- and 6-bit values are held as int8, which the
+float32), Q8_0 and Q5_0 1.0625, Q6_K 1.125 or 1.25 (the 5- and 6-bit values are held as bytes, which the
 integer dot product reads directly).
 Any other GGUF type raises :class:`UnsupportedWeightType`, naming the tensor and its type.
 """
@@ -56,16 +68,18 @@ class QWeight:
     kind : {"q4", "q8", "f32", "f16", "bf16"}
     shape : (rows, cols)
     qs : array
-        "q4": uint8 [rows, cols/2]; "q8": int8 [rows, cols]; "f32": float32, "f16"/"bf16": uint16
-        [rows, cols].
-    scale : [rows, cols/group] or None
+        "q4": uint8 [groups, cols/2 * lanes]; "q8": uint8 [groups, cols * lanes] (values + 128), both
+        interleaved (see the module docstring); "f32": float32, "f16"/"bf16": uint16 [rows, cols].
+    scale : [groups, cols/group * lanes] or None
         float32, or float16 bits as uint16 where float16 is exact (see the module docstring);
         :meth:`floats` gives float32 either way.
-    minv : [rows, cols/32] or None   ("q4" only; stored as ``scale``)
+    minv : [groups, cols/32 * lanes] or None   ("q4" only; stored as ``scale``)
     group : int
         Columns per scale (32, or 16 for Q6_K).
     source : str
         The GGUF type the planes came from.
+    lanes : int
+        Rows per interleaved group ("q4"/"q8"; 0 for the row-major float kinds).
     """
 
     kind: str
@@ -75,6 +89,7 @@ class QWeight:
     minv: np.ndarray | None = field(default=None, repr=False)
     group: int = 32
     source: str = ""
+    lanes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -93,14 +108,31 @@ class QWeight:
     def rows(self, ids) -> np.ndarray:
         """Dequantized rows ``ids`` (an int array of any shape) as float32 [*ids.shape, cols]."""
         ids = np.asarray(ids)
-        flat = ids.reshape(-1)
-        out = _dequant(self, self.qs[flat], None if self.scale is None else floats(self.scale[flat]),
-                       None if self.minv is None else floats(self.minv[flat]))
-        return out.reshape(*ids.shape, self.shape[1])
+        return _dequant(self, *self._planes(ids.reshape(-1))).reshape(*ids.shape, self.shape[1])
 
     def dequantize(self) -> np.ndarray:
         """The whole matrix as float32 [rows, cols] (the reference path and the GPU's copy)."""
-        return _dequant(self, self.qs, *(None if p is None else floats(p) for p in (self.scale, self.minv)))
+        return _dequant(self, *self.row_major())
+
+    def row_major(self):
+        """The planes row-major, as :meth:`_planes` gives them for every row."""
+        return self._planes(np.arange(self.shape[0]))
+
+    def _planes(self, ids):
+        """Rows ``ids`` (1-D) of the planes, row-major: values [n, cols] (q4: the file's nibble bytes
+        [n, cols/2]; q8: signed), scale and minv as float32 [n, blocks] (or None)."""
+        if not self.lanes:
+            return self.qs[ids], None, None
+        g, n = ids // self.lanes, ids % self.lanes
+        nb = self.shape[1] // self.group
+        per = (4, 4) if self.kind == "q4" else (self.group // 4, 4)
+        qs = self.qs.reshape(self.qs.shape[0], nb, per[0], self.lanes, per[1])[g, :, :, n, :].reshape(len(ids), -1)
+        if self.kind == "q8":
+            qs = (qs.astype(np.int16) - 128).astype(np.int8)
+
+        def plane(p):
+            return None if p is None else floats(p.reshape(p.shape[0], -1, self.lanes)[g, :, n])
+        return qs, plane(self.scale), plane(self.minv)
 
 
 def floats(plane: np.ndarray) -> np.ndarray:
@@ -132,19 +164,52 @@ def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
     return (q * scale[:, :, None] + minv[:, :, None]).reshape(n, -1)
 
 
+def interleave(w: QWeight, lanes: int) -> QWeight:
+    """A row-major "q4"/"q8" QWeight (qs: q4 the nibble bytes [N, K/2], q8 signed int8 [N, K]; float32
+    scale/minv [N, blocks]) in groups of ``lanes`` rows, the layout of the module docstring."""
+    n, k = w.shape
+    groups = -(-n // lanes)
+    pad = groups * lanes - n
+    qs = w.qs if w.kind == "q4" else (w.qs.astype(np.int16) + 128).astype(np.uint8)
+    qs = np.pad(qs, ((0, pad), (0, 0)), constant_values=0 if w.kind == "q4" else 128)
+    nb = k // w.group
+    per = (4, 4) if w.kind == "q4" else (w.group // 4, 4)
+    qs = np.ascontiguousarray(qs.reshape(groups, lanes, nb, *per).transpose(0, 2, 3, 1, 4)).reshape(groups, -1)
+
+    def plane(p):
+        if p is None:
+            return None
+        p = np.pad(p, ((0, pad), (0, 0)))
+        return compact(np.ascontiguousarray(p.reshape(groups, lanes, -1).transpose(0, 2, 1)).reshape(groups, -1))
+    return QWeight(w.kind, w.shape, qs, plane(w.scale), plane(w.minv), w.group, w.source, lanes)
+
+
 def row_slice(w, a: int, b: int):
-    """Rows a..b-1 of a QWeight or float matrix as views (no copy)."""
+    """Rows a..b-1 of a QWeight or float matrix as views (no copy). An interleaved QWeight is cut at
+    whole groups: a a multiple of its lanes, b too or its last row."""
     if not isinstance(w, QWeight):
         return w[a:b]
-    cut = (lambda arr: None if arr is None else arr[a:b])
-    return QWeight(w.kind, (b - a, w.shape[1]), w.qs[a:b], cut(w.scale), cut(w.minv), w.group, w.source)
+    if not w.lanes:
+        return QWeight(w.kind, (b - a, w.shape[1]), w.qs[a:b], source=w.source)
+    if a % w.lanes or (b % w.lanes and b != w.shape[0]):
+        raise ValueError(f"rows {a}..{b} of a weight interleaved by {w.lanes} rows do not start and end "
+                         f"on whole groups of {w.lanes}")
+    g0, g1 = a // w.lanes, -(-b // w.lanes)
+    cut = (lambda arr: None if arr is None else arr[g0:g1])
+    return QWeight(w.kind, (b - a, w.shape[1]), w.qs[g0:g1], cut(w.scale), cut(w.minv), w.group, w.source,
+                   w.lanes)
 
 
 def concat_rows(ws: list) -> QWeight | None:
-    """One QWeight holding the rows of ``ws`` one after another, or None where their kinds differ."""
+    """One QWeight holding the rows of ``ws`` one after another, or None where their kinds, groups or
+    lanes differ, or a part other than the last ends inside an interleaved group."""
     first = ws[0]
-    if any(w.kind != first.kind or w.group != first.group or w.shape[1] != first.shape[1] for w in ws):
+    if any(w.kind != first.kind or w.group != first.group or w.lanes != first.lanes
+           or w.shape[1] != first.shape[1] for w in ws):
         return None
+    if first.lanes and any(w.shape[0] % first.lanes for w in ws[:-1]):
+        return None
+
     def cat(name):
         planes = [getattr(w, name) for w in ws]
         if planes[0] is None:
@@ -153,7 +218,7 @@ def concat_rows(ws: list) -> QWeight | None:
             return compact(np.concatenate([floats(p) for p in planes], 0))
         return np.ascontiguousarray(np.concatenate(planes, 0))
     return QWeight(first.kind, (sum(w.shape[0] for w in ws), first.shape[1]), cat("qs"), cat("scale"),
-                   cat("minv"), first.group, "+".join(sorted({w.source for w in ws})))
+                   cat("minv"), first.group, "+".join(sorted({w.source for w in ws})), first.lanes)
 
 
 def move_planes(ws: list, moved) -> None:
@@ -177,7 +242,7 @@ def move_planes(ws: list, moved) -> None:
                 p[...] = src
                 at += -(-p.nbytes // 64) * 64
             planes.append(p)
-        new = QWeight(w.kind, w.shape, *planes, w.group, w.source)
+        new = QWeight(w.kind, w.shape, *planes, w.group, w.source, w.lanes)
         del w, p, src
         moved(name, new)
         trim_heap()
@@ -188,7 +253,7 @@ def _f16(b) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
 
 
-def pack(name: str, type_name: str, data: np.ndarray, shape: tuple) -> QWeight:
+def pack(name: str, type_name: str, data: np.ndarray, shape: tuple, lanes: int | None = None) -> QWeight:
     """Split one GGUF tensor's blocks into a :class:`QWeight`.
 
     Parameters
@@ -201,6 +266,8 @@ def pack(name: str, type_name: str, data: np.ndarray, shape: tuple) -> QWeight:
         The tensor's data as ``gguf.GGUFReader`` gives it: uint8 block bytes [rows, bytes_per_row] for
         quantized types, the values [rows, cols] for F32/F16 (BF16: bytes or uint16).
     shape : (rows, cols)
+    lanes : int, optional
+        Rows per interleaved group (default: the kernels' :data:`~streamattn.models.qmatmul_kernels.LANES`).
 
     Raises
     ------
@@ -222,10 +289,8 @@ def pack(name: str, type_name: str, data: np.ndarray, shape: tuple) -> QWeight:
         raw = np.ascontiguousarray(data).view(np.uint16).reshape(n, k)
         return QWeight(type_name.lower(), shape, raw.copy(), source=type_name)
     u8 = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
-    w = _PACKERS[type_name](u8.reshape(n, k // block, -1), shape)
-    w.scale = compact(w.scale)
-    w.minv = None if w.minv is None else compact(w.minv)
-    return w
+    from streamattn.models.qmatmul_kernels import LANES      # the kernels' vector width (imports LLVM's)
+    return interleave(_PACKERS[type_name](u8.reshape(n, k // block, -1), shape), LANES if lanes is None else lanes)
 
 
 def _q4_0(b, shape):
