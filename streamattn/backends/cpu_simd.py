@@ -353,3 +353,4 @@ def pow2(typingctx, k):
         e = builder.shl(builder.add(args[0], ir.Constant(I32, 127)), ir.Constant(I32, 23))
         return builder.bitcast(e, F32)
     return types.float32(types.int32), codegen
+

@@ -9,18 +9,98 @@ fallbacks for other sizes.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
-from .cpu_simd import PV, QK, bf16_to_f32, f16_to_f32, pow2
+from .cpu_simd import I32, PV, QK, VF, W, _const, bf16_to_f32, f16_to_f32
 
 # Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
 # masked scores are -inf on purpose.
 FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
 KIND = {"float32": 0, "float16": 1, "bfloat16": 2}
-_LOG2E = np.float32(1.4426950408889634)
 _QK1, _QK2, _QK4 = QK[1], QK[2], QK[4]   # module globals: Numba cannot index the dicts in a kernel
 _PV1, _PV2, _PV4 = PV[1], PV[2], PV[4]
+
+
+#: The constants of :func:`exp16` (Cephes exp2f's polynomial: see _exp_tile).
+_EXP2_POLY = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3, 5.550332471162809e-2,
+              2.402264791363012e-1, 6.931472028550421e-1, 1.0)
+_LOG2E = 1.4426950408889634
+
+
+@intrinsic
+def exp16(typingctx, x, j0, mx):
+    """x[j0:j0 + 16] <- exp(x - mx) in place, one <16 x float>: the arithmetic of
+    :func:`_exp_tile` written as vector IR, the same IEEE operations in
+    the same order per element — y = max((x - mx) * log2(e), -127) (Numba's max: y when the compare
+    fails, so NaN stays NaN), k = floor(y + 1/2), f = y - k, Horner's polynomial in f with one FMA per
+    step, times 2^k by exponent bits. As a plain Numba loop, compiled apart from its caller, it stayed
+    scalar (a call to floorf per element: ~2.5 ns an exp)."""
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.layout == "C" and x.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+        j = context.cast(builder, args[1], sig.args[1], types.int64)
+        m = context.cast(builder, args[2], sig.args[2], types.float32)
+        ptr = builder.bitcast(builder.gep(ary.data, [j]), VF.as_pointer())
+        v = builder.load(ptr, align=4)
+        ms = builder.shuffle_vector(builder.insert_element(ir.Constant(VF, ir.Undefined), m, ir.Constant(I32, 0)),
+                                    ir.Constant(VF, ir.Undefined), ir.Constant(ir.VectorType(I32, W), [0] * W))
+        y = builder.fmul(builder.fsub(v, ms), _f32s(_LOG2E))
+        lo = _f32s(-127.0)
+        y = builder.select(builder.fcmp_ordered(">", lo, y), lo, y)
+        floor = _vfn(builder, "llvm.floor.v16f32", [VF])
+        fma = _vfn(builder, "llvm.fma.v16f32", [VF, VF, VF])
+        k = builder.call(floor, [builder.fadd(y, _f32s(0.5))])
+        f = builder.fsub(y, k)
+        p = _f32s(_EXP2_POLY[0])
+        for c in _EXP2_POLY[1:]:
+            p = builder.call(fma, [p, f, _f32s(c)])
+        vi = ir.VectorType(I32, W)
+        e = builder.shl(builder.add(builder.fptosi(k, vi), ir.Constant(vi, [127] * W)), ir.Constant(vi, [23] * W))
+        builder.store(builder.fmul(p, builder.bitcast(e, VF)), ptr, align=4)
+        return context.get_dummy_value()
+    return types.void(x, j0, mx), codegen
+
+
+def _f32s(c: float):
+    """<16 x float> of the float32 nearest to c (as Numba rounds a np.float32 constant)."""
+    return ir.Constant(VF, [float(np.float32(c))] * W)
+
+
+def _vfn(builder, name, args):
+    mod = builder.module
+    return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(args[0], args), name)
+
+
+@intrinsic
+def lane_sum(typingctx, x, n16):
+    """sum(x[:n16]) (n16 a multiple of 16) in the order of :func:`_lane_sum`:
+    16 lanes from zero (lane i adds x[i], x[i + 16], ... in turn), then lanes i + 8 onto i, i + 4 onto i,
+    and (l0 + l2) + (l1 + l3). One vector add per 16 elements, whatever the caller's compilation."""
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.layout == "C" and x.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+        n = context.cast(builder, args[1], sig.args[1], types.int64)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * W))
+        base = builder.bitcast(ary.data, VF.as_pointer())
+        with cgutils.for_range(builder, builder.udiv(n, _const(W))) as loop:
+            v = builder.load(builder.gep(base, [loop.index]), align=4)
+            builder.store(builder.fadd(builder.load(acc), v), acc)
+        a = builder.load(acc)
+
+        def lanes(v, idx):
+            return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, len(idx)), list(idx)))
+        a8 = builder.fadd(lanes(a, range(8)), lanes(a, range(8, 16)))
+        a4 = builder.fadd(lanes(a8, range(4)), lanes(a8, range(4, 8)))
+        e = [builder.extract_element(a4, ir.Constant(I32, i)) for i in range(4)]
+        return builder.fadd(builder.fadd(e[0], e[2]), builder.fadd(e[1], e[3]))
+    return types.float32(x, n16), codegen
 
 
 def _wide(x, kind):
@@ -39,25 +119,15 @@ def _exp_tile(x, n16, mx):
     """x[:n16] <- exp(x[:n16] - mx) in place (n16 a multiple of 16); vectorisable (libm's exp is scalar).
 
     2^y = 2^k * 2^f with k = floor(y + 1/2), f in [-1/2, 1/2]: 2^f from a degree-6 polynomial (Cephes
-    exp2f coefficients, relative error ~2e-7), 2^k by writing k + 127 into a float32's exponent bits.
+    exp2f coefficients, relative error ~2e-7; one FMA per step), 2^k by writing k + 127 into a float32's
+    exponent bits.
     y is clamped at -127, where those bits are 0: weights under 2^-127 of the running max become exactly
     0, and so do masked (-inf) scores. (Not the 1.5 * 2^23 rounding trick: under 'reassoc' LLVM may fold
     y - ((y + M) - M) to 0.) Blocks of 16 with a constant inner trip count: every element takes the same
     vector code, never a scalar remainder loop that could contract differently.
     """
     for j0 in range(0, n16, 16):
-        for i in range(16):
-            y = max((x[j0 + i] - mx) * _LOG2E, np.float32(-127.0))
-            k = np.floor(y + np.float32(0.5))
-            f = y - k                           # [-1/2, 1/2]
-            p = np.float32(1.535336188319500e-4)
-            p = p * f + np.float32(1.339887440266574e-3)
-            p = p * f + np.float32(9.618437357674640e-3)
-            p = p * f + np.float32(5.550332471162809e-2)
-            p = p * f + np.float32(2.402264791363012e-1)
-            p = p * f + np.float32(6.931472028550421e-1)
-            p = p * f + np.float32(1.0)
-            x[j0 + i] = p * pow2(np.int32(k))
+        exp16(x, j0, mx)                        # this arithmetic as one vector (exp16)
 
 
 @njit(fastmath=FASTMATH - {"reassoc"}, cache=True)
@@ -65,15 +135,7 @@ def _lane_sum(x, n16):
     """sum(x[:n16]) in one fixed order: 16 lanes (lane i holds x[i], x[i + 16], ... in turn), then a fixed
     tree. Trailing zero blocks leave it unchanged, so a tile's sum does not depend on where the call's
     keys end (batch invariance). No 'reassoc', so LLVM keeps this order."""
-    lanes = np.zeros(16, np.float32)
-    for j0 in range(0, n16, 16):
-        for i in range(16):
-            lanes[i] += x[j0 + i]
-    for i in range(8):
-        lanes[i] += lanes[i + 8]
-    for i in range(4):
-        lanes[i] += lanes[i + 4]
-    return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+    return lane_sum(x, n16)                     # as one vector (lane_sum): the order above
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -165,23 +165,31 @@ def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
 
 
 def interleave(w: QWeight, lanes: int) -> QWeight:
-    """A row-major "q4"/"q8" QWeight (qs: q4 the nibble bytes [N, K/2], q8 signed int8 [N, K]; float32
-    scale/minv [N, blocks]) in groups of ``lanes`` rows, the layout of the module docstring."""
+    """A row-major "q4"/"q8" QWeight (qs: q4 the nibble bytes [N, K/2], q8 signed int8 [N, K], either
+    also as [N, blocks, bytes] with any strides, e.g. a view of the file's blocks; float32 scale/minv
+    [N, blocks]) in groups of ``lanes`` rows, the layout of the module docstring. One new copy of the
+    values (the file's Q8_0 bytes are read in place: Gemma-3's 167 MB embedding was copied three times)."""
     n, k = w.shape
-    groups = -(-n // lanes)
-    pad = groups * lanes - n
-    qs = w.qs if w.kind == "q4" else (w.qs.astype(np.int16) + 128).astype(np.uint8)
-    qs = np.pad(qs, ((0, pad), (0, 0)), constant_values=0 if w.kind == "q4" else 128)
+    groups, full = -(-n // lanes), n // lanes
     nb = k // w.group
     per = (4, 4) if w.kind == "q4" else (w.group // 4, 4)
-    qs = np.ascontiguousarray(qs.reshape(groups, lanes, nb, *per).transpose(0, 2, 3, 1, 4)).reshape(groups, -1)
+    src = w.qs.view(np.uint8).reshape(n, nb, *per)
+    qs = np.empty((groups, nb, per[0], lanes, per[1]), np.uint8)
+    qs[:full] = src[:full * lanes].reshape(full, lanes, nb, *per).transpose(0, 2, 3, 1, 4)
+    if n % lanes:                                      # the last group's rows, then zero rows
+        qs[full] = 0 if w.kind == "q4" else 0x80
+        qs[full, :, :, :n % lanes] = src[full * lanes:].transpose(1, 2, 0, 3)
+    if w.kind == "q8":
+        qs[:full] ^= 0x80                              # int8 q -> q + 128 (two's complement), in place
+        if n % lanes:
+            qs[full, :, :, :n % lanes] ^= 0x80
 
     def plane(p):
         if p is None:
             return None
-        p = np.pad(p, ((0, pad), (0, 0)))
+        p = np.pad(p, ((0, groups * lanes - n), (0, 0)))
         return compact(np.ascontiguousarray(p.reshape(groups, lanes, -1).transpose(0, 2, 1)).reshape(groups, -1))
-    return QWeight(w.kind, w.shape, qs, plane(w.scale), plane(w.minv), w.group, w.source, lanes)
+    return QWeight(w.kind, w.shape, qs.reshape(groups, -1), plane(w.scale), plane(w.minv), w.group, w.source, lanes)
 
 
 def row_slice(w, a: int, b: int):
@@ -295,17 +303,15 @@ def pack(name: str, type_name: str, data: np.ndarray, shape: tuple, lanes: int |
 
 def _q4_0(b, shape):
     d = _f16(b[..., 0:2])
-    return QWeight("q4", shape, b[..., 2:18].reshape(shape[0], -1).copy(), d, -8.0 * d, source="Q4_0")
+    return QWeight("q4", shape, b[..., 2:18], d, -8.0 * d, source="Q4_0")
 
 
 def _q4_1(b, shape):
-    return QWeight("q4", shape, b[..., 4:20].reshape(shape[0], -1).copy(), _f16(b[..., 0:2]),
-                   _f16(b[..., 2:4]), source="Q4_1")
+    return QWeight("q4", shape, b[..., 4:20], _f16(b[..., 0:2]), _f16(b[..., 2:4]), source="Q4_1")
 
 
 def _q8_0(b, shape):
-    return QWeight("q8", shape, b[..., 2:34].view(np.int8).reshape(shape[0], -1).copy(), _f16(b[..., 0:2]),
-                   source="Q8_0")
+    return QWeight("q8", shape, b[..., 2:34].view(np.int8), _f16(b[..., 0:2]), source="Q8_0")   # a view: see interleave
 
 
 def _q5_0(b, shape):
