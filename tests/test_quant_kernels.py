@@ -327,6 +327,32 @@ def test_fused_norm_quantization():
     _check_quantized(norm_quantize_rows, (x, w, 1e-5), want, rel=1e-4)
 
 
+@pytest.mark.parametrize("gelu", [False, True])
+def test_parallel_quantizers_give_the_serial_bits(gelu):
+    """The prefill chunk's quantizers split rows over threads in pieces: every row the same bits as the
+    serial quantizer's, with 1 and 2 threads and a row count that leaves a part-filled piece."""
+    from streamattn.models.qacts import glu_quantize_rows_parallel, norm_quantize_rows_parallel
+    rng = np.random.default_rng(13)
+    x = (rng.standard_normal((45, 576)) * 3).astype(np.float32)
+    gu = (rng.standard_normal((45, 2 * 320)) * 3).astype(np.float32)
+    w = rng.standard_normal(576).astype(np.float32)
+    cases = [(norm_quantize_rows, norm_quantize_rows_parallel, (x, w, 1e-5), 576),
+             (glu_quantize_rows, glu_quantize_rows_parallel, (gu, gelu), 320)]
+    before = numba.get_num_threads()
+    try:
+        for serial, parallel, args, K in cases:
+            want = quantize_activations(np.zeros((45, K), np.float32))
+            serial(*args, *want)
+            for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+                numba.set_num_threads(n)
+                got = quantize_activations(np.zeros((45, K), np.float32))
+                parallel(*args, *got)
+                for g, wnt in zip(got, want):
+                    np.testing.assert_array_equal(g, wnt)
+    finally:
+        numba.set_num_threads(before)
+
+
 _CACHE_PROBE = """
 import numpy as np
 from gguf.quants import quantize

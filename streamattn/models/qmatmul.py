@@ -34,7 +34,8 @@ from streamattn.backends import cpu_simd
 from streamattn.kernel_cache import drop_when_changed
 from streamattn.models import qacts, qmatmul_kernels
 from streamattn.models.qmatmul_kernels import LANES, LANES_VNNI, _host_cpu_has, make_fdot_rows, make_qdot
-from streamattn.models.qacts import glu_quantize_rows, norm_quantize_rows, quantize_rows  # noqa: F401
+from streamattn.models.qacts import (glu_quantize_rows, glu_quantize_rows_parallel, norm_quantize_rows,  # noqa: F401
+                                      norm_quantize_rows_parallel, quantize_rows)
 from streamattn.models.quant import QWeight
 
 #: Activation rows per weight-block unpacking (measured: docs/PERF.md). Results do not depend on it.
@@ -126,12 +127,19 @@ def _acts_like(M, K):
             np.empty((M, K // 16), np.int32))
 
 
+def _split_rows(M: int) -> bool:
+    """Whether the activations' quantization of M rows goes over threads (a prefill chunk, with more
+    than one thread set; a decode step's few rows stay serial: a parallel launch costs more)."""
+    return M >= 2 * qacts.PIECE_ROWS and numba.get_num_threads() > 1
+
+
 def norm_qmatmul(x, norm_w, eps: float, w: QWeight):
     """``rms_norm(x) @ W.T`` for a "q4"/"q8" weight, the norm fused into the activations' quantization.
     x: float32 [..., K], norm_w: [K] -> [..., N]."""
     x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32)
     acts = _acts_like(*x2.shape)
-    norm_quantize_rows(x2, np.ascontiguousarray(norm_w, np.float32), eps, *acts)
+    quantize = norm_quantize_rows_parallel if _split_rows(x2.shape[0]) else norm_quantize_rows
+    quantize(x2, np.ascontiguousarray(norm_w, np.float32), eps, *acts)
     return _quantized_matmul(w, *acts).reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -139,7 +147,7 @@ def glu_qmatmul(gu, gelu: bool, w: QWeight):
     """``(act(g) * u) @ W.T`` for gu = [g | u]: float32 [..., 2F] and a "q4"/"q8" weight [N, F]."""
     g2 = np.ascontiguousarray(gu.reshape(-1, gu.shape[-1]), np.float32)
     acts = _acts_like(g2.shape[0], g2.shape[1] // 2)
-    glu_quantize_rows(g2, gelu, *acts)
+    (glu_quantize_rows_parallel if _split_rows(g2.shape[0]) else glu_quantize_rows)(g2, gelu, *acts)
     return _quantized_matmul(w, *acts).reshape(*gu.shape[:-1], w.shape[0])
 
 
