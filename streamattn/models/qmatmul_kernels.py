@@ -182,7 +182,6 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
             zero = ir.Constant(VG, [0.0] * G)
             accs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
             accms = [cgutils.alloca_once_value(builder, zero) for _ in range(R)] if kind == "q4" else []
-            fma = _llvm_fn(builder, f"llvm.fmuladd.v{G}f32", VG, [VG, VG, VG])
             nblk = builder.udiv(xa.cols, _i64(group))
             with cgutils.for_range(builder, nblk) as loop:
                 b = loop.index
@@ -194,9 +193,7 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                     for p in ((sa, ma) if kind == "q4" else (sa,)):
                         _prefetch(builder, _addr(builder, p, g0, ahead, I8))
                 if kind == "q4":
-                    raw = [_load(builder, qa, g0, builder.add(wcol, _i64(4 * G * t)), VB) for t in range(4)]
-                    ws = ([builder.and_(v, ir.Constant(VB, [15] * (4 * G))) for v in raw]
-                          + [builder.lshr(v, ir.Constant(VB, [4] * (4 * G))) for v in raw])
+                    ws = q4_steps(builder, qa, g0, wcol, G)
                     signs = None
                 else:
                     ws = [_load(builder, qa, g0, builder.add(wcol, _i64(4 * G * s)), VB) for s in range(steps)]
@@ -211,12 +208,7 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                 for j in range(R):
                     r = rows[j]
                     if kind == "q8" and vnni:          # S of the biased bytes minus 128 sum(x)
-                        if group == 32:
-                            c = builder.add(_load(builder, ca, r, builder.mul(b, _i64(2)), I32),
-                                            _load(builder, ca, r, builder.add(builder.mul(b, _i64(2)), _i64(1)), I32))
-                        else:
-                            c = _load(builder, ca, r, b, I32)
-                        iacc = _splat_int(builder, c, G)
+                        iacc = _splat_int(builder, q8_correction(builder, ca, r, b, group), G)
                     else:
                         iacc = ir.Constant(VGI, [0] * G)
                     for s in range(steps):
@@ -226,20 +218,52 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                             xv = builder.select(builder.icmp_signed("<", signs[s], ir.Constant(VB, [0] * (4 * G))),
                                                 builder.sub(ir.Constant(VB, [0] * (4 * G)), xv), xv)
                         iacc = _int_dot(builder, iacc, ws[s], xv, G, vnni)
-                    xdb = b if group == 32 else builder.udiv(b, _i64(32 // group))
-                    sp = builder.fmul(sv, _splat(builder, _load(builder, da, r, xdb, F32), G))
-                    builder.store(builder.call(fma, [builder.sitofp(iacc, VG), sp, builder.load(accs[j])]), accs[j])
-                    if kind == "q4":
-                        builder.store(builder.call(fma, [mv, _splat(builder, _load(builder, ua, r, b, F32), G),
-                                                         builder.load(accms[j])]), accms[j])
+                    block_epilogue(builder, iacc, sv, mv, da, ua, r, b, group, accs[j], accms[j] if mv is not None else None)
             for j in range(R):
-                res = builder.load(accs[j])
-                if kind == "q4":
-                    res = builder.fadd(res, builder.load(accms[j]))
-                builder.store(res, _addr(builder, oa, rows[j], builder.mul(g0, _i64(G)), VG), align=4)
+                store_outputs(builder, oa, rows[j], g0, accs[j], accms[j] if kind == "q4" else None)
             return context.get_dummy_value()
         return types.void(qs, scale, minv, g, xq, xd, xs, xc, m, out), codegen
     return _stable(qdot, f"qdot:{kind}:{group}:{R}:{G}:{int(vnni)}:{prefetch}")
+
+
+def q4_steps(builder, qa, g, wcol, G):
+    """The 8 step vectors (<4G x i8>, lane n: four weights of row n) of a "q4" block at byte ``wcol``
+    of group row g: the low nibbles of its 4 loads (elements 0-15), then the high ones (16-31)."""
+    VB = ir.VectorType(I8, 4 * G)
+    raw = [_load(builder, qa, g, builder.add(wcol, _i64(4 * G * t)), VB) for t in range(4)]
+    return ([builder.and_(v, ir.Constant(VB, [15] * (4 * G))) for v in raw]
+            + [builder.lshr(v, ir.Constant(VB, [4] * (4 * G))) for v in raw])
+
+
+def q8_correction(builder, ca, r, b, group):
+    """i32: -128 times activation row r's sum over block b (``xc`` holds it per 16 columns)."""
+    if group == 16:
+        return _load(builder, ca, r, b, I32)
+    b2 = builder.mul(b, _i64(2))
+    return builder.add(_load(builder, ca, r, b2, I32), _load(builder, ca, r, builder.add(b2, _i64(1)), I32))
+
+
+def block_epilogue(builder, iacc, sv, mv, da, ua, r, b, group, acc, accm):
+    """One block of activation row r into its accumulators (see :func:`make_qdot`): ``acc = fma(float(S),
+    scale * xd, acc)`` (iacc: the exact sums S, <G x i32>; sv: the G rows' scales), and for "q4" (mv:
+    their mins) ``accm = fma(minv, xs, accm)``. Every kernel ends a block with exactly this."""
+    G = iacc.type.count
+    VG = ir.VectorType(F32, G)
+    fma = _llvm_fn(builder, f"llvm.fmuladd.v{G}f32", VG, [VG, VG, VG])
+    xdb = b if group == 32 else builder.udiv(b, _i64(32 // group))
+    sp = builder.fmul(sv, _splat(builder, _load(builder, da, r, xdb, F32), G))
+    builder.store(builder.call(fma, [builder.sitofp(iacc, VG), sp, builder.load(acc)]), acc)
+    if mv is not None:
+        builder.store(builder.call(fma, [mv, _splat(builder, _load(builder, ua, r, b, F32), G),
+                                         builder.load(accm)]), accm)
+
+
+def store_outputs(builder, oa, r, g, acc, accm):
+    """out[r, G g : G g + G] = acc (+ accm for "q4")."""
+    res = builder.load(acc)
+    if accm is not None:
+        res = builder.fadd(res, builder.load(accm))
+    builder.store(res, _addr(builder, oa, r, builder.mul(g, _i64(res.type.count)), res.type), align=4)
 
 
 def _splat_int(builder, x, n):
