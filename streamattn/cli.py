@@ -95,7 +95,7 @@ def _model_args(p):
                    help="RoPE positions in the text, or within the cache (StreamingLLM; --cache sinks only)")
     p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
     p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per forward call")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward call")
     p.add_argument("--weights", choices=("quant", "f32"), default="quant",
                    help="quant: matrices stay in the file's block formats (default); f32: dequantized "
                         "float32 reference path")

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens for --cache sinks")
     p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
     p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per forward call")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward call")
     p.add_argument("--chat", action="store_true", help="wrap 'prompt' lines in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per worker (per actor with --ray)")
