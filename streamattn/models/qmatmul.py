@@ -70,17 +70,51 @@ def _njit_drivers(loops):
     return njit(cache=True)(loops(range)), njit(parallel=True, cache=True)(loops(prange))
 
 
+#: What a driver quantizes first (its ``mode``): nothing (the activations are given), plain rows, RMSNorm
+#: rows, or the gated activation of [g | u] rows (silu, gelu-tanh): :mod:`streamattn.models.qacts`.
+GIVEN, PLAIN, NORM, SILU, GELU = -1, 0, 1, 2, 3
+
+
 @functools.cache
 def _qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LANES_VNNI):
-    """Serial and group-parallel loops over the weight's interleaved groups g: activation rows in
-    groups of R, then one by one, out[b, lanes g + n] = dot(qs, scale, minv, g, xq, xd, xs, xc, b).
-    ``vnni``: which integer dot product (:func:`~streamattn.models.qmatmul_kernels.make_qdot`; the
-    same results)."""
+    """Serial and group-parallel drivers ``run(mode, x, nw, eps, xq, xd, xs, xc, qs, scale, minv, out)
+    -> out``: unless ``mode`` is GIVEN, first quantize ``x`` (see :data:`GIVEN`; norm weight ``nw``,
+    ``eps``) into new activations and a new ``out`` (the arguments are then placeholders); then loop over
+    the weight's interleaved groups g: activation rows in groups of R, then one by one, out[b, lanes g +
+    n] = dot(qs, scale, minv, g, xq, xd, xs, xc, b). ``vnni``: which integer dot product
+    (:func:`~streamattn.models.qmatmul_kernels.make_qdot`; the same results).
+
+    One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
+    decode step streams megabytes of weights, and the Python of a call made of several (numpy buffers,
+    two dispatches, lookups) ran with its data evicted: 99.6 -> 56.0 us a q/k/v call (docs/PERF.md)."""
     dot_r = make_qdot(kind, group, R, lanes, vnni)
     dot_1 = make_qdot(kind, group, 1, lanes, vnni, PREFETCH_BYTES)
 
     def loops(rows):
-        def body(qs, scale, minv, xq, xd, xs, xc, out):
+        split = rows is prange                  # the parallel driver: prompt rows quantized over threads too
+
+        def run(mode, x, nw, eps, xq, xd, xs, xc, qs, scale, minv, out):
+            if mode != GIVEN:
+                M = x.shape[0]
+                K = x.shape[1] // 2 if mode >= SILU else x.shape[1]
+                xq = np.empty((M, K), np.int8)
+                xd = np.empty((M, K // 32), np.float32)
+                xs = np.empty((M, K // 32), np.float32)
+                xc = np.empty((M, K // 16), np.int32)
+                pieces = split and M >= 2 * qacts.PIECE_ROWS
+                if mode == NORM:
+                    if pieces:
+                        norm_quantize_rows_parallel(x, nw, eps, xq, xd, xs, xc)
+                    else:
+                        norm_quantize_rows(x, nw, eps, xq, xd, xs, xc)
+                elif mode >= SILU:
+                    if pieces:
+                        glu_quantize_rows_parallel(x, mode == GELU, xq, xd, xs, xc)
+                    else:
+                        glu_quantize_rows(x, mode == GELU, xq, xd, xs, xc)
+                else:
+                    quantize_rows(x, xq, xd, xs, xc)
+                out = np.empty((M, qs.shape[0] * lanes), np.float32)
             M = xq.shape[0]
             full = M - M % R
             for g in rows(qs.shape[0]):
@@ -88,7 +122,8 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LA
                     dot_r(qs, scale, minv, g, xq, xd, xs, xc, b, out)
                 for b in range(full, M):
                     dot_1(qs, scale, minv, g, xq, xd, xs, xc, b, out)
-        return body
+            return out
+        return run
     return _njit_drivers(loops)
 
 
@@ -112,6 +147,9 @@ def _fdrivers(kind: str, R: int):
 
 _drop_stale_cache()
 _EMPTY = np.zeros((1, 1), np.float32)
+_EMPTY1 = np.zeros(1, np.float32)
+_NO_ACTS = (np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32),
+            np.zeros((1, 2), np.int32))             # placeholders where a driver makes its own activations
 
 
 def quantize_activations(x):
@@ -127,41 +165,52 @@ def _acts_like(M, K):
             np.empty((M, K // 16), np.int32))
 
 
-def _split_rows(M: int) -> bool:
-    """Whether the activations' quantization of M rows goes over threads (a prefill chunk, with more
-    than one thread set; a decode step's few rows stay serial: a parallel launch costs more)."""
-    return M >= 2 * qacts.PIECE_ROWS and numba.get_num_threads() > 1
-
-
 def norm_qmatmul(x, norm_w, eps: float, w: QWeight):
     """``rms_norm(x) @ W.T`` for a "q4"/"q8" weight, the norm fused into the activations' quantization.
-    x: float32 [..., K], norm_w: [K] -> [..., N]."""
-    x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32)
-    acts = _acts_like(*x2.shape)
-    quantize = norm_quantize_rows_parallel if _split_rows(x2.shape[0]) else norm_quantize_rows
-    quantize(x2, np.ascontiguousarray(norm_w, np.float32), eps, *acts)
-    return _quantized_matmul(w, *acts).reshape(*x.shape[:-1], w.shape[0])
+    x: float32 [..., K], norm_w: float32 [K] -> [..., N]."""
+    return _fused(NORM, x, norm_w, eps, w)
 
 
 def glu_qmatmul(gu, gelu: bool, w: QWeight):
     """``(act(g) * u) @ W.T`` for gu = [g | u]: float32 [..., 2F] and a "q4"/"q8" weight [N, F]."""
-    g2 = np.ascontiguousarray(gu.reshape(-1, gu.shape[-1]), np.float32)
-    acts = _acts_like(g2.shape[0], g2.shape[1] // 2)
-    (glu_quantize_rows_parallel if _split_rows(g2.shape[0]) else glu_quantize_rows)(g2, gelu, *acts)
-    return _quantized_matmul(w, *acts).reshape(*gu.shape[:-1], w.shape[0])
+    return _fused(GELU if gelu else SILU, gu, _EMPTY1, 0.0, w)
+
+
+def _fused(mode, x, nw, eps, w):
+    """One driver call that quantizes x (``mode``) and multiplies (:func:`_qdrivers`)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.flags.c_contiguous or x2.dtype != np.float32:
+        x2 = np.ascontiguousarray(x2, np.float32)
+    if nw.dtype != np.float32 or not nw.flags.c_contiguous:
+        nw = np.ascontiguousarray(nw, np.float32)
+    out = _drivers_of(w)[numba.get_num_threads() > 1](mode, x2, nw, eps, *_NO_ACTS, w.qs, w.scale,
+                                                        _EMPTY if w.minv is None else w.minv, _EMPTY)
+    if out.shape[1] != w.shape[0]:
+        out = np.ascontiguousarray(out[:, :w.shape[0]])
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+@functools.cache
+def _drivers_cached(kind, group, lanes, R, vnni):
+    return _qdrivers(kind, group, R, lanes, vnni)
+
+
+def _drivers_of(w: QWeight):
+    """The default drivers (:data:`ROWS`, :data:`LANES_VNNI`) for w's kind."""
+    return _drivers_cached(w.kind, w.group, w.lanes, ROWS, LANES_VNNI)
 
 
 def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=None, vnni=None):
     """``x @ W.T`` for a "q4"/"q8" weight and activations already quantized (the layout of
-    :func:`quantize_activations`), options already checked: :func:`qmatmul`'s work without its checks,
-    for the fused callers above, whose shapes are the model's own (~2 us a call less)."""
+    :func:`quantize_activations`), options already checked: :func:`qmatmul`'s work without its checks."""
     group_rows = ROWS if group_rows is None else group_rows
     vnni = LANES_VNNI if vnni is None else vnni
     M, N = xq.shape[0], w.shape[0]
     out = np.empty((M, w.qs.shape[0] * w.lanes), np.float32)
     par = numba.get_num_threads() > 1 if parallel is None else parallel
     minv = w.minv if w.minv is not None else _EMPTY
-    _qdrivers(w.kind, w.group, group_rows, w.lanes, vnni)[par](w.qs, w.scale, minv, xq, xd, xs, xc, out)
+    _qdrivers(w.kind, w.group, group_rows, w.lanes, vnni)[par](GIVEN, _EMPTY, _EMPTY1, 0.0, xq, xd, xs, xc, w.qs,
+                                                               w.scale, minv, out)
     return out if out.shape[1] == N else np.ascontiguousarray(out[:, :N])
 
 
