@@ -132,14 +132,22 @@ def heads_rope_cpu(h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm=None, eps
     """numpy implementation of :func:`streamattn.models.transformer.heads_rope` (same arguments): one
     call of the compiled kernel. h: [B, T, (H + 2*Hk) * hd]; cos, sin: [B, T, 1, hd] -> q, k, v."""
     B, T, W = h.shape
-    H, Hk = n_heads, n_kv_heads
-    hd = W // (H + 2 * Hk)
-    q = np.empty((B, H, T, hd), np.float32)      # [B, H, T, hd]
-    k = np.empty((B, Hk, T, hd), np.float32)     # [B, Hk, T, hd]
-    v = np.empty((B, Hk, T, hd), np.float32)     # [B, Hk, T, hd]
+    hd = W // (n_heads + 2 * n_kv_heads)
     rows = np.ascontiguousarray(h.reshape(B * T, W), np.float32)                # [M, W]
     norm_w = _NO_NORM if qk_norm is None else np.ascontiguousarray(qk_norm, np.float32)
-    _heads_rope(rows, np.ascontiguousarray(cos.reshape(B * T, hd), np.float32),
-                np.ascontiguousarray(sin.reshape(B * T, hd), np.float32), style == "neox", norm_w,
-                np.float32(eps), q, k, v)
+    return _heads_rope_new(rows, np.ascontiguousarray(cos.reshape(B * T, hd), np.float32),
+                           np.ascontiguousarray(sin.reshape(B * T, hd), np.float32), style == "neox", norm_w,
+                           np.float32(eps), B, n_heads, n_kv_heads)
+
+
+@njit(cache=True)
+def _heads_rope_new(h, cos, sin, neox, norm_w, eps, B, H, Hk):
+    """:func:`_heads_rope` into new q [B, H, T, hd], k, v [B, Hk, T, hd] (made here: one call from Python
+    instead of three numpy allocations and a call, run between weight reads that evict their data)."""
+    M, W = h.shape
+    hd = W // (H + 2 * Hk)
+    q = np.empty((B, H, M // B, hd), np.float32)
+    k = np.empty((B, Hk, M // B, hd), np.float32)
+    v = np.empty((B, Hk, M // B, hd), np.float32)
+    _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v)
     return q, k, v

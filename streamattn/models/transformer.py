@@ -70,6 +70,8 @@ def _cpu_kernels(name: str):
 
 def linear(xp, x, w):
     """``x @ w.T``: x [..., in], w [out, in] a float array or a :class:`QWeight` -> [..., out]."""
+    if _int_kernel(w):
+        return _cpu_kernels("qmatmul").plain_qmatmul(x, w)
     if isinstance(w, QWeight):
         return _cpu_kernels("qmatmul").qmatmul(x, w)
     if isinstance(w, tuple):                     # row groups of different block kinds
