@@ -9,6 +9,7 @@ import numpy as np
 from . import backends
 from .cache import KVCache
 from .storage import EXPONENT_BITS, bits, non_finite_error
+from .threads import many_threads
 
 
 def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = None, counts=None,
@@ -127,7 +128,7 @@ def _append_attend_cpu(q, k, v, cache: KVCache, scale: float):
     cpu = _cpu()
     bad, out, lse, finite = cpu.write_attend(q, scale, kst, vst, bits(ks), bits(vs), ka, va, cache.lengths, counts,
                                              cache.last_counts, cache.held_from, cache.ring, spec.check_finite,
-                                             EXPONENT_BITS[spec.dtype], cpu.KIND[spec.dtype])
+                                             EXPONENT_BITS[spec.dtype], cpu.KIND[spec.dtype], not many_threads())
     if bad >= 0:
         raise non_finite_error("kv"[bad % 2], bad // 2, spec.dtype)
     return (out, lse) if finite else _poison_non_finite(out, lse, counts, np)

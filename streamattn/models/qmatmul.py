@@ -37,6 +37,7 @@ from streamattn.models.qmatmul_kernels import LANES, LANES_VNNI, _host_cpu_has, 
 from streamattn.models.qacts import (glu_quantize_rows, glu_quantize_rows_parallel, norm_quantize_rows,  # noqa: F401
                                       norm_quantize_rows_parallel, quantize_rows)
 from streamattn.models.quant import QWeight
+from streamattn.threads import many_threads
 
 #: Activation rows per weight-block unpacking (measured: docs/PERF.md). Results do not depend on it.
 ROWS = 8 if LANES == 16 else 4
@@ -189,29 +190,11 @@ def _fused(mode, x, nw, eps, w):
         x2 = np.ascontiguousarray(x2, np.float32)
     if nw.dtype != np.float32 or not nw.flags.c_contiguous:
         nw = np.ascontiguousarray(nw, np.float32)
-    out = _drivers_of(w)[_many_threads()](mode, x2, nw, eps, *_NO_ACTS, w.qs, w.scale,
+    out = _drivers_of(w)[many_threads()](mode, x2, nw, eps, *_NO_ACTS, w.qs, w.scale,
                                                         _EMPTY if w.minv is None else w.minv, _EMPTY)
     if out.shape[1] != w.shape[0]:
         out = np.ascontiguousarray(out[:, :w.shape[0]])
     return out.reshape(*x.shape[:-1], w.shape[0])
-
-
-def _many_threads() -> bool:
-    """Whether Numba runs more than one thread here (this Python thread's setting). After the first call,
-    through Numba's own ctypes getter: ``numba.get_num_threads()`` also checks the pool each time (0.7 us
-    warm; ~120 calls a decode step)."""
-    global _thread_count
-    if _thread_count is None:
-        numba.get_num_threads()                          # launches the pool once: the getter is valid after
-        try:
-            from numba.np.ufunc.parallel import _get_num_threads
-            _thread_count = _get_num_threads
-        except ImportError:                              # numba internals moved: the public call
-            _thread_count = numba.get_num_threads
-    return _thread_count() > 1
-
-
-_thread_count = None
 
 
 @functools.cache
@@ -231,7 +214,7 @@ def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=N
     vnni = LANES_VNNI if vnni is None else vnni
     M, N = xq.shape[0], w.shape[0]
     out = np.empty((M, w.qs.shape[0] * w.lanes), np.float32)
-    par = _many_threads() if parallel is None else parallel
+    par = many_threads() if parallel is None else parallel
     minv = w.minv if w.minv is not None else _EMPTY
     _qdrivers(w.kind, w.group, group_rows, w.lanes, vnni)[par](GIVEN, _EMPTY, _EMPTY1, 0.0, xq, xd, xs, xc, w.qs,
                                                                w.scale, minv, out)
@@ -284,7 +267,7 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
                          "this CPU has none")
     lead = x.shape[:-1]
     x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)
-    par = _many_threads() if parallel is None else parallel
+    par = many_threads() if parallel is None else parallel
     if w.kind in _FKINDS:
         out = np.empty((x2.shape[0], N), np.float32)
         _fdrivers(w.kind, group_rows)[par](w.qs, x2, out)
