@@ -1,0 +1,66 @@
+"""The Python (and numpy glue) of one decode step: issue 13's "Python overhead per token" figure.
+
+    PYTHONPATH=. python benchmarks/python_overhead.py [--model smollm2-135m] [--steps 300]
+
+Times ``Transformer.forward`` of one token (1 thread, float16 cache, packed weights) twice in one process:
+as it runs, and with every compiled call it makes replaced by a stub that returns a ready array of the
+right shape (the matmul drivers, the cache write + attention, the heads/RoPE kernel). What the second
+takes is what a step spends outside compiled code, with its data hot (between the real calls it runs with
+the caches evicted by the weights, so it costs more there: docs/PERF.md). Medians of single steps.
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from streamattn.threads import set_threads
+
+
+def _median_step(tf, caches, tok, n):
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        tf.forward(tok, caches, last_only=True)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    set_threads(1)
+    from streamattn.backends import cpu
+    from streamattn.models import heads_kernel, qmatmul
+    from streamattn.models.hub import resolve_model
+    from streamattn.models.loader import load_gguf
+    from streamattn.models.transformer import Transformer
+    tf = Transformer(load_gguf(resolve_model(args.model, quiet=True)))
+    c = tf.config
+    caches = tf.new_caches(max_chunk=16, dtype="float16")
+    tf.forward(np.array([[1, 2, 3]]), caches, last_only=True)           # compiled and warm
+    tok = np.array([[4]])
+    real = _median_step(tf, caches, tok, min(args.steps, 100))
+
+    outs = {}
+
+    def driver(mode, x, nw, eps, xq, xd, xs, xc, qs, scale, minv, out):
+        n = qs.shape[0] * qmatmul.LANES
+        return outs.setdefault((x.shape[0], n), np.zeros((x.shape[0], n), np.float32))
+    o = np.zeros((1, c.n_heads, 1, c.head_dim), np.float32)
+    lse = np.zeros((1, c.n_heads, 1), np.float32)
+    kv = np.zeros((1, c.n_kv_heads, 1, c.head_dim), np.float32)
+    qmatmul._drivers_cached.cache_clear()
+    qmatmul._drivers_cached = lambda *a: (driver, driver)
+    cpu.write_attend = lambda *a: (-1, o, lse, True)
+    heads_kernel._heads_rope_new = lambda *a: (o, kv, kv)
+    glue = _median_step(tf, caches, tok, args.steps)
+    print(f"{c.name}: one decode step {real * 1e3:.2f} ms; with every compiled call stubbed "
+          f"(Python and numpy glue) {glue * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
