@@ -184,17 +184,27 @@ def glu_qmatmul(gu, gelu: bool, w: QWeight):
 
 
 def _fused(mode, x, nw, eps, w):
-    """One driver call that quantizes x (``mode``) and multiplies (:func:`_qdrivers`)."""
+    """One driver call that quantizes x (``mode``) and multiplies (:func:`_qdrivers`). What it needs of
+    ``w`` is looked up once and kept on it (:func:`_bound`): ~120 calls a decode step."""
+    drivers, qs, scale, minv, n, cols = w.__dict__.get("_bound") or _bound(w)
+    if qs is not w.qs or scale is not w.scale:           # planes replaced since: look up again
+        drivers, qs, scale, minv, n, cols = _bound(w)
     x2 = x.reshape(-1, x.shape[-1])
-    if not x2.flags.c_contiguous or x2.dtype != np.float32:
+    if x2.dtype != np.float32 or not x2.flags.c_contiguous:
         x2 = np.ascontiguousarray(x2, np.float32)
     if nw.dtype != np.float32 or not nw.flags.c_contiguous:
         nw = np.ascontiguousarray(nw, np.float32)
-    out = _drivers_of(w)[many_threads()](mode, x2, nw, eps, *_NO_ACTS, w.qs, w.scale,
-                                                        _EMPTY if w.minv is None else w.minv, _EMPTY)
-    if out.shape[1] != w.shape[0]:
-        out = np.ascontiguousarray(out[:, :w.shape[0]])
-    return out.reshape(*x.shape[:-1], w.shape[0])
+    out = drivers[many_threads()](mode, x2, nw, eps, *_NO_ACTS, qs, scale, minv, _EMPTY)
+    if cols != n:
+        out = np.ascontiguousarray(out[:, :n])
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _bound(w: QWeight) -> tuple:
+    """(drivers, qs, scale, minv or a placeholder, rows, output columns) of w, stored on w."""
+    b = (_drivers_of(w), w.qs, w.scale, _EMPTY if w.minv is None else w.minv, w.shape[0], w.qs.shape[0] * w.lanes)
+    w.__dict__["_bound"] = b
+    return b
 
 
 @functools.cache
