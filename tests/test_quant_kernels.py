@@ -169,8 +169,8 @@ def test_vnni_route_gives_the_same_bits(type_name):
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_every_lane_width_gives_the_same_bits(type_name):
-    """Groups of 8 rows (the AVX2 kernels' width) and of 16 (AVX-512) give every output element the same
-    operations, so the same bits: K with one block to many, rows one by one and in groups of R, a row
+    """Groups of 8 rows (the AVX2 kernels' width) and of 16 (AVX-512, where this CPU has it) give every
+    output element the same operations, so the same bits: K with one block to many, rows one by one and in groups of R, a row
     count that leaves the last group part-filled, both integer routes where this CPU has them."""
     cols = [256, 768] if type_name in ("Q4_K", "Q6_K") else [32, 96, 576, 1536]
     for K in cols:
@@ -185,6 +185,34 @@ def test_every_lane_width_gives_the_same_bits(type_name):
                 for m, r in ((3, 4), (37, 4), (37, 8)):
                     np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, group_rows=r, vnni=vnni), want[:m],
                                                   err_msg=f"K={K} lanes={lanes} vnni={vnni} M={m} R={r}")
+
+
+def test_rows_bounds_lanes_and_rebinding():
+    """rows() refuses ids past either end and counts negative ones from the end; interleave takes only the
+    kernels' widths; the model's one-call matmul looks its drivers up again when ROWS is switched (what
+    benchmarks/prefill_rows.py does) and when a plane is replaced."""
+    from streamattn.models import qmatmul as qm
+    data, w64 = gguf_bytes("Q8_0", 21, 64, seed=9)
+    w = pack("t", "Q8_0", data, (21, 64))
+    np.testing.assert_array_equal(w.rows(np.array([-1, 0])), w64[[20, 0]].astype(np.float32))
+    for bad in (21, -22):
+        with pytest.raises(IndexError, match=r"row ids must be in -21\.\.20 for a weight of 21 rows"):
+            w.rows(np.array([0, bad]))
+    with pytest.raises(ValueError, match="lanes must be 8 or 16, the kernels' vector widths \\(got 4\\)"):
+        pack("t", "Q8_0", data, (21, 64), lanes=4)
+    x = np.random.default_rng(2).standard_normal((1, 1, 64)).astype(np.float32)
+    want = qmatmul(x[0], w, parallel=False)
+    np.testing.assert_array_equal(qm.plain_qmatmul(x, w)[0], want)
+    before = qm.ROWS
+    try:
+        qm.ROWS = 2 if before != 2 else 4
+        np.testing.assert_array_equal(qm.plain_qmatmul(x, w)[0], want)
+        assert w.__dict__["_bound"][6] == qm.ROWS
+    finally:
+        qm.ROWS = before
+    w.scale = w.scale.copy()
+    w.scale[...] = 0
+    np.testing.assert_array_equal(qm.plain_qmatmul(x, w), np.zeros((1, 1, 21), np.float32))
 
 
 def test_interleaved_layout():

@@ -186,25 +186,38 @@ def glu_qmatmul(gu, gelu: bool, w: QWeight):
 def _fused(mode, x, nw, eps, w):
     """One driver call that quantizes x (``mode``) and multiplies (:func:`_qdrivers`). What it needs of
     ``w`` is looked up once and kept on it (:func:`_bound`): ~120 calls a decode step."""
-    drivers, qs, scale, minv, n, cols = w.__dict__.get("_bound") or _bound(w)
-    if qs is not w.qs or scale is not w.scale:           # planes replaced since: look up again
-        drivers, qs, scale, minv, n, cols = _bound(w)
+    b = w.__dict__.get("_bound")
+    if b is None or b[1] is not w.qs or b[2] is not w.scale or b[3] is not w.minv or b[6] != ROWS:
+        b = _bound(w)                                    # first use, planes replaced, or ROWS switched
+    drivers, qs, scale, minv, n, cols, _ = b
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != np.float32 or not x2.flags.c_contiguous:
         x2 = np.ascontiguousarray(x2, np.float32)
     if nw.dtype != np.float32 or not nw.flags.c_contiguous:
         nw = np.ascontiguousarray(nw, np.float32)
-    out = drivers[many_threads()](mode, x2, nw, eps, *_NO_ACTS, qs, scale, minv, _EMPTY)
+    out = drivers[many_threads()](mode, x2, nw, eps, *_NO_ACTS, qs, scale, _EMPTY if minv is None else minv,
+                                  _EMPTY)
     if cols != n:
         out = np.ascontiguousarray(out[:, :n])
     return out.reshape(*x.shape[:-1], n)
 
 
 def _bound(w: QWeight) -> tuple:
-    """(drivers, qs, scale, minv or a placeholder, rows, output columns) of w, stored on w."""
-    b = (_drivers_of(w), w.qs, w.scale, _EMPTY if w.minv is None else w.minv, w.shape[0], w.qs.shape[0] * w.lanes)
+    """(drivers, qs, scale, minv, rows, output columns, ROWS) of w, stored on w; refuses what this CPU's
+    kernels cannot run (no AVX2; groups wider than its vectors)."""
+    _check_runs_here(w)
+    b = (_drivers_of(w), w.qs, w.scale, w.minv, w.shape[0], w.qs.shape[0] * w.lanes, ROWS)
     w.__dict__["_bound"] = b
     return b
+
+
+def _check_runs_here(w: QWeight) -> None:
+    if not HAVE_KERNELS:
+        raise RuntimeError("the packed-weight kernels need an x86 CPU with AVX2; load the model with "
+                           "weights='f32' (CLI: --weights f32)")
+    if w.lanes not in (8, 16) or w.lanes > LANES:
+        raise ValueError(f"weight {w.shape} is interleaved by {w.lanes} rows; this CPU's kernels take groups "
+                         f"of 8{' or 16' if LANES == 16 else ''} (pack it with lanes=None)")
 
 
 @functools.cache
@@ -222,6 +235,7 @@ def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=N
     :func:`quantize_activations`), options already checked: :func:`qmatmul`'s work without its checks."""
     group_rows = ROWS if group_rows is None else group_rows
     vnni = LANES_VNNI if vnni is None else vnni
+    _check_runs_here(w)
     M, N = xq.shape[0], w.shape[0]
     out = np.empty((M, w.qs.shape[0] * w.lanes), np.float32)
     par = many_threads() if parallel is None else parallel
@@ -245,7 +259,8 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
         Split rows over Numba's threads (default: when more than one is set). The result is the same.
     group_rows : {1, 2, 4, 8}, optional
         Activation rows per weight-block unpacking (default: the module's :data:`ROWS`, read at each
-        call, so a benchmark can switch it for a whole model). The result is the same.
+        call; the model's own calls see a change of ROWS too, so a benchmark can switch it for a whole
+        model). The result is the same.
     vnni : bool, optional
         Integer dot products by ``vpdpbusd`` (default: where the CPU has it at the kernels' width,
         :data:`~streamattn.models.qmatmul_kernels.LANES_VNNI`) or by ``vpmaddubsw`` + ``vpmaddwd``.

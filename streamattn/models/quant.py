@@ -106,9 +106,14 @@ class QWeight:
         return bool(np.isfinite(self.dequantize()).all())
 
     def rows(self, ids) -> np.ndarray:
-        """Dequantized rows ``ids`` (an int array of any shape) as float32 [*ids.shape, cols]."""
+        """Dequantized rows ``ids`` (an int array of any shape; negative ids count from the end, as numpy's)
+        as float32 [*ids.shape, cols]."""
         ids = np.asarray(ids)
-        return _dequant(self, *self._planes(ids.reshape(-1))).reshape(*ids.shape, self.shape[1])
+        flat, n = ids.reshape(-1), self.shape[0]
+        if flat.size and (flat.min() < -n or flat.max() >= n):
+            raise IndexError(f"row ids must be in -{n}..{n - 1} for a weight of {n} rows "
+                             f"(got {flat.min()}..{flat.max()})")
+        return _dequant(self, *self._planes(flat % n)).reshape(*ids.shape, self.shape[1])
 
     def dequantize(self) -> np.ndarray:
         """The whole matrix as float32 [rows, cols] (the reference path and the GPU's copy)."""
@@ -169,6 +174,8 @@ def interleave(w: QWeight, lanes: int) -> QWeight:
     also as [N, blocks, bytes] with any strides, e.g. a view of the file's blocks; float32 scale/minv
     [N, blocks]) in groups of ``lanes`` rows, the layout of the module docstring. One new copy of the
     values (the file's Q8_0 bytes are read in place: Gemma-3's 167 MB embedding was copied three times)."""
+    if lanes not in (8, 16):
+        raise ValueError(f"lanes must be 8 or 16, the kernels' vector widths (got {lanes!r})")
     n, k = w.shape
     groups, full = -(-n // lanes), n // lanes
     nb = k // w.group

@@ -30,7 +30,7 @@ class ModelOptions:
     sinks: int = 4
     backend: str = "cpu"
     cache_dtype: str = "float32"
-    prefill_chunk: int = 64
+    prefill_chunk: int = 256
     threads: int = 1
     chat: bool = False
     system: str | None = None
