@@ -53,13 +53,12 @@ def main():
     o = np.zeros((1, c.n_heads, 1, c.head_dim), np.float32)
     lse = np.zeros((1, c.n_heads, 1), np.float32)
     kv = np.zeros((1, c.n_kv_heads, 1, c.head_dim), np.float32)
-    qmatmul._drivers_cached.cache_clear()
-    qmatmul._drivers_cached = lambda *a: (driver, driver)
+    qmatmul._drivers_of = lambda w: (driver, driver)
     for w in [tf.output, *(a for lw in tf.layers for a in vars(lw).values())]:
         if hasattr(w, "__dict__"):
             w.__dict__.pop("_bound", None)                # the drivers each weight kept (qmatmul._bound)
     cpu.write_attend = lambda *a: (-1, o, lse, True)
-    heads_kernel._heads_rope_new = lambda *a: (o, kv, kv)
+    heads_kernel._heads_rope_alloc = lambda *a: (o, kv, kv)
     glue = _median_step(tf, caches, tok, args.steps)
     print(f"{c.name}: one decode step {real * 1e3:.2f} ms; with every compiled call stubbed "
           f"(Python and numpy glue) {glue * 1e3:.3f} ms")

@@ -235,9 +235,10 @@ def _stop_cut(prev: str, piece: str, stop) -> int | None:
 def warm_model(model, kind: str) -> float:
     """Run ``model`` (a CPU :class:`~streamattn.models.transformer.Transformer`) once on throwaway caches:
     a chunk of :data:`~streamattn.models.qmatmul.ROWS` tokens, one token, then a chunk with a padded row,
-    so that every kernel a prefill, a decode step and a ragged batch call (the packed matmul drivers of each weight kind, the fused norm and
-    activation quantizers, attention for storage ``kind``) is compiled or loaded from Numba's cache now,
-    outside any timing, as llama.cpp's warm-up decode does. Seconds taken.
+    so that every kernel a prefill, a decode step and a ragged batch call (the packed matmul drivers of
+    each weight kind, the fused norm and activation quantizers, attention for storage ``kind``) is
+    compiled or loaded from Numba's cache now, outside any timing, as llama.cpp's warm-up decode does.
+    Seconds taken.
 
     Loading the matmul drivers of one weight kind took 0.3-1.3 s in a fresh process (docs/PERF.md), which
     a timed prefill had counted. Then LLVM's library pages, which only loading needed, are handed back

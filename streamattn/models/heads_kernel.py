@@ -135,13 +135,13 @@ def heads_rope_cpu(h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm=None, eps
     hd = W // (n_heads + 2 * n_kv_heads)
     rows = np.ascontiguousarray(h.reshape(B * T, W), np.float32)                # [M, W]
     norm_w = _NO_NORM if qk_norm is None else np.ascontiguousarray(qk_norm, np.float32)
-    return _heads_rope_new(rows, np.ascontiguousarray(cos.reshape(B * T, hd), np.float32),
+    return _heads_rope_alloc(rows, np.ascontiguousarray(cos.reshape(B * T, hd), np.float32),
                            np.ascontiguousarray(sin.reshape(B * T, hd), np.float32), style == "neox", norm_w,
                            np.float32(eps), B, n_heads, n_kv_heads)
 
 
 @njit(cache=True)
-def _heads_rope_new(h, cos, sin, neox, norm_w, eps, B, H, Hk):
+def _heads_rope_alloc(h, cos, sin, neox, norm_w, eps, B, H, Hk):
     """:func:`_heads_rope` into new q [B, H, T, hd], k, v [B, Hk, T, hd] (made here: one call from Python
     instead of three numpy allocations and a call, run between weight reads that evict their data)."""
     M, W = h.shape

@@ -87,7 +87,7 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LA
 
     One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
     decode step streams megabytes of weights, and the Python of a call made of several (numpy buffers,
-    two dispatches, lookups) ran with its data evicted: 99.6 -> 56.0 us a q/k/v call (docs/PERF.md)."""
+    two dispatches, lookups) ran with its data evicted: 99.6 -> 89.3 us a q/k/v call (docs/PERF.md)."""
     dot_r = make_qdot(kind, group, R, lanes, vnni)
     dot_1 = make_qdot(kind, group, 1, lanes, vnni, PREFETCH_BYTES)
 
@@ -156,14 +156,11 @@ _NO_ACTS = (np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32), np.zeros((
 def quantize_activations(x):
     """x: float32 [M, K] -> (xq int8 [M, K], xd, xs float32 [M, K/32], xc int32 [M, K/16]) for
     :func:`qmatmul` (:func:`streamattn.models.qacts.quantize_rows`)."""
-    acts = _acts_like(*x.shape)
+    M, K = x.shape
+    acts = (np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32),
+            np.empty((M, K // 16), np.int32))
     quantize_rows(x, *acts)
     return acts
-
-
-def _acts_like(M, K):
-    return (np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32),
-            np.empty((M, K // 16), np.int32))
 
 
 def norm_qmatmul(x, norm_w, eps: float, w: QWeight):
@@ -187,9 +184,9 @@ def _fused(mode, x, nw, eps, w):
     """One driver call that quantizes x (``mode``) and multiplies (:func:`_qdrivers`). What it needs of
     ``w`` is looked up once and kept on it (:func:`_bound`): ~120 calls a decode step."""
     b = w.__dict__.get("_bound")
-    if b is None or b[1] is not w.qs or b[2] is not w.scale or b[3] is not w.minv or b[6] != ROWS:
+    if b is None or b[1] is not w.qs or b[2] is not w.scale or b[3] is not w.minv or b[5] != ROWS:
         b = _bound(w)                                    # first use, planes replaced, or ROWS switched
-    drivers, qs, scale, minv, n, cols, _ = b
+    drivers, qs, scale, minv, n, _ = b
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != np.float32 or not x2.flags.c_contiguous:
         x2 = np.ascontiguousarray(x2, np.float32)
@@ -197,18 +194,21 @@ def _fused(mode, x, nw, eps, w):
         nw = np.ascontiguousarray(nw, np.float32)
     out = drivers[many_threads()](mode, x2, nw, eps, *_NO_ACTS, qs, scale, _EMPTY if minv is None else minv,
                                   _EMPTY)
-    if cols != n:
-        out = np.ascontiguousarray(out[:, :n])
-    return out.reshape(*x.shape[:-1], n)
+    return _real_rows(out, n).reshape(*x.shape[:-1], n)
 
 
 def _bound(w: QWeight) -> tuple:
-    """(drivers, qs, scale, minv, rows, output columns, ROWS) of w, stored on w; refuses what this CPU's
+    """(drivers, qs, scale, minv, rows, ROWS) of w, stored on w; refuses what this CPU's
     kernels cannot run (no AVX2; groups wider than its vectors)."""
     _check_runs_here(w)
-    b = (_drivers_of(w), w.qs, w.scale, w.minv, w.shape[0], w.qs.shape[0] * w.lanes, ROWS)
+    b = (_drivers_of(w), w.qs, w.scale, w.minv, w.shape[0], ROWS)
     w.__dict__["_bound"] = b
     return b
+
+
+def _real_rows(out, n: int):
+    """out [M, groups * lanes] without the columns of the last group's padding rows (contiguous)."""
+    return out if out.shape[1] == n else np.ascontiguousarray(out[:, :n])
 
 
 def _check_runs_here(w: QWeight) -> None:
@@ -220,14 +220,9 @@ def _check_runs_here(w: QWeight) -> None:
                          f"of 8{' or 16' if LANES == 16 else ''} (pack it with lanes=None)")
 
 
-@functools.cache
-def _drivers_cached(kind, group, lanes, R, vnni):
-    return _qdrivers(kind, group, R, lanes, vnni)
-
-
 def _drivers_of(w: QWeight):
     """The default drivers (:data:`ROWS`, :data:`LANES_VNNI`) for w's kind."""
-    return _drivers_cached(w.kind, w.group, w.lanes, ROWS, LANES_VNNI)
+    return _qdrivers(w.kind, w.group, ROWS, w.lanes, LANES_VNNI)
 
 
 def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=None, vnni=None):
@@ -242,7 +237,7 @@ def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=N
     minv = w.minv if w.minv is not None else _EMPTY
     _qdrivers(w.kind, w.group, group_rows, w.lanes, vnni)[par](GIVEN, _EMPTY, _EMPTY1, 0.0, xq, xd, xs, xc, w.qs,
                                                                w.scale, minv, out)
-    return out if out.shape[1] == N else np.ascontiguousarray(out[:, :N])
+    return _real_rows(out, N)
 
 
 def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_rows: int | None = None,

@@ -192,12 +192,11 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                     ahead = builder.mul(builder.add(b, _i64(ahead_blocks)), _i64(G))
                     for p in ((sa, ma) if kind == "q4" else (sa,)):
                         _prefetch(builder, _addr(builder, p, g0, ahead, I8))
+                signs = None
                 if kind == "q4":
                     ws = q4_steps(builder, qa, g0, wcol, G)
-                    signs = None
                 else:
                     ws = [_load(builder, qa, g0, builder.add(wcol, _i64(4 * G * s)), VB) for s in range(steps)]
-                    signs = None
                     if not vnni:                       # back to signed w; |w| <= 128 for vpmaddubsw
                         signs = [builder.xor(v, ir.Constant(VB, [-128] * (4 * G))) for v in ws]
                         ws = [builder.call(_llvm_fn(builder, f"llvm.abs.v{4 * G}i8", VB, [VB, I1]),
@@ -218,9 +217,9 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                             xv = builder.select(builder.icmp_signed("<", signs[s], ir.Constant(VB, [0] * (4 * G))),
                                                 builder.sub(ir.Constant(VB, [0] * (4 * G)), xv), xv)
                         iacc = _int_dot(builder, iacc, ws[s], xv, G, vnni)
-                    block_epilogue(builder, iacc, sv, mv, da, ua, r, b, group, accs[j], accms[j] if mv is not None else None)
+                    block_epilogue(builder, iacc, sv, mv, da, ua, r, b, group, accs[j], accms[j] if accms else None)
             for j in range(R):
-                store_outputs(builder, oa, rows[j], g0, accs[j], accms[j] if kind == "q4" else None)
+                store_outputs(builder, oa, rows[j], g0, accs[j], accms[j] if accms else None)
             return context.get_dummy_value()
         return types.void(qs, scale, minv, g, xq, xd, xs, xc, m, out), codegen
     return _stable(qdot, f"qdot:{kind}:{group}:{R}:{G}:{int(vnni)}:{prefetch}")
@@ -300,30 +299,3 @@ def make_fdot_rows(kind: int, R: int = 1):
             return context.get_dummy_value()
         return types.void(w, r, x, b, out), codegen
     return _stable(fdot, f"fdot:{kind}:{R}")
-
-
-@intrinsic
-def _prefetch_rows(typingctx, a, r, n):
-    """prefetch_rows(a, r, n) -> None: prefetch every 64-byte line of rows r .. r + n - 1 of the C array
-    ``a`` for reading, into L2 (hint T1: the lines are read once, a few rows later). A prefetch never
-    faults, so rows past the end are harmless."""
-    if not _c_arrays(a):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ra = _Rows(context, builder, sig.args[0], args[0])
-        r0 = context.cast(builder, args[1], sig.args[1], types.int64)
-        n = context.cast(builder, args[2], sig.args[2], types.int64)
-        start = builder.ptrtoint(_addr(builder, ra, r0, _i64(0), I8), I64)
-        first = builder.and_(start, _i64(-64))                      # the line the rows start in
-        end = builder.add(start, builder.mul(n, ra.row_stride))
-        fn = _llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
-        lines = builder.udiv(builder.add(builder.sub(end, first), _i64(63)), _i64(64))
-        with cgutils.for_range(builder, lines) as loop:
-            p = builder.inttoptr(builder.add(first, builder.mul(loop.index, _i64(64))), I8.as_pointer())
-            builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
-        return context.get_dummy_value()
-    return types.void(a, r, n), codegen
-
-
-prefetch_rows = _stable(_prefetch_rows, "prefetch_rows:T1")

@@ -129,11 +129,10 @@ class QWeight:
         if not self.lanes:
             return self.qs[ids], None, None
         g, n = ids // self.lanes, ids % self.lanes
-        nb = self.shape[1] // self.group
-        per = (4, 4) if self.kind == "q4" else (self.group // 4, 4)
-        qs = self.qs.reshape(self.qs.shape[0], nb, per[0], self.lanes, per[1])[g, :, :, n, :].reshape(len(ids), -1)
+        steps = _steps(self.kind, self.group)
+        qs = self.qs.reshape(self.qs.shape[0], -1, steps, self.lanes, 4)[g, :, :, n, :].reshape(len(ids), -1)
         if self.kind == "q8":
-            qs = (qs.astype(np.int16) - 128).astype(np.int8)
+            qs = (qs ^ 0x80).view(np.int8)                # stored q + 128 (the module docstring)
 
         def plane(p):
             return None if p is None else floats(p.reshape(p.shape[0], -1, self.lanes)[g, :, n])
@@ -169,6 +168,11 @@ def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
     return (q * scale[:, :, None] + minv[:, :, None]).reshape(n, -1)
 
 
+def _steps(kind: str, group: int) -> int:
+    """Four-byte vectors per block of one row: "q4" 16 nibble bytes, "q8" ``group`` value bytes."""
+    return 4 if kind == "q4" else group // 4
+
+
 def interleave(w: QWeight, lanes: int) -> QWeight:
     """A row-major "q4"/"q8" QWeight (qs: q4 the nibble bytes [N, K/2], q8 signed int8 [N, K], either
     also as [N, blocks, bytes] with any strides, e.g. a view of the file's blocks; float32 scale/minv
@@ -178,18 +182,15 @@ def interleave(w: QWeight, lanes: int) -> QWeight:
         raise ValueError(f"lanes must be 8 or 16, the kernels' vector widths (got {lanes!r})")
     n, k = w.shape
     groups, full = -(-n // lanes), n // lanes
-    nb = k // w.group
-    per = (4, 4) if w.kind == "q4" else (w.group // 4, 4)
-    src = w.qs.view(np.uint8).reshape(n, nb, *per)
-    qs = np.empty((groups, nb, per[0], lanes, per[1]), np.uint8)
-    qs[:full] = src[:full * lanes].reshape(full, lanes, nb, *per).transpose(0, 2, 3, 1, 4)
+    nb, steps = k // w.group, _steps(w.kind, w.group)
+    src = w.qs.view(np.uint8).reshape(n, nb, steps, 4)
+    qs = np.empty((groups, nb, steps, lanes, 4), np.uint8)
+    qs[:full] = src[:full * lanes].reshape(full, lanes, nb, steps, 4).transpose(0, 2, 3, 1, 4)
     if n % lanes:                                      # the last group's rows, then zero rows
-        qs[full] = 0 if w.kind == "q4" else 0x80
+        qs[full] = 0
         qs[full, :, :, :n % lanes] = src[full * lanes:].transpose(1, 2, 0, 3)
     if w.kind == "q8":
-        qs[:full] ^= 0x80                              # int8 q -> q + 128 (two's complement), in place
-        if n % lanes:
-            qs[full, :, :, :n % lanes] ^= 0x80
+        qs ^= 0x80                                     # int8 q -> q + 128 (two's complement), in place
 
     def plane(p):
         if p is None:
