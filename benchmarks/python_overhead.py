@@ -1,12 +1,14 @@
 """The Python (and numpy glue) of one decode step: issue 13's "Python overhead per token" figure.
 
-    PYTHONPATH=. python benchmarks/python_overhead.py [--model smollm2-135m] [--steps 300]
+    PYTHONPATH=. python benchmarks/python_overhead.py [--model smollm2-135m] [--steps 300] [--array-layers]
 
 Times ``Transformer.forward`` of one token (1 thread, float16 cache, packed weights) twice in one process:
-as it runs, and with every compiled call it makes replaced by a stub that returns a ready array of the
-right shape (the matmul drivers, the cache write + attention, the heads/RoPE kernel). What the second
-takes is what a step spends outside compiled code, with its data hot (between the real calls it runs with
-the caches evicted by the weights, so it costs more there: docs/PERF.md). Medians of single steps.
+as it runs, and with every compiled call it makes replaced by a stub: the compiled layers
+(streamattn.models.compiled) by a compiled function that does nothing (so Numba's dispatch of their
+arguments still counts), and what the array layers and the logits call (the matmul drivers, the cache
+write + attention, the heads/RoPE kernel) by stubs that return a ready array of the right shape. What the
+second takes is what a step spends outside compiled code, with its data hot. ``--array-layers`` runs every
+layer as array code (the path before the compiled layers). Medians of single steps.
 """
 
 import argparse
@@ -31,14 +33,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--array-layers", action="store_true", help="run every layer as array code (no compiled layers)")
     args = ap.parse_args()
     set_threads(1)
     from streamattn.backends import cpu
-    from streamattn.models import heads_kernel, qmatmul
+    from numba import njit
+    from streamattn.models import compiled, heads_kernel, qmatmul
     from streamattn.models.hub import resolve_model
     from streamattn.models.loader import load_gguf
     from streamattn.models.transformer import Transformer
     tf = Transformer(load_gguf(resolve_model(args.model, quiet=True)))
+    tf.compile_layers = not args.array_layers
     c = tf.config
     caches = tf.new_caches(max_chunk=16, dtype="float16")
     tf.forward(np.array([[1, 2, 3]]), caches, last_only=True)           # compiled and warm
@@ -59,6 +64,7 @@ def main():
             w.__dict__.pop("_bound", None)                # the drivers each weight kept (qmatmul._bound)
     cpu.write_attend = lambda *a: (-1, o, lse, True)
     heads_kernel._heads_rope_alloc = lambda *a: (o, kv, kv)
+    compiled.compiled_layer = njit(lambda x, w, at: None)     # what a call costs to enter, no work
     glue = _median_step(tf, caches, tok, args.steps)
     print(f"{c.name}: one decode step {real * 1e3:.2f} ms; with every compiled call stubbed "
           f"(Python and numpy glue) {glue * 1e3:.3f} ms")

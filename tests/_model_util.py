@@ -70,8 +70,12 @@ def load(path: str, weights: str = "f32"):
 
 def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: int = 32, n_heads: int = 4,
                     n_kv_heads: int = 1, head_dim: int = 16, d_ff: int = 48, vocab: int = 64,
-                    window: int = 4, seed: int = 0, nan_tensor: str | None = None, override: dict | None = None):
+                    window: int = 4, seed: int = 0, nan_tensor: str | None = None, override: dict | None = None,
+                    quant: dict | None = None):
     """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors).
+
+    ``quant`` maps tensor names' last part (e.g. ``"ffn_down"``) to a GGUF type that gguf-py quantizes
+    (``"Q4_1"``, ``"Q8_0"``, ...): those tensors are stored quantized (columns: a multiple of 32).
 
     ``override`` maps metadata keys (e.g. ``"gemma3.block_count"``) to a value written instead of the
     default, with its own GGUF type inferred (a str stays a string: "a number stored as a string").
@@ -111,7 +115,12 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
         a = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
         if name == nan_tensor:
             a.flat[0] = np.nan
-        w.add_tensor(name, a)
+        qtype = (quant or {}).get(name.split(".")[-2])
+        if qtype is None:
+            w.add_tensor(name, a)
+        else:
+            qt = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
 
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
     t("token_embd.weight", vocab, d_model, scale=1.0)

@@ -15,7 +15,7 @@ import pytest
 
 from streamattn.models.heads_kernel import heads_rope_cpu
 from streamattn.models.rope import ROPE_BLOCK, RopeTables, rope_tables
-from streamattn.models.transformer import _heads_rope_xp
+from streamattn.models.array_ops import _heads_rope_xp
 
 # (n_heads, n_kv_heads, head_dim, style, qk_norm): the real layers, then odd sizes
 SHAPES = {

@@ -1,4 +1,4 @@
-"""The CPU kernel of :func:`streamattn.models.transformer.heads_rope`: fused projection rows to rotated heads.
+"""The CPU kernel of :func:`streamattn.models.array_ops.heads_rope`: fused projection rows to rotated heads.
 
 One compiled pass per layer instead of ~12 numpy calls (slice, reshape, per-head RMSNorm, RoPE,
 transposes, copies): each row of the fused q/k/v projection is read once and written straight into
@@ -6,7 +6,7 @@ contiguous ``q [B, H, T, hd]``, ``k, v [B, Hk, T, hd]``. Measured on a SmolLM2-1
 one thread): 7.2 us for the array code, 4.1 us for this call (1.5 us of it in the kernel, the rest
 Python: the call, three allocations).
 
-Same arithmetic as the array code (the transformer module's ``_heads_rope_xp``), so the two agree bit
+Same arithmetic as the array code (array_ops' ``_heads_rope_xp``), so the two agree bit
 for bit (tests/test_heads_rope.py): float32 products and sums in the same order, no FMA contraction
 (no fastmath), and the per-head mean square summed in numpy's pairwise order (:func:`_pairwise_sum`).
 Every row is computed alone: the result of a row never depends on the batch, the chunk or threads.
@@ -129,7 +129,7 @@ def _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v):
 
 
 def heads_rope_cpu(h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm=None, eps=0.0):
-    """numpy implementation of :func:`streamattn.models.transformer.heads_rope` (same arguments): one
+    """numpy implementation of :func:`streamattn.models.array_ops.heads_rope` (same arguments): one
     call of the compiled kernel. h: [B, T, (H + 2*Hk) * hd]; cos, sin: [B, T, 1, hd] -> q, k, v."""
     B, T, W = h.shape
     hd = W // (n_heads + 2 * n_kv_heads)

@@ -1,18 +1,18 @@
 """Decoder-only transformer forward pass (llama family and Gemma-3) on streamattn's KV caches.
 
-The model owns weights and arithmetic; it never touches cache slots. Each layer: project q/k/v, apply
-RoPE at absolute positions (``cache.lengths`` before the append), ``cache.append(k, v)`` ("write, then
-attend"), ``attend(q, cache)``, project out, MLP. With ``positions="cache"`` a sinks cache also gets the
-query rotated at its position inside the cache, min(i, n_s + n_c - 1), which is scored against the sink
-keys only (docs/DESIGN.md §13). Written once against an array module ``xp`` (numpy
-on the CPU; CuPy on the GPU once weights are moved with :meth:`Transformer.to`). Weight matrices are
-float arrays or packed GGUF blocks (:class:`~streamattn.models.quant.QWeight`); :func:`linear` and
-:func:`embed_rows` are the two operations that look at which.
+The model owns weights and arithmetic; it never touches cache slots. ``forward`` embeds the tokens, runs
+every layer, then the output norm and the logits. A layer is :func:`streamattn.models.layer.decoder_layer`,
+the one description of a block: run as array code (:class:`~streamattn.models.array_ops.ArrayOps`, on
+numpy or, once weights are moved with :meth:`Transformer.to`, CuPy), or on the CPU with packed integer
+weights as one compiled call of the same function (:mod:`streamattn.models.compiled`; the same bits).
+RoPE at absolute positions (``cache.lengths`` before the append), "write, then attend". With
+``positions="cache"`` a sinks cache also gets the query rotated at its position inside the cache,
+min(i, n_s + n_c - 1), which is scored against the sink keys only (docs/DESIGN.md §13).
 
-Layer recipe (pre-norm; gemma3 extras in brackets)::
+Model (pre-norm; gemma3 extras in brackets)::
 
     x = embed[tok] [* sqrt(d_model)]
-    for each layer:
+    for each layer:                                # decoder_layer
         h = rmsnorm(x) @ Wqkv.T -> q, k, v        # fused: one matmul
         [q, k = rmsnorm_per_head(q), rmsnorm_per_head(k)]
         q, k = rope(q, pos), rope(k, pos)          # base per layer (gemma3: 1e4 local, 1e6 global)
@@ -25,19 +25,18 @@ Layer recipe (pre-norm; gemma3 extras in brackets)::
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from streamattn import CacheSpec, KVCache
-from streamattn.dispatch import _append_attend   # attend() without re-checking what forward built
 from streamattn.models.arrange import FUSED
+from streamattn.models.array_ops import ArrayOps, _cpu_kernels, embed_rows, norm_linear
+from streamattn.models.layer import decoder_layer
 from streamattn.models.loader import GGUFModel, ModelConfig
 from streamattn.models.quant import QWeight, concat_rows
-from streamattn.models.rope import RopeTables, rope, rope_tables
+from streamattn.models.rope import RopeTables, rope_tables
 
 CACHE_MODES = ("full", "window", "sinks")
 POSITIONS = ("absolute", "cache")
@@ -59,55 +58,6 @@ class LayerWeights:
     post_ffw_norm: object = None   # [d_model]   gemma3
 
 
-@functools.cache
-def _cpu_kernels(name: str):
-    """Module ``streamattn.models.<name>`` (qmatmul, heads_kernel): imported on first use, since their Numba
-    kernels load then and a GPU model never needs them; cached because an import statement in a function
-    costs ~0.6 us a call, ~150 calls a decode step."""
-    import importlib
-    return importlib.import_module(f"streamattn.models.{name}")
-
-
-def linear(xp, x, w):
-    """``x @ w.T``: x [..., in], w [out, in] a float array or a :class:`QWeight` -> [..., out]."""
-    if _int_kernel(w):
-        return _cpu_kernels("qmatmul").plain_qmatmul(x, w)
-    if isinstance(w, QWeight):
-        return _cpu_kernels("qmatmul").qmatmul(x, w)
-    if isinstance(w, tuple):                     # row groups of different block kinds
-        return xp.concatenate([linear(xp, x, p) for p in w], axis=-1)
-    return x @ w.T
-
-
-def _int_kernel(w) -> bool:
-    return isinstance(w, QWeight) and w.kind in ("q4", "q8")
-
-
-def norm_linear(xp, x, norm_w, eps, w):
-    """``rms_norm(x, norm_w) @ w.T``; on packed integer weights the norm is fused into the quantization
-    of the activations (one compiled pass)."""
-    if _int_kernel(w):
-        return _cpu_kernels("qmatmul").norm_qmatmul(x, norm_w, eps, w)
-    return linear(xp, rms_norm(xp, x, norm_w, eps), w)
-
-
-def glu_linear(xp, gu, activation, w):
-    """``(act(g) * u) @ w.T`` for gu = [g | u] [..., 2*d_ff]; act 'silu' or 'gelu_tanh'. Fused like
-    :func:`norm_linear` on packed integer weights."""
-    if _int_kernel(w):
-        return _cpu_kernels("qmatmul").glu_qmatmul(gu, activation == "gelu_tanh", w)
-    d_ff = gu.shape[-1] // 2
-    g, u = gu[..., :d_ff], gu[..., d_ff:]
-    return linear(xp, (gelu_tanh(xp, g) if activation == "gelu_tanh" else silu(xp, g)) * u, w)
-
-
-def embed_rows(xp, w, ids):
-    """Rows ``ids`` (int [n]) of an embedding table (float array or :class:`QWeight`) as float32 [n, d]."""
-    if isinstance(w, QWeight):
-        return w.rows(ids)
-    return w[xp.asarray(ids)]
-
-
 def _cat_rows(parts):
     """One weight holding the rows of ``parts`` in order (packed when their kinds agree, else a tuple)."""
     if all(isinstance(p, QWeight) for p in parts):
@@ -124,70 +74,6 @@ def _to_device(xp, w):
     elif isinstance(w, tuple):
         w = np.concatenate([p.dequantize() if isinstance(p, QWeight) else p for p in w], 0)
     return xp.asarray(w)
-
-
-def rms_norm(xp, x, w, eps):
-    """RMSNorm over the last axis: ``x / sqrt(mean(x²) + eps) * w``. x: [..., n], w: [n] (broadcast)."""
-    ms = (x * x).sum(axis=-1, keepdims=True) * np.float32(1.0 / x.shape[-1])
-    return x * (1.0 / xp.sqrt(ms + np.float32(eps))) * w
-
-
-def gelu_tanh(xp, x):
-    return 0.5 * x * (1.0 + xp.tanh(np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)))
-
-
-def silu(xp, x):
-    return x / (1.0 + xp.exp(-x))
-
-
-def heads_rope(xp, h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm=None, eps=0.0):
-    """Attention heads from the fused projection: split, [per-head RMSNorm of q and k,] RoPE on q and k.
-
-    Parameters
-    ----------
-    h : float32 [B, T, (H + 2*Hk) * hd]
-        ``rms_norm(x) @ Wqkv.T``: q heads, then k heads, then v heads.
-    cos, sin : float32 [B, T, 1, hd]
-        :func:`rope_tables` at the tokens' positions.
-    style : {"interleaved", "neox"}
-    n_heads, n_kv_heads : int
-    qk_norm : float32 [H + Hk, hd], optional
-        Per-head RMSNorm weights of the q heads, then the k heads (Gemma-3), with ``eps``.
-
-    Returns
-    -------
-    q : [B, H, T, hd], k, v : [B, Hk, T, hd], contiguous
-
-    On numpy, one compiled pass (:mod:`streamattn.models.heads_kernel`); on any other ``xp`` (CuPy),
-    the array code of :func:`_heads_rope_xp`. Both do the same float32 arithmetic in the same order.
-
-    >>> h = np.ones((1, 1, 3 * 4), np.float32); c, s = rope_tables(np.zeros((1, 1, 1)), np.ones(2), "neox")
-    >>> [a.shape for a in heads_rope(np, h, c, s, style="neox", n_heads=1, n_kv_heads=1)]
-    [(1, 1, 1, 4), (1, 1, 1, 4), (1, 1, 1, 4)]
-    """
-    if xp is np:
-        return _cpu_kernels("heads_kernel").heads_rope_cpu(h, cos, sin, style=style, n_heads=n_heads,
-                                                           n_kv_heads=n_kv_heads, qk_norm=qk_norm, eps=eps)
-    return _heads_rope_xp(xp, h, cos, sin, style=style, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                          qk_norm=qk_norm, eps=eps)
-
-
-def _qk_heads(xp, h, n_qk, hd, qk_norm, eps):
-    """h's q and k heads [B, T, n_qk, hd], per-head RMSNormed when ``qk_norm`` is given."""
-    qk = h[..., : n_qk * hd].reshape(*h.shape[:-1], n_qk, hd)
-    return qk if qk_norm is None else rms_norm(xp, qk, qk_norm, eps)
-
-
-def _heads_rope_xp(xp, h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm, eps):
-    """:func:`heads_rope` as array operations of ``xp``."""
-    B, T = h.shape[:2]
-    H, Hk = n_heads, n_kv_heads
-    hd = h.shape[-1] // (H + 2 * Hk)
-    qk = rope(xp, _qk_heads(xp, h, H + Hk, hd, qk_norm, eps), cos, sin, style)   # [B, T, H + Hk, hd]
-    q = xp.ascontiguousarray(qk[:, :, :H].transpose(0, 2, 1, 3))                # [B, H, T, hd]
-    k = xp.ascontiguousarray(qk[:, :, H:].transpose(0, 2, 1, 3))                # [B, Hk, T, hd]
-    v = xp.ascontiguousarray(h[..., (H + Hk) * hd:].reshape(B, T, Hk, hd).transpose(0, 2, 1, 3))
-    return q, k, v
 
 
 class Transformer:
@@ -234,6 +120,10 @@ class Transformer:
                      np.tile(w[p + "attn_k_norm.weight"], (c.n_kv_heads, 1))]),
                 post_attn_norm=w.get(p + "post_attention_norm.weight"),
                 post_ffw_norm=w.get(p + "post_ffw_norm.weight")))
+        #: Run the layers as compiled calls on the CPU where they allow it (:mod:`streamattn.models.compiled`:
+        #: the same bits); False runs every layer as array code.
+        self.compile_layers = True
+        self._compiled = None
         half = c.head_dim // 2
         self._rope = RopeTables({base: (1.0 / base ** (np.arange(half, dtype=np.float64) * 2 / c.head_dim))
                                  for base in {c.rope_base, c.rope_base_local}}, c.rope_style)
@@ -252,6 +142,7 @@ class Transformer:
                 if v is not None:
                     setattr(lw, k, conv(v))
         self.xp = xp
+        self._compiled = None
         return self
 
     # ------------------------------------------------------------------ caches
@@ -306,6 +197,23 @@ class Transformer:
         cos, sin = rope_tables(pos[:, :, None], self._rope.inv_freq[base], self.config.rope_style)
         return self.xp.asarray(cos), self.xp.asarray(sin)
 
+    def _base(self, i: int) -> float:
+        """RoPE base of layer i (gemma3: local layers have their own)."""
+        c = self.config
+        return c.rope_base if c.layer_windows[i] is None else c.rope_base_local
+
+    def _compiled_layers(self, backend, counts, hook, positions, caches):
+        """The compiled layers (:mod:`streamattn.models.compiled`) where this call may use them — CPU
+        arrays, the CPU backend, every row real, no hook, no query rotated for sinks — else None."""
+        if not (self.compile_layers and self.xp is np and backend in ("cpu", "auto") and counts is None
+                and hook is None and (positions == "absolute" or not any(k.spec.sinks for k in caches))):
+            return None
+        fast = self.__dict__.get("_compiled")
+        kernels = _cpu_kernels("compiled")
+        if fast is None or fast.rows != _cpu_kernels("qmatmul").ROWS:
+            fast = self._compiled = kernels.CompiledLayers(self)
+        return fast
+
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
                 attn_hook: Callable | None = None, positions: str = "absolute"):
         """Run T new tokens per sequence through every layer, appending their K/V to ``caches``.
@@ -347,38 +255,21 @@ class Transformer:
         cnt = np.full(B, T, np.int64) if counts is None else np.asarray(counts, np.int64)
         pos = np.asarray(caches[0].lengths, np.int64)[:, None] + np.arange(T)[None, :]   # [B, T]
         tables = {base: (xp.asarray(cos), xp.asarray(sin)) for base, (cos, sin) in self._rope(pos).items()}
-        sink_tables = {}    # (base, n_s + n_c - 1) -> tables at the queries' cache positions
-        H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
         x = xp.asarray(embed_rows(xp, self.embed, tokens.reshape(-1))).reshape(B, T, c.d_model)  # [B, T, d]
         if c.embed_scale != 1.0:
             x = x * np.float32(c.embed_scale)
         attn_counts = None if counts is None or (cnt == T).all() else cnt    # None: every row real (one-call path)
-        for i, (lw, cache) in enumerate(zip(self.layers, caches)):
-            h = norm_linear(xp, x, lw.attn_norm, c.norm_eps, lw.wqkv)                  # [B, T, qd+2kvd]
-            base = c.rope_base if c.layer_windows[i] is None else c.rope_base_local
-            q, k, v = heads_rope(xp, h, *tables[base], style=c.rope_style, n_heads=H, n_kv_heads=Hk,
-                                 qk_norm=lw.qk_norm, eps=c.norm_eps)  # q [B, H, T, hd], k, v [B, Hk, T, hd]
-            q_sink = None
-            if positions == "cache" and cache.spec.sinks:                               # [B, H, T, hd]
-                newest = cache.spec.sinks + cache.spec.window - 1
-                if (base, newest) not in sink_tables:
-                    sink_tables[base, newest] = self._rope_tables(np.minimum(pos, newest), base)
-                qs = _qk_heads(xp, h, H + Hk, hd, lw.qk_norm, c.norm_eps)[:, :, :H]
-                q_sink = xp.ascontiguousarray(
-                    rope(xp, qs, *sink_tables[base, newest], c.rope_style).transpose(0, 2, 1, 3))
-            o, _ = _append_attend(q, k, v, cache, backend=backend, scale=float(c.attn_scale),
-                                  counts=attn_counts, q_sink=q_sink)                    # write, then attend
-            if attn_hook is not None:
-                attn_hook(i, q, k, v, o)
-            a = linear(xp, o.transpose(0, 2, 1, 3).reshape(B, T, H * hd), lw.wo)       # [B, T, d]
-            if c.post_norms:
-                a = rms_norm(xp, a, lw.post_attn_norm, c.norm_eps)
-            x += a                                                                      # x: this call's own array
-            gu = norm_linear(xp, x, lw.ffn_norm, c.norm_eps, lw.wgu)                   # [B, T, 2*d_ff]
-            m = glu_linear(xp, gu, c.activation, lw.wdown)                               # [B, T, d]
-            if c.post_norms:
-                m = rms_norm(xp, m, lw.post_ffw_norm, c.norm_eps)
-            x += m                                                                      # [B, T, d]
+        ops = ArrayOps(self, caches, tables, pos, backend, attn_counts, attn_hook, positions)
+        fast = self._compiled_layers(backend, attn_counts, attn_hook, positions, caches)
+        if fast is not None:                          # the compiled layers' RoPE rows, per base: [B*T, hd]
+            serial = not _cpu_kernels("qmatmul").many_threads()
+            steps = {base: fast.step(cos.reshape(B * T, -1), sin.reshape(B * T, -1), B, serial)
+                     for base, (cos, sin) in tables.items()}
+            x2 = x.reshape(B * T, c.d_model)
+        for i, lw in enumerate(self.layers):
+            if fast is not None and fast.run(i, x2, caches[i], steps[self._base(i)]):
+                continue
+            decoder_layer(x, lw, ops.at_layer(i))
         if last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
         return norm_linear(xp, x, self.output_norm, c.norm_eps, self.output)          # [..., vocab]

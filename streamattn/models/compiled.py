@@ -1,0 +1,326 @@
+"""The decoder layer compiled for the CPU: :func:`streamattn.models.layer.decoder_layer` under Numba.
+
+The layer is one Python function over six ops (:mod:`streamattn.models.layer`). Here each op gets a
+Numba implementation (``numba.extending.overload``) over the kernels its array version calls on the CPU
+— the packed-matmul drivers with their fused quantizers, the heads/RoPE kernel, the cache's write and
+the attention kernel — with the same arguments in the same order, so a compiled layer and the array
+layer give the same bits (tests/test_compiled_layer.py). ``Transformer.forward`` then makes one
+compiled call per layer instead of ~40 Python calls: what issue 13 measures as the decode step's
+Python (benchmarks/python_overhead.py; docs/PERF.md).
+
+The compiled ``at`` is ``(cfg, kv, step)``: the model's numbers (:class:`Cfg`), the layer's cache as
+arrays (:class:`Kv`), and the step's RoPE rows and thread choice (:class:`Step`). A weight matrix is
+``(qs, scale, minv, rows, tag)``: the packed planes, the real row count, and a tag whose Numba type
+names the drivers (:func:`_tag`), so one compiled layer serves every model with the same block kinds.
+
+Whatever the compiled attend op cannot finish the way the array op would — a causal cache that must
+grow, a chunk the cache refuses (not finite as stored, past max_len or max_chunk, not answerable after
+a rewind) — it leaves untouched and raises :class:`ResumeInPython` before writing anything, and the
+forward runs that layer as array code, which does it (or raises its error) as always.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import namedtuple
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+from streamattn.backends import cpu
+from streamattn.kernel_cache import drop_when_changed
+from streamattn.models import heads_kernel, layer, qmatmul
+from streamattn.models.heads_kernel import _heads_rope_alloc, _pairwise_sum
+from streamattn.models.qmatmul import GELU, NORM, PLAIN, SILU
+from streamattn.models.transformer import LayerWeights
+from streamattn.storage import EXPONENT_BITS, bits, write_rows
+
+
+class ResumeInPython(Exception):
+    """Raised by a compiled layer, before it changed anything, for what only the array layer does."""
+
+
+#: The model's numbers: heads, eps (the drivers take it as a float, the heads kernel as float32), RoPE
+#: pairing, attention scale, activation.
+Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu")
+#: A layer's cache: storage bits (kst, vst), what the attention reads (ka, va: the float32 array, or the
+#: 16-bit patterns), the counters, the geometry (window 0: causal; max_len 0: none), the finite check, and
+#: the storage (``kind``: cpu.KIND; ``store``: 0 float32, 1 float16, 2 bfloat16).
+Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len slots "
+                      "check expbits kind store")
+#: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, and whether to stay on one thread.
+Step = namedtuple("Step", "cos sin B serial")
+Weights = namedtuple("Weights", [f.name for f in dataclasses.fields(LayerWeights)])
+
+_KINDS, _GROUPS, _LANES, _ROWS = ("q4", "q8"), (32, 16), (16, 8), (1, 2, 4, 8)
+_EMPTY1 = np.zeros(1, np.float32)
+_EMPTY2 = np.zeros((1, 1), np.float32)
+
+
+def _tag(kind: str, group: int, lanes: int, R: int, vnni: bool) -> tuple:
+    """A tuple of ``code + 1`` Nones, code numbering (kind, group, lanes, R, vnni): its Numba type
+    (``UniTuple(none, code + 1)``) is what the matmul ops read the drivers from, at compile time, and
+    it is the same in every process (a compiled layer's cache key)."""
+    code = (((_KINDS.index(kind) * 2 + _GROUPS.index(group)) * 2 + _LANES.index(lanes)) * 4
+            + _ROWS.index(R)) * 2 + int(vnni)
+    return (None,) * (code + 1)
+
+
+def _untag(tag_type) -> tuple:
+    code = tag_type.count - 1
+    vnni, code = bool(code % 2), code // 2
+    R, code = _ROWS[code % 4], code // 4
+    lanes, code = _LANES[code % 2], code // 2
+    return _KINDS[code // 2], _GROUPS[code % 2], R, lanes, vnni
+
+
+def _matmul(w_type):
+    """The compiled ``x @ W.T`` (any driver mode) of a weight tuple of Numba type ``w_type``: the
+    drivers ``_fused`` calls, with its placeholder arrays, then the padding rows cut."""
+    serial, parallel = qmatmul._qdrivers(*_untag(w_type.types[4]))
+
+    @njit
+    def run(mode, x, nw, eps, w, one_thread):
+        acts = (np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32),
+                np.zeros((1, 2), np.int32))
+        out = np.zeros((1, 1), np.float32)
+        if one_thread:
+            out = serial(mode, x, nw, eps, *acts, w[0], w[1], w[2], out)
+        else:
+            out = parallel(mode, x, nw, eps, *acts, w[0], w[1], w[2], out)
+        return out if out.shape[1] == w[3] else np.ascontiguousarray(out[:, :w[3]])
+    return run
+
+
+@overload(layer.norm_linear)
+def _norm_linear(x, norm_w, w, at):
+    run = _matmul(w)
+
+    def impl(x, norm_w, w, at):
+        return run(np.int64(NORM), x, norm_w, at[0].eps, w, at[2].serial)
+    return impl
+
+
+@overload(layer.linear)
+def _linear(x, w, at):
+    run = _matmul(w)
+
+    def impl(x, w, at):
+        return run(np.int64(PLAIN), x, _EMPTY1, 0.0, w, at[2].serial)
+    return impl
+
+
+@overload(layer.glu_linear)
+def _glu_linear(gu, w, at):
+    run = _matmul(w)
+
+    def impl(gu, w, at):
+        return run(np.int64(GELU if at[0].gelu else SILU), gu, _EMPTY1, 0.0, w, at[2].serial)
+    return impl
+
+
+@overload(layer.heads_rope)
+def _heads_rope(h, qk_norm, at):
+    def impl(h, qk_norm, at):
+        cfg, step = at[0], at[2]
+        return _heads_rope_alloc(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk)
+    return impl
+
+
+@overload(layer.post_norm)
+def _post_norm(x, norm_w, at):
+    def impl(x, norm_w, at):
+        return x if norm_w.shape[0] == 0 else rms_norm(x, norm_w, at[0].eps32)
+    return impl
+
+
+@njit(cache=True)
+def rms_norm(x, w, eps):
+    """The array ops' ``rms_norm`` of rows x [M, n] in the same float32 steps (numpy's pairwise sum of
+    the squares, then ``x * (1 / sqrt(ms + eps)) * w``)."""
+    M, n = x.shape
+    out = np.empty_like(x)
+    sq = np.empty(n, np.float32)
+    inv_n = np.float32(1.0 / n)
+    for m in range(M):
+        for i in range(n):
+            sq[i] = x[m, i] * x[m, i]
+        r = np.float32(1.0) / np.sqrt(_pairwise_sum(sq, n) * inv_n + eps)
+        for i in range(n):
+            out[m, i] = x[m, i] * r * w[i]
+    return out
+
+
+@intrinsic
+def _half_bits(typingctx, x):
+    """float32 -> the float16 bits of its round-to-nearest-even (LLVM fptrunc: vcvtps2ph), as uint16."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@njit(cache=True)
+def stored_16(x, store):
+    """float32 x -> the 16-bit patterns ``storage.to_storage`` stores: float16 rounded to nearest even
+    (store 1; numpy's vector cast is the same instruction, so the same bits, except that a NaN's payload
+    may differ where numpy casts a remainder in scalar code: a NaN either way), or bfloat16 rounded to
+    nearest even (store 2, as to_storage's integer steps)."""
+    flat = x.ravel()
+    out = np.empty(flat.size, np.uint16)
+    u = flat.view(np.uint32)
+    for i in range(flat.size):
+        if store == 2:
+            b = np.int64(u[i])
+            out[i] = ((b + ((b >> 16) & 1) + 0x7FFF) & 0xFFFFFFFF) >> 16
+        else:
+            out[i] = _half_bits(flat[i])
+    return out.reshape(x.shape)
+
+
+@njit(cache=True)
+def _refuses(kv, T):
+    """Whether the array layer would grow the cache or refuse a chunk of T tokens per sequence before
+    writing (max_chunk, max_len), or refuse it after (a window ring that could not answer its queries)."""
+    if kv.window > 0 and T > kv.max_chunk:
+        return True
+    for b in range(kv.lengths.shape[0]):
+        L = kv.lengths[b] + T
+        if kv.window == 0 and (L > kv.slots or (kv.max_len > 0 and L > kv.max_len)):
+            return True
+        if kv.window > 0:                        # cache.answerable() after the write
+            held = max(kv.held_from[b], L - kv.ring)
+            if held > kv.sinks and T > min(max(L - held - kv.window + 1, 0), L):
+                return True
+    return False
+
+
+@overload(layer.attend)
+def _attend(q, k, v, at):
+    wide = at.types[1].types[0].dtype == types.uint32          # float32 storage: stored as it is
+
+    def impl(q, k, v, at):
+        cfg, kv, step = at
+        B, Hk, T, D = k.shape
+        if _refuses(kv, T):
+            raise ResumeInPython()
+        if wide:
+            ks, vs = k.view(np.uint32), v.view(np.uint32)
+        else:
+            ks, vs = stored_16(k, kv.store), stored_16(v, kv.store)
+        counts = np.full(B, T, np.int64)
+        if write_rows(kv.kst, kv.vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks, kv.ring,
+                      kv.window > 0, kv.check, kv.expbits) >= 0:
+            raise ResumeInPython()                   # not finite as stored: nothing was written
+        qs = q * np.float32(cfg.scale)
+        out, lse = cpu._attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind,
+                                   step.serial)
+        H = out.shape[1]
+        rows = np.empty((B * T, H * D), np.float32)      # [B*T, H*D]: the heads side by side per token
+        for b in range(B):
+            for h in range(H):
+                for t in range(T):
+                    bad = not np.isfinite(lse[b, h, t])  # the NaN rule of dispatch._poison_non_finite
+                    for d in range(D):
+                        rows[b * T + t, h * D + d] = np.nan if bad else out[b, h, t, d]
+        return rows
+    return impl
+
+
+#: The compiled layer (one specialization per block kinds and cache storage: the model's sizes are
+#: numbers in ``at``).
+compiled_layer = njit(cache=True)(layer.decoder_layer)
+
+
+def _drop_stale() -> None:
+    """Numba keys compiled_layer's cache file on layer.py alone; drop it once when what it compiles in
+    changes (this module's ops, the kernels they call: :func:`streamattn.kernel_cache.drop_when_changed`)."""
+    from streamattn.backends import cpu_simd, cpu_tiles
+    from streamattn.models import qacts, qmatmul_kernels
+    from streamattn import storage
+    files = [m.__file__ for m in (layer, qmatmul, qmatmul_kernels, qacts, heads_kernel, cpu, cpu_simd, cpu_tiles,
+                                  storage)] + [__file__]
+
+    def delete(directory):
+        for f in directory.glob("layer.decoder_layer-*.nb[ic]"):
+            f.unlink()
+    drop_when_changed(files, "streamattn_compiled_layer.sha256", lambda: compiled_layer._cache._cache_path, delete)
+
+
+_drop_stale()
+
+
+def _matrix(w):
+    """A packed integer weight as the compiled ops' tuple, or None for anything else (float weights,
+    row groups of mixed kinds, a CPU the kernels do not run on)."""
+    if not (qmatmul.HAVE_KERNELS and isinstance(w, qmatmul.QWeight) and w.kind in _KINDS):
+        return None
+    if w.lanes not in _LANES or w.lanes > qmatmul.LANES or w.group not in _GROUPS:
+        return None
+    return (w.qs, w.scale, _EMPTY2 if w.minv is None else w.minv, w.shape[0],
+            _tag(w.kind, w.group, w.lanes, qmatmul.ROWS, qmatmul.LANES_VNNI))
+
+
+def _vector(a, empty):
+    return empty if a is None else np.ascontiguousarray(a, np.float32)
+
+
+def bind_weights(lw: LayerWeights):
+    """A layer's weights as the compiled layer takes them, or None where a matrix is not a packed
+    integer weight (that layer stays array code)."""
+    mats = {name: _matrix(getattr(lw, name)) for name in ("wqkv", "wo", "wgu", "wdown")}
+    if any(m is None for m in mats.values()):
+        return None
+    return Weights(attn_norm=_vector(lw.attn_norm, _EMPTY1), ffn_norm=_vector(lw.ffn_norm, _EMPTY1),
+                   qk_norm=_vector(lw.qk_norm, heads_kernel._NO_NORM),
+                   post_attn_norm=_vector(lw.post_attn_norm, _EMPTY1[:0]),
+                   post_ffw_norm=_vector(lw.post_ffw_norm, _EMPTY1[:0]), **mats)
+
+
+def bind_cache(cache) -> tuple:
+    """(the arrays it was made from, :class:`Kv`) of a CPU cache; kept on the cache, made again when
+    any of them was replaced (a grown ring, a restored state)."""
+    src = (cache.k, cache.v, cache.lengths, cache.last_counts, cache.held_from)
+    spec = cache.spec
+    kst, vst = bits(cache.k), bits(cache.v)
+    ka, va = (cache.k, cache.v) if spec.dtype == "float32" else (kst, vst)
+    kv = Kv(kst, vst, ka, va, cache.lengths, cache.last_counts, cache.held_from, spec.sinks, cache.ring,
+            spec.window or 0, spec.max_chunk, spec.max_len or 0, cache.slots, spec.check_finite,
+            EXPONENT_BITS[spec.dtype], cpu.KIND[spec.dtype], cpu.KIND[spec.dtype])
+    cache.__dict__["_compiled_kv"] = (src, kv)
+    return kv
+
+
+class CompiledLayers:
+    """A Transformer's layers as compiled calls: its numbers and each layer's weights bound once (None
+    for a layer that stays array code); :meth:`run` runs one layer."""
+
+    step = Step
+
+    def __init__(self, tf):
+        c = tf.config
+        self.cfg = Cfg(c.n_heads, c.n_kv_heads, float(c.norm_eps), np.float32(c.norm_eps), c.rope_style == "neox",
+                       float(c.attn_scale), c.activation == "gelu_tanh")
+        self.rows = qmatmul.ROWS                    # the group size the weights' tags name
+        self.weights = [bind_weights(lw) for lw in tf.layers]
+
+    def run(self, i: int, x, cache, step: Step) -> bool:
+        """Layer i on the residual rows x [B*T, d] (float32, in place) and its CPU cache; False where it
+        did nothing and the array layer must run it (see the module docstring)."""
+        w = self.weights[i]
+        if w is None or cache.xp is not np:
+            return False
+        bound = cache.__dict__.get("_compiled_kv")
+        if bound is None:
+            kv = bind_cache(cache)
+        else:
+            (k, v, lengths, last_counts, held_from), kv = bound
+            if (k is not cache.k or v is not cache.v or lengths is not cache.lengths
+                    or last_counts is not cache.last_counts or held_from is not cache.held_from):
+                kv = bind_cache(cache)
+        try:
+            compiled_layer(x, w, (self.cfg, kv, step))
+        except ResumeInPython:
+            return False
+        return True

@@ -1,0 +1,62 @@
+"""The decoder layer, written once over six ops: the one description of the architectures' blocks.
+
+:func:`decoder_layer` is plain Python over the ops below. Each op hands its work to ``at``, the layer's
+context, so the same function runs two ways:
+
+* as Python, with ``at`` an object whose methods are array code on any ``xp`` (numpy, CuPy):
+  :class:`streamattn.models.transformer.ArrayOps`, what ``Transformer.forward`` uses everywhere;
+* compiled by Numba, with ``at`` a tuple of arrays and numbers: :mod:`streamattn.models.compiled`
+  gives each op a Numba implementation (``numba.extending.overload``) over the same CPU kernels the
+  array ops call, in the same order, so both give the same bits (tests/test_compiled_layer.py). The
+  CPU decode step then costs one compiled call per layer, not ~40 Python calls and array wrappers.
+
+Layer (pre-norm; Gemma-3's extras are a per-head norm in ``heads_rope`` and the two post norms, which
+are the identity on a llama-family layer)::
+
+    q, k, v = heads_rope(rms_norm(x) @ Wqkv.T)       # [q-norm, k-norm,] RoPE
+    x += post_norm(attend(q, k, v) @ Wo.T)           # attend: write k, v into the cache, then attend
+    x += post_norm(act(g) * u @ Wdown.T)             # g, u = rms_norm(x) @ Wgu.T; act: silu, gelu-tanh
+
+``x`` is the residual stream, updated in place. ``w`` has the fields of
+:class:`~streamattn.models.transformer.LayerWeights`.
+"""
+
+from __future__ import annotations
+
+
+def norm_linear(x, norm_w, w, at):
+    """``rms_norm(x, norm_w) @ w.T``."""
+    return at.norm_linear(x, norm_w, w)
+
+
+def heads_rope(h, qk_norm, at):
+    """The fused q/k/v rows ``h`` -> (q, k, v) heads, [per-head RMSNorm by ``qk_norm``,] RoPE at the
+    tokens' positions."""
+    return at.heads_rope(h, qk_norm)
+
+
+def attend(q, k, v, at):
+    """Write k, v into the layer's cache, then attend q over it: the heads' outputs as rows [.., H*hd]."""
+    return at.attend(q, k, v)
+
+
+def linear(x, w, at):
+    """``x @ w.T``."""
+    return at.linear(x, w)
+
+
+def glu_linear(gu, w, at):
+    """``(act(g) * u) @ w.T`` for gu = [g | u]."""
+    return at.glu_linear(gu, w)
+
+
+def post_norm(x, norm_w, at):
+    """``rms_norm(x, norm_w)``, or x itself where the layer has no such norm."""
+    return at.post_norm(x, norm_w)
+
+
+def decoder_layer(x, w, at):
+    """One decoder layer on the residual rows ``x`` (in place): see the module docstring."""
+    q, k, v = heads_rope(norm_linear(x, w.attn_norm, w.wqkv, at), w.qk_norm, at)
+    x += post_norm(linear(attend(q, k, v, at), w.wo, at), w.post_attn_norm, at)
+    x += post_norm(glu_linear(norm_linear(x, w.ffn_norm, w.wgu, at), w.wdown, at), w.post_ffw_norm, at)

@@ -1,0 +1,194 @@
+"""The compiled decoder layer (streamattn.models.compiled) against the same layer as array code.
+
+Both run streamattn.models.layer.decoder_layer on the same packed weights; the compiled one must give the
+same bits (logits and caches) in every cache geometry and storage, hand back to the array layer whatever
+only that one does (grow a ring, refuse a chunk) with the same results and errors, and stage K/V to
+16 bits exactly as numpy does.
+"""
+
+import itertools
+
+import numba
+import numpy as np
+import pytest
+
+from _model_util import load, need_smollm2, smollm2_path, write_tiny_gguf
+from streamattn import CacheSpec, KVCache
+from streamattn.models import compiled, qmatmul
+from streamattn.models.loader import load_gguf
+from streamattn.models.transformer import Transformer
+from streamattn.storage import to_storage
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not qmatmul.HAVE_KERNELS, reason="the packed kernels need AVX2")]
+
+QUANT = {n: "Q4_1" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")} | {"ffn_down": "Q8_0"}
+
+
+def tiny(tmp_path, arch, **kw):
+    return Transformer(load_gguf(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch, d_model=64, d_ff=96, n_heads=4,
+                                                 n_kv_heads=2, head_dim=32, quant=QUANT, **kw)))
+
+
+class Spy:
+    """Counts the compiled layer's calls that finished (a call that handed back raised)."""
+
+    def __init__(self, monkeypatch):
+        self.done, real = 0, compiled.compiled_layer
+
+        def call(*a):
+            real(*a)
+            self.done += 1
+        monkeypatch.setattr(compiled, "compiled_layer", call)
+
+
+def run(tf, compile_layers, prompt, steps, *, batch=1, **cache_kw):
+    """Logits of a prompt chunk then greedy steps, and the caches after, both ways."""
+    tf.compile_layers = compile_layers
+    caches = tf.new_caches(batch=batch, max_chunk=len(prompt[0]), **cache_kw)
+    out = [tf.forward(np.array(prompt), caches)]
+    for _ in range(steps):
+        out.append(tf.forward(out[-1][:, -1:].argmax(-1), caches))
+    return out, caches
+
+
+def clone(cache):
+    c = KVCache(cache.spec)
+    for name in ("k", "v", "lengths", "last_counts", "held_from"):
+        setattr(c, name, getattr(cache, name).copy())
+    return c
+
+
+def assert_same(a, b):
+    (la, ca), (lb, cb) = a, b
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(ca, cb):
+        for name in ("k", "v", "lengths", "last_counts", "held_from"):
+            np.testing.assert_array_equal(getattr(x, name), getattr(y, name))
+
+
+@pytest.mark.parametrize("arch,dtype,mode", [("llama", "float32", "full"), ("llama", "float16", "window"),
+                                             ("llama", "bfloat16", "sinks"), ("gemma3", "float16", "full"),
+                                             ("gemma3", "float32", "sinks")])
+def test_compiled_layers_give_the_array_layers_bits(tmp_path, monkeypatch, arch, dtype, mode):
+    tf = tiny(tmp_path, arch)
+    kw = dict(dtype=dtype, mode=mode, window=None if mode == "full" else 5, sinks=2 if mode == "sinks" else 0)
+    prompt = [[5, 9, 3, 17, 4, 8], [1, 2, 3, 4, 5, 6]]
+    spy = Spy(monkeypatch)
+    want = run(tf, False, prompt, 9, batch=2, **kw)
+    assert spy.done == 0
+    got = run(tf, True, prompt, 9, batch=2, **kw)
+    assert spy.done == 10 * tf.config.n_layers                    # every layer of every call compiled
+    assert_same(got, want)
+
+
+def test_two_threads_give_the_same_bits(tmp_path):
+    tf = tiny(tmp_path, "llama")
+    want = run(tf, False, [[5, 9, 3, 17]], 4, dtype="float16")
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        assert_same(run(tf, True, [[5, 9, 3, 17]], 4, dtype="float16"), want)
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_a_ring_that_must_grow_is_grown_by_the_array_layer(tmp_path, monkeypatch):
+    tf = tiny(tmp_path, "llama")
+    prompt = [list(np.arange(250) % 60 + 3)]                      # 250 + 10 tokens: past the first 256 slots
+    spy = Spy(monkeypatch)
+    want = run(tf, False, prompt, 10)
+    got = run(tf, True, prompt, 10)
+    assert got[1][0].slots > 256 and spy.done == 10 * tf.config.n_layers  # the growing step handed back
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("case", ["max_len", "not finite"])
+def test_refusals_raise_the_array_layers_error_and_leave_the_same_state(tmp_path, case):
+    """max_len: refused at the first layer, nothing written. Not finite: layer 1's norm weight is 1e30
+    (its k overflows float16), so layer 0 appends and layer 1 refuses its chunk, on both paths alike."""
+    tf = tiny(tmp_path, "llama")
+    if case == "not finite":
+        tf.layers[1].attn_norm = np.full_like(tf.layers[1].attn_norm, 1e30)    # k past float16: inf as stored
+    errors, after = [], []
+    for compile_layers in (False, True):
+        tf.compile_layers = compile_layers
+        caches = tf.new_caches(max_chunk=4, max_len=5, dtype="float16")
+        if case == "max_len":
+            tf.forward(np.array([[3, 4, 5, 6]]), caches)
+        before = [clone(c) for c in caches]
+        with pytest.raises(ValueError) as e:
+            tf.forward(np.array([[7, 8]]), caches)
+        errors.append(str(e.value))
+        after.append(caches)
+        if case == "max_len":
+            assert_same(([], caches), ([], before))
+    assert_same(([], after[0]), ([], after[1]))
+    assert errors[0] == errors[1] and ("max_len" if case == "max_len" else "NaN") in errors[0]
+    if case == "not finite":
+        assert after[1][0].lengths[0] == 2 and after[1][1].lengths[0] == 0
+
+
+@pytest.mark.parametrize("window,sinks,max_chunk", [(None, 0, 1), (4, 0, 3), (4, 2, 3), (3, 1, 1)])
+def test_refuses_exactly_where_the_cache_would(window, sinks, max_chunk):
+    """compiled._refuses against the cache itself: growth (causal), max_len, max_chunk, and what a ring
+    can answer after the write (window, after a rewind lowered its length)."""
+    rng = np.random.default_rng(0)
+    cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=4, dtype="float16", window=window, sinks=sinks,
+                              max_chunk=max_chunk, max_len=40 if window is None else None))
+    seen = set()
+    for _ in range(36):
+        cache.append(np.ones((2, 1, 1, 4)), np.ones((2, 1, 1, 4)), counts=rng.integers(0, 2, 2))
+        if window and rng.random() < 0.3 and cache.lengths.min() > 1:
+            cache.truncate(0, 1)
+        for T in (1, 2, 3, 5, 40):
+            trial = clone(cache)
+            try:
+                trial._append_trusted(np.ones((2, 1, T, 4)), np.ones((2, 1, T, 4)))
+                grew = trial.slots != cache.slots
+                refused = grew or bool((T > trial.answerable()).any())
+            except ValueError:
+                refused = True
+            assert compiled._refuses(compiled.bind_cache(cache), T) == refused, (T, cache.lengths, cache.held_from)
+            seen.add(refused)
+    assert seen == {True, False}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_staging_is_numpys(dtype):
+    rng = np.random.default_rng(1)
+    special = np.array([0x7F800001, 0x7FC00000, 0xFF800001, 0x7F802000, 0x7FFFFFFF, 0x7F800000, 0xFF800000, 0,
+                        0x80000000, 0x33000000, 0x33000001, 0x387FC000, 0x477FF000, 0x477FEFFF, 0x7F7FFFFF,
+                        0x00000001, 0x3F808000, 0x3F818000, 0xFFFF8001], np.uint32).view(np.float32)
+    x = np.concatenate([special, (rng.standard_normal(20000) * 10.0 ** rng.integers(-9, 9, 20000)).astype(np.float32),
+                        rng.integers(0, 2**32, 20000, dtype=np.uint32).view(np.float32)])
+    x = x[:2 * 3000 * 6].reshape(2, 1, 3000, 6)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = to_storage(x, dtype, np).view(np.uint16)
+    got = compiled.stored_16(np.ascontiguousarray(x), 1 if dtype == "float16" else 2)
+    nan = np.isnan(x)                 # float16: numpy's scalar remainder keeps a NaN's payload unquieted
+    if dtype == "float16":
+        assert np.isnan(got.view(np.float16)[nan]).all()
+        got, want = got[~nan], want[~nan]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_tags_name_every_driver_spec():
+    specs = list(itertools.product(("q4", "q8"), (32, 16), (16, 8), (1, 2, 4, 8), (False, True)))
+    types_ = {numba.typeof(compiled._tag(*s)) for s in specs}
+    assert len(types_) == len(specs)
+    for s in specs:
+        kind, group, lanes, R, vnni = s
+        assert compiled._untag(numba.typeof(compiled._tag(*s))) == (kind, group, R, lanes, vnni)
+
+
+@need_smollm2
+def test_smollm2_compiled_layers_give_the_array_layers_bits():
+    _, tf, tok = load(smollm2_path(), "quant")
+    ids = [tok.encode("The history of Rome begins")]
+    try:
+        want = run(tf, False, ids, 4, dtype="float16")
+        assert_same(run(tf, True, ids, 4, dtype="float16"), want)
+    finally:
+        tf.compile_layers = True
