@@ -31,15 +31,16 @@ def tiny(tmp_path, arch, **kw):
 
 
 class Spy:
-    """Counts the compiled layer's calls that finished (a call that handed back raised)."""
+    """Counts the compiled layer's calls that finished (not handed back to the array layer)."""
 
     def __init__(self, monkeypatch):
-        self.done, real = 0, compiled.compiled_layer
+        self.done, real = 0, compiled.run_layer
 
         def call(*a):
-            real(*a)
-            self.done += 1
-        monkeypatch.setattr(compiled, "compiled_layer", call)
+            done = real(*a)
+            self.done += done
+            return done
+        monkeypatch.setattr(compiled, "run_layer", call)
 
 
 def run(tf, compile_layers, prompt, steps, *, batch=1, **cache_kw):
@@ -94,13 +95,14 @@ def test_two_threads_give_the_same_bits(tmp_path):
         numba.set_num_threads(before)
 
 
-def test_a_ring_that_must_grow_is_grown_by_the_array_layer(tmp_path, monkeypatch):
+def test_a_ring_that_must_grow_grows_as_the_array_layer_grows_it(tmp_path, monkeypatch):
     tf = tiny(tmp_path, "llama")
     prompt = [list(np.arange(250) % 60 + 3)]                      # 250 + 10 tokens: past the first 256 slots
     spy = Spy(monkeypatch)
     want = run(tf, False, prompt, 10)
     got = run(tf, True, prompt, 10)
-    assert got[1][0].slots > 256 and spy.done == 10 * tf.config.n_layers  # the growing step handed back
+    assert got[1][0].slots == want[1][0].slots == 512
+    assert spy.done == 11 * tf.config.n_layers                    # the growing step too, once grown here
     assert_same(got, want)
 
 
@@ -128,6 +130,28 @@ def test_refusals_raise_the_array_layers_error_and_leave_the_same_state(tmp_path
     assert errors[0] == errors[1] and ("max_len" if case == "max_len" else "NaN") in errors[0]
     if case == "not finite":
         assert after[1][0].lengths[0] == 2 and after[1][1].lengths[0] == 0
+
+
+def test_handing_back_frees_what_the_layer_made(tmp_path):
+    """A layer that hands back (a ring to grow, a chunk refused as not finite) frees every array it made."""
+    from numba.core.runtime import _nrt_python as nrt, rtsys
+    tf = tiny(tmp_path, "llama")
+    nrt.memsys_enable_stats()
+    try:
+        caches = tf.new_caches(max_chunk=300)
+        tf.forward(np.ones((1, 250), np.int64), caches)             # warm
+        before = rtsys.get_allocation_stats()
+        tf.layers[0].wo = tf.layers[0].wo.dequantize()              # layer 0 stays array code: 260 > 256 slots
+        tf._compiled = None                                         # makes layer 1 the first to hand back
+        tf.forward(np.ones((1, 10), np.int64), caches)
+        tf.layers[1].attn_norm = np.full_like(tf.layers[1].attn_norm, 1e30)
+        tf._compiled = None
+        with pytest.raises(ValueError, match="NaN or inf"):
+            tf.forward(np.ones((1, 3), np.int64), tf.new_caches(max_chunk=4, dtype="float16"))
+        after = rtsys.get_allocation_stats()
+    finally:
+        nrt.memsys_disable_stats()
+    assert after.alloc - before.alloc == after.free - before.free > 0
 
 
 @pytest.mark.parametrize("window,sinks,max_chunk", [(None, 0, 1), (4, 0, 3), (4, 2, 3), (3, 1, 1)])

@@ -13,9 +13,9 @@ arrays (:class:`Kv`), and the step's RoPE rows and thread choice (:class:`Step`)
 ``(qs, scale, minv, rows, tag)``: the packed planes, the real row count, and a tag whose Numba type
 names the drivers (:func:`_tag`), so one compiled layer serves every model with the same block kinds.
 
-Whatever the compiled attend op cannot finish the way the array op would — a causal cache that must
-grow, a chunk the cache refuses (not finite as stored, past max_len or max_chunk, not answerable after
-a rewind) — it leaves untouched and raises :class:`ResumeInPython` before writing anything, and the
+What the compiled layer cannot finish the way the array layer would — a causal cache that must grow, a
+chunk the cache refuses (past max_len or max_chunk, not answerable after a rewind, not finite as
+stored) — it leaves undone, with the residual and the cache as they were (:func:`run_layer`), and the
 forward runs that layer as array code, which does it (or raises its error) as always.
 """
 
@@ -38,10 +38,6 @@ from streamattn.models.transformer import LayerWeights
 from streamattn.storage import EXPONENT_BITS, bits, write_rows
 
 
-class ResumeInPython(Exception):
-    """Raised by a compiled layer, before it changed anything, for what only the array layer does."""
-
-
 #: The model's numbers: heads, eps (the drivers take it as a float, the heads kernel as float32), RoPE
 #: pairing, attention scale, activation.
 Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu")
@@ -50,8 +46,9 @@ Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu")
 #: the storage (``kind``: cpu.KIND; ``store``: 0 float32, 1 float16, 2 bfloat16).
 Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len slots "
                       "check expbits kind store")
-#: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, and whether to stay on one thread.
-Step = namedtuple("Step", "cos sin B serial")
+#: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread, and
+#: int64 [1] set to 1 by a layer whose chunk the cache refused (:func:`run_layer`).
+Step = namedtuple("Step", "cos sin B serial status")
 Weights = namedtuple("Weights", [f.name for f in dataclasses.fields(LayerWeights)])
 
 _KINDS, _GROUPS, _LANES, _ROWS = ("q4", "q8"), (32, 16), (16, 8), (1, 2, 4, 8)
@@ -203,20 +200,19 @@ def _attend(q, k, v, at):
     def impl(q, k, v, at):
         cfg, kv, step = at
         B, Hk, T, D = k.shape
-        if _refuses(kv, T):
-            raise ResumeInPython()
         if wide:
             ks, vs = k.view(np.uint32), v.view(np.uint32)
         else:
             ks, vs = stored_16(k, kv.store), stored_16(v, kv.store)
         counts = np.full(B, T, np.int64)
+        H = q.shape[1]
         if write_rows(kv.kst, kv.vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks, kv.ring,
                       kv.window > 0, kv.check, kv.expbits) >= 0:
-            raise ResumeInPython()                   # not finite as stored: nothing was written
+            step.status[0] = 1                       # not finite as stored: nothing written (see run_layer)
+            return np.full((B * T, H * D), np.nan, np.float32)
         qs = q * np.float32(cfg.scale)
         out, lse = cpu._attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind,
                                    step.serial)
-        H = out.shape[1]
         rows = np.empty((B * T, H * D), np.float32)      # [B*T, H*D]: the heads side by side per token
         for b in range(B):
             for h in range(H):
@@ -231,6 +227,25 @@ def _attend(q, k, v, at):
 #: The compiled layer (one specialization per block kinds and cache storage: the model's sizes are
 #: numbers in ``at``).
 compiled_layer = njit(cache=True)(layer.decoder_layer)
+
+
+@njit(cache=True)
+def run_layer(x, w, at):
+    """:data:`compiled_layer` where it finishes as the array layer would, else nothing: False, with x and
+    the cache as they were. The cache's checks that come before a write run first (:func:`_refuses`); a
+    chunk refused as not finite (found inside, after the projections) leaves its mark in ``status`` and
+    x is put back. (No exception leaves the layer: Numba does not free the arrays a raising function
+    holds, ~2 MB a layer in a prefill chunk.)"""
+    kv, step = at[1], at[2]
+    if _refuses(kv, x.shape[0] // step.B):
+        return False
+    step.status[0] = 0
+    saved = x.copy() if kv.check else x[:0]
+    compiled_layer(x, w, at)
+    if step.status[0] != 0:
+        x[:] = saved
+        return False
+    return True
 
 
 def _drop_stale() -> None:
@@ -319,8 +334,21 @@ class CompiledLayers:
             if (k is not cache.k or v is not cache.v or lengths is not cache.lengths
                     or last_counts is not cache.last_counts or held_from is not cache.held_from):
                 kv = bind_cache(cache)
-        try:
-            compiled_layer(x, w, (self.cfg, kv, step))
-        except ResumeInPython:
+        if run_layer(x, w, (self.cfg, kv, step)):
+            return True
+        if kv.window or not self._grow(cache, x.shape[0] // step.B):
             return False
+        return run_layer(x, w, (self.cfg, bind_cache(cache), step))
+
+    @staticmethod
+    def _grow(cache, T: int) -> bool:
+        """Grow a causal cache for T more tokens here (as the array layer would, by doubling) rather than
+        hand the layer back; False where that is not the reason or the cache cannot (a head() view). The
+        one difference: a chunk then refused as not finite leaves the ring grown (its contents, lengths
+        and counters unchanged), where the array layer checks before it grows."""
+        need = int(cache.lengths.max()) + T
+        if need <= cache.slots or (cache.spec.max_len is not None and need > cache.spec.max_len) \
+                or getattr(cache, "_view_of", None) is not None:
+            return False
+        cache.reserve(need)
         return True

@@ -241,15 +241,20 @@ def warm_model(model, kind: str) -> float:
     Seconds taken.
 
     Loading the matmul drivers of one weight kind took 0.3-1.3 s in a fresh process (docs/PERF.md), which
-    a timed prefill had counted. Then LLVM's library pages, which only loading needed, are handed back
-    (:func:`streamattn.memory.release_compiler_pages`)."""
+    a timed prefill had counted. LLVM's library pages, which only loading needs, are handed back before
+    and after each of the two kinds of loading (:func:`streamattn.memory.release_compiler_pages`): the
+    compiled layers, then the array layers' kernels, so that their pages never add up (peak RSS of
+    ``streamattn generate`` on SmolLM2, 705-token prompt: 294 -> 273 MB)."""
     from streamattn.memory import release_compiler_pages
     from streamattn.models.qmatmul import ROWS
     t0 = time.perf_counter()
+    release_compiler_pages()          # those touched by what loaded before (the CLI's attention warm-up)
     caches = model.new_caches(batch=1, max_chunk=ROWS, dtype=kind)
     model.forward(np.zeros((1, ROWS), np.int64), caches, last_only=True)
     model.forward(np.zeros((1, 1), np.int64), caches, last_only=True)
-    # a padded row: the staged append + attend of ragged batches (dispatch._append_attend), as servers take
+    release_compiler_pages()          # the compiled layers are loaded: LLVM's pages can go (memory.py), so
+    # that they do not add to those the array layers' kernels touch next: a padded row goes through those,
+    # as ragged batches do (dispatch._append_attend; servers take them)
     model.forward(np.zeros((1, 2), np.int64), caches, counts=np.array([1]), last_only=True)
-    release_compiler_pages()                     # every kernel is loaded: LLVM's pages can go (memory.py)
+    release_compiler_pages()
     return time.perf_counter() - t0

@@ -262,8 +262,8 @@ class Transformer:
         ops = ArrayOps(self, caches, tables, pos, backend, attn_counts, attn_hook, positions)
         fast = self._compiled_layers(backend, attn_counts, attn_hook, positions, caches)
         if fast is not None:                          # the compiled layers' RoPE rows, per base: [B*T, hd]
-            serial = not _cpu_kernels("qmatmul").many_threads()
-            steps = {base: fast.step(cos.reshape(B * T, -1), sin.reshape(B * T, -1), B, serial)
+            serial, status = not _cpu_kernels("qmatmul").many_threads(), np.zeros(1, np.int64)
+            steps = {base: fast.step(cos.reshape(B * T, -1), sin.reshape(B * T, -1), B, serial, status)
                      for base, (cos, sin) in tables.items()}
             x2 = x.reshape(B * T, c.d_model)
         for i, lw in enumerate(self.layers):
