@@ -73,9 +73,14 @@ def _warm_kernels(args, model=None) -> None:
     if args.backend == "auto" and gpu.available():
         return
     from streamattn.backends import warmup
-    if not warmup.kernels_cached() and not args.quiet:
+    if not args.quiet and not warmup.kernels_cached():
         print("compiling attention kernels (once after an install; Numba caches them) ...", file=sys.stderr,
               flush=True)
+    if not args.quiet and model is not None and getattr(args, "weights", "quant") == "quant":
+        from streamattn.models import compiled
+        if not compiled.layers_cached():
+            print("compiling the decoder layer (once after an install; Numba caches it) ...", file=sys.stderr,
+                  flush=True)
     warmup.warm(args.cache_dtype)
     if model is not None:
         from streamattn.models.generate import warm_model

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import namedtuple
+from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
@@ -264,6 +265,15 @@ def _drop_stale() -> None:
 
 
 _drop_stale()
+
+
+def layers_cached() -> bool:
+    """Whether Numba's on-disk cache holds a compiled layer (False: the first model call compiles one,
+    ~15 s a block-kind and storage combination after a fresh install)."""
+    try:
+        return any(Path(compiled_layer._cache._cache_path).glob("layer.decoder_layer-*.nbi"))
+    except (AttributeError, OSError):   # no cache, or numba internals moved: say nothing
+        return True
 
 
 def _matrix(w):
