@@ -84,13 +84,16 @@ def test_compiled_layers_give_the_array_layers_bits(tmp_path, monkeypatch, arch,
     assert_same(got, want)
 
 
-def test_two_threads_give_the_same_bits(tmp_path):
-    tf = tiny(tmp_path, "llama")
-    want = run(tf, False, [[5, 9, 3, 17]], 4, dtype="float16")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_two_threads_give_the_same_bits(tmp_path, dtype):
+    """A 40-token prompt: its heads, staging and attention rows go through the parallel builds."""
+    tf = tiny(tmp_path, "gemma3")
+    prompt = [list(range(3, 43)), list(range(20, 60))]
+    want = run(tf, False, prompt, 4, batch=2, dtype=dtype)
     before = numba.get_num_threads()
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     try:
-        assert_same(run(tf, True, [[5, 9, 3, 17]], 4, dtype="float16"), want)
+        assert_same(run(tf, True, prompt, 4, batch=2, dtype=dtype), want)
     finally:
         numba.set_num_threads(before)
 
@@ -190,12 +193,15 @@ def test_16_bit_staging_is_numpys(dtype):
     x = x[:2 * 3000 * 6].reshape(2, 1, 3000, 6)
     with np.errstate(over="ignore", invalid="ignore"):
         want = to_storage(x, dtype, np).view(np.uint16)
-    got = compiled.stored_16(np.ascontiguousarray(x), 1 if dtype == "float16" else 2)
-    nan = np.isnan(x)                 # float16: numpy's scalar remainder keeps a NaN's payload unquieted
-    if dtype == "float16":
-        assert np.isnan(got.view(np.float16)[nan]).all()
-        got, want = got[~nan], want[~nan]
-    np.testing.assert_array_equal(got, want)
+    for stage in (compiled.stored_16, compiled.stored_16_parallel):
+        got = stage(np.ascontiguousarray(x), 1 if dtype == "float16" else 2)
+        nan = np.isnan(x)             # float16: numpy's scalar remainder keeps a NaN's payload unquieted
+        if dtype == "float16":
+            assert np.isnan(got.view(np.float16)[nan]).all()
+            got, ok = got[~nan], want[~nan]
+        else:
+            ok = want
+        np.testing.assert_array_equal(got, ok)
 
 
 def test_tags_name_every_driver_spec():

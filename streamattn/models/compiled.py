@@ -27,13 +27,13 @@ from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from streamattn.backends import cpu
 from streamattn.kernel_cache import drop_when_changed
 from streamattn.models import heads_kernel, layer, qmatmul
-from streamattn.models.heads_kernel import _heads_rope_alloc, _pairwise_sum
+from streamattn.models.heads_kernel import _heads_rope_alloc, _pairwise_sum, heads_rope_rows_parallel
 from streamattn.models.qmatmul import GELU, NORM, PLAIN, SILU
 from streamattn.models.transformer import LayerWeights
 from streamattn.storage import EXPONENT_BITS, bits, write_rows
@@ -123,7 +123,9 @@ def _glu_linear(gu, w, at):
 def _heads_rope(h, qk_norm, at):
     def impl(h, qk_norm, at):
         cfg, step = at[0], at[2]
-        return _heads_rope_alloc(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk)
+        if step.serial or h.shape[0] < 32:
+            return _heads_rope_alloc(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk)
+        return heads_rope_rows_parallel(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk)
     return impl
 
 
@@ -159,22 +161,45 @@ def _half_bits(typingctx, x):
     return types.uint16(types.float32), codegen
 
 
-@njit(cache=True)
-def stored_16(x, store):
-    """float32 x -> the 16-bit patterns ``storage.to_storage`` stores: float16 rounded to nearest even
-    (store 1; numpy's vector cast is the same instruction, so the same bits, except that a NaN's payload
-    may differ where numpy casts a remainder in scalar code: a NaN either way), or bfloat16 rounded to
-    nearest even (store 2, as to_storage's integer steps)."""
-    flat = x.ravel()
-    out = np.empty(flat.size, np.uint16)
-    u = flat.view(np.uint32)
-    for i in range(flat.size):
-        if store == 2:
-            b = np.int64(u[i])
-            out[i] = ((b + ((b >> 16) & 1) + 0x7FFF) & 0xFFFFFFFF) >> 16
-        else:
-            out[i] = _half_bits(flat[i])
-    return out.reshape(x.shape)
+def _staging_kernels(items):
+    """:func:`stored_16` and :func:`heads_to_rows` with their outer loop ``items`` (``range``, or ``prange``
+    for a prompt chunk on several threads; every element is computed alone: the same bits)."""
+
+    def stored_16(x, store):
+        """float32 x -> the 16-bit patterns ``storage.to_storage`` stores: float16 rounded to nearest even
+        (store 1; numpy's vector cast is the same instruction, so the same bits, except that a NaN's
+        payload may differ where numpy casts a remainder in scalar code: a NaN either way), or bfloat16
+        rounded to nearest even (store 2, as to_storage's integer steps)."""
+        flat = x.ravel()
+        out = np.empty(flat.size, np.uint16)
+        u = flat.view(np.uint32)
+        n = flat.size
+        for p in items((n + 1023) // 1024):
+            for i in range(1024 * p, min(n, 1024 * p + 1024)):
+                if store == 2:
+                    b = np.int64(u[i])
+                    out[i] = ((b + ((b >> 16) & 1) + 0x7FFF) & 0xFFFFFFFF) >> 16
+                else:
+                    out[i] = _half_bits(flat[i])
+        return out.reshape(x.shape)
+
+    def heads_to_rows(out, lse):
+        """Attention out [B, H, T, D] -> rows [B*T, H*D] (the heads side by side per token), NaN on a row
+        whose lse is not finite (the NaN rule of dispatch._poison_non_finite)."""
+        B, H, T, D = out.shape
+        rows = np.empty((B * T, H * D), np.float32)
+        for bh in items(B * H):
+            b, h = bh // H, bh % H
+            for t in range(T):
+                bad = not np.isfinite(lse[b, h, t])
+                for d in range(D):
+                    rows[b * T + t, h * D + d] = np.nan if bad else out[b, h, t, d]
+        return rows
+    return stored_16, heads_to_rows
+
+
+stored_16, heads_to_rows = (njit(cache=True)(f) for f in _staging_kernels(range))
+stored_16_parallel, heads_to_rows_parallel = (njit(parallel=True, cache=True)(f) for f in _staging_kernels(prange))
 
 
 @njit(cache=True)
@@ -201,27 +226,22 @@ def _attend(q, k, v, at):
     def impl(q, k, v, at):
         cfg, kv, step = at
         B, Hk, T, D = k.shape
+        one = step.serial or B * T < 32               # a decode step: no parallel launch
         if wide:
             ks, vs = k.view(np.uint32), v.view(np.uint32)
-        else:
+        elif one:
             ks, vs = stored_16(k, kv.store), stored_16(v, kv.store)
+        else:
+            ks, vs = stored_16_parallel(k, kv.store), stored_16_parallel(v, kv.store)
         counts = np.full(B, T, np.int64)
-        H = q.shape[1]
         if write_rows(kv.kst, kv.vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks, kv.ring,
                       kv.window > 0, kv.check, kv.expbits) >= 0:
             step.status[0] = 1                       # not finite as stored: nothing written (see run_layer)
-            return np.full((B * T, H * D), np.nan, np.float32)
+            return np.full((B * T, q.shape[1] * D), np.nan, np.float32)
         qs = q * np.float32(cfg.scale)
         out, lse = cpu._attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind,
                                    step.serial)
-        rows = np.empty((B * T, H * D), np.float32)      # [B*T, H*D]: the heads side by side per token
-        for b in range(B):
-            for h in range(H):
-                for t in range(T):
-                    bad = not np.isfinite(lse[b, h, t])  # the NaN rule of dispatch._poison_non_finite
-                    for d in range(D):
-                        rows[b * T + t, h * D + d] = np.nan if bad else out[b, h, t, d]
-        return rows
+        return heads_to_rows(out, lse) if one else heads_to_rows_parallel(out, lse)
     return impl
 
 

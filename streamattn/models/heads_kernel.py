@@ -15,7 +15,7 @@ Every row is computed alone: the result of a row never depends on the batch, the
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 _NO_NORM = np.zeros((0, 1), np.float32)   # qk_norm=None: a norm table with no rows
 
@@ -91,8 +91,9 @@ def _pairwise_sum(a, n):
 
 
 @njit(cache=True)
-def _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v):
-    """h: [M, (H + 2*Hk) * hd] float32, row m = b * T + t (q heads, then k heads, then v heads)
+def _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v, m0, m1):
+    """Rows m0 <= m < m1 of:
+    h: [M, (H + 2*Hk) * hd] float32, row m = b * T + t (q heads, then k heads, then v heads)
     cos, sin: [M, hd] float32 full-width tables (``rope_tables``: sin carries the pair's sign)
     neox: pairs (i, i + hd/2) if True, else (2i, 2i + 1)
     norm_w: [H + Hk, hd] float32 per-head RMSNorm weights of q then k heads, or no rows for none
@@ -105,7 +106,7 @@ def _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v):
     x = np.empty(hd, np.float32)                 # [hd] one head, normed
     sq = np.empty(hd, np.float32)                # [hd] its squares
     inv_n = np.float32(1.0 / hd)
-    for m in range(B * T):
+    for m in range(m0, m1):
         b, t = m // T, m % T
         for j in range(H + Hk):
             c0 = j * hd
@@ -149,5 +150,19 @@ def _heads_rope_alloc(h, cos, sin, neox, norm_w, eps, B, H, Hk):
     q = np.empty((B, H, M // B, hd), np.float32)
     k = np.empty((B, Hk, M // B, hd), np.float32)
     v = np.empty((B, Hk, M // B, hd), np.float32)
-    _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v)
+    _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v, 0, M)
+    return q, k, v
+
+
+@njit(parallel=True, cache=True)
+def heads_rope_rows_parallel(h, cos, sin, neox, norm_w, eps, B, H, Hk):
+    """:func:`_heads_rope_alloc` with the rows split over Numba's threads in pieces of 16 (a prompt chunk;
+    every row is computed alone, so the same bits)."""
+    M, W = h.shape
+    hd = W // (H + 2 * Hk)
+    q = np.empty((B, H, M // B, hd), np.float32)
+    k = np.empty((B, Hk, M // B, hd), np.float32)
+    v = np.empty((B, Hk, M // B, hd), np.float32)
+    for p in prange((M + 15) // 16):
+        _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v, 16 * p, min(M, 16 * p + 16))
     return q, k, v
