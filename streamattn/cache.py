@@ -284,6 +284,7 @@ class KVCache(StateOps):
             new = storage_zeros(self.xp, old.shape[:2] + (cap,) + old.shape[3:], old.dtype)
             new[:, :, :old.shape[2]] = old
             setattr(self, name, new)
+        self.__dict__.pop("_kernel_views", None)      # views a model kept of the old arrays (models/compiled.py)
 
     def reset(self, b: int | None = None) -> None:
         """Forget sequence ``b`` (or every sequence when ``b`` is None); its storage is zeroed."""

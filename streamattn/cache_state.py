@@ -68,6 +68,7 @@ class StateOps:
                              f"(got {other.spec} on {other.device}, this is {self.spec} on {self.device})")
         self.k, self.v = other.k, other.v
         self.lengths, self.last_counts, self.held_from = other.lengths, other.last_counts, other.held_from
+        self.__dict__.pop("_kernel_views", None)      # views a model kept of the old arrays (models/compiled.py)
 
     def write_sequence(self, b: int, k, v, *, length: int, last_count: int = 0, held_from: int | None = None) -> None:
         """Make sequence ``b`` hold ``k``, ``v`` in slots 0..n-1 (zeros after) and these counters.

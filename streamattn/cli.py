@@ -78,7 +78,7 @@ def _warm_kernels(args, model=None) -> None:
               flush=True)
     if not args.quiet and model is not None and getattr(args, "weights", "quant") == "quant":
         from streamattn.models import compiled
-        if not compiled.layers_cached():
+        if not compiled.layers_cached() and compiled.bind_weights(model.layers[0]) is not None:
             print("compiling the decoder layer (once after an install; Numba caches it) ...", file=sys.stderr,
                   flush=True)
     warmup.warm(args.cache_dtype)

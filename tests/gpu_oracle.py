@@ -59,19 +59,22 @@ def storage(a, dtype: str):
     return stored, stored.astype(np.float64)
 
 
-def rel_err(got, ref) -> float:
-    """max |got - ref| / max(max |ref|, 1) (lse compared on finite entries; -inf must match exactly).
-
-    The floor of 1: an lse is a log, so its absolute error is the relative error of exp(lse); where every
-    lse is near 0 (short histories) a plain relative error measured float32's last bit of a tiny number
-    (hypothesis found lse ~0.05 off by 6e-7: 1.3e-5 "relative")."""
+def rel_err(got, ref, floor: float = 1e-30) -> float:
+    """max |got - ref| / max(max |ref|, floor) (compared on finite entries; -inf must match exactly)."""
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     if not np.array_equal(np.isfinite(got), np.isfinite(ref)):
         return np.inf
     fin = np.isfinite(ref)
     if not fin.any():
         return 0.0
-    return float(np.abs(got[fin] - ref[fin]).max() / max(np.abs(ref[fin]).max(), 1.0))
+    return float(np.abs(got[fin] - ref[fin]).max() / max(np.abs(ref[fin]).max(), floor))
+
+
+def lse_err(got, ref) -> float:
+    """:func:`rel_err` of log-sum-exps with its scale floored at 1: an lse is a log, so its absolute error
+    is the relative error of exp(lse); where every lse is near 0 (short histories) a plain relative error
+    measured float32's last bit of a tiny number (hypothesis found lse ~0.05 off by 6e-7: "1.3e-5")."""
+    return rel_err(got, ref, 1.0)
 
 
 def case(rng, *, batch, q_heads, kv_heads, head_dim, lengths, counts, T, window, sinks, dtype, q_dtype="float32"):

@@ -26,8 +26,9 @@ QUANT = {n: "Q4_1" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_g
 
 
 def tiny(tmp_path, arch, **kw):
-    return Transformer(load_gguf(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch, d_model=64, d_ff=96, n_heads=4,
-                                                 n_kv_heads=2, head_dim=32, quant=QUANT, **kw)))
+    kw = {"d_model": 64, "seed": 0} | kw
+    return Transformer(load_gguf(write_tiny_gguf(tmp_path / f"{arch}{kw['d_model']}-{kw['seed']}.gguf", arch=arch,
+                                                 d_ff=96, n_heads=4, n_kv_heads=2, head_dim=32, quant=QUANT, **kw)))
 
 
 class Spy:
@@ -85,17 +86,44 @@ def test_compiled_layers_give_the_array_layers_bits(tmp_path, monkeypatch, arch,
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_two_threads_give_the_same_bits(tmp_path, dtype):
+def test_two_threads_give_the_same_bits(tmp_path, monkeypatch, dtype):
     """A 40-token prompt: its heads, staging and attention rows go through the parallel builds."""
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
+    from streamattn.threads import many_threads
     tf = tiny(tmp_path, "gemma3")
     prompt = [list(range(3, 43)), list(range(20, 60))]
     want = run(tf, False, prompt, 4, batch=2, dtype=dtype)
     before = numba.get_num_threads()
-    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(2)
+    spy = Spy(monkeypatch)
     try:
+        assert many_threads()
         assert_same(run(tf, True, prompt, 4, batch=2, dtype=dtype), want)
     finally:
         numba.set_num_threads(before)
+    assert spy.done == 5 * tf.config.n_layers
+
+
+def test_post_norms_wider_than_a_pairwise_block(tmp_path, monkeypatch):
+    """Gemma's post norms over 160 columns: numpy sums the squares as two pairwise halves (> 128 values),
+    and the compiled rms_norm must walk the same tree."""
+    tf = tiny(tmp_path, "gemma3", d_model=160)
+    spy = Spy(monkeypatch)
+    want = run(tf, False, [[5, 9, 3, 17]], 3, dtype="float16")
+    assert_same(run(tf, True, [[5, 9, 3, 17]], 3, dtype="float16"), want)
+    assert spy.done == 4 * tf.config.n_layers
+
+
+def test_replaced_weights_are_bound_again(tmp_path, monkeypatch):
+    tf, other = tiny(tmp_path, "llama"), tiny(tmp_path, "llama", seed=1)
+    run(tf, True, [[5, 9, 3]], 1)                                   # binds tf's weights
+    tf.layers[2].wo, tf.layers[3].attn_norm = other.layers[2].wo, other.layers[3].attn_norm
+    tf.layers[4].wgu.qs = other.layers[4].wgu.qs                     # a plane of a packed weight
+    spy = Spy(monkeypatch)
+    want = run(tf, False, [[5, 9, 3]], 2)
+    assert_same(run(tf, True, [[5, 9, 3]], 2), want)
+    assert spy.done == 3 * tf.config.n_layers
 
 
 def test_a_ring_that_must_grow_grows_as_the_array_layer_grows_it(tmp_path, monkeypatch):
@@ -145,16 +173,33 @@ def test_handing_back_frees_what_the_layer_made(tmp_path):
         tf.forward(np.ones((1, 250), np.int64), caches)             # warm
         before = rtsys.get_allocation_stats()
         tf.layers[0].wo = tf.layers[0].wo.dequantize()              # layer 0 stays array code: 260 > 256 slots
-        tf._compiled = None                                         # makes layer 1 the first to hand back
-        tf.forward(np.ones((1, 10), np.int64), caches)
+        tf.forward(np.ones((1, 10), np.int64), caches)              # makes layer 1 the first to hand back
         tf.layers[1].attn_norm = np.full_like(tf.layers[1].attn_norm, 1e30)
-        tf._compiled = None
         with pytest.raises(ValueError, match="NaN or inf"):
             tf.forward(np.ones((1, 3), np.int64), tf.new_caches(max_chunk=4, dtype="float16"))
         after = rtsys.get_allocation_stats()
     finally:
         nrt.memsys_disable_stats()
     assert after.alloc - before.alloc == after.free - before.free > 0
+
+
+def test_a_ring_grown_for_a_refused_chunk_is_put_back(tmp_path):
+    """The compiled layer grows a causal ring before it knows the chunk is finite; when the chunk is
+    refused the ring goes back to its old arrays, as the array layer (which checks first) leaves it."""
+    tf = tiny(tmp_path, "llama")
+    tf.layers[1].attn_norm = np.full_like(tf.layers[1].attn_norm, 1e30)    # layer 1's k past float16
+    tf.layers[0].wo = tf.layers[0].wo.dequantize()                          # layer 0: array code, grows
+    states = []
+    for compile_layers in (False, True):
+        tf.compile_layers = compile_layers
+        caches = tf.new_caches(max_chunk=16, dtype="float16")
+        for c in caches:
+            c.append(np.zeros((1, 2, 250, 32)), np.zeros((1, 2, 250, 32)))  # 250 of 256 slots, finite
+        with pytest.raises(ValueError, match="NaN or inf"):
+            tf.forward(np.ones((1, 10), np.int64), caches)
+        states.append(caches)
+    assert [c.slots for c in states[1]] == [c.slots for c in states[0]] == [512] + [256] * 5
+    assert_same(([], states[1]), ([], states[0]))
 
 
 @pytest.mark.parametrize("window,sinks,max_chunk", [(None, 0, 1), (4, 0, 3), (4, 2, 3), (3, 1, 1)])

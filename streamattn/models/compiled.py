@@ -5,23 +5,22 @@ Numba implementation (``numba.extending.overload``) over the kernels its array v
 — the packed-matmul drivers with their fused quantizers, the heads/RoPE kernel, the cache's write and
 the attention kernel — with the same arguments in the same order, so a compiled layer and the array
 layer give the same bits (tests/test_compiled_layer.py). ``Transformer.forward`` then makes one
-compiled call per layer instead of ~40 Python calls: what issue 13 measures as the decode step's
-Python (benchmarks/python_overhead.py; docs/PERF.md).
+compiled call per layer instead of ~40 Python calls (benchmarks/python_overhead.py; docs/PERF.md).
 
 The compiled ``at`` is ``(cfg, kv, step)``: the model's numbers (:class:`Cfg`), the layer's cache as
 arrays (:class:`Kv`), and the step's RoPE rows and thread choice (:class:`Step`). A weight matrix is
 ``(qs, scale, minv, rows, tag)``: the packed planes, the real row count, and a tag whose Numba type
 names the drivers (:func:`_tag`), so one compiled layer serves every model with the same block kinds.
 
-What the compiled layer cannot finish the way the array layer would — a causal cache that must grow, a
-chunk the cache refuses (past max_len or max_chunk, not answerable after a rewind, not finite as
-stored) — it leaves undone, with the residual and the cache as they were (:func:`run_layer`), and the
-forward runs that layer as array code, which does it (or raises its error) as always.
+A chunk the cache refuses (past max_len or max_chunk, not answerable after a rewind, not finite as
+stored) the compiled layer leaves undone, with the residual and the cache as they were (:func:`run_layer`;
+a causal ring it grows first), and the forward runs that layer as array code, which raises its error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import namedtuple
 from pathlib import Path
 
@@ -278,8 +277,8 @@ def _drop_stale() -> None:
     files = [m.__file__ for m in (layer, qmatmul, qmatmul_kernels, qacts, heads_kernel, cpu, cpu_simd, cpu_tiles,
                                   storage)] + [__file__]
 
-    def delete(directory):
-        for f in directory.glob("layer.decoder_layer-*.nb[ic]"):
+    def delete(directory):                       # the layer, and this module's functions that link it in
+        for f in [*directory.glob("layer.decoder_layer-*.nb[ic]"), *directory.glob("compiled.*.nb[ic]")]:
             f.unlink()
     drop_when_changed(files, "streamattn_compiled_layer.sha256", lambda: compiled_layer._cache._cache_path, delete)
 
@@ -299,16 +298,11 @@ def layers_cached() -> bool:
 def _matrix(w):
     """A packed integer weight as the compiled ops' tuple, or None for anything else (float weights,
     row groups of mixed kinds, a CPU the kernels do not run on)."""
-    if not (qmatmul.HAVE_KERNELS and isinstance(w, qmatmul.QWeight) and w.kind in _KINDS):
-        return None
-    if w.lanes not in _LANES or w.lanes > qmatmul.LANES or w.group not in _GROUPS:
+    if not (qmatmul.HAVE_KERNELS and isinstance(w, qmatmul.QWeight) and w.kind in _KINDS and w.lanes in _LANES
+            and w.lanes <= qmatmul.LANES and w.group in _GROUPS):
         return None
     return (w.qs, w.scale, _EMPTY2 if w.minv is None else w.minv, w.shape[0],
             _tag(w.kind, w.group, w.lanes, qmatmul.ROWS, qmatmul.LANES_VNNI))
-
-
-def _vector(a, empty):
-    return empty if a is None else np.ascontiguousarray(a, np.float32)
 
 
 def bind_weights(lw: LayerWeights):
@@ -317,6 +311,7 @@ def bind_weights(lw: LayerWeights):
     mats = {name: _matrix(getattr(lw, name)) for name in ("wqkv", "wo", "wgu", "wdown")}
     if any(m is None for m in mats.values()):
         return None
+    _vector = lambda a, empty: empty if a is None else np.ascontiguousarray(a, np.float32)  # noqa: E731
     return Weights(attn_norm=_vector(lw.attn_norm, _EMPTY1), ffn_norm=_vector(lw.ffn_norm, _EMPTY1),
                    qk_norm=_vector(lw.qk_norm, heads_kernel._NO_NORM),
                    post_attn_norm=_vector(lw.post_attn_norm, _EMPTY1[:0]),
@@ -333,13 +328,14 @@ def bind_cache(cache) -> tuple:
     kv = Kv(kst, vst, ka, va, cache.lengths, cache.last_counts, cache.held_from, spec.sinks, cache.ring,
             spec.window or 0, spec.max_chunk, spec.max_len or 0, cache.slots, spec.check_finite,
             EXPONENT_BITS[spec.dtype], cpu.KIND[spec.dtype], cpu.KIND[spec.dtype])
-    cache.__dict__["_compiled_kv"] = (src, kv)
+    cache.__dict__["_kernel_views"] = (src, kv)
     return kv
 
 
 class CompiledLayers:
     """A Transformer's layers as compiled calls: its numbers and each layer's weights bound once (None
-    for a layer that stays array code); :meth:`run` runs one layer."""
+    for a layer that stays array code, bound again when any of its weights or planes was replaced);
+    :meth:`run` runs one layer."""
 
     step = Step
 
@@ -348,15 +344,20 @@ class CompiledLayers:
         self.cfg = Cfg(c.n_heads, c.n_kv_heads, float(c.norm_eps), np.float32(c.norm_eps), c.rope_style == "neox",
                        float(c.attn_scale), c.activation == "gelu_tanh")
         self.rows = qmatmul.ROWS                    # the group size the weights' tags name
+        self.layers = tf.layers
+        self.sources = [_sources(lw) for lw in tf.layers]
         self.weights = [bind_weights(lw) for lw in tf.layers]
 
     def run(self, i: int, x, cache, step: Step) -> bool:
         """Layer i on the residual rows x [B*T, d] (float32, in place) and its CPU cache; False where it
         did nothing and the array layer must run it (see the module docstring)."""
+        src = _sources(self.layers[i])
+        if not all(map(operator.is_, src, self.sources[i])):
+            self.sources[i], self.weights[i] = src, bind_weights(self.layers[i])
         w = self.weights[i]
         if w is None or cache.xp is not np:
             return False
-        bound = cache.__dict__.get("_compiled_kv")
+        bound = cache.__dict__.get("_kernel_views")
         if bound is None:
             kv = bind_cache(cache)
         else:
@@ -366,19 +367,34 @@ class CompiledLayers:
                 kv = bind_cache(cache)
         if run_layer(x, w, (self.cfg, kv, step)):
             return True
-        if kv.window or not self._grow(cache, x.shape[0] // step.B):
+        if kv.window:
             return False
-        return run_layer(x, w, (self.cfg, bind_cache(cache), step))
+        old = cache.k, cache.v
+        if not self._grow(cache, x.shape[0] // step.B):
+            return False
+        if run_layer(x, w, (self.cfg, bind_cache(cache), step)):
+            return True
+        cache.k, cache.v = old                       # refused as not finite: the ring as it was (and its
+        cache.__dict__.pop("_kernel_views", None)    # contents, which write_rows left untouched)
+        return False
 
     @staticmethod
     def _grow(cache, T: int) -> bool:
         """Grow a causal cache for T more tokens here (as the array layer would, by doubling) rather than
-        hand the layer back; False where that is not the reason or the cache cannot (a head() view). The
-        one difference: a chunk then refused as not finite leaves the ring grown (its contents, lengths
-        and counters unchanged), where the array layer checks before it grows."""
+        hand the layer back; False where that is not the reason or the cache cannot (a head() view)."""
         need = int(cache.lengths.max()) + T
         if need <= cache.slots or (cache.spec.max_len is not None and need > cache.spec.max_len) \
                 or getattr(cache, "_view_of", None) is not None:
             return False
         cache.reserve(need)
         return True
+
+
+def _sources(lw: LayerWeights) -> tuple:
+    """What a layer's binding was made from: its weights and their planes (compared by identity)."""
+    out = []
+    for f in vars(lw).values():
+        out.append(f)
+        if isinstance(f, qmatmul.QWeight):
+            out += (f.qs, f.scale, f.minv)
+    return tuple(out)
