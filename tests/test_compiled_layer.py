@@ -6,6 +6,7 @@ only that one does (grow a ring, refuse a chunk) with the same results and error
 16 bits exactly as numpy does.
 """
 
+import gc
 import itertools
 
 import numba
@@ -171,6 +172,7 @@ def test_handing_back_frees_what_the_layer_made(tmp_path):
     try:
         caches = tf.new_caches(max_chunk=300)
         tf.forward(np.ones((1, 250), np.int64), caches)             # warm
+        gc.collect()
         before = rtsys.get_allocation_stats()
         tf.layers[0].wo = tf.layers[0].wo.dequantize()              # layer 0 stays array code: 260 > 256 slots
         tf.forward(np.ones((1, 10), np.int64), caches)              # makes layer 1 the first to hand back
@@ -180,7 +182,8 @@ def test_handing_back_frees_what_the_layer_made(tmp_path):
         after = rtsys.get_allocation_stats()
     finally:
         nrt.memsys_disable_stats()
-    assert after.alloc - before.alloc == after.free - before.free > 0
+    made, freed = after.alloc - before.alloc, after.free - before.free
+    assert made > 0 and freed >= made       # (older arrays that die meanwhile add frees, never allocations)
 
 
 def test_a_ring_grown_for_a_refused_chunk_is_put_back(tmp_path):
