@@ -32,7 +32,7 @@ from numba.extending import intrinsic, overload
 from streamattn.backends import cpu
 from streamattn.kernel_cache import drop_when_changed
 from streamattn.models import heads_kernel, layer, qmatmul
-from streamattn.models.heads_kernel import _heads_rope_alloc, _pairwise_sum, heads_rope_rows_parallel
+from streamattn.models.heads_kernel import _heads_rope_alloc, heads_rope_rows_parallel, rms_row
 from streamattn.models.qmatmul import GELU, NORM, PLAIN, SILU
 from streamattn.models.transformer import LayerWeights
 from streamattn.storage import EXPONENT_BITS, bits, write_rows
@@ -41,11 +41,11 @@ from streamattn.storage import EXPONENT_BITS, bits, write_rows
 #: The model's numbers: heads, eps (the drivers take it as a float, the heads kernel as float32), RoPE
 #: pairing, attention scale, activation.
 Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu")
-#: A layer's cache: storage bits (kst, vst), what the attention reads (ka, va: the float32 array, or the
-#: 16-bit patterns), the counters, the geometry (window 0: causal; max_len 0: none), the finite check, and
-#: the storage (``kind``: cpu.KIND; ``store``: 0 float32, 1 float16, 2 bfloat16).
-Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len slots "
-                      "check expbits kind store")
+#: A layer's cache: storage bits (kst, vst [B, Hk, slots, D]), what the attention reads (ka, va: the float32
+#: array, or the 16-bit patterns), the counters, the geometry (window 0: causal; max_len 0: none), the
+#: finite check, and the storage (``kind``: cpu.KIND, 0 float32, 1 float16, 2 bfloat16).
+Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len "
+                      "check expbits kind")
 #: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread, and
 #: int64 [1] set to 1 by a layer whose chunk the cache refused (:func:`run_layer`).
 Step = namedtuple("Step", "cos sin B serial status")
@@ -80,13 +80,12 @@ def _matmul(w_type):
 
     @njit
     def run(mode, x, nw, eps, w, one_thread):
-        acts = (np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32),
-                np.zeros((1, 2), np.int32))
-        out = np.zeros((1, 1), np.float32)
+        e = x[:0]                    # placeholders of the types _fused passes (the driver makes its own)
+        acts = (e.view(np.int8), e, e, e.view(np.int32))
         if one_thread:
-            out = serial(mode, x, nw, eps, *acts, w[0], w[1], w[2], out)
+            out = serial(mode, x, nw, eps, *acts, w[0], w[1], w[2], e)
         else:
-            out = parallel(mode, x, nw, eps, *acts, w[0], w[1], w[2], out)
+            out = parallel(mode, x, nw, eps, *acts, w[0], w[1], w[2], e)
         return out if out.shape[1] == w[3] else np.ascontiguousarray(out[:, :w[3]])
     return run
 
@@ -137,18 +136,11 @@ def _post_norm(x, norm_w, at):
 
 @njit(cache=True)
 def rms_norm(x, w, eps):
-    """The array ops' ``rms_norm`` of rows x [M, n] in the same float32 steps (numpy's pairwise sum of
-    the squares, then ``x * (1 / sqrt(ms + eps)) * w``)."""
-    M, n = x.shape
+    """The array ops' ``rms_norm`` of rows x [M, n], row by row in the same float32 steps."""
     out = np.empty_like(x)
-    sq = np.empty(n, np.float32)
-    inv_n = np.float32(1.0 / n)
-    for m in range(M):
-        for i in range(n):
-            sq[i] = x[m, i] * x[m, i]
-        r = np.float32(1.0) / np.sqrt(_pairwise_sum(sq, n) * inv_n + eps)
-        for i in range(n):
-            out[m, i] = x[m, i] * r * w[i]
+    sq = np.empty(x.shape[1], np.float32)
+    for m in range(x.shape[0]):
+        rms_row(x[m], w, eps, sq, out[m])
     return out
 
 
@@ -164,18 +156,18 @@ def _staging_kernels(items):
     """:func:`stored_16` and :func:`heads_to_rows` with their outer loop ``items`` (``range``, or ``prange``
     for a prompt chunk on several threads; every element is computed alone: the same bits)."""
 
-    def stored_16(x, store):
-        """float32 x -> the 16-bit patterns ``storage.to_storage`` stores: float16 rounded to nearest even
-        (store 1; numpy's vector cast is the same instruction, so the same bits, except that a NaN's
-        payload may differ where numpy casts a remainder in scalar code: a NaN either way), or bfloat16
-        rounded to nearest even (store 2, as to_storage's integer steps)."""
+    def stored_16(x, kind):
+        """float32 x -> the 16-bit patterns ``storage.to_storage`` stores (``kind`` as cpu.KIND): float16
+        rounded to nearest even (1; numpy's vector cast is the same instruction, so the same bits, except
+        that a NaN's payload may differ where numpy casts a remainder in scalar code: a NaN either way),
+        or bfloat16 rounded to nearest even (2, as to_storage's integer steps)."""
         flat = x.ravel()
         out = np.empty(flat.size, np.uint16)
         u = flat.view(np.uint32)
         n = flat.size
         for p in items((n + 1023) // 1024):
             for i in range(1024 * p, min(n, 1024 * p + 1024)):
-                if store == 2:
+                if kind == 2:
                     b = np.int64(u[i])
                     out[i] = ((b + ((b >> 16) & 1) + 0x7FFF) & 0xFFFFFFFF) >> 16
                 else:
@@ -209,7 +201,7 @@ def _refuses(kv, T):
         return True
     for b in range(kv.lengths.shape[0]):
         L = kv.lengths[b] + T
-        if kv.window == 0 and (L > kv.slots or (kv.max_len > 0 and L > kv.max_len)):
+        if kv.window == 0 and (L > kv.kst.shape[2] or (kv.max_len > 0 and L > kv.max_len)):
             return True
         if kv.window > 0:                        # cache.answerable() after the write
             held = max(kv.held_from[b], L - kv.ring)
@@ -229,9 +221,9 @@ def _attend(q, k, v, at):
         if wide:
             ks, vs = k.view(np.uint32), v.view(np.uint32)
         elif one:
-            ks, vs = stored_16(k, kv.store), stored_16(v, kv.store)
+            ks, vs = stored_16(k, kv.kind), stored_16(v, kv.kind)
         else:
-            ks, vs = stored_16_parallel(k, kv.store), stored_16_parallel(v, kv.store)
+            ks, vs = stored_16_parallel(k, kv.kind), stored_16_parallel(v, kv.kind)
         counts = np.full(B, T, np.int64)
         if write_rows(kv.kst, kv.vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks, kv.ring,
                       kv.window > 0, kv.check, kv.expbits) >= 0:
@@ -318,16 +310,20 @@ def bind_weights(lw: LayerWeights):
                    post_ffw_norm=_vector(lw.post_ffw_norm, _EMPTY1[:0]), **mats)
 
 
+def _cache_sources(cache) -> tuple:
+    return cache.k, cache.v, cache.lengths, cache.last_counts, cache.held_from
+
+
 def bind_cache(cache) -> tuple:
     """(the arrays it was made from, :class:`Kv`) of a CPU cache; kept on the cache, made again when
     any of them was replaced (a grown ring, a restored state)."""
-    src = (cache.k, cache.v, cache.lengths, cache.last_counts, cache.held_from)
+    src = _cache_sources(cache)
     spec = cache.spec
     kst, vst = bits(cache.k), bits(cache.v)
     ka, va = (cache.k, cache.v) if spec.dtype == "float32" else (kst, vst)
     kv = Kv(kst, vst, ka, va, cache.lengths, cache.last_counts, cache.held_from, spec.sinks, cache.ring,
-            spec.window or 0, spec.max_chunk, spec.max_len or 0, cache.slots, spec.check_finite,
-            EXPONENT_BITS[spec.dtype], cpu.KIND[spec.dtype], cpu.KIND[spec.dtype])
+            spec.window or 0, spec.max_chunk, spec.max_len or 0, spec.check_finite, EXPONENT_BITS[spec.dtype],
+            cpu.KIND[spec.dtype])
     cache.__dict__["_kernel_views"] = (src, kv)
     return kv
 
@@ -358,13 +354,10 @@ class CompiledLayers:
         if w is None or cache.xp is not np:
             return False
         bound = cache.__dict__.get("_kernel_views")
-        if bound is None:
+        if bound is None or not all(map(operator.is_, bound[0], _cache_sources(cache))):
             kv = bind_cache(cache)
         else:
-            (k, v, lengths, last_counts, held_from), kv = bound
-            if (k is not cache.k or v is not cache.v or lengths is not cache.lengths
-                    or last_counts is not cache.last_counts or held_from is not cache.held_from):
-                kv = bind_cache(cache)
+            kv = bound[1]
         if run_layer(x, w, (self.cfg, kv, step)):
             return True
         if kv.window:

@@ -91,6 +91,18 @@ def _pairwise_sum(a, n):
 
 
 @njit(cache=True)
+def rms_row(x, w, eps, sq, out):
+    """out = x * (1 / sqrt(mean(x²) + eps)) * w for one row x [n], in float32 as numpy's ``rms_norm``
+    computes it: the squares (into scratch ``sq`` [n]) summed in numpy's pairwise order. eps: float32."""
+    n = x.shape[0]
+    for i in range(n):
+        sq[i] = x[i] * x[i]
+    r = np.float32(1.0) / np.sqrt(_pairwise_sum(sq, n) * np.float32(1.0 / n) + eps)
+    for i in range(n):
+        out[i] = x[i] * r * w[i]
+
+
+@njit(cache=True)
 def _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v, m0, m1):
     """Rows m0 <= m < m1 of:
     h: [M, (H + 2*Hk) * hd] float32, row m = b * T + t (q heads, then k heads, then v heads)
@@ -105,17 +117,12 @@ def _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v, m0, m1):
     norm = norm_w.shape[0] > 0
     x = np.empty(hd, np.float32)                 # [hd] one head, normed
     sq = np.empty(hd, np.float32)                # [hd] its squares
-    inv_n = np.float32(1.0 / hd)
     for m in range(m0, m1):
         b, t = m // T, m % T
         for j in range(H + Hk):
             c0 = j * hd
-            if norm:                             # x * (1 / sqrt(mean(x²) + eps)) * w, in float32
-                for i in range(hd):
-                    sq[i] = h[m, c0 + i] * h[m, c0 + i]
-                r = np.float32(1.0) / np.sqrt(_pairwise_sum(sq, hd) * inv_n + eps)
-                for i in range(hd):
-                    x[i] = h[m, c0 + i] * r * norm_w[j, i]
+            if norm:
+                rms_row(h[m, c0:c0 + hd], norm_w[j], eps, sq, x)
             else:
                 for i in range(hd):
                     x[i] = h[m, c0 + i]
@@ -145,24 +152,26 @@ def heads_rope_cpu(h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm=None, eps
 def _heads_rope_alloc(h, cos, sin, neox, norm_w, eps, B, H, Hk):
     """:func:`_heads_rope` into new q [B, H, T, hd], k, v [B, Hk, T, hd] (made here: one call from Python
     instead of three numpy allocations and a call, run between weight reads that evict their data)."""
+    q, k, v = _new_heads(h, B, H, Hk)
+    _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v, 0, h.shape[0])
+    return q, k, v
+
+
+@njit(cache=True)
+def _new_heads(h, B, H, Hk):
+    """Empty q [B, H, T, hd], k, v [B, Hk, T, hd] for the rows h [B*T, (H + 2*Hk) * hd]."""
     M, W = h.shape
     hd = W // (H + 2 * Hk)
-    q = np.empty((B, H, M // B, hd), np.float32)
-    k = np.empty((B, Hk, M // B, hd), np.float32)
-    v = np.empty((B, Hk, M // B, hd), np.float32)
-    _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v, 0, M)
-    return q, k, v
+    return (np.empty((B, H, M // B, hd), np.float32), np.empty((B, Hk, M // B, hd), np.float32),
+            np.empty((B, Hk, M // B, hd), np.float32))
 
 
 @njit(parallel=True, cache=True)
 def heads_rope_rows_parallel(h, cos, sin, neox, norm_w, eps, B, H, Hk):
     """:func:`_heads_rope_alloc` with the rows split over Numba's threads in pieces of 16 (a prompt chunk;
     every row is computed alone, so the same bits)."""
-    M, W = h.shape
-    hd = W // (H + 2 * Hk)
-    q = np.empty((B, H, M // B, hd), np.float32)
-    k = np.empty((B, Hk, M // B, hd), np.float32)
-    v = np.empty((B, Hk, M // B, hd), np.float32)
+    M = h.shape[0]
+    q, k, v = _new_heads(h, B, H, Hk)
     for p in prange((M + 15) // 16):
         _heads_rope(h, cos, sin, neox, norm_w, eps, q, k, v, 16 * p, min(M, 16 * p + 16))
     return q, k, v

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 
-import numba
 import numpy as np
 from numba import njit, prange
 

@@ -208,10 +208,9 @@ class Transformer:
         if not (self.compile_layers and self.xp is np and backend in ("cpu", "auto") and counts is None
                 and hook is None and (positions == "absolute" or not any(k.spec.sinks for k in caches))):
             return None
-        fast = self.__dict__.get("_compiled")
-        kernels = _cpu_kernels("compiled")
+        fast = self._compiled
         if fast is None or fast.rows != _cpu_kernels("qmatmul").ROWS:
-            fast = self._compiled = kernels.CompiledLayers(self)
+            fast = self._compiled = _cpu_kernels("compiled").CompiledLayers(self)
         return fast
 
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
