@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streamattn.models.sampling import SamplingParams
+from streamattn.engine.sampling import SamplingParams
 from streamattn.scale.batch import ModelOptions, run_local
 from streamattn.scale.jobs import OutputFile, parse_line
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from streamattn.models.hub import resolve_model
 from streamattn.models.loader import load_gguf
-from streamattn.models.perplexity import label, load_ids, perplexity, plot, progress_bar
+from streamattn.engine.perplexity import label, load_ids, perplexity, plot, progress_bar
 from streamattn.models.tokenizer import Tokenizer
 from streamattn.models.transformer import Transformer
 from streamattn.threads import set_threads

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from streamattn.models import qmatmul as qm
-from streamattn.models.generate import Generator
+from streamattn.engine.generate import Generator
 from streamattn.models.hub import resolve_model
 from streamattn.models.loader import load_gguf
 from streamattn.models.tokenizer import Tokenizer

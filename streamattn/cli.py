@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -31,37 +32,22 @@ class UsageError(ValueError):
     """A command-line value that is wrong on its face: reported before any model is loaded."""
 
 
-def _check_model_args(args) -> None:
-    """Validate what needs no model, before the (seconds-long) load; UsageError names the flag."""
-    def need(ok, flag, value, expected):
-        if not ok:
-            raise UsageError(f"{flag} must be {expected} (got {value!r})")
-    need(args.backend in ("reference", "cpu", "gpu", "auto"), "--backend", args.backend,
-         "one of reference, cpu, gpu, auto")
-    need(1 <= args.prefill_chunk <= MAX_PREFILL_CHUNK, "--prefill-chunk", args.prefill_chunk,
-         f"in 1..{MAX_PREFILL_CHUNK}")
-    need(args.threads >= 1, "--threads", args.threads, ">= 1")
-    if args.cache == "full":
-        if args.window is not None:
-            raise UsageError(f"--window {args.window} applies to --cache window or sinks; with --cache full every "
-                             "token is kept (drop --window, or add --cache window)")
-        if args.sinks is not None:
-            raise UsageError(f"--sinks {args.sinks} applies to --cache sinks (got --cache {args.cache})")
-    else:
-        need(args.window is None or args.window >= 1, "--window", args.window, ">= 1")
-        if args.cache == "window" and args.sinks is not None:
-            raise UsageError(f"--sinks {args.sinks} applies to --cache sinks (got --cache window)")
-        need(args.sinks is None or args.sinks >= 1, "--sinks", args.sinks, ">= 1")
-    if args.backend == "gpu":
+def _check_model_args(args):
+    """Validate what needs no model, before the (seconds-long) load; UsageError names the flag. Returns the
+    :class:`~streamattn.engine.options.ModelOptions` of the shared flags."""
+    from streamattn.engine.options import ModelOptions
+    try:
+        opts = ModelOptions.from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if opts.backend == "gpu":
         from streamattn.backends import gpu
         if not gpu.available():
             raise UsageError("--backend gpu: no CUDA device is visible (or CuPy is not installed); use "
                              "--backend cpu")
     if getattr(args, "max_tokens", 1) < 1:
         raise UsageError(f"-n/--max-tokens must be >= 1 (got {args.max_tokens})")
-
-
-MAX_PREFILL_CHUNK = 8192
+    return opts
 
 
 def _warm_kernels(args, model=None) -> None:
@@ -83,47 +69,24 @@ def _warm_kernels(args, model=None) -> None:
                   flush=True)
     warmup.warm(args.cache_dtype)
     if model is not None:
-        from streamattn.models.generate import warm_model
+        from streamattn.engine.generate import warm_model
         warm_model(model, args.cache_dtype)
 
 
 # ---------------------------------------------------------------------------------------- shared
 def _model_args(p):
-    p.add_argument("--model", default=None,
-                   help="a .gguf path or a model name (smollm2-135m, gemma3-270m); default smollm2-135m")
-    p.add_argument("--cache", choices=("full", "window", "sinks"), default="full",
-                   help="KV cache for the model's global layers (gemma3's local layers always slide)")
-    p.add_argument("--window", type=int, default=None,
-                   help="window n_c in keys, the current one included (default 256 with --cache window/sinks)")
-    p.add_argument("--sinks", type=int, default=None, help="attention-sink tokens for --cache sinks (default 4)")
-    p.add_argument("--positions", choices=("absolute", "cache"), default="absolute",
-                   help="RoPE positions in the text, or within the cache (StreamingLLM; --cache sinks only)")
-    p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
-    p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward call")
-    p.add_argument("--weights", choices=("quant", "f32"), default="quant",
-                   help="quant: matrices stay in the file's block formats (default); f32: dequantized "
-                        "float32 reference path")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--system", default=None, help="system message for --chat")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads for matmuls and attention (default 1: fastest for one sequence on a "
-                        "busy 2-core host, see streamattn/threads.py)")
+    from streamattn.engine.options import add_arguments
+    add_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 
 def _load(args):
     """(Generator, Transformer, Tokenizer) for the CLI arguments, with loading progress on stderr."""
-    from streamattn.models.generate import Generator
-    from streamattn.models.loader import ModelFileError, load_gguf
+    from streamattn.models.loader import ModelFileError
     from streamattn.models.hub import resolve_model
-    from streamattn.models.transformer import Transformer
-    from streamattn.models.tokenizer import Tokenizer
 
-    from streamattn.threads import set_threads
-
-    set_threads(args.threads)
-    path = resolve_model(args.model, quiet=args.quiet)
+    opts = _check_model_args(args)
+    path = resolve_model(opts.model, quiet=args.quiet)
     t0 = time.perf_counter()
 
     def progress(done, total, name):
@@ -132,31 +95,18 @@ def _load(args):
                   file=sys.stderr, flush=True)
 
     try:
-        m = load_gguf(path, progress=progress, weights=args.weights)
+        tf, tok, m = replace(opts, model=str(path)).load(progress=progress)
     except ModelFileError as e:
         from streamattn.models.hub import DEFAULT_MODEL, MODELS
         name = args.model or DEFAULT_MODEL
         if name not in MODELS:
             raise
         raise ModelFileError(f"{e}; `streamattn pull {name}` checks the cached copy and fetches it again") from e
-    tf = Transformer(m)
-    if args.backend == "gpu":
-        import cupy
-        tf.to(cupy)
-    tok = Tokenizer.from_metadata(m.metadata)
-    window = args.window
-    if args.cache != "full" and window is None:
-        window = 256
-    sinks = (4 if args.sinks is None else args.sinks) if args.cache == "sinks" else 0
-    gen = Generator(tf, tok, cache=args.cache, window=window, sinks=sinks,
-                    backend=args.backend, prefill_chunk=args.prefill_chunk, cache_dtype=args.cache_dtype,
-                    positions=args.positions)
+    gen = opts.generator(tf, tok)
     if not args.quiet:
         c = m.config
         print(f"{c.name or c.arch}: {c.n_layers} layers, d_model {c.d_model}, heads {c.n_heads}/{c.n_kv_heads}"
-              f", loaded in {time.perf_counter() - t0:.1f}s; cache {args.cache}"
-              + (f" window {window}" if args.cache != "full" else "")
-              + (f" sinks {sinks}" if args.cache == "sinks" else ""), file=sys.stderr)
+              f", loaded in {time.perf_counter() - t0:.1f}s; {opts.describe()}", file=sys.stderr)
     return gen, tf, tok
 
 
@@ -177,7 +127,7 @@ def _pull_run(args) -> int:
 def _generate_configure(p):
     p.add_argument("prompt", help="prompt text ('-' reads stdin)")
     _model_args(p)
-    from streamattn.models.sampling import add_arguments as add_sampling_arguments
+    from streamattn.engine.sampling import add_arguments as add_sampling_arguments
     add_sampling_arguments(p)
     p.add_argument("--stats", action="store_true", help="print prefill/decode timing to stderr")
     p.add_argument("--ignore-eos", action="store_true",
@@ -186,7 +136,7 @@ def _generate_configure(p):
 
 
 def _generate_run(args) -> int:
-    from streamattn.models.sampling import SamplingParams
+    from streamattn.engine.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
@@ -306,7 +256,7 @@ register("serve", "OpenAI-compatible HTTP server with continuous batching", *_mo
 register("batch", "generate completions for a JSON-lines file of prompts (resumable; --ray for Ray Data)",
          *_module_command("scale.command"))
 register("perplexity", "teacher-forced perplexity of a long text through the caches, per 1k-token bucket",
-         *_module_command("models.perplexity"))
+         *_module_command("engine.perplexity"))
 
 
 def build_parser() -> argparse.ArgumentParser:

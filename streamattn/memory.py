@@ -61,7 +61,7 @@ def release_compiler_pages(library: str = "libllvmlite") -> int:
     mappings only); returns the bytes of mappings advised (0 where this is not Linux, or madvise fails).
 
     The 179 MB library runs only while Numba compiles or loads a kernel; once the model is warm
-    (:func:`streamattn.models.generate.warm_model`) decoding never executes it, yet the pages that
+    (:func:`streamattn.engine.generate.warm_model`) decoding never executes it, yet the pages that
     loading touched stayed in the process's resident set: 52 MB of code and 16 MB of read-only data
     with SmolLM2, a fifth of it. MADV_PAGEOUT never discards data: clean file pages are dropped and
     read back from the file when next used (a trivial compile afterwards took ~0.1 s instead of

@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "streamattn"
 MAX_LINES = 400
-UPPER = ("streamattn.models", "streamattn.bench", "streamattn.serve", "streamattn.scale", "streamattn.cli")
+UPPER = ("streamattn.models", "streamattn.engine", "streamattn.bench", "streamattn.serve", "streamattn.scale",
+         "streamattn.cli")
 
 
 def module_name(path: Path) -> str:

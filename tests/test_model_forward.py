@@ -168,7 +168,7 @@ def test_smollm2_window_layers_match_oracle_over_full_history():
 @need_smollm2
 @pytest.mark.parametrize("mode,window,sinks", [("window", 64, 0), ("sinks", 60, 4)])
 def test_smollm2_window_larger_than_sequence_equals_full(mode, window, sinks):
-    from streamattn.models.generate import Generator
+    from streamattn.engine.generate import Generator
     _, tf, tok = load(smollm2_path())
     prompt = "List three colours of the rainbow:"
     full = [e.token_id for e in Generator(tf, tok, prefill_chunk=8).stream(prompt, max_tokens=16)]

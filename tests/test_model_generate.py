@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from _model_util import load, need_smollm2, smollm2_path
-from streamattn.models.sampling import SamplingParams, apply_repetition_penalty, filtered_probs, sample
+from streamattn.engine.sampling import SamplingParams, apply_repetition_penalty, filtered_probs, sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,7 +50,7 @@ def test_sampling_params_validate(kw, msg):
 
 
 def gen(**kw):
-    from streamattn.models.generate import Generator
+    from streamattn.engine.generate import Generator
     _, tf, tok = load(smollm2_path())
     return Generator(tf, tok, prefill_chunk=kw.pop("prefill_chunk", 16), **kw)
 
@@ -63,7 +63,7 @@ def test_stream_events_and_finish_reasons():
     assert "".join(e.text for e in evs).startswith(" Paris")
     assert all(e.step_s > 0 for e in evs) and len(g.stats.decode_steps_s) == 5 and g.stats.prefill_s > 0
     evs = list(g.stream("What is the capital of France?", chat=True, max_tokens=40))
-    assert evs[-1].finish == "eos" and evs[-1].token_id == 2 and "Paris" in "".join(e.text for e in evs)
+    assert evs[-1].finish == "stop" and evs[-1].token_id == 2 and "Paris" in "".join(e.text for e in evs)
     text = g.generate("Count: 1, 2, 3,", max_tokens=30, stop=("6",))
     assert text.rstrip().endswith(",") and "6" not in text and "5" in text
 
@@ -126,11 +126,3 @@ def test_cli_registration_point():
         cli.register("generate", "dup", lambda p: None, lambda a: 0)
     names = set(cli.build_parser()._subparsers._group_actions[0].choices)
     assert {"pull", "generate", "inspect"} <= names
-
-
-def test_stop_cut():
-    from streamattn.models.generate import _stop_cut
-    assert _stop_cut("Count: 1, 2,", " 3", ("3",)) == 1
-    assert _stop_cut("Hello wor", "ld!", ("world",)) == 0          # started in earlier text: cut the whole piece
-    assert _stop_cut("abc", "def", ("x", "")) is None
-    assert _stop_cut("", "a\nb", ("\n",)) == 1

@@ -30,7 +30,7 @@ def ours_logits(tf, ids, chunk):
 
 
 def compare(path, prompt_ids, *, n_gen=12, chunk=16, min_positions=32):
-    from streamattn.models.generate import Generator
+    from streamattn.engine.generate import Generator
     _, tf, tok = load(path)
     hf_tok, hf = hf_model(path)
     ours_greedy = [e.token_id for e in Generator(tf, tok, prefill_chunk=chunk).stream(prompt_ids, max_tokens=n_gen)]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from _model_util import load, need_smollm2, smollm2_path
-from streamattn.models.perplexity import bucket_perplexity, token_losses
+from streamattn.engine.perplexity import bucket_perplexity, token_losses
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEXT = Path(__file__).resolve().parent / "data" / "short_text.txt"
@@ -41,7 +41,7 @@ def test_window_longer_than_the_text_cache_positions_equal_full():
 
 @need_smollm2
 def test_generator_cache_positions_match_full_within_the_window():
-    from streamattn.models.generate import Generator
+    from streamattn.engine.generate import Generator
     _, tf, tok = load(smollm2_path())
     prompt = ids(10)
     full = Generator(tf, tok, cache="full").generate(prompt, max_tokens=4)
@@ -79,7 +79,7 @@ def test_cli_writes_json_buckets_and_png(tmp_path, capsys):
     from streamattn.cli import main
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     rc = main(["perplexity", str(TEXT), "--cache", "sinks", "--window", "8", "--sinks", "2", "--positions",
-               "cache", "--max-tokens", "24", "--chunk", "5", "--bucket", "10", "--json", str(out), "--png",
+               "cache", "--max-tokens", "24", "--prefill-chunk", "5", "--bucket", "10", "--json", str(out), "--png",
                str(png), "-q"])
     assert rc == 0
     r = json.loads(out.read_text())
@@ -87,6 +87,6 @@ def test_cli_writes_json_buckets_and_png(tmp_path, capsys):
     assert [(b["start"], b["end"]) for b in r["buckets"]] == [(0, 10), (10, 20), (20, 24)]
     assert all(1 < b["ppl"] < 1e5 for b in r["buckets"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["perplexity", str(TEXT), "--cache", "window", "-q"]) == 2
-    assert "needs --window" in capsys.readouterr().err
+    assert main(["perplexity", str(TEXT), "--window", "8", "-q"]) == 2           # the shared flags' checks
+    assert "--window 8 applies to --cache window or sinks" in capsys.readouterr().err
     assert main(["perplexity", str(tmp_path / "missing.txt"), "-q"]) == 2

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from _model_util import load, need_smollm2, smollm2_path
-from streamattn.models.sampling import SamplingParams
+from streamattn.engine.sampling import SamplingParams
 from streamattn.scale.jobs import BadLine, OutputFile, Request, parse_line, read_requests
 
 DEF = dict(max_tokens=5, sampling=SamplingParams(), stop=())
@@ -68,7 +68,7 @@ PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time, in a land 
 @need_smollm2
 def test_cli_batch_local_resume_and_bad_lines(tmp_path, capsys, one_thread):
     from streamattn.cli import main
-    from streamattn.models.generate import Generator
+    from streamattn.engine.generate import Generator
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     lines = [json.dumps({"id": f"p{i}", "prompt": p}) for i, p in enumerate(PROMPTS)]
     inp.write_text("\n".join(lines[:2] + ['{"id": "bad", "prompt": 3}'] + lines[2:]) + "\n")

@@ -9,7 +9,7 @@ from dataclasses import asdict as dataclasses_asdict
 import pytest
 
 from _model_util import load, need_smollm2, smollm2_path
-from streamattn.models.sampling import SamplingParams
+from streamattn.engine.sampling import SamplingParams
 from streamattn.scale.jobs import OutputFile, parse_line
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
@@ -38,7 +38,7 @@ def _requests():
 @pytest.fixture(scope="module")
 def single_process_texts():
     """id -> greedy text of the local runner (batches of 4 in this process)."""
-    from streamattn.models.generate import Generator
+    from streamattn.engine.generate import Generator
     from streamattn.scale.batch import ModelOptions, complete
     from streamattn.threads import threads
     _, tf, tok = load(smollm2_path(), weights="quant")          # what the runners load
@@ -104,7 +104,7 @@ def test_serve_two_replicas_answer_the_openai_client(ray_cluster):
     import openai
     from streamattn import serve as serve_pkg
     from ray import serve
-    from streamattn.models.generate import Generator
+    from streamattn.engine.generate import Generator
     from streamattn.scale import ray_serve
     cfg = serve_pkg.ServeConfig(model=smollm2_path(), port=_free_port(), parallel=2, max_queue=8)
     ray_serve.run(cfg, replicas=2, cpus_per_replica=1, blocking=False)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from _model_util import write_tiny_gguf
-from streamattn.models.sampling import SamplingParams
+from streamattn.engine.sampling import SamplingParams
 from streamattn.serve.config import ServeConfig
-from streamattn.serve.sequence import Job, Sequence, StopFilter
+from streamattn.engine.sequence import Job, Sequence, StopFilter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 pytest.importorskip("prometheus_client")
@@ -25,9 +25,10 @@ def tiny(tmp_path_factory):
 
 
 def make_engine(tiny, **kw):
-    from streamattn.serve.engine import Engine
+    from streamattn.engine.core import Engine
+    from streamattn.serve.metrics import Metrics
     kw = {"parallel": 3, "prefill_chunk": 8, "prompt_cache_mb": 0, **kw}
-    return Engine(*tiny, ServeConfig(**kw))
+    return Engine(*tiny, ServeConfig(**kw).engine_config, Metrics())
 
 
 def job(prompt, n=6, **kw):
@@ -51,8 +52,8 @@ def drain(eng, seqs, limit=500):
 
 
 def alone(tiny, j, mode="full", positions="absolute"):
-    """Tokens of ``j`` through models/generate.Generator (another code path, one sequence)."""
-    from streamattn.models.generate import Generator
+    """Tokens of ``j`` through engine/generate.Generator (another code path, one sequence)."""
+    from streamattn.engine.generate import Generator
     c = ServeConfig(prefill_chunk=8, **MODES[mode]).cache_kwargs
     g = Generator(*tiny, cache=c["mode"], window=c["window"], sinks=c["sinks"], prefill_chunk=8,
                   positions=positions)
@@ -125,7 +126,7 @@ def test_prompt_cache_reuses_only_exact_prefixes_and_changes_no_output(tiny, mod
 
 
 def test_prompt_cache_evicts_least_recently_used(tiny):
-    from streamattn.serve.prompt_cache import PromptCache
+    from streamattn.engine.prompt_cache import PromptCache
     eng = make_engine(tiny, parallel=1)
     one = sum(c.nbytes for c in eng.model.new_caches(batch=1, **eng.cfg.cache_kwargs))
     pc = PromptCache(2 * one + 10, lambda: eng.model.new_caches(batch=1, **eng.cfg.cache_kwargs))
@@ -175,12 +176,12 @@ def test_a_failing_request_fails_alone(tiny):
 
 
 def test_queue_full():
-    from streamattn.serve.engine import Engine, QueueFull
+    from streamattn.engine.core import Engine, QueueFull
 
     class Dummy:
         def new_caches(self, **kw):
             return []
-    eng = Engine(Dummy(), None, ServeConfig(parallel=2, max_queue=1, prompt_cache_mb=0))
+    eng = Engine(Dummy(), None, ServeConfig(parallel=2, max_queue=1, prompt_cache_mb=0).engine_config)
     for _ in range(3):                      # two will take the free slots at the next step, one waits
         eng.submit(object())
     with pytest.raises(QueueFull, match="max_queue=1"):

@@ -7,96 +7,54 @@ The ``streamattn batch`` command (streamattn/scale/command.py) runs these, or th
     streamattn batch prompts.jsonl -o out.jsonl --ray --actors 2 --cpus-per-actor 1
 
 File formats: :mod:`streamattn.scale.jobs`. Lines are decoded as ragged batches of up to ``--batch-size``
-prompts (``Generator.stream_batch``). Lines share a batch only when they share their sampling settings,
-and a seeded line that samples (temperature > 0) runs alone, because a batch draws from one seeded stream:
-so a line's text does not depend on which other lines share its batch, and the local and Ray runs agree.
+prompts through the engine (``Generator.stream_jobs``), each line with its own settings and seed, so a
+line's text does not depend on which other lines share its batch, and the local and Ray runs agree.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from streamattn.engine.options import ModelOptions
 from streamattn.scale.jobs import BadLine, OutputFile, Progress, Request
 
 
-@dataclass(frozen=True)
-class ModelOptions:
-    """How a worker builds its :class:`~streamattn.models.generate.Generator` (plain values: they travel
-    to Ray actors). Fields as the ``streamattn generate`` flags of the same names."""
-
-    model: str | None = None
-    cache: str = "full"
-    window: int | None = None
-    sinks: int = 4
-    backend: str = "cpu"
-    cache_dtype: str = "float32"
-    prefill_chunk: int = 256
-    threads: int = 1
-    chat: bool = False
-    system: str | None = None
-
-    def __post_init__(self):
-        if self.cache not in ("full", "window", "sinks"):
-            raise ValueError(f"cache must be one of full|window|sinks (got {self.cache!r})")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1 (got {self.threads})")
-
-    def load(self):
-        """Load the model once: the Generator this worker decodes with."""
-        from streamattn.models.generate import Generator
-        from streamattn.models.hub import resolve_model
-        from streamattn.models.loader import load_gguf
-        from streamattn.models.tokenizer import Tokenizer
-        from streamattn.models.transformer import Transformer
-        from streamattn.threads import set_threads
-
-        set_threads(self.threads)
-        m = load_gguf(resolve_model(self.model, quiet=True))
-        tf = Transformer(m)
-        if self.backend == "gpu":
-            import cupy
-            tf.to(cupy)
-        window = self.window if self.window is not None or self.cache == "full" else 256
-        return Generator(tf, Tokenizer.from_metadata(m.metadata), cache=self.cache, window=window,
-                         sinks=self.sinks if self.cache == "sinks" else 0, backend=self.backend,
-                         prefill_chunk=self.prefill_chunk, cache_dtype=self.cache_dtype)
-
-
-def _group_key(r: Request):
-    alone = r.sampling.temperature > 0 and r.sampling.seed is not None
-    return (r.sampling, r.max_tokens, r.stop, r.line if alone else None)
+def load_generator(opts: ModelOptions):
+    """Load the model of ``opts`` once: the Generator a worker decodes with."""
+    tf, tok, _ = opts.load()
+    return opts.generator(tf, tok)
 
 
 def complete(gen, requests: list, opts: ModelOptions) -> list:
-    """Decode a list of requests; one result dict per request, in the input order.
+    """Decode a list of requests as one ragged batch, each with its own settings and seed; one result
+    dict per request, in the input order.
 
     Each result is ``{"line", "record"}`` with the output record, or ``{"line", "id", "error"}`` when the
     request could not run (e.g. its chat messages do not fit the template); the other requests still run.
+    A record's text depends on its own line only, never on which lines share its batch.
     """
+    from streamattn.engine.sequence import Job
     results: dict = {}
-    groups: dict = {}
+    runs = []
     for r in requests:
         try:
             if r.messages is not None:
                 ids = gen.tok.encode(gen.tok.apply_chat([dict(m) for m in r.messages]))
             else:
                 ids = gen.encode_prompt(r.prompt, chat=opts.chat, system=opts.system)
+            job = Job(prompt=tuple(ids), max_tokens=r.max_tokens, sampling=r.sampling, stop=r.stop,
+                      cache_prompt=False)
         except Exception as e:                      # noqa: BLE001 - reported per line, the batch goes on
             results[r.line] = {"line": r.line, "id": r.id, "error": f"{type(e).__name__}: {e}"}
             continue
-        groups.setdefault(_group_key(r), []).append((r, ids))
-    for members in groups.values():
-        r0 = members[0][0]
-        texts = [[] for _ in members]
-        last = [None] * len(members)
-        for ev in gen.stream_batch([ids for _, ids in members], max_tokens=r0.max_tokens, sampling=r0.sampling,
-                                   stop=r0.stop):
-            texts[ev.seq].append(ev.text)
-            last[ev.seq] = ev
-        for (r, ids), t, ev in zip(members, texts, last):
-            results[r.line] = {"line": r.line, "record": {
-                "id": r.id, "text": "".join(t), "prompt_tokens": len(ids), "completion_tokens": ev.step + 1,
-                "finish_reason": ev.finish}}
+        runs.append((r, job))
+    texts = [[] for _ in runs]
+    last = [None] * len(runs)
+    for ev in gen.stream_jobs([job for _, job in runs]):
+        texts[ev.seq].append(ev.text)
+        last[ev.seq] = ev
+    for (r, job), t, ev in zip(runs, texts, last):
+        results[r.line] = {"line": r.line, "record": {
+            "id": r.id, "text": "".join(t), "prompt_tokens": len(job.prompt), "completion_tokens": ev.step + 1,
+            "finish_reason": ev.finish}}
     return [results[r.line] for r in requests]
 
 
@@ -110,7 +68,7 @@ def run_local(requests: list, out: OutputFile, opts: ModelOptions, *, batch_size
     """
     if not requests:
         return []
-    gen = opts.load()
+    gen = load_generator(opts)
     if progress is not None:
         progress.start()
     errors = []
@@ -132,4 +90,4 @@ def _take(res: dict, out: OutputFile, progress, errors: list, on_result) -> None
         progress.update(res["record"]["completion_tokens"])
 
 
-__all__ = ["ModelOptions", "complete", "run_local"]
+__all__ = ["ModelOptions", "complete", "load_generator", "run_local"]

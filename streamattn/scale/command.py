@@ -8,25 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from streamattn.models.sampling import SamplingParams, add_arguments as add_sampling_arguments
-from streamattn.scale.batch import ModelOptions, run_local
+from streamattn.engine.sampling import SamplingParams, add_arguments as add_sampling_arguments
+from streamattn.engine.options import ModelOptions, add_arguments as add_model_arguments
+from streamattn.scale.batch import run_local
 from streamattn.scale.jobs import OutputFile, Progress, read_requests
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="JSON lines: {id, prompt | messages, optional sampling overrides}")
     p.add_argument("-o", "--output", required=True, help="JSON-lines output; ids already in it are skipped")
-    p.add_argument("--model", default=None,
-                   help="a .gguf path or a model name (smollm2-135m, gemma3-270m); default smollm2-135m")
-    p.add_argument("--cache", choices=("full", "window", "sinks"), default="full")
-    p.add_argument("--window", type=int, default=None, help="window n_c for --cache window|sinks (default 256)")
-    p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens for --cache sinks")
-    p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
-    p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward call")
-    p.add_argument("--chat", action="store_true", help="wrap 'prompt' lines in the model's chat template")
-    p.add_argument("--system", default=None, help="system message for --chat")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per worker (per actor with --ray)")
+    add_model_arguments(p)                         # the flags every subcommand shares
     add_sampling_arguments(p)                      # each line may override them (streamattn.scale.jobs)
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (per actor with --ray)")
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
@@ -49,9 +40,7 @@ def run_args(args) -> int:
         raise ValueError(f"--cpus-per-actor must be > 0 (got {args.cpus_per_actor})")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
-    opts = ModelOptions(model=args.model, cache=args.cache, window=args.window, sinks=args.sinks,
-                        backend=args.backend, cache_dtype=args.cache_dtype, prefill_chunk=args.prefill_chunk,
-                        threads=args.threads, chat=args.chat, system=args.system)
+    opts = ModelOptions.from_args(args)
     with OutputFile(args.output) as out:
         got = read_requests(args.input, done=out.done, max_tokens=args.max_tokens, sampling=sampling,
                             stop=tuple(args.stop))

@@ -14,7 +14,7 @@ Output, one JSON object a line, in completion order (match lines by ``id``)::
 
     {"id": "q1", "text": " Paris...", "prompt_tokens": 6, "completion_tokens": 16, "finish_reason": "length"}
 
-``finish_reason`` is the engine's: ``"eos"`` (end-of-sequence token), ``"stop"`` (a stop string), or
+``finish_reason`` is the engine's, as on every entry point: ``"stop"`` (end of sequence or a stop string), or
 ``"length"`` (``max_tokens`` reached). Resuming: ids already present in the output file are skipped, and the
 writer refuses an id twice, so a line is never written twice even when a worker is retried.
 """
@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from streamattn.models.sampling import SamplingParams
+from streamattn.engine.sampling import SamplingParams
 
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 _KEYS = {"id", "prompt", "messages", "max_tokens", "stop", *_SAMPLING_KEYS}

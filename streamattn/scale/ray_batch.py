@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from streamattn.scale.batch import ModelOptions, _take, complete
+from streamattn.scale.batch import ModelOptions, _take, complete, load_generator
 from streamattn.scale.jobs import OutputFile, Progress, Request
 
 
@@ -64,7 +64,7 @@ class BatchPredictor:
     Parameters
     ----------
     options : dict
-        :class:`~streamattn.scale.batch.ModelOptions` fields.
+        :class:`~streamattn.engine.options.ModelOptions` fields.
     announce : ray.util.queue.Queue, optional
         Receives this actor's handle once its model is loaded (a monitor counts actors; tests kill one).
     """
@@ -72,7 +72,7 @@ class BatchPredictor:
     def __init__(self, options: dict, announce=None):
         import ray
         self.opts = ModelOptions(**options)
-        self.gen = self.opts.load()
+        self.gen = load_generator(self.opts)
         if announce is not None:
             announce.put(ray.get_runtime_context().current_actor)
 

@@ -22,10 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from streamattn.serve.config import ServeConfig
-from streamattn.serve.engine import Engine, QueueFull
+from streamattn.engine.core import Engine, QueueFull
 from streamattn.serve.metrics import Metrics
 from streamattn.serve.protocol import APIError, Reply, parse
-from streamattn.serve.sequence import Sequence
+from streamattn.engine.sequence import Sequence
 
 
 class ServerState:
@@ -59,12 +59,12 @@ class ServerState:
                 import cupy
                 tf.to(cupy)
             else:                                 # kernels loaded now, not in the first request's TTFT
-                from streamattn.models.generate import warm_model
+                from streamattn.engine.generate import warm_model
                 warm_model(tf, self.cfg.cache_dtype)
             self.tok = Tokenizer.from_metadata(m.metadata)
             self.context = int(m.config.context_length)
             self.model_id = self.model_id or Path(path).stem
-            self.engine = Engine(tf, self.tok, self.cfg, self.metrics).start()
+            self.engine = Engine(tf, self.tok, self.cfg.engine_config, self.metrics).start()
             print(f"streamattn serve: {self.model_id} loaded in {time.perf_counter() - t0:.1f} s; "
                   f"{self.cfg.parallel} slots, cache {self.cfg.cache}", file=sys.stderr, flush=True)
             self.ready.set()

@@ -99,8 +99,16 @@ class ServeConfig:
              "debug_fail_text", "None or a non-empty string")
 
     @property
+    def engine_config(self):
+        """The :class:`~streamattn.engine.core.EngineConfig` of the server's engine."""
+        from streamattn.engine.core import EngineConfig
+        window = self.window if self.window is not None or self.cache == "full" else 256
+        return EngineConfig(slots=self.parallel, cache=self.cache, window=window,
+                            sinks=self.sinks if self.cache == "sinks" else 0, cache_dtype=self.cache_dtype,
+                            backend=self.backend, prefill_chunk=self.prefill_chunk, positions=self.positions,
+                            max_queue=self.max_queue, prompt_cache_mb=self.prompt_cache_mb, threads=self.threads)
+
+    @property
     def cache_kwargs(self) -> dict:
         """Keyword arguments of ``Transformer.new_caches`` (without ``batch``)."""
-        window = self.window if self.window is not None or self.cache == "full" else 256
-        return dict(mode=self.cache, window=window, sinks=self.sinks if self.cache == "sinks" else 0,
-                    max_chunk=self.prefill_chunk, dtype=self.cache_dtype)
+        return self.engine_config.cache_kwargs

@@ -14,8 +14,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from streamattn.models.sampling import SamplingParams
-from streamattn.serve.sequence import Job
+from streamattn.engine.sampling import SamplingParams
+from streamattn.engine.sequence import Job
 
 
 class APIError(Exception):

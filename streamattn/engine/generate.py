@@ -1,4 +1,6 @@
-"""Token-by-token generation: chunked prefill, sampling, stop rules, ragged batches, per-step timing.
+"""Token-by-token generation in Python: :class:`Generator` streams completions through the one
+:class:`~streamattn.engine.core.Engine` (chunked prefill, per-sequence sampling, the stop rule, ragged
+batches) and times each step.
 
 >>> gen = Generator(Transformer(m), Tokenizer.from_metadata(m.metadata))          # doctest: +SKIP
 >>> for ev in gen.stream("The capital of France is", max_tokens=8):
@@ -8,15 +10,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import numpy as np
 
-from streamattn.arrays import to_host
-from streamattn.models.transformer import Transformer
-from streamattn.models.sampling import SamplingParams, sample
-from streamattn.models.tokenizer import StreamDecoder, Tokenizer
+from streamattn.engine.core import Engine, EngineConfig
+from streamattn.engine.sampling import SamplingParams
+from streamattn.engine.sequence import Job, Sequence
+from streamattn.models.transformer import POSITIONS, Transformer
+from streamattn.models.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -24,9 +27,11 @@ class TokenEvent:
     """One generated token.
 
     seq : index of the prompt in the batch; step : 0-based index of the token in its completion;
-    token_id / text : the token and the text it completes (may be '' mid-character);
-    step_s : wall seconds of the forward+sample step that produced it (the prefill for step 0);
-    finish : None, or why this sequence stopped after this token: "eos" | "stop" | "length".
+    token_id / text : the token and the text it releases (may be '' while it could still begin a stop
+    string, or mid-character; the held text comes with a later token or the last one);
+    step_s : wall seconds of the engine step that produced it (the whole prefill for step 0);
+    finish : None, or why this sequence stopped after this token: "stop" (end of sequence or a stop
+    string) | "length" (``max_tokens``).
     """
 
     seq: int
@@ -68,24 +73,41 @@ class Generator:
     cache_dtype : {"float32", "float16", "bfloat16"}
     positions : {"absolute", "cache"}
         RoPE positions: in the text, or within the cache (StreamingLLM; matters for "sinks" only).
+
+    After a call, ``caches`` holds every sequence's K/V (one KVCache per layer, batch = prompts) and
+    ``stats`` its timings.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, cache: str = "full",
                  window: int | None = None, sinks: int = 0, backend: str = "cpu", prefill_chunk: int = 64,
                  cache_dtype: str = "float32", positions: str = "absolute"):
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1 (got {prefill_chunk})")
-        from streamattn.models.transformer import POSITIONS
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an integer >= 1 (got {prefill_chunk!r})")
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
         self.model, self.tok = model, tokenizer
-        self.positions = positions
-        self.cache_kw = dict(mode=cache, window=window, sinks=sinks, dtype=cache_dtype, max_chunk=prefill_chunk)
-        model.new_caches(batch=1, **self.cache_kw)          # validate the cache settings now
-        self.backend = backend
-        self.prefill_chunk = prefill_chunk
+        self.config = EngineConfig(cache=cache, window=window, sinks=sinks, cache_dtype=cache_dtype,
+                                   backend=backend, prefill_chunk=prefill_chunk, positions=positions)
+        model.new_caches(batch=1, **self.config.cache_kwargs)          # validate the cache settings now
         self.stats = GenerationStats()
         self.caches = None
+
+    @property
+    def backend(self) -> str:
+        return self.config.backend
+
+    @property
+    def positions(self) -> str:
+        return self.config.positions
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.config.prefill_chunk
+
+    @property
+    def cache_kw(self) -> dict:
+        """Keyword arguments of ``Transformer.new_caches`` for this generator's caches (without ``batch``)."""
+        return self.config.cache_kwargs
 
     def encode_prompt(self, prompt, *, chat: bool = False, system: str | None = None) -> list:
         """Token ids of a prompt (str, or list of ids); ``chat`` wraps it in the chat template."""
@@ -105,27 +127,11 @@ class Generator:
 
     def prefill(self, prompts: list, *, progress: Callable[[int, int], None] | None = None):
         """Fresh caches, then feed each prompt (lists of ids) in chunks; returns last logits [B, vocab]."""
-        B = len(prompts)
-        self.caches = self.model.new_caches(batch=B, **self.cache_kw)
-        lens = np.array([len(p) for p in prompts], np.int64)
-        done = np.zeros(B, np.int64)
-        last = [None] * B
-        C = self.prefill_chunk
-        while (done < lens).any():
-            cnt = np.minimum(lens - done, C)                                        # [B] ragged chunk
-            T = int(cnt.max())
-            toks = np.zeros((B, T), np.int64)
-            for b in range(B):
-                toks[b, :cnt[b]] = prompts[b][done[b]: done[b] + cnt[b]]
-            logits = self.model.forward(toks, self.caches, counts=cnt, backend=self.backend, last_only=True,
-                                        positions=self.positions)
-            logits = to_host(logits, copy=False)
-            done += cnt
-            for b in np.nonzero((cnt > 0) & (done == lens))[0]:
-                last[b] = logits[b]
-            if progress is not None:
-                progress(int(done.sum()), int(lens.sum()))
-        return np.stack(last)
+        seqs: list = []
+        for _ in self.stream_jobs([Job(prompt=tuple(p), max_tokens=0) for p in prompts], progress=progress,
+                                  seqs=seqs):
+            pass
+        return np.stack([s.last_logits for s in seqs])
 
     def stream(self, prompt, *, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
                stop: tuple = (), chat: bool = False, progress=None,
@@ -135,7 +141,7 @@ class Generator:
                                      progress=progress, ignore_eos=ignore_eos)
 
     def stream_batch(self, prompts: list, *, max_tokens: int = 128,
-                     sampling: SamplingParams = SamplingParams(), stop: tuple = (), chat: bool = False,
+                     sampling: SamplingParams | list = SamplingParams(), stop: tuple = (), chat: bool = False,
                      progress=None, ignore_eos: bool = False) -> Iterator[TokenEvent]:
         """Decode several prompts together as one ragged batch, yielding tokens as they come.
 
@@ -144,11 +150,12 @@ class Generator:
         prompts : list of (str or list of int)
         max_tokens : int
             New tokens per prompt at most.
-        sampling : SamplingParams
-            One seeded numpy Generator serves the whole batch (draws in sequence order).
+        sampling : SamplingParams, or one per prompt
+            Each sequence samples from its own generator seeded with its ``seed``: a seeded completion
+            is the same alone and in any batch.
         stop : tuple of str
-            Stop when the completion's text contains one of these (the text up to it is still yielded
-            as pieces; the piece that completes a stop string is cut before it).
+            Stop when the completion's text contains one of these. Neither the stop string nor any text
+            that might still begin one is ever yielded (it is held back until it cannot).
         chat : bool
             Wrap string prompts in the model's chat template.
         progress : callable(done_tokens, total_tokens), optional
@@ -161,75 +168,68 @@ class Generator:
         TokenEvent
             In step order; within a step, in sequence order. Finished sequences stop yielding.
         """
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 (got {max_tokens})")
-        if isinstance(stop, str):
-            stop = (stop,)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1 (got {max_tokens!r})")
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
         ids = [self.encode_prompt(p, chat=chat) for p in prompts]
-        B = len(ids)
-        rng = np.random.default_rng(sampling.seed)
-        decoders = [StreamDecoder(self.tok) for _ in range(B)]
-        texts = [""] * B
-        seen = [list(p) for p in ids]
-        active = np.ones(B, bool)
-        self.stats = GenerationStats(prompt_tokens=[len(p) for p in ids])
-        t0 = time.perf_counter()
-        logits = self.prefill(ids, progress=progress)
-        self.stats.prefill_s = step_s = time.perf_counter() - t0
-        for step in range(max_tokens):
+        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(ids)
+        if len(params) != len(ids):
+            raise ValueError(f"sampling holds {len(params)} SamplingParams for {len(ids)} prompts")
+        jobs = [Job(prompt=tuple(p), max_tokens=max_tokens, sampling=sp, stop=stop, ignore_eos=ignore_eos,
+                    cache_prompt=False) for p, sp in zip(ids, params)]
+        yield from self.stream_jobs(jobs, progress=progress)
+
+    def stream_jobs(self, jobs: list, *, progress=None, seqs: list | None = None) -> Iterator[TokenEvent]:
+        """Decode :class:`~streamattn.engine.sequence.Job` objects (each with its own prompt ids,
+        ``max_tokens``, sampling, stop strings) as one ragged batch on fresh caches; yield each new token
+        as :meth:`stream_batch` does. ``seqs``, if given, receives the jobs' :class:`Sequence` objects."""
+        B = len(jobs)
+        engine = Engine(self.model, self.tok, replace(self.config, slots=B), isolate_failures=False,
+                        reset_finished=False)
+        self.caches = engine.caches
+        texts = [[] for _ in range(B)]                                  # text released during this step
+        done = [None] * B                                               # finish reason, once finished
+        seqs = [] if seqs is None else seqs
+        seqs.extend(Sequence(job=j, emit=self._collect(texts[b], done, b), tok=self.tok)
+                    for b, j in enumerate(jobs))
+        for s in seqs:
+            engine.submit(s)
+        self.stats = stats = GenerationStats(prompt_tokens=[len(j.prompt) for j in jobs])
+        total, made, prefill = sum(stats.prompt_tokens), [0] * B, True
+        while engine.busy:
             t0 = time.perf_counter()
-            nxt = np.zeros(B, np.int64)
-            events = []
-            for b in np.nonzero(active)[0]:
-                tid = sample(logits[b], sampling, rng, seen[b])
-                nxt[b] = tid
-                seen[b].append(tid)
-                finish, piece = None, ""
-                if tid in self.tok.stop_ids and not ignore_eos:
-                    finish, piece = "eos", decoders[b].flush()
-                else:
-                    piece = decoders[b].push(tid)
-                    cut = _stop_cut(texts[b], piece, stop)
-                    if cut is not None:
-                        finish, piece = "stop", piece[:cut]
-                    elif step == max_tokens - 1:
-                        finish, piece = "length", piece + decoders[b].flush()
-                texts[b] += piece
-                events.append((b, tid, piece, finish))
-                if finish:
-                    active[b] = False
-            sample_s = time.perf_counter() - t0
-            for b, tid, piece, finish in events:
-                yield TokenEvent(seq=int(b), step=step, token_id=int(tid), text=piece, step_s=step_s,
-                                 finish=finish)
-            if not active.any():
-                break
-            t0 = time.perf_counter()
-            cnt = active.astype(np.int64)                     # finished sequences send padding (count 0)
-            logits = to_host(self.model.forward(nxt[:, None], self.caches, counts=None if active.all() else cnt,
-                                                backend=self.backend, last_only=True, positions=self.positions),
-                             copy=False)
-            step_s = time.perf_counter() - t0 + sample_s
-            self.stats.decode_steps_s.append(step_s)
+            engine.step()
+            step_s = time.perf_counter() - t0
+            if prefill:
+                stats.prefill_s += step_s
+                if progress is not None:
+                    progress(sum(s.done for s in seqs), total)
+                prefill = any(s.prefilling for s in seqs)
+                step_s = stats.prefill_s
+            else:
+                stats.decode_steps_s.append(step_s)
+            for b, s in enumerate(seqs):
+                if len(s.generated) > made[b]:
+                    made[b] = len(s.generated)
+                    text, texts[b][:] = "".join(texts[b]), []
+                    yield TokenEvent(seq=b, step=made[b] - 1, token_id=int(s.generated[-1]), text=text,
+                                     step_s=step_s, finish=done[b])
+
+    @staticmethod
+    def _collect(texts: list, done: list, b: int):
+        """The emit callback of sequence ``b``: its released text and its finish reason."""
+        def emit(ev):
+            if ev.kind == "delta":
+                texts.append(ev.text)
+            elif ev.kind == "done":
+                done[b] = ev.finish
+            else:                                                       # not raised by the engine itself
+                raise RuntimeError(ev.message)
+        return emit
 
     def generate(self, prompt, **kw) -> str:
         """The whole completion of one prompt as a string (see :meth:`stream`)."""
         return "".join(ev.text for ev in self.stream(prompt, **kw))
-
-
-def _stop_cut(prev: str, piece: str, stop) -> int | None:
-    """Index in ``piece`` where the first stop string completed by ``prev + piece`` starts (clipped to 0)."""
-    if not stop or not piece:
-        return None
-    text = prev + piece
-    best = None
-    for s in stop:
-        if not s:
-            continue
-        i = text.find(s, max(0, len(prev) - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return None if best is None else max(0, best - len(prev))
 
 
 def warm_model(model, kind: str) -> float:

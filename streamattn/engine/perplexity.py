@@ -1,4 +1,5 @@
-"""Teacher-forced perplexity over a long text, streamed in chunks through the model's (ring) caches.
+"""Teacher-forced perplexity over a long text, streamed in chunks through the model's (ring) caches by
+the engine (a :class:`~streamattn.engine.sequence.Job` with ``targets``).
 
 Token t's loss is -log p(ids[t+1] | ids[..t]) from the logits of the forward call that carried t, so a
 window or sinks cache answers exactly what a streaming decoder would have seen at that point. Losses are
@@ -18,11 +19,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from streamattn.engine.core import Engine, EngineConfig
+from streamattn.engine.sequence import Job, Sequence
 from streamattn.models.transformer import Transformer
 
 
@@ -54,20 +58,18 @@ def token_losses(model: Transformer, ids, *, cache: str = "full", window: int | 
         raise ValueError(f"ids must be a 1-D sequence of at least 2 token ids (got shape {ids.shape})")
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"chunk must be an integer >= 1 (got {chunk!r})")
-    caches = model.new_caches(batch=1, mode=cache, window=window, sinks=sinks if cache == "sinks" else 0,
-                              max_chunk=chunk)
     n = ids.size - 1                                      # tokens that predict a next one
-    nll = np.empty(n, np.float64)                         # [n]
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        logits = np.asarray(model.forward(ids[None, s:e], caches, backend=backend, positions=positions))[0]
-        logits = logits.astype(np.float64)                # [e - s, vocab]
-        top = logits.max(axis=-1)
-        lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
-        nll[s:e] = lse - logits[np.arange(e - s), ids[s + 1:e + 1]]
+    config = EngineConfig(cache=cache, window=window, sinks=sinks if cache == "sinks" else 0, backend=backend,
+                          prefill_chunk=int(chunk), positions=positions)
+    engine = Engine(model, None, config, isolate_failures=False)
+    seq = Sequence(job=Job(prompt=tuple(ids[:-1].tolist()), max_tokens=0, targets=tuple(ids[1:].tolist()),
+                           cache_prompt=False), emit=lambda ev: None, tok=None)
+    engine.submit(seq)
+    while engine.busy:                                    # one chunk of the text a step
+        engine.step()
         if progress is not None:
-            progress(e, n, float(nll[:e].sum()))
-    return nll
+            progress(seq.done, n, float(seq.nll[:seq.done].sum()))
+    return seq.nll
 
 
 def bucket_perplexity(nll, bucket: int = 1000) -> list:
@@ -147,17 +149,11 @@ def plot(results: list, path, *, title: str = "", trained_context: int | None = 
 def add_arguments(p) -> None:
     """Arguments of ``streamattn perplexity``."""
     p.add_argument("file", help="UTF-8 text file to score (e.g. out/texts/... from scripts/get_text.sh)")
-    p.add_argument("--model", default=None, help="a .gguf path or a model name; default smollm2-135m")
-    p.add_argument("--cache", choices=("full", "window", "sinks"), default="full")
-    p.add_argument("--window", type=int, default=None, help="window n_c (needed with --cache window/sinks)")
-    p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens for --cache sinks")
-    p.add_argument("--positions", choices=("absolute", "cache"), default="absolute",
-                   help="RoPE positions in the text, or within the cache (StreamingLLM)")
+    from streamattn.engine.options import add_arguments as add_model_arguments
+    add_model_arguments(p, chat=False)             # the flags every subcommand shares (--prefill-chunk: tokens
+    #                                                per forward call)
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
-    p.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
     p.add_argument("--bucket", type=int, default=1000, help="positions per reported bucket")
-    p.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads for matmuls and attention")
     p.add_argument("--json", default=None, help="write the result here (default: stdout)")
     p.add_argument("--png", default=None, help="write perplexity against position here")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
@@ -194,23 +190,16 @@ def load_ids(file, tokenizer, max_tokens: int | None = None) -> list:
 
 def run_args(args) -> int:
     """``streamattn perplexity``: score the file, print or write the JSON, draw the PNG."""
+    from streamattn.engine.options import ModelOptions
     from streamattn.models.hub import resolve_model
-    from streamattn.models.loader import load_gguf
-    from streamattn.models.tokenizer import Tokenizer
-    from streamattn.threads import set_threads
 
-    if args.cache != "full" and args.window is None:
-        raise ValueError(f"--cache {args.cache} needs --window N (keys kept, the current one included)")
-    set_threads(args.threads)
-    path = resolve_model(args.model, quiet=args.quiet)
-    m = load_gguf(path)
-    tf = Transformer(m)
-    if args.backend == "gpu":
-        import cupy
-        tf.to(cupy)
-    ids = load_ids(args.file, Tokenizer.from_metadata(m.metadata), args.max_tokens)
-    r = perplexity(tf, ids, cache=args.cache, window=args.window, sinks=args.sinks, positions=args.positions,
-                   chunk=args.chunk, backend=args.backend, bucket=args.bucket, progress=progress_bar(args.quiet))
+    opts = ModelOptions.from_args(args)
+    path = resolve_model(opts.model, quiet=args.quiet)
+    tf, tok, m = replace(opts, model=str(path)).load()
+    ids = load_ids(args.file, tok, args.max_tokens)
+    r = perplexity(tf, ids, cache=opts.cache, window=opts.window_n, sinks=opts.sinks_n, positions=opts.positions,
+                   chunk=opts.prefill_chunk, backend=opts.backend, bucket=args.bucket,
+                   progress=progress_bar(args.quiet))
     r = {"file": str(args.file), "model": path.name, **r}
     text = json.dumps(r, indent=1)
     if args.json:

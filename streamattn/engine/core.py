@@ -1,6 +1,10 @@
-"""The engine: one thread, ``parallel`` sequence slots in one batch of caches, continuous batching.
+"""The one decode engine: ``slots`` sequence slots in one batch of caches, continuous batching.
 
-Each step (``Engine.step``):
+Every entry point drives it: :class:`~streamattn.engine.generate.Generator` (``stream``, ``stream_batch``,
+``streamattn generate``), the server (on its own thread, :meth:`Engine.start`), ``streamattn batch``
+(locally and in each Ray actor) and ``streamattn perplexity`` (a teacher-forced :class:`Job`).
+
+Each step (:meth:`Engine.step`):
 
 1. drop cancelled requests (queued or running) and free their slots (``KVCache.reset(b)`` per layer);
 2. admit queued requests into free slots, loading the longest reusable prompt prefix from the prompt cache;
@@ -8,11 +12,16 @@ Each step (``Engine.step``):
    its last token (count 1), a prefilling one its next chunk of at most ``prefill_chunk`` prompt tokens,
    an idle slot nothing (count 0). A long prompt therefore delays the running streams by one chunk per
    step, never by its whole prefill;
-4. each sequence whose prompt is complete samples its next token and emits its text.
+4. each sequence whose prompt is complete samples its next token (with its own seeded generator) and emits
+   its text through the one stop rule of :mod:`streamattn.engine.sequence`.
 
-A disconnect is noticed at the next step's start (1.), so a cancelled sequence never runs another step.
-An exception while one sequence samples or detokenizes fails that request alone; one inside ``forward``
-(shared by the batch) fails the requests of that step and resets their slots, and the engine goes on.
+A sequence's tokens depend only on its own prompt, parameters and seed: the kernels give a row the same
+bits whatever shares its batch (docs/DESIGN.md §5), and each sequence draws from its own generator.
+
+With ``isolate_failures`` (the server) an exception while one sequence samples fails that request alone,
+and one inside ``forward`` (shared by the batch) fails the requests of that step and resets their slots;
+without it (the library) the exception propagates to the caller. A disconnect is noticed at the next
+step's start (1.), so a cancelled sequence never runs another step.
 """
 
 from __future__ import annotations
@@ -21,17 +30,89 @@ import collections
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import numpy as np
 
 from streamattn.arrays import to_host
-from streamattn.serve.metrics import Metrics
-from streamattn.serve.prompt_cache import PromptCache
-from streamattn.serve.sequence import Sequence
+from streamattn.engine.prompt_cache import PromptCache
+from streamattn.engine.sequence import Sequence
 
 
 class QueueFull(Exception):
     """The wait queue already holds ``max_queue`` requests."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an :class:`Engine` lays out its caches and runs its steps.
+
+    Parameters
+    ----------
+    slots : int
+        Sequences decoded at once (the batch of the caches).
+    cache : {"full", "window", "sinks"}
+    window, sinks : int or None, int
+        Window n_c (keys incl. the current one) and sink tokens, for "window" / "sinks".
+    cache_dtype : {"float32", "float16", "bfloat16"}
+    backend : {"reference", "cpu", "gpu", "auto"}
+    prefill_chunk : int
+        Prompt tokens per sequence per step, and the caches' ``max_chunk``.
+    positions : {"absolute", "cache"}
+        RoPE positions (see ``Transformer.forward``).
+    max_queue : int
+        Requests that may wait for a slot beyond the free ones; one more raises :class:`QueueFull`.
+    prompt_cache_mb : float
+        Memory for the prompt cache (0 = off).
+    threads : int or None
+        CPU threads of the engine's own thread (:meth:`Engine.start`); None leaves them as they are.
+    """
+
+    slots: int = 1
+    cache: str = "full"
+    window: int | None = None
+    sinks: int = 0
+    cache_dtype: str = "float32"
+    backend: str = "cpu"
+    prefill_chunk: int = 64
+    positions: str = "absolute"
+    max_queue: int = 64
+    prompt_cache_mb: float = 0.0
+    threads: int | None = None
+
+    def __post_init__(self):
+        for name, least in (("slots", 1), ("prefill_chunk", 1), ("max_queue", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{name} must be an integer >= {least} (got {v!r})")
+        if self.positions not in ("absolute", "cache"):
+            raise ValueError(f"positions must be 'absolute' or 'cache' (got {self.positions!r})")
+
+    @property
+    def cache_kwargs(self) -> dict:
+        """Keyword arguments of ``Transformer.new_caches`` (without ``batch``)."""
+        return dict(mode=self.cache, window=self.window, sinks=self.sinks if self.cache == "sinks" else 0,
+                    max_chunk=self.prefill_chunk, dtype=self.cache_dtype)
+
+
+class _Uncounted:
+    """Stands in for the server's Prometheus ``Metrics`` when nobody scrapes: every counter, gauge and
+    histogram it names is a no-op."""
+
+    def __getattr__(self, name):
+        return self
+
+    def labels(self, *values):
+        return self
+
+    def inc(self, n=1):
+        pass
+
+    def set(self, value):
+        pass
+
+    def observe(self, value):
+        pass
 
 
 class Engine:
@@ -41,16 +122,32 @@ class Engine:
     ----------
     model : Transformer
     tokenizer : Tokenizer
-    config : ServeConfig
-    metrics : Metrics, optional
+    config : EngineConfig
+    metrics : serve.metrics.Metrics, optional
+        Counters to update (default: none).
+    isolate_failures : bool
+        A failure fails the requests it touches and the engine goes on (the server); False raises it.
+    reset_finished : bool
+        Zero a finished sequence's rows at once so that its slot can take the next request (the
+        server); False keeps them for the caller to read (:class:`Generator`: ``gen.caches``).
+
+    Examples
+    --------
+    >>> eng = Engine(tf, tok, EngineConfig(slots=2))                          # doctest: +SKIP
+    >>> out = []
+    >>> eng.submit(Sequence(job=Job(prompt=(1, 2, 3), max_tokens=4), emit=out.append, tok=tok))
+    >>> while eng.busy:
+    ...     eng.step()
     """
 
-    def __init__(self, model, tokenizer, config, metrics: Metrics | None = None):
+    def __init__(self, model, tokenizer, config: EngineConfig, metrics=None, *, isolate_failures: bool = True,
+                 reset_finished: bool = True):
         self.model, self.tok, self.cfg = model, tokenizer, config
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics if metrics is not None else _Uncounted()
+        self.isolate_failures, self.reset_finished = isolate_failures, reset_finished
         kw = config.cache_kwargs
-        self.caches = model.new_caches(batch=config.parallel, **kw)       # one KVCache per layer, batch=slots
-        self.slots: list = [None] * config.parallel                        # Sequence or None per slot
+        self.caches = model.new_caches(batch=config.slots, **kw)          # one KVCache per layer, batch=slots
+        self.slots: list = [None] * config.slots                           # Sequence or None per slot
         self.queue: collections.deque = collections.deque()
         self.prompt_cache = PromptCache(int(config.prompt_cache_mb * 2**20),
                                         lambda: model.new_caches(batch=1, **kw))
@@ -67,7 +164,7 @@ class Engine:
             if len(self.queue) >= self.cfg.max_queue + free:
                 self.metrics.rejected.inc()
                 raise QueueFull(f"the server is busy: {len(self.queue)} requests already wait for one of "
-                                f"{self.cfg.parallel} slots (max_queue={self.cfg.max_queue}); retry later")
+                                f"{self.cfg.slots} slots (max_queue={self.cfg.max_queue}); retry later")
             self.queue.append(seq)
             self.metrics.queued.set(len(self.queue))
             self._cv.notify()
@@ -81,6 +178,7 @@ class Engine:
                 self._cv.notify()
 
     def start(self) -> "Engine":
+        """Run steps on a thread of its own until :meth:`stop` (the server)."""
         self._thread = threading.Thread(target=self._loop, name="streamattn-engine", daemon=True)
         self._thread.start()
         return self
@@ -98,10 +196,16 @@ class Engine:
     def running(self) -> int:
         return sum(s is not None for s in self.slots)
 
+    @property
+    def busy(self) -> bool:
+        """Requests wait or run."""
+        return bool(self.queue) or self.running > 0
+
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
-        from streamattn.threads import set_threads
-        set_threads(self.cfg.threads)                 # numba's thread count is per calling thread
+        if self.cfg.threads is not None:
+            from streamattn.threads import set_threads
+            set_threads(self.cfg.threads)             # numba's thread count is per calling thread
         while True:
             with self._cv:
                 while not self._stop and not self.queue and self.running == 0:
@@ -130,12 +234,15 @@ class Engine:
         for s in active:
             tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
                                                else [s.next_token])
-        caches = self.caches if B == self.cfg.parallel else self._head(B, counts)
+        caches = self.caches if B == self.cfg.slots else self._head(B, counts)
+        scoring = any(s.job.targets is not None and s.prefilling for s in active)
         try:
             logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
-                                                last_only=True, positions=self.cfg.positions),
-                             copy=False)                                   # [B, vocab]
+                                                last_only=not scoring, positions=self.cfg.positions),
+                             copy=False)                                   # [B, vocab] or [B, T, vocab]
         except Exception as e:                                             # shared by the batch
+            if not self.isolate_failures:
+                raise
             traceback.print_exc()
             for s in active:
                 s.fail(f"the model step failed: {type(e).__name__}: {e}")
@@ -143,17 +250,21 @@ class Engine:
             return
         for s in active:
             n = int(counts[s.slot])
-            was_prefill = s.prefilling
-            if was_prefill:
+            row = logits[s.slot] if not scoring else logits[s.slot, n - 1]  # [vocab]: the last real token's
+            if s.prefilling:
+                if s.job.targets is not None:
+                    s.score(logits[s.slot, :n], s.done)
                 s.done += n
                 if s.prefilling:
                     continue
-                if s.job.cache_prompt:
+                if s.job.cache_prompt and self.cfg.prompt_cache_mb > 0:
                     self.prompt_cache.store(list(s.job.prompt), caches=self.caches, slot=s.slot)
                     self.metrics.cache_bytes.set(self.prompt_cache.nbytes)
             try:
-                ended = s.advance(logits[s.slot])
+                ended = s.advance(row)
             except Exception as e:
+                if not self.isolate_failures:
+                    raise
                 traceback.print_exc()
                 s.fail(f"this request failed in its engine step: {type(e).__name__}: {e}")
                 self._free(s, "error")
@@ -203,7 +314,7 @@ class Engine:
             if s is not None and not s.admitted:
                 s.admitted = True
                 self.metrics.prompt_tokens.inc(len(s.job.prompt))
-                if s.job.cache_prompt and self.cfg.prompt_cache_mb > 0:
+                if s.job.cache_prompt and self.cfg.prompt_cache_mb > 0 and s.job.targets is None:
                     self.metrics.cache_lookups.inc()
                     try:
                         n = self.prompt_cache.lookup(list(s.job.prompt), caches=self.caches, slot=s.slot)
@@ -219,12 +330,12 @@ class Engine:
         self.metrics.running.set(self.running)
 
     def _free(self, s: Sequence, outcome: str | None) -> None:
-        """Give ``s``'s slot back at once: its rows are zeroed in every layer."""
+        """Give ``s``'s slot back at once: its rows are zeroed in every layer (kept: ``reset_finished``)."""
         if s.slot >= 0 and self.slots[s.slot] is s:
-            for c in self.caches:
-                c.reset(s.slot)
+            if self.reset_finished or outcome == "error":
+                for c in self.caches:
+                    c.reset(s.slot)
             self.slots[s.slot] = None
         s.slot = -1
         self.metrics.requests.labels(outcome or s.finish_reason or "unknown").inc()
         self.metrics.running.set(self.running)
-

@@ -1,4 +1,10 @@
-"""One request inside the engine: its prompt, sampling state, detokenizer, stop strings and output channel."""
+"""One request inside the engine: its prompt, sampling state, detokenizer, stop strings and output channel.
+
+The one stop rule of every entry point lives here (:class:`StopFilter`): text that might still begin a
+stop string is held back until it cannot, and a stop string itself is never emitted. Finish reasons are
+OpenAI's: ``"stop"`` (end-of-sequence token or a stop string) and ``"length"`` (``max_tokens`` reached);
+the server adds ``"cancelled"`` and ``"error"`` for requests that never finish on their own.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +13,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from streamattn.models.sampling import SamplingParams, sample
+from streamattn.engine.sampling import SamplingParams, sample
 from streamattn.models.tokenizer import StreamDecoder, Tokenizer
 
 
 @dataclass(frozen=True)
 class Job:
-    """What a request asks the engine for (validated by ``protocol``).
+    """What a request asks the engine for (the server validates it in ``serve.protocol``).
 
-    prompt : token ids; max_tokens >= 1; stop : stop strings; logprobs : report the chosen token's
-    log-probability; top_logprobs : and that many alternatives; ignore_eos : keep going past EOS;
-    cache_prompt : read and write the prompt cache.
+    prompt : token ids; max_tokens : new tokens at most (0: feed the prompt only, keeping its last
+    logits in ``Sequence.last_logits``); sampling : its
+    own parameters and seed (a seeded completion depends on nothing else); stop : stop strings; logprobs :
+    report the chosen token's log-probability; top_logprobs : and that many alternatives; ignore_eos : keep
+    going past EOS; cache_prompt : read and write the prompt cache; logits_processors : callables
+    ``f(token_ids, logits) -> logits`` applied in order before sampling (``token_ids``: prompt and
+    completion so far; ``logits``: float32 [vocab], to be returned changed or replaced);
+    targets : teacher forcing: ``targets[t]`` is the token expected after ``prompt[t]``, and the
+    sequence records ``-log p(targets[t])`` (nats) in ``Sequence.nll`` as its prompt is fed.
     """
 
     prompt: tuple
@@ -28,7 +40,19 @@ class Job:
     top_logprobs: int = 0
     ignore_eos: bool = False
     cache_prompt: bool = True
+    logits_processors: tuple = ()
+    targets: tuple | None = None
     fail: bool = False                      # testing aid (ServeConfig.debug_fail_text)
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise ValueError("prompt is an empty list of token ids")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)) \
+                or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0 (got {self.max_tokens!r})")
+        if self.targets is not None and len(self.targets) != len(self.prompt):
+            raise ValueError(f"targets must hold one token per prompt token ({len(self.prompt)}), "
+                             f"got {len(self.targets)}")
 
 
 class StopFilter:
@@ -94,10 +118,12 @@ class Sequence:
     cancel_step: int = -1                              # engine step count when cancel() was called
     admitted: bool = False
     finish_reason: str | None = None
+    last_logits: object = None                         # [vocab] of the last prompt token, max_tokens == 0
 
     def __post_init__(self):
-        self.rng = np.random.default_rng(self.job.sampling.seed)
-        self.decoder = StreamDecoder(self.tok)
+        self.rng = np.random.default_rng(self.job.sampling.seed)    # this sequence's own stream
+        self.nll = np.empty(len(self.job.prompt) if self.job.targets is not None else 0, np.float64)
+        self.decoder = StreamDecoder(self.tok) if self.tok is not None else None    # None: scoring only
         self.stops = StopFilter(self.job.stop)
 
     @property
@@ -109,11 +135,28 @@ class Sequence:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": self.cached}}
 
+    def score(self, logits, start: int) -> None:
+        """Record the teacher-forced losses of prompt positions ``start .. start + len(logits) - 1`` from
+        their logits [n, vocab] (float32, one row per fed token)."""
+        z = np.asarray(logits, np.float64)                                  # [n, vocab]
+        top = z.max(axis=-1)
+        lse = top + np.log(np.exp(z - top[:, None]).sum(axis=-1))          # [n]
+        want = np.asarray(self.job.targets[start:start + z.shape[0]], np.int64)
+        self.nll[start:start + z.shape[0]] = lse - z[np.arange(z.shape[0]), want]
+
     def advance(self, logits) -> bool:
         """Sample the next token from ``logits`` [vocab], emit its text; True when the sequence ended."""
         job = self.job
         if job.fail:
             raise RuntimeError("debug_fail_text matched this request's prompt (testing aid)")
+        if job.max_tokens == 0:                                # the prompt was all: keep its logits
+            self.last_logits = np.array(logits)
+            self.finish("length")
+            return True
+        if job.logits_processors:
+            ids = list(job.prompt) + self.generated
+            for f in job.logits_processors:
+                logits = f(ids, logits)
         seen = (list(job.prompt) + self.generated) if job.sampling.repetition_penalty != 1.0 else ()
         tid = sample(logits, job.sampling, self.rng, seen)
         self.generated.append(tid)

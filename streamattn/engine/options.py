@@ -1,0 +1,172 @@
+"""The model, weights, cache and thread settings every subcommand shares: one set of flags
+(:func:`add_arguments`), one frozen :class:`ModelOptions` that validates them, one way to load a model.
+
+``streamattn generate``, ``inspect``, ``batch`` (each Ray actor builds from the same plain values),
+``perplexity`` and ``serve`` all take these flags with the same names, defaults and errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+BACKENDS = ("reference", "cpu", "gpu", "auto")
+CACHE_MODES = ("full", "window", "sinks")
+CACHE_DTYPES = ("float32", "float16", "bfloat16")
+POSITIONS = ("absolute", "cache")
+WEIGHTS = ("quant", "f32")
+MAX_PREFILL_CHUNK = 8192
+DEFAULT_WINDOW, DEFAULT_SINKS = 256, 4
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which model to load and how to decode it; fields as the flags of the same names.
+
+    Parameters
+    ----------
+    model : str or None
+        A .gguf path or a model name (``streamattn.models.hub``); None = the default model.
+    weights : {"quant", "f32"}
+        Keep the file's packed blocks, or dequantize to float32 (the reference path).
+    cache : {"full", "window", "sinks"}
+        KV cache of the model's global layers (a model's own local layers always slide).
+    window, sinks : int or None
+        Window n_c (keys incl. the current one) and sink tokens; None = 256 and 4 where they apply.
+    positions : {"absolute", "cache"}
+        RoPE positions in the text, or within the cache (StreamingLLM; sinks caches only differ).
+    backend : {"reference", "cpu", "gpu", "auto"}
+    cache_dtype : {"float32", "float16", "bfloat16"}
+    prefill_chunk : int
+        Prompt tokens per forward call (and the caches' ``max_chunk``), 1..8192.
+    threads : int
+        CPU threads for matmuls and attention.
+    chat, system : bool, str or None
+        Wrap string prompts in the model's chat template, with this system message.
+
+    Raises
+    ------
+    ValueError
+        Naming the flag, the value and what was expected, before anything is loaded.
+    """
+
+    model: str | None = None
+    weights: str = "quant"
+    cache: str = "full"
+    window: int | None = None
+    sinks: int | None = None
+    positions: str = "absolute"
+    backend: str = "cpu"
+    cache_dtype: str = "float32"
+    prefill_chunk: int = 256
+    threads: int = 1
+    chat: bool = False
+    system: str | None = None
+
+    def __post_init__(self):
+        def need(ok, flag, value, expected):
+            if not ok:
+                raise ValueError(f"{flag} must be {expected} (got {value!r})")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        for flag, value, choices in (("--weights", self.weights, WEIGHTS), ("--cache", self.cache, CACHE_MODES),
+                                     ("--positions", self.positions, POSITIONS),
+                                     ("--backend", self.backend, BACKENDS),
+                                     ("--cache-dtype", self.cache_dtype, CACHE_DTYPES)):
+            need(value in choices, flag, value, "one of " + ", ".join(choices))
+        need(is_int(self.prefill_chunk) and 1 <= self.prefill_chunk <= MAX_PREFILL_CHUNK, "--prefill-chunk",
+             self.prefill_chunk, f"in 1..{MAX_PREFILL_CHUNK}")
+        need(is_int(self.threads) and self.threads >= 1, "--threads", self.threads, ">= 1")
+        if self.cache == "full" and self.window is not None:
+            raise ValueError(f"--window {self.window} applies to --cache window or sinks; with --cache full "
+                             "every token is kept (drop --window, or add --cache window)")
+        if self.cache != "sinks" and self.sinks is not None:
+            raise ValueError(f"--sinks {self.sinks} applies to --cache sinks (got --cache {self.cache})")
+        need(self.window is None or (is_int(self.window) and self.window >= 1), "--window", self.window, ">= 1")
+        need(self.sinks is None or (is_int(self.sinks) and self.sinks >= 1), "--sinks", self.sinks, ">= 1")
+
+    @classmethod
+    def from_args(cls, args) -> "ModelOptions":
+        """From parsed flags of :func:`add_arguments` (``chat``/``system`` where the parser has them)."""
+        return cls(model=args.model, weights=args.weights, cache=args.cache, window=args.window, sinks=args.sinks,
+                   positions=args.positions, backend=args.backend, cache_dtype=args.cache_dtype,
+                   prefill_chunk=args.prefill_chunk, threads=args.threads, chat=getattr(args, "chat", False),
+                   system=getattr(args, "system", None))
+
+    @property
+    def window_n(self) -> int | None:
+        """The window in force: None for a full cache, else ``window`` or 256."""
+        return None if self.cache == "full" else (DEFAULT_WINDOW if self.window is None else self.window)
+
+    @property
+    def sinks_n(self) -> int:
+        """The sink tokens in force: 0 unless ``cache="sinks"`` (then ``sinks`` or 4)."""
+        return (DEFAULT_SINKS if self.sinks is None else self.sinks) if self.cache == "sinks" else 0
+
+    def describe(self) -> str:
+        """'cache sinks window 256 sinks 4'-style summary for progress lines."""
+        return (f"cache {self.cache}" + (f" window {self.window_n}" if self.cache != "full" else "")
+                + (f" sinks {self.sinks_n}" if self.cache == "sinks" else ""))
+
+    def load(self, *, progress=None, quiet: bool = True):
+        """Set the thread count, resolve and load the model once: ``(Transformer, Tokenizer, ModelFile)``.
+
+        ``progress(done, total, name)`` sees the tensors being read. A ``--backend gpu`` without a visible
+        CUDA device is refused before the file is read.
+        """
+        from streamattn.models.hub import resolve_model
+        from streamattn.models.loader import load_gguf
+        from streamattn.models.tokenizer import Tokenizer
+        from streamattn.models.transformer import Transformer
+        from streamattn.threads import set_threads
+
+        if self.backend == "gpu":
+            from streamattn.backends import gpu
+            if not gpu.available():
+                raise ValueError("--backend gpu: no CUDA device is visible (or CuPy is not installed); use "
+                                 "--backend cpu")
+        set_threads(self.threads)
+        m = load_gguf(resolve_model(self.model, quiet=quiet), progress=progress, weights=self.weights)
+        tf = Transformer(m)
+        if self.backend == "gpu":
+            import cupy
+            tf.to(cupy)
+        return tf, Tokenizer.from_metadata(m.metadata), m
+
+    def generator(self, model, tokenizer):
+        """A :class:`~streamattn.engine.generate.Generator` over ``model`` with these cache settings."""
+        from streamattn.engine.generate import Generator
+        return Generator(model, tokenizer, cache=self.cache, window=self.window_n, sinks=self.sinks_n,
+                         backend=self.backend, prefill_chunk=self.prefill_chunk, cache_dtype=self.cache_dtype,
+                         positions=self.positions)
+
+
+def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int = 256, chat: bool = True) -> None:
+    """The shared flags (``--model --weights --cache --window --sinks --positions --backend --cache-dtype
+    --prefill-chunk --threads``, and ``--chat --system`` unless ``chat=False``) on parser ``p``."""
+    g = p.add_argument_group("model, weights, cache and threads (the same for every subcommand)")
+    g.add_argument("--model", default=None,
+                   help="a .gguf path or a model name (smollm2-135m, gemma3-270m); default smollm2-135m")
+    g.add_argument("--weights", choices=WEIGHTS, default="quant",
+                   help="quant: matrices stay in the file's block formats (default); f32: dequantized "
+                        "float32 reference path")
+    g.add_argument("--cache", choices=CACHE_MODES, default="full",
+                   help="KV cache for the model's global layers (gemma3's local layers always slide)")
+    g.add_argument("--window", type=int, default=None,
+                   help=f"window n_c in keys, the current one included (default {DEFAULT_WINDOW} with --cache "
+                        "window/sinks)")
+    g.add_argument("--sinks", type=int, default=None,
+                   help=f"attention-sink tokens for --cache sinks (default {DEFAULT_SINKS})")
+    g.add_argument("--positions", choices=POSITIONS, default="absolute",
+                   help="RoPE positions in the text, or within the cache (StreamingLLM; --cache sinks only)")
+    g.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
+    g.add_argument("--cache-dtype", default="float32", choices=CACHE_DTYPES)
+    g.add_argument("--prefill-chunk", type=int, default=prefill_chunk, help="prompt tokens per forward call")
+    g.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for matmuls and attention (default 1: fastest for one sequence on a "
+                        "busy 2-core host, see streamattn/threads.py)")
+    if chat:
+        g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+        g.add_argument("--system", default=None, help="system message for --chat")
