@@ -261,3 +261,49 @@ def test_a_failing_request_fails_alone(server, client):
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "FAILME", "max_tokens": 2})
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_stop_rule_and_finish_reasons_match_the_python_api(client):
+    """The engine's stop rule through HTTP: streamed chunks and the whole answer both equal the text
+    before the first stop string (tests/engine_cases.py), with the same finish reason as the Python API;
+    an end-of-sequence answer finishes "stop" here too."""
+    from engine_cases import N_TOKENS, PROMPT, stop_cases
+    msgs = [{"role": "user", "content": PROMPT}]
+    for name, stop, want, finish in stop_cases(smollm2_path()):
+        kw = dict(model=MODEL, messages=msgs, max_tokens=N_TOKENS, temperature=0, stop=list(stop))
+        whole = client.chat.completions.create(**kw).choices[0]
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert (whole.message.content, whole.finish_reason) == (want, finish), name
+        assert streamed == want and chunks[-1].choices[0].finish_reason == finish, name
+    eos = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Reply with one "
+                                         "word: is the sky blue?"}], max_tokens=20, temperature=0)
+    assert eos.choices[0].finish_reason == "stop" and eos.usage.completion_tokens < 20
+
+
+def test_seeded_sample_as_third_of_five_equals_it_alone(client):
+    """A seeded sampled request gives the same text alone and as the third of 5 concurrent requests
+    (the others greedy or sampled with their own seeds), and the same as the Python API."""
+    from _model_util import load
+    from streamattn.engine.generate import Generator
+    from streamattn.engine.sampling import SamplingParams
+    seeded = dict(prompt="Once upon a time", max_tokens=12, temperature=0.9, top_p=0.95, seed=11,
+                  extra_body={"cache_prompt": False})
+    alone = client.completions.create(model=MODEL, **seeded).choices[0].text
+    others = [dict(prompt=p, max_tokens=12, temperature=t, seed=s, extra_body={"cache_prompt": False})
+              for p, t, s in (("The sky is", 0, None), ("Tell me about cats.", 1.1, 3), ("1, 2, 3,", 0.7, 5),
+                              ("Water boils at", 0, None))]
+    bodies = others[:2] + [seeded] + others[2:]
+    got = [None] * 5
+
+    def run(i):
+        got[i] = client.completions.create(model=MODEL, **bodies[i]).choices[0].text
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[2] == alone
+    _, tf, tok = load(smollm2_path(), weights="quant")
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    assert alone == Generator(tf, tok).generate("Once upon a time", max_tokens=12, sampling=p)
