@@ -13,7 +13,9 @@ count and model in every repeat (the order flips each repeat); the table holds m
 command line is ``python -m streamattn.cli generate - --model M --threads T --ignore-eos --stats -q -n N``
 plus ``--ours-args`` (default ``--prefill-chunk 256 --cache-dtype float16``: the packed kernels gain
 little past 64 rows, docs/PERF.md; and llama.cpp keeps K and V as float16 unless told otherwise, its
-``type_k``/``type_v`` default, so both engines store the same precision). Results: benchmarks/results/peer_llamacpp_<date>.{json,md,png}.
+``type_k``/``type_v`` default, so both engines store the same precision). Results: benchmarks/results/peer_llamacpp_<tag>.{json,md,png}, the tag
+defaulting to the date; name a run by date and what it measures, e.g.
+``--tag 2026-12-01_smollm2-gemma3_t1-2`` (benchmarks/results/README.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ For each concurrency level (1, 2, 4, 8, 16) it sends max(--requests, level) stre
 to the first token (TTFT) and the gaps between later tokens (inter-token latency, ITL). Per level:
 aggregate tok/s = all tokens / wall time of the level; decode tok/s = tokens after each request's first /
 wall time from the first token of the level to the last. Checked before timing: every request returns
-exactly --max-tokens tokens. Writes benchmarks/results/serve_load_<date>.{json,txt,png}.
+exactly --max-tokens tokens. Writes benchmarks/results/serve_load_<date>.{json,txt,png}; name a run by date
+and what it measures with --out, e.g. ``serve_load_2026-12-01_smollm2_t2`` (benchmarks/results/README.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""Process memory: what streamattn does to keep ``streamattn generate`` small (docs/PERF.md, 2026-12-01).
+"""Process memory: two steps that keep the resident set of ``streamattn generate`` small.
 
-Peak RSS of ``streamattn generate`` on SmolLM2-135M (705-token prompt, 1 thread, fp16 cache, prefill
-chunk 256): 331 MB before both of these, 315 after the first, 284 after the second (286-293 MB since
-the one-call cache write + attention, backends.cpu.write_attend, is among the kernels loaded).
+- :func:`import_numba_arraymath` (run by ``import streamattn``) imports ``numba.np.arraymath`` with
+  numba's BLAS probe answering "no BLAS" for that import only, so scipy.linalg is not imported for it.
+- :func:`release_compiler_pages` (run by ``warm_model``, so by the CLI and the server before they serve)
+  has the kernel reclaim the clean pages of Numba's LLVM library, which only compiling and loading
+  kernels execute.
 
-- **No scipy.linalg for numba's BLAS probe.** ``numba.np.arraymath`` imports ``scipy.linalg`` when it is
-  itself imported (on the first compiled call), only to set a flag that picks np.correlate's inner
-  product; where scipy is installed that import added 16-17 MB to the peak. The kernels here call no
-  BLAS. :func:`import_numba_arraymath` (run by ``import streamattn``) imports that module with the
-  probe answering "no BLAS".
-- **LLVM's pages go once the kernels are loaded.** :func:`release_compiler_pages` (run by
-  ``warm_model``, so by the CLI and the server before they serve) has the kernel reclaim the clean
-  pages of Numba's LLVM library, which only compiling and loading kernels execute.
+Why each is safe: docs/DESIGN.md §15; what each saves: docs/PERF.md (2026-12-01, peak RSS).
 """
 
 from __future__ import annotations
@@ -60,13 +55,12 @@ def release_compiler_pages(library: str = "libllvmlite") -> int:
     """Ask the kernel to reclaim the resident pages of LLVM's shared library (read-only and executable
     mappings only); returns the bytes of mappings advised (0 where this is not Linux, or madvise fails).
 
-    The 179 MB library runs only while Numba compiles or loads a kernel; once the model is warm
-    (:func:`streamattn.engine.generate.warm_model`) decoding never executes it, yet the pages that
-    loading touched stayed in the process's resident set: 52 MB of code and 16 MB of read-only data
-    with SmolLM2, a fifth of it. MADV_PAGEOUT never discards data: clean file pages are dropped and
-    read back from the file when next used (a trivial compile afterwards took ~0.1 s instead of
-    ~0.04 s); the ~2 MB of relocated read-only data (private, dirty) would go to swap where there is
-    swap, else stays. A page another process also maps is not reclaimed. Nothing writable is advised."""
+    The library runs only while Numba compiles or loads a kernel; once the model is warm
+    (:func:`streamattn.engine.generate.warm_model`) decoding never executes it, yet the pages that loading touched stay resident.
+    MADV_PAGEOUT never discards data: clean file pages are dropped and read back from the file when
+    next used (a later compile still works, a little slower); relocated read-only data (private,
+    dirty) goes to swap where there is swap, else stays. A page another process also maps is not
+    reclaimed. Nothing writable is advised."""
     try:
         with open("/proc/self/maps") as f:
             maps = [line.split() for line in f if library in line]

@@ -1,26 +1,16 @@
 """CPU threads: how idle pool workers wait (set once, at import) and the thread counts of the two pools.
 
-A decode step on packed weights is ~120 Numba parallel launches (weight matmuls, attention; Numba's 'omp'
-threading layer = GNU libgomp on Linux) with a few microseconds of Python between them; the float32
-reference path adds numpy's OpenBLAS for its matmuls. How an idle worker waits decides what two threads
-are worth:
+Importing streamattn applies :data:`RUNTIME_ENV` as defaults, before numpy loads OpenBLAS and before
+Numba's first parallel launch loads GNU libgomp (Numba's 'omp' threading layer on Linux; both runtimes
+read these variables once, when they load): a short libgomp spin for idle workers, OpenBLAS's shortest
+sleep timeout, and Numba's threading layer named explicitly. A value the user exported wins (an exported
+OMP_WAIT_POLICY also keeps libgomp's own spin count for that policy). The settings cannot reach a runtime
+loaded before streamattn was imported (e.g. numpy imported first: OpenBLAS keeps spinning);
+:func:`runtime_report` says what took effect. :func:`set_threads` sets one count for both pools,
+:func:`threads` does so inside a ``with`` block.
 
-- Spinning long (libgomp's default 300,000 turns; OpenBLAS 2^28 cycles): on a 2-core host the spinning
-  workers of one pool take the cores the other pool's next call needs. Measured on SmolLM2-135M,
-  2026-11-30 (issue 13): ``generate --threads 2`` decoded at 2.9 tok/s vs 50 with 1 thread.
-- Blocking at once (OMP_WAIT_POLICY=passive, this module's choice until 2026-11-30): every launch then
-  pays a futex wake-up of the sleeping worker, ~60 us on these guests, more than a small matmul takes
-  (576x576 Q4_1: 16 us on one thread, 80 us on two). 2 threads decoded slower than 1 (41 vs 53 tok/s).
-- Spinning briefly (GOMP_SPINCOUNT 3,000 turns, about 100-150 us here): the worker is still awake at the
-  next launch of the same step and asleep soon after the step ends. 2 threads: 75 tok/s vs 53 with 1.
-  1,000 turns was too short (51 tok/s), 10,000-100,000 slower again (68-71): docs/PERF.md.
-
-So importing streamattn sets, before numpy loads OpenBLAS and before Numba's first parallel launch
-loads libgomp (both read these variables once, when they load), the defaults in :data:`RUNTIME_ENV`:
-a short spin, OpenBLAS's shortest, and Numba's threading layer chosen explicitly. A value the user
-exported wins (an exported OMP_WAIT_POLICY also keeps libgomp's own spin count for that policy). The
-settings cannot reach a runtime that was loaded before streamattn was imported (e.g. numpy imported
-first: OpenBLAS keeps spinning); :func:`runtime_report` says what took effect.
+Why a short spin rather than a long one or none: docs/DESIGN.md §15; the measurements: docs/PERF.md
+(figures once in module docstrings) and docs/END_TO_END.md.
 """
 
 from __future__ import annotations
@@ -142,8 +132,8 @@ def set_threads(n: int) -> dict:
 
 def many_threads() -> bool:
     """Whether Numba runs more than one thread for this Python thread: what the kernels' drivers ask before
-    each call (~150 times a decode step). After the first call through Numba's own ctypes getter:
-    ``numba.get_num_threads()`` also checks the pool each time (0.7 us warm vs 0.09)."""
+    each call. After the first call it reads Numba's own ctypes getter, which does not check the pool as
+    ``numba.get_num_threads()`` does (docs/DESIGN.md §16)."""
     global _thread_count
     if _thread_count is None:
         import numba

@@ -22,8 +22,8 @@ from streamattn.models.rope import rope, rope_tables  # noqa: F401  (rope_tables
 @functools.cache
 def _cpu_kernels(name: str):
     """Module ``streamattn.models.<name>`` (qmatmul, heads_kernel): imported on first use, since their Numba
-    kernels load then and a GPU model never needs them; cached because an import statement in a function
-    costs ~0.6 us a call, ~150 calls a decode step."""
+    kernels load then and a GPU model never needs them; cached, since an import statement in a function
+    runs on every call (docs/DESIGN.md §16)."""
     import importlib
     return importlib.import_module(f"streamattn.models.{name}")
 

@@ -42,7 +42,7 @@ from streamattn.threads import many_threads
 ROWS = 8 if LANES == 16 else 4
 GROUP_ROWS = (1, 2, 4, 8)
 #: How far ahead of the weights being read the one-row kernel prefetches (measured: docs/PERF.md; the
-#: hardware prefetcher alone left a decode step's weight reads ~45% under a plain read's). Read when
+#: hardware prefetcher alone leaves a decode step's weight reads well under a plain read's). Read when
 #: a weight kind's drivers are first built (:func:`_qdrivers` is cached).
 PREFETCH_BYTES = 4096
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
@@ -86,7 +86,7 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LA
 
     One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
     decode step streams megabytes of weights, and the Python of a call made of several (numpy buffers,
-    two dispatches, lookups) ran with its data evicted: 99.6 -> 89.3 us a q/k/v call (docs/PERF.md)."""
+    two dispatches, lookups) ran with its data evicted (docs/DESIGN.md §16; measured: docs/PERF.md)."""
     dot_r = make_qdot(kind, group, R, lanes, vnni)
     dot_1 = make_qdot(kind, group, 1, lanes, vnni, PREFETCH_BYTES)
 

@@ -41,13 +41,11 @@ def rope_tables(pos, inv_freq, style):
 class RopeTables:
     """The (cos, sin) tables of every RoPE base of a model at given positions, each computed once.
 
-    A decode step needs the tables at one new position per sequence; computing them costs 5-8 us per
-    base (a dozen small numpy calls), a lookup 2.4 us for one base, 3.6 us for two (B = T = 1, block
-    rebuilds included). So the tables of a block of :data:`ROPE_BLOCK`
-    positions are computed together, with :func:`rope_tables` itself (the same float64 arithmetic, so
-    the same values: ``np.cos`` is elementwise), and looked up until a position falls outside the
-    block; then the block restarts at the lowest position asked for. Positions spread wider than a
-    block (a long prefill chunk, sequences far apart) are computed directly, as before.
+    The tables of a block of :data:`ROPE_BLOCK` positions are computed together, with
+    :func:`rope_tables` itself (the same float64 arithmetic, so the same values: ``np.cos`` is
+    elementwise), and looked up until a position falls outside the block; then the block restarts at
+    the lowest position asked for. Positions spread wider than a block (a long prefill chunk, sequences
+    far apart) are computed directly. Why a lookup: docs/DESIGN.md §16.
 
     Parameters
     ----------
