@@ -129,6 +129,8 @@ def _generate_configure(p):
     _model_args(p)
     from streamattn.engine.sampling import add_arguments as add_sampling_arguments
     add_sampling_arguments(p)
+    from streamattn.engine.speculative import add_arguments as add_speculative_arguments
+    add_speculative_arguments(p)
     p.add_argument("--stats", action="store_true", help="print prefill/decode timing to stderr")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep decoding past end-of-sequence tokens, so exactly --max-tokens are generated "
@@ -140,7 +142,12 @@ def _generate_run(args) -> int:
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
+    from streamattn.engine.speculative import from_args as speculative_from_args
     _check_model_args(args)
+    try:
+        speculative = speculative_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     gen, tf, tok = _load(args)
     if args.chat and args.system:
@@ -160,7 +167,7 @@ def _generate_run(args) -> int:
     if not args.chat:
         sys.stdout.write(prompt)
     for ev in gen.stream(ids, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop), chat=chat,
-                         progress=progress, ignore_eos=args.ignore_eos):
+                         progress=progress, ignore_eos=args.ignore_eos, speculative=speculative):
         sys.stdout.write(ev.text)
         sys.stdout.flush()
     sys.stdout.write("\n")

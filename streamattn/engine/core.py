@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from streamattn import state
 from streamattn.arrays import to_host
 from streamattn.engine.prompt_cache import PromptCache
 from streamattn.engine.sequence import Sequence
@@ -228,17 +229,17 @@ class Engine:
         t0 = time.perf_counter()
         B, C = max(s.slot for s in active) + 1, self.cfg.prefill_chunk   # slots past the last active idle
         counts = np.zeros(B, np.int64)                                     # [B] real tokens per slot
-        for s in active:
-            counts[s.slot] = min(C, len(s.job.prompt) - s.done) if s.prefilling else 1
+        for s in active:                                   # a draft of k tokens rides after the last one
+            counts[s.slot] = min(C, len(s.job.prompt) - s.done) if s.prefilling else 1 + len(s.plan_draft(C - 1))
         tokens = np.zeros((B, int(counts.max())), np.int64)                # [B, T] ragged, zero padding
         for s in active:
             tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
-                                               else [s.next_token])
+                                               else [s.next_token, *s.draft])
         caches = self.caches if B == self.cfg.slots else self._head(B, counts)
-        scoring = any(s.job.targets is not None and s.prefilling for s in active)
+        every = any((s.job.targets is not None and s.prefilling) or s.draft for s in active)   # all rows' logits
         try:
             logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
-                                                last_only=not scoring, positions=self.cfg.positions),
+                                                last_only=not every, positions=self.cfg.positions),
                              copy=False)                                   # [B, vocab] or [B, T, vocab]
         except Exception as e:                                             # shared by the batch
             if not self.isolate_failures:
@@ -250,7 +251,20 @@ class Engine:
             return
         for s in active:
             n = int(counts[s.slot])
-            row = logits[s.slot] if not scoring else logits[s.slot, n - 1]  # [vocab]: the last real token's
+            row = logits[s.slot] if not every else logits[s.slot, n - 1]    # [vocab]: the last real token's
+            if s.draft:
+                try:
+                    ended = self._verify(s, logits[s.slot, :n])
+                except Exception as e:
+                    if not self.isolate_failures:
+                        raise
+                    traceback.print_exc()
+                    s.fail(f"this request failed in its engine step: {type(e).__name__}: {e}")
+                    self._free(s, "error")
+                    continue
+                if ended:
+                    self._free(s, None)
+                continue
             if s.prefilling:
                 if s.job.targets is not None:
                     s.score(logits[s.slot, :n], s.done)
@@ -275,6 +289,19 @@ class Engine:
         self.steps += 1
         self.metrics.steps.inc()
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
+
+    def _verify(self, s: Sequence, rows) -> bool:
+        """Accept what ``s``'s draft earns from ``rows`` [1 + k, vocab] and rewind the rest out of every
+        layer (always allowed: a draft is at most ``prefill_chunk - 1`` tokens, docs/DESIGN.md §17)."""
+        k, before = len(s.draft), len(s.generated)
+        ended, rejected = s.verify(rows)
+        self.metrics.spec_drafted.inc(k)
+        self.metrics.spec_accepted.inc(k - rejected)
+        self.metrics.generation_tokens.inc(len(s.generated) - before)
+        if rejected:
+            for c in self.caches:
+                state.rewind(c, s.slot, rejected)
+        return ended
 
     def _head(self, n: int, counts) -> list:
         """Views of slots 0..n-1 of every layer (KVCache.head), causal caches grown first for this step."""

@@ -18,6 +18,7 @@ import numpy as np
 from streamattn.engine.core import Engine, EngineConfig
 from streamattn.engine.sampling import SamplingParams
 from streamattn.engine.sequence import Job, Sequence
+from streamattn.engine.speculative import SpecParams
 from streamattn.models.transformer import POSITIONS, Transformer
 from streamattn.models.tokenizer import Tokenizer
 
@@ -49,11 +50,14 @@ class GenerationStats:
     prompt_tokens: list = field(default_factory=list)
     prefill_s: float = 0.0
     decode_steps_s: list = field(default_factory=list)
+    decode_tokens: int = 0                       # tokens all sequences gained in decode steps
 
     @property
     def decode_tok_s(self) -> float:
-        """Decode steps per second: tokens/s of each sequence (times the batch for all sequences)."""
-        return len(self.decode_steps_s) / max(sum(self.decode_steps_s), 1e-12)
+        """Tokens per second of each sequence in the decode steps (times the batch for all sequences):
+        one a step, more with speculation."""
+        per_seq = self.decode_tokens / max(len(self.prompt_tokens), 1)
+        return per_seq / max(sum(self.decode_steps_s), 1e-12)
 
 
 class Generator:
@@ -134,15 +138,16 @@ class Generator:
         return np.stack([s.last_logits for s in seqs])
 
     def stream(self, prompt, *, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
-               stop: tuple = (), chat: bool = False, progress=None,
-               ignore_eos: bool = False) -> Iterator[TokenEvent]:
+               stop: tuple = (), chat: bool = False, progress=None, ignore_eos: bool = False,
+               speculative: SpecParams | None = None) -> Iterator[TokenEvent]:
         """Yield each new token of one prompt. See :meth:`stream_batch` (this is its batch of one)."""
         yield from self.stream_batch([prompt], max_tokens=max_tokens, sampling=sampling, stop=stop, chat=chat,
-                                     progress=progress, ignore_eos=ignore_eos)
+                                     progress=progress, ignore_eos=ignore_eos, speculative=speculative)
 
     def stream_batch(self, prompts: list, *, max_tokens: int = 128,
                      sampling: SamplingParams | list = SamplingParams(), stop: tuple = (), chat: bool = False,
-                     progress=None, ignore_eos: bool = False) -> Iterator[TokenEvent]:
+                     progress=None, ignore_eos: bool = False,
+                     speculative: SpecParams | None = None) -> Iterator[TokenEvent]:
         """Decode several prompts together as one ragged batch, yielding tokens as they come.
 
         Parameters
@@ -162,6 +167,10 @@ class Generator:
             Prefill progress.
         ignore_eos : bool
             Keep going past end-of-sequence tokens (benchmarks: a fixed number of tokens).
+        speculative : SpecParams, optional
+            Draft tokens by prompt lookup and verify them in one step each
+            (:mod:`streamattn.engine.speculative`): greedy tokens are exactly those without it; each
+            sequence drafts on its own. ``draft_max`` is capped at ``prefill_chunk - 1``.
 
         Yields
         ------
@@ -176,7 +185,7 @@ class Generator:
         if len(params) != len(ids):
             raise ValueError(f"sampling holds {len(params)} SamplingParams for {len(ids)} prompts")
         jobs = [Job(prompt=tuple(p), max_tokens=max_tokens, sampling=sp, stop=stop, ignore_eos=ignore_eos,
-                    cache_prompt=False) for p, sp in zip(ids, params)]
+                    cache_prompt=False, speculative=speculative) for p, sp in zip(ids, params)]
         yield from self.stream_jobs(jobs, progress=progress)
 
     def stream_jobs(self, jobs: list, *, progress=None, seqs: list | None = None) -> Iterator[TokenEvent]:
@@ -187,11 +196,14 @@ class Generator:
         engine = Engine(self.model, self.tok, replace(self.config, slots=B), isolate_failures=False,
                         reset_finished=False)
         self.caches = engine.caches
-        texts = [[] for _ in range(B)]                                  # text released during this step
+        texts = [{} for _ in range(B)]                                  # token index -> text it released
         done = [None] * B                                               # finish reason, once finished
-        seqs = [] if seqs is None else seqs
-        seqs.extend(Sequence(job=j, emit=self._collect(texts[b], done, b), tok=self.tok)
-                    for b, j in enumerate(jobs))
+        mine: list = []
+        for b, j in enumerate(jobs):
+            mine.append(Sequence(job=j, emit=self._collect(texts[b], done, mine, b), tok=self.tok))
+        if seqs is not None:
+            seqs.extend(mine)
+        seqs = mine
         for s in seqs:
             engine.submit(s)
         self.stats = stats = GenerationStats(prompt_tokens=[len(j.prompt) for j in jobs])
@@ -208,19 +220,21 @@ class Generator:
                 step_s = stats.prefill_s
             else:
                 stats.decode_steps_s.append(step_s)
+                stats.decode_tokens += sum(len(s.generated) for s in seqs) - sum(made)
             for b, s in enumerate(seqs):
-                if len(s.generated) > made[b]:
-                    made[b] = len(s.generated)
-                    text, texts[b][:] = "".join(texts[b]), []
-                    yield TokenEvent(seq=b, step=made[b] - 1, token_id=int(s.generated[-1]), text=text,
-                                     step_s=step_s, finish=done[b])
+                n = len(s.generated)
+                for i in range(made[b], n):                             # several with speculation
+                    yield TokenEvent(seq=b, step=i, token_id=int(s.generated[i]), text=texts[b].pop(i, ""),
+                                     step_s=step_s, finish=done[b] if i == n - 1 else None)
+                made[b] = n
 
     @staticmethod
-    def _collect(texts: list, done: list, b: int):
-        """The emit callback of sequence ``b``: its released text and its finish reason."""
+    def _collect(texts: dict, done: list, seqs: list, b: int):
+        """The emit callback of ``seqs[b]``: the text each of its tokens released, and its finish reason."""
         def emit(ev):
             if ev.kind == "delta":
-                texts.append(ev.text)
+                i = len(seqs[b].generated) - 1
+                texts[i] = texts.get(i, "") + ev.text
             elif ev.kind == "done":
                 done[b] = ev.finish
             else:                                                       # not raised by the engine itself

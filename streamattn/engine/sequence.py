@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from streamattn.engine.sampling import SamplingParams, sample
+from streamattn.engine.sampling import SamplingParams, apply_repetition_penalty, sample
+from streamattn.engine.speculative import DraftLength, SpecParams, make_proposer, verify
 from streamattn.models.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -29,7 +30,9 @@ class Job:
     ``f(token_ids, logits) -> logits`` applied in order before sampling (``token_ids``: prompt and
     completion so far; ``logits``: float32 [vocab], to be returned changed or replaced);
     targets : teacher forcing: ``targets[t]`` is the token expected after ``prompt[t]``, and the
-    sequence records ``-log p(targets[t])`` (nats) in ``Sequence.nll`` as its prompt is fed.
+    sequence records ``-log p(targets[t])`` (nats) in ``Sequence.nll`` as its prompt is fed;
+    speculative : draft tokens and verify them in one step (:mod:`streamattn.engine.speculative`):
+    greedy output is token for token that of plain decoding.
     """
 
     prompt: tuple
@@ -42,6 +45,7 @@ class Job:
     cache_prompt: bool = True
     logits_processors: tuple = ()
     targets: tuple | None = None
+    speculative: SpecParams | None = None
     fail: bool = False                      # testing aid (ServeConfig.debug_fail_text)
 
     def __post_init__(self):
@@ -119,12 +123,18 @@ class Sequence:
     admitted: bool = False
     finish_reason: str | None = None
     last_logits: object = None                         # [vocab] of the last prompt token, max_tokens == 0
+    draft: list = field(default_factory=list)          # tokens drafted for this step (fed after next_token)
+    drafted: int = 0                                   # drafted tokens verified so far
+    accepted: int = 0                                  # of which were accepted
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.job.sampling.seed)    # this sequence's own stream
         self.nll = np.empty(len(self.job.prompt) if self.job.targets is not None else 0, np.float64)
         self.decoder = StreamDecoder(self.tok) if self.tok is not None else None    # None: scoring only
         self.stops = StopFilter(self.job.stop)
+        spec = self.job.speculative
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self.draft_length = DraftLength(spec.draft_max) if spec is not None else None
 
     @property
     def prefilling(self) -> bool:
@@ -132,8 +142,46 @@ class Sequence:
 
     def usage(self) -> dict:
         p, c = len(self.job.prompt), len(self.generated)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": self.cached}}
+        out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+               "prompt_tokens_details": {"cached_tokens": self.cached}}
+        if self.proposer is not None:                  # OpenAI's names for predicted tokens
+            out["completion_tokens_details"] = {"accepted_prediction_tokens": self.accepted,
+                                                "rejected_prediction_tokens": self.drafted - self.accepted}
+        return out
+
+    def plan_draft(self, limit: int) -> list:
+        """Draft this step's tokens (at most ``limit``, and never past ``max_tokens``); [] without a
+        proposer, while drafting pauses, or when the context has nothing to copy."""
+        self.draft = []
+        if self.proposer is not None:
+            k = min(self.draft_length.next(), limit, self.job.max_tokens - len(self.generated) - 1)
+            if k > 0:
+                self.draft = self.proposer.propose(list(self.job.prompt) + self.generated, k)
+        return self.draft
+
+    def _prepare(self, logits, extra=()):
+        """Logits processors, then the repetition penalty, over the context plus ``extra`` tokens."""
+        job = self.job
+        if job.logits_processors or job.sampling.repetition_penalty != 1.0:
+            ids = list(job.prompt) + self.generated + list(extra)
+            for f in job.logits_processors:
+                logits = f(ids, logits)
+            logits = apply_repetition_penalty(logits, ids, job.sampling.repetition_penalty)
+        return logits
+
+    def verify(self, rows) -> tuple:
+        """Check this step's draft against ``rows`` [len(draft) + 1, vocab] (the logits after the last
+        token and after each drafted one) and emit the tokens it yields; returns (ended, rejected), the
+        drafted tokens the caches must drop."""
+        draft = self.draft
+        toks = verify(rows, draft, self.job.sampling, self.rng, lambda i, z: self._prepare(z, draft[:i]))
+        a = len(toks) - 1                                   # drafted tokens accepted
+        self.drafted, self.accepted, self.draft = self.drafted + len(draft), self.accepted + a, []
+        self.draft_length.update(len(draft), a)
+        for i, tid in enumerate(toks):
+            if self._take(tid, rows[i]):
+                return True, len(draft) - a
+        return False, len(draft) - a
 
     def score(self, logits, start: int) -> None:
         """Record the teacher-forced losses of prompt positions ``start .. start + len(logits) - 1`` from
@@ -158,7 +206,12 @@ class Sequence:
             for f in job.logits_processors:
                 logits = f(ids, logits)
         seen = (list(job.prompt) + self.generated) if job.sampling.repetition_penalty != 1.0 else ()
-        tid = sample(logits, job.sampling, self.rng, seen)
+        return self._take(sample(logits, job.sampling, self.rng, seen), logits)
+
+    def _take(self, tid: int, logits) -> bool:
+        """Append token ``tid`` (drawn from ``logits``), emit what the stop rule releases; True when the
+        sequence ended."""
+        job = self.job
         self.generated.append(tid)
         self.next_token = tid
         lp = (self._logprobs(logits, tid),) if job.logprobs else ()

@@ -15,6 +15,9 @@ class Metrics:
         self.cached_tokens = Counter(p + "prompt_cached_tokens", "Prompt tokens served by the prompt cache",
                                      registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.spec_drafted = Counter(p + "spec_drafted_tokens", "Tokens drafted by speculative decoding",
+                                    registry=r)
+        self.spec_accepted = Counter(p + "spec_accepted_tokens", "Drafted tokens the model accepted", registry=r)
         self.requests = Counter(p + "requests", "Finished requests by outcome", ["finish_reason"], registry=r)
         self.rejected = Counter(p + "requests_rejected", "Requests refused with 429 (queue full)", registry=r)
         self.running = Gauge(p + "requests_running", "Requests holding a sequence slot", registry=r)

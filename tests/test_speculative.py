@@ -1,0 +1,201 @@
+"""Speculative decoding: prompt-lookup drafts verified in one step give exactly the greedy tokens of plain
+decoding (every cache kind, 1 and 2 threads, alone and in ragged batches, both models), the sampling rule
+keeps the target distribution (chi-square, with a planted bug that must fail), and no rewind a ring would
+refuse is ever attempted."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from scipy import stats
+
+from _model_util import gemma_path, load, need_gemma, need_smollm2, smollm2_path
+from streamattn.engine.sampling import SamplingParams, filtered_probs
+from streamattn.engine.speculative import DraftLength, NgramProposer, SpecParams, verify
+
+CACHES = {"full": dict(), "window": dict(cache="window", window=40),
+          "sinks": dict(cache="sinks", window=40, sinks=4),
+          "sinks at cache positions": dict(cache="sinks", window=40, sinks=4, positions="cache")}
+SPEC = SpecParams(draft_max=8)
+CHUNK = 16                                          # the caches' max_chunk: drafts of up to 15 fit
+
+
+def prompts(n: int) -> list:
+    """n prompts, half copy-heavy (the answer repeats the prompt), half ordinary chat questions."""
+    code = ["def total(xs):\n    out = 0\n    for x in xs:\n        out += x\n    return out\n",
+            "for i in range(10):\n    if i % 2 == 0:\n        print(i, 'even')\n",
+            '{"name": "Ada", "born": 1815, "field": "mathematics", "city": "London"}',
+            "The quick brown fox jumps over the lazy dog. The quick brown fox jumps again."]
+    asks = ["Repeat this exactly:\n", "Rename out to result and print the code again:\n",
+            "Copy the following text, then say done:\n", "Fix any typo and repeat it:\n"]
+    chat = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?",
+            "Write a haiku about rain.", "What is 12 times 7?", "Tell me a fact about cats.",
+            "How do plants make food?", "Give me a synonym for happy."]
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            out.append(asks[(i // 2) % 4] + code[(i // 8) % 4] + ("" if i < 32 else f"\n(#{i})"))
+        else:
+            out.append(chat[(i // 2) % 8] + ("" if i < 16 else f" Answer in {i % 5 + 1} sentences."))
+    return out
+
+
+def greedy_ids(g, texts, spec, batch):
+    """Token ids per prompt: chat-wrapped, 24 new tokens, in ragged batches of ``batch`` prompts."""
+    out = []
+    for i in range(0, len(texts), batch):
+        evs = list(g.stream_batch(texts[i:i + batch], chat=True, max_tokens=24, speculative=spec))
+        out += [[e.token_id for e in evs if e.seq == b] for b in range(len(texts[i:i + batch]))]
+    return out
+
+
+def generator(path, **kw):
+    from streamattn.engine.generate import Generator
+    _, tf, tok = load(path, weights="quant")
+    return Generator(tf, tok, prefill_chunk=CHUNK, **kw)
+
+
+@need_smollm2
+@pytest.mark.parametrize("cache", CACHES)
+def test_smollm2_speculation_gives_the_same_tokens(cache, one_thread):
+    """50 prompts in ragged batches of 10, each sequence drafting on its own, and 2 prompts alone."""
+    g, texts = generator(smollm2_path(), **CACHES[cache]), prompts(50)
+    plain = greedy_ids(g, texts, None, 10)
+    assert greedy_ids(g, texts, SPEC, 10) == plain
+    assert greedy_ids(g, texts[:2], SPEC, 1) == plain[:2]
+    assert greedy_ids(g, texts[:4], SPEC, 4) == plain[:4]
+
+
+@need_smollm2
+@pytest.mark.parametrize("cache", ["full", "sinks at cache positions"])
+def test_smollm2_speculation_on_two_threads(cache):
+    from streamattn.threads import threads
+    g, texts = generator(smollm2_path(), **CACHES[cache]), prompts(12)
+    with threads(2):
+        assert greedy_ids(g, texts, SPEC, 4) == greedy_ids(g, texts, None, 4)
+
+
+@need_smollm2
+def test_speculation_accepts_drafts_on_copy_heavy_prompts(one_thread):
+    """The copy-heavy prompts do get drafts accepted (the equality above is not plain decoding twice)."""
+    from streamattn.engine.sequence import Job
+    g = generator(smollm2_path())
+    ids = g.encode_prompt("Repeat this exactly:\nThe quick brown fox jumps over the lazy dog. The quick brown "
+                          "fox jumps again.", chat=True)
+    seqs = []
+    evs = list(g.stream_jobs([Job(prompt=tuple(ids), max_tokens=40, speculative=SPEC)], seqs=seqs))
+    s = seqs[0]
+    assert s.accepted >= 10 and len(g.stats.decode_steps_s) < len(evs) - 10
+    assert s.usage()["completion_tokens_details"] == {"accepted_prediction_tokens": s.accepted,
+                                                      "rejected_prediction_tokens": s.drafted - s.accepted}
+
+
+@need_gemma
+@pytest.mark.parametrize("cache", CACHES)
+def test_gemma_speculation_gives_the_same_tokens(cache, one_thread):
+    """Gemma-3: its own 512-key local rings plus the global layers' cache kind."""
+    g, texts = generator(gemma_path(), **CACHES[cache]), prompts(8)
+    assert greedy_ids(g, texts, SPEC, 4) == greedy_ids(g, texts, None, 4)
+
+
+@need_smollm2
+def test_cli_speculative_flag_gives_the_same_text(capsys):
+    """`streamattn generate --speculative ngram --draft-max K` prints exactly what plain decoding prints."""
+    from streamattn.cli import main
+    argv = ["generate", "Repeat this exactly:\nThe quick brown fox jumps over the lazy dog.", "--chat", "-n", "24",
+            "-q", "--model", smollm2_path()]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main(argv + ["--speculative", "ngram", "--draft-max", "4"]) == 0
+    assert capsys.readouterr().out == plain and "quick brown fox" in plain
+    assert main(argv + ["--speculative", "ngram", "--draft-max", "0"]) == 2
+    assert "--draft-max must be >= 1 (got 0)" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ the rule
+def _chi2_first_tokens(rule, seed=0, n=20000):
+    """Empirical distribution of the first two verified tokens under ``rule`` against the exact one."""
+    rng = np.random.default_rng(seed)
+    V = 6
+    rows = rng.standard_normal((3, V)).astype(np.float32) * 1.5          # [k + 1, V]
+    params = SamplingParams(temperature=0.8, seed=None)
+    draft = [int(np.argsort(-rows[0])[1]), int(np.argmax(rows[1]))]   # a likely-but-not-top first draft
+    p0 = filtered_probs(rows[0], params)
+    p1 = filtered_probs(rows[1], params)
+    first = np.zeros(V)
+    pair = np.zeros((V, V))
+    for i in range(n):
+        toks = rule(rows, draft, params, np.random.default_rng(1_000_003 * seed + i), lambda j, z: z)
+        first[toks[0]] += 1
+        if toks[0] == draft[0] and len(toks) > 1:                    # second token given the first drafted
+            pair[toks[0], toks[1]] += 1
+    want = p0 * n
+    c1 = stats.chisquare(first, want)
+    cond = pair[draft[0]]
+    c2 = stats.chisquare(cond, p1 * cond.sum())
+    return c1.pvalue, c2.pvalue
+
+
+def test_speculative_sampling_keeps_the_distribution():
+    """Significance 0.001 per test, fixed seeds: the rule's first and second tokens follow p exactly."""
+    p_first, p_second = _chi2_first_tokens(verify)
+    assert p_first > 1e-3 and p_second > 1e-3
+
+
+def test_a_planted_bug_in_the_acceptance_rule_fails_the_chi_square():
+    """Resampling from p (instead of p without the rejected token) biases the result: rejected."""
+    def buggy(rows, draft, params, rng, prepare):
+        from streamattn.engine.sampling import sample
+        x = draft[0]
+        p = filtered_probs(rows[0], params)
+        if rng.random() >= p[x]:
+            return [sample(rows[0], params, rng)]                    # the bug: x may come back
+        return [x, sample(rows[1], params, rng)]
+    p_first, _ = _chi2_first_tokens(buggy)
+    assert p_first < 1e-3
+
+
+def test_greedy_verify_keeps_the_argmax_prefix():
+    rows = np.array([[0, 5, 1], [3, 0, 1], [0, 0, 9], [1, 2, 3]], np.float32)
+    g = SamplingParams()
+    assert verify(rows, [1, 0, 2], g, None, lambda i, z: z) == [1, 0, 2, 2]         # all accepted + one
+    assert verify(rows, [1, 2, 2], g, None, lambda i, z: z) == [1, 0]               # second rejected
+    assert verify(rows, [0, 0, 2], g, None, lambda i, z: z) == [1]
+
+
+def test_ngram_proposer_and_draft_length():
+    p = NgramProposer(SpecParams(n_min=2, n_max=3))
+    assert p.propose([5, 6, 7, 8, 9, 1, 6, 7], 3) == [8, 9, 1]           # "6 7" seen before: what followed
+    assert p.propose([1, 2, 3, 4], 3) == []                              # nothing repeats
+    assert p.propose([1, 2, 9, 1, 2, 8, 1, 2], 2) == [8, 1]              # the most recent occurrence
+    d = DraftLength(8)
+    assert d.next() == 8
+    d.update(8, 8)
+    assert d.next() == 8
+    d.update(8, 3)
+    assert d.next() == 4
+    d.update(4, 0)
+    d.update(1, 0)                                                       # two misses: pause one step
+    assert [d.next() for _ in range(3)] == [0, 1, 1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(window=st.integers(1, 24), sinks=st.integers(0, 4), chunk=st.integers(2, 10),
+       steps=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9), st.booleans()), min_size=1, max_size=60))
+def test_a_draft_rewind_is_always_allowed(window, sinks, chunk, steps):
+    """Random prompt chunks (<= max_chunk) and verify steps (1 + k tokens, k <= max_chunk - 1, a of them
+    accepted): the rewind of the k - a rejected tokens is always allowed, in every ring, as the engine
+    assumes (it calls state.rewind, which would raise)."""
+    from streamattn import CacheSpec, KVCache, state
+    c = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=4, window=window, sinks=sinks if sinks else 0,
+                          max_chunk=chunk))
+    for k, a, prefill in steps:
+        if prefill:
+            T = k % chunk + 1
+            c.append(np.ones((1, 1, T, 4), np.float32), np.ones((1, 1, T, 4), np.float32))
+            continue
+        k = k % chunk                                                    # k <= chunk - 1
+        a = min(a, k)
+        c.append(np.ones((1, 1, k + 1, 4), np.float32), np.ones((1, 1, k + 1, 4), np.float32))
+        if k - a:
+            assert state.can_rewind(c, 0, k - a), (window, sinks, chunk, k, a, int(c.lengths[0]))
+            state.rewind(c, 0, k - a)
