@@ -307,3 +307,26 @@ def test_seeded_sample_as_third_of_five_equals_it_alone(client):
     _, tf, tok = load(smollm2_path(), weights="quant")
     p = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
     assert alone == Generator(tf, tok).generate("Once upon a time", max_tokens=12, sampling=p)
+
+
+def test_speculative_requests_give_the_same_text_and_report_drafts(server, client):
+    """The per-request extension: "speculative": "ngram" gives the plain greedy text, its usage reports
+    accepted and rejected predicted tokens, and /metrics counts the drafts."""
+    url, _ = server
+    msgs = [{"role": "user", "content": "Repeat this exactly:\nThe quick brown fox jumps over the lazy dog. "
+                                        "The quick brown fox jumps again."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=24, temperature=0, extra_body={"cache_prompt": False})
+    plain = client.chat.completions.create(**kw)
+    before = metrics(url)
+    spec = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
+                                          extra_body={"cache_prompt": False, "speculative": "ngram", "draft_max": 6})
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    d = spec.usage.completion_tokens_details
+    assert d.accepted_prediction_tokens >= 5 and d.rejected_prediction_tokens >= 0
+    after = metrics(url)
+    drafted = after["streamattn_spec_drafted_tokens_total"] - before.get("streamattn_spec_drafted_tokens_total", 0)
+    accepted = after["streamattn_spec_accepted_tokens_total"] - before.get("streamattn_spec_accepted_tokens_total", 0)
+    assert accepted == d.accepted_prediction_tokens
+    assert drafted == d.accepted_prediction_tokens + d.rejected_prediction_tokens
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "speculative": "eagle"})
+    assert r.status_code == 400 and "speculative" in r.json()["error"]["message"]

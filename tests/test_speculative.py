@@ -199,3 +199,19 @@ def test_a_draft_rewind_is_always_allowed(window, sinks, chunk, steps):
         if k - a:
             assert state.can_rewind(c, 0, k - a), (window, sinks, chunk, k, a, int(c.lengths[0]))
             state.rewind(c, 0, k - a)
+
+
+@need_smollm2
+def test_batch_speculative_flag_gives_the_same_records(tmp_path, one_thread):
+    """`streamattn batch --speculative ngram`: every record's text equals the run without it."""
+    import json
+    from streamattn.cli import main
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(json.dumps({"id": i, "messages": [{"role": "user", "content": p}], "max_tokens": 20})
+                             for i, p in enumerate(prompts(4))) + "\n")
+    texts = []
+    for extra in ([], ["--speculative", "ngram", "--draft-max", "5"]):
+        out = tmp_path / f"out{len(extra)}.jsonl"
+        assert main(["batch", str(inp), "-o", str(out), "--model", smollm2_path(), "-q", *extra]) == 0
+        texts.append({r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())})
+    assert texts[0] == texts[1] and len(texts[0]) == 4

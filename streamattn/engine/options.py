@@ -43,6 +43,8 @@ class ModelOptions:
         CPU threads for matmuls and attention.
     chat, system : bool, str or None
         Wrap string prompts in the model's chat template, with this system message.
+    speculative, draft_max : {"ngram"} or None, int
+        Speculative decoding (:mod:`streamattn.engine.speculative`) and its drafted tokens per step.
 
     Raises
     ------
@@ -62,6 +64,8 @@ class ModelOptions:
     threads: int = 1
     chat: bool = False
     system: str | None = None
+    speculative: str | None = None
+    draft_max: int = 8
 
     def __post_init__(self):
         def need(ok, flag, value, expected):
@@ -86,6 +90,14 @@ class ModelOptions:
             raise ValueError(f"--sinks {self.sinks} applies to --cache sinks (got --cache {self.cache})")
         need(self.window is None or (is_int(self.window) and self.window >= 1), "--window", self.window, ">= 1")
         need(self.sinks is None or (is_int(self.sinks) and self.sinks >= 1), "--sinks", self.sinks, ">= 1")
+        need(self.speculative in (None, "ngram"), "--speculative", self.speculative, "ngram (or absent)")
+        need(is_int(self.draft_max) and self.draft_max >= 1, "--draft-max", self.draft_max, ">= 1")
+
+    @property
+    def spec_params(self):
+        """The :class:`~streamattn.engine.speculative.SpecParams` of these options (None: no speculation)."""
+        from streamattn.engine.speculative import SpecParams
+        return SpecParams(draft_max=self.draft_max) if self.speculative else None
 
     @classmethod
     def from_args(cls, args) -> "ModelOptions":
@@ -93,7 +105,8 @@ class ModelOptions:
         return cls(model=args.model, weights=args.weights, cache=args.cache, window=args.window, sinks=args.sinks,
                    positions=args.positions, backend=args.backend, cache_dtype=args.cache_dtype,
                    prefill_chunk=args.prefill_chunk, threads=args.threads, chat=getattr(args, "chat", False),
-                   system=getattr(args, "system", None))
+                   system=getattr(args, "system", None), speculative=getattr(args, "speculative", None),
+                   draft_max=getattr(args, "draft_max", 8))
 
     @property
     def window_n(self) -> int | None:

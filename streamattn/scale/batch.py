@@ -41,7 +41,7 @@ def complete(gen, requests: list, opts: ModelOptions) -> list:
             else:
                 ids = gen.encode_prompt(r.prompt, chat=opts.chat, system=opts.system)
             job = Job(prompt=tuple(ids), max_tokens=r.max_tokens, sampling=r.sampling, stop=r.stop,
-                      cache_prompt=False)
+                      cache_prompt=False, speculative=opts.spec_params)
         except Exception as e:                      # noqa: BLE001 - reported per line, the batch goes on
             results[r.line] = {"line": r.line, "id": r.id, "error": f"{type(e).__name__}: {e}"}
             continue

@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="JSON lines: {id, prompt | messages, optional sampling overrides}")
     p.add_argument("-o", "--output", required=True, help="JSON-lines output; ids already in it are skipped")
     add_model_arguments(p)                         # the flags every subcommand shares
+    from streamattn.engine.speculative import add_arguments as add_speculative_arguments
+    add_speculative_arguments(p)
     add_sampling_arguments(p)                      # each line may override them (streamattn.scale.jobs)
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (per actor with --ray)")
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop",

@@ -154,7 +154,7 @@ async def _complete(st: ServerState, request: Request, kind: str):
     body = await request.body()
     st.need_ready()
     job, meta = parse(body, kind, model_id=st.model_id, tok=st.tok, context=st.context,
-                      fail_text=st.cfg.debug_fail_text)
+                      fail_text=st.cfg.debug_fail_text, speculative=st.cfg.spec_params)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 

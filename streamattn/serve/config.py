@@ -45,6 +45,10 @@ class ServeConfig:
         Keep the GGUF's packed blocks (default) or dequantize everything to float32 (the reference path).
     model_id : str or None
         Name reported by /v1/models and required in requests (default: the model file's stem).
+    speculative : {"ngram"} or None
+        Speculative decoding for every request that does not say otherwise (its ``speculative`` field).
+    draft_max : int
+        Drafted tokens per step at most (capped at ``prefill_chunk - 1``).
     debug_fail_text : str or None
         Testing aid: a request whose prompt text contains this string raises inside its engine step, to
         show that one request's failure stays its own.
@@ -66,6 +70,8 @@ class ServeConfig:
     positions: str = "absolute"
     weights: str = "quant"
     model_id: str | None = None
+    speculative: str | None = None
+    draft_max: int = 8
     debug_fail_text: str | None = None
 
     def __post_init__(self):
@@ -95,8 +101,16 @@ class ServeConfig:
         need(self.cache_dtype in CACHE_DTYPES, "cache_dtype", f"one of {CACHE_DTYPES}")
         need(self.positions in POSITIONS, "positions", f"one of {POSITIONS}")
         need(self.weights in WEIGHTS, "weights", f"one of {WEIGHTS}")
+        need(self.speculative in (None, "ngram"), "speculative", "None or 'ngram'")
+        need(is_int(self.draft_max) and self.draft_max >= 1, "draft_max", "an integer >= 1")
         need(self.debug_fail_text is None or (isinstance(self.debug_fail_text, str) and self.debug_fail_text),
              "debug_fail_text", "None or a non-empty string")
+
+    @property
+    def spec_params(self):
+        """The requests' default :class:`~streamattn.engine.speculative.SpecParams` (None: no speculation)."""
+        from streamattn.engine.speculative import SpecParams
+        return SpecParams(draft_max=self.draft_max) if self.speculative else None
 
     @property
     def engine_config(self):

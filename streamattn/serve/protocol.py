@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streamattn.engine.sampling import SamplingParams
 from streamattn.engine.sequence import Job
+from streamattn.engine.speculative import SpecParams
 
 
 class APIError(Exception):
@@ -61,6 +62,8 @@ class _Common(_Strict):
     n: Optional[int] = None
     ignore_eos: bool = False                   # extension (vLLM): keep going past end-of-sequence tokens
     cache_prompt: bool = True                  # extension (llama.cpp): use the prompt cache
+    speculative: Optional[Literal["ngram", "none"]] = None   # extension: speculate ("none": not even by default)
+    draft_max: Optional[int] = Field(None, ge=1, le=64)      # extension: drafted tokens per step at most
 
 
 class ChatRequest(_Common):
@@ -83,10 +86,13 @@ def _validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"{param}: {err['msg']}{got}", param=param, code=err["type"])
 
 
-def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text: str | None = None):
+def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text: str | None = None,
+          speculative=None):
     """Check a request body; return (Job, meta) or raise APIError (400/404).
 
     ``kind`` is "chat" or "text"; ``meta`` holds model, stream, include_usage, kind and logprob settings.
+    ``speculative`` (a SpecParams or None) is the server's default; a request's ``speculative`` /
+    ``draft_max`` fields override it.
     """
     try:
         obj = json.loads(body)
@@ -149,9 +155,12 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
                               repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                               seed=req.seed)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    spec = None if req.speculative == "none" else speculative
+    if req.speculative == "ngram" or (req.draft_max is not None and req.speculative != "none"):
+        spec = SpecParams(draft_max=req.draft_max or (speculative or SpecParams()).draft_max)
     job = Job(prompt=tuple(ids), max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=want_lp,
               top_logprobs=top, ignore_eos=req.ignore_eos, cache_prompt=req.cache_prompt,
-              fail=bool(fail_text) and fail_text in text)
+              speculative=spec, fail=bool(fail_text) and fail_text in text)
     meta = dict(kind=kind, model=model_id, stream=bool(req.stream),
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))
     return job, meta
