@@ -131,6 +131,10 @@ def _generate_configure(p):
     add_sampling_arguments(p)
     from streamattn.engine.speculative import add_arguments as add_speculative_arguments
     add_speculative_arguments(p)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the output to JSON valid against this JSON schema (llguidance)")
+    g.add_argument("--json", action="store_true", help="constrain the output to one JSON object")
     p.add_argument("--stats", action="store_true", help="print prefill/decode timing to stderr")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep decoding past end-of-sequence tokens, so exactly --max-tokens are generated "
@@ -150,6 +154,7 @@ def _generate_run(args) -> int:
         raise UsageError(str(e)) from None
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     gen, tf, tok = _load(args)
+    grammar = _grammar(gen, args)
     if args.chat and args.system:
         prompt = tok.apply_chat([{"role": "system", "content": args.system}, {"role": "user", "content": prompt}])
         ids, chat = tok.encode(prompt), False
@@ -167,7 +172,8 @@ def _generate_run(args) -> int:
     if not args.chat:
         sys.stdout.write(prompt)
     for ev in gen.stream(ids, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop), chat=chat,
-                         progress=progress, ignore_eos=args.ignore_eos, speculative=speculative):
+                         progress=progress, ignore_eos=args.ignore_eos, speculative=speculative,
+                         grammar=grammar):
         sys.stdout.write(ev.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -177,6 +183,26 @@ def _generate_run(args) -> int:
         print(f"[prompt {s.prompt_tokens[0]} tokens, prefill {s.prefill_s * 1e3:.0f} ms; "
               f"{len(s.decode_steps_s)} decode steps, {s.decode_tok_s:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _grammar(gen, args):
+    """The Grammar of ``--json-schema FILE`` / ``--json`` (None without them); errors name the file."""
+    if args.json:
+        return gen.grammars.json_object()
+    if args.json_schema is None:
+        return None
+    from streamattn.engine.grammar import GrammarError
+    from pathlib import Path
+    path = Path(args.json_schema)
+    if not path.is_file():
+        raise UsageError(f"--json-schema {args.json_schema}: no such file")
+    if path.stat().st_size > 1 << 20:
+        raise UsageError(f"--json-schema {args.json_schema}: {path.stat().st_size} bytes; a schema file may "
+                         "hold at most 1 MiB")
+    try:
+        return gen.grammars.json_schema(path.read_text(encoding="utf-8"))
+    except (GrammarError, UnicodeDecodeError) as e:
+        raise UsageError(f"--json-schema {args.json_schema}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------- inspect

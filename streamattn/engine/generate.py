@@ -17,7 +17,8 @@ import numpy as np
 
 from streamattn.engine.core import Engine, EngineConfig
 from streamattn.engine.sampling import SamplingParams
-from streamattn.engine.sequence import Job, Sequence
+from streamattn.engine.grammar import Grammars
+from streamattn.engine.sequence import Job, Sequence, check_logit_bias
 from streamattn.engine.speculative import SpecParams
 from streamattn.models.transformer import POSITIONS, Transformer
 from streamattn.models.tokenizer import Tokenizer
@@ -95,6 +96,14 @@ class Generator:
         model.new_caches(batch=1, **self.config.cache_kwargs)          # validate the cache settings now
         self.stats = GenerationStats()
         self.caches = None
+        self._grammars = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler and cache of this generator's tokenizer."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tok)
+        return self._grammars
 
     @property
     def backend(self) -> str:
@@ -139,15 +148,17 @@ class Generator:
 
     def stream(self, prompt, *, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
                stop: tuple = (), chat: bool = False, progress=None, ignore_eos: bool = False,
-               speculative: SpecParams | None = None) -> Iterator[TokenEvent]:
+               speculative: SpecParams | None = None, grammar=None, logit_bias: dict | None = None
+               ) -> Iterator[TokenEvent]:
         """Yield each new token of one prompt. See :meth:`stream_batch` (this is its batch of one)."""
         yield from self.stream_batch([prompt], max_tokens=max_tokens, sampling=sampling, stop=stop, chat=chat,
-                                     progress=progress, ignore_eos=ignore_eos, speculative=speculative)
+                                     progress=progress, ignore_eos=ignore_eos, speculative=speculative,
+                                     grammar=grammar, logit_bias=logit_bias)
 
     def stream_batch(self, prompts: list, *, max_tokens: int = 128,
                      sampling: SamplingParams | list = SamplingParams(), stop: tuple = (), chat: bool = False,
-                     progress=None, ignore_eos: bool = False,
-                     speculative: SpecParams | None = None) -> Iterator[TokenEvent]:
+                     progress=None, ignore_eos: bool = False, speculative: SpecParams | None = None,
+                     grammar=None, logit_bias: dict | None = None) -> Iterator[TokenEvent]:
         """Decode several prompts together as one ragged batch, yielding tokens as they come.
 
         Parameters
@@ -171,6 +182,11 @@ class Generator:
             Draft tokens by prompt lookup and verify them in one step each
             (:mod:`streamattn.engine.speculative`): greedy tokens are exactly those without it; each
             sequence drafts on its own. ``draft_max`` is capped at ``prefill_chunk - 1``.
+        grammar : Grammar, a JSON schema (dict), or one per prompt (None: unconstrained)
+            Enforced on every token (:mod:`streamattn.engine.grammar`; a dict is compiled once by
+            :attr:`grammars`); the sequence finishes "stop" when the grammar completes.
+        logit_bias : dict token id -> float, optional
+            Added to those tokens' logits before anything else (OpenAI's ``logit_bias``).
 
         Yields
         ------
@@ -184,8 +200,14 @@ class Generator:
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(ids)
         if len(params) != len(ids):
             raise ValueError(f"sampling holds {len(params)} SamplingParams for {len(ids)} prompts")
+        grammars = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(ids)
+        if len(grammars) != len(ids):
+            raise ValueError(f"grammar holds {len(grammars)} entries for {len(ids)} prompts")
+        bias = check_logit_bias(logit_bias, self.tok.vocab_size)
         jobs = [Job(prompt=tuple(p), max_tokens=max_tokens, sampling=sp, stop=stop, ignore_eos=ignore_eos,
-                    cache_prompt=False, speculative=speculative) for p, sp in zip(ids, params)]
+                    cache_prompt=False, speculative=speculative, logit_bias=bias,
+                    grammar=self.grammars.json_schema(g) if isinstance(g, dict) else g)
+                for p, sp, g in zip(ids, params, grammars)]
         yield from self.stream_jobs(jobs, progress=progress)
 
     def stream_jobs(self, jobs: list, *, progress=None, seqs: list | None = None) -> Iterator[TokenEvent]:

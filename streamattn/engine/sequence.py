@@ -18,6 +18,27 @@ from streamattn.engine.speculative import DraftLength, SpecParams, make_proposer
 from streamattn.models.tokenizer import StreamDecoder, Tokenizer
 
 
+def check_logit_bias(bias, vocab: int) -> tuple:
+    """``{token id: bias}`` (ids as int or decimal strings, biases in [-100, 100]) as sorted
+    ``(id, bias)`` pairs; ValueError naming the first bad entry."""
+    if not bias:
+        return ()
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers (got {type(bias).__name__})")
+    out = {}
+    for k, v in bias.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias key {str(k)[:40]!r} is not a token id") from None
+        if not 0 <= tid < vocab:
+            raise ValueError(f"logit_bias token id {tid} is outside the vocabulary 0..{vocab - 1}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise ValueError(f"logit_bias[{tid}] must be a number in [-100, 100] (got {str(v)[:40]})")
+        out[tid] = float(v)
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class Job:
     """What a request asks the engine for (the server validates it in ``serve.protocol``).
@@ -32,7 +53,9 @@ class Job:
     targets : teacher forcing: ``targets[t]`` is the token expected after ``prompt[t]``, and the
     sequence records ``-log p(targets[t])`` (nats) in ``Sequence.nll`` as its prompt is fed;
     speculative : draft tokens and verify them in one step (:mod:`streamattn.engine.speculative`):
-    greedy output is token for token that of plain decoding.
+    greedy output is token for token that of plain decoding; grammar : a compiled
+    :class:`~streamattn.engine.grammar.Grammar` enforced on every token (the sequence finishes "stop"
+    when it completes); logit_bias : ``(token_id, bias)`` pairs added to the logits before anything else.
     """
 
     prompt: tuple
@@ -46,6 +69,8 @@ class Job:
     logits_processors: tuple = ()
     targets: tuple | None = None
     speculative: SpecParams | None = None
+    grammar: object = None
+    logit_bias: tuple = ()
     fail: bool = False                      # testing aid (ServeConfig.debug_fail_text)
 
     def __post_init__(self):
@@ -135,6 +160,7 @@ class Sequence:
         spec = self.job.speculative
         self.proposer = make_proposer(spec) if spec is not None else None
         self.draft_length = DraftLength(spec.draft_max) if spec is not None else None
+        self.constraint = None                             # the grammar's matcher, made at the first draw
 
     @property
     def prefilling(self) -> bool:
@@ -160,12 +186,23 @@ class Sequence:
         return self.draft
 
     def _prepare(self, logits, extra=()):
-        """Logits processors, then the repetition penalty, over the context plus ``extra`` tokens."""
+        """The logits a token is drawn from, after the taken tokens and then ``extra`` (drafted ones
+        being verified): ``logit_bias``, the logits processors, the grammar's mask, the repetition
+        penalty; temperature and the filters come in ``sample``."""
         job = self.job
+        if job.logit_bias:
+            logits = np.array(logits, np.float32, copy=True)
+            for tid, bias in job.logit_bias:
+                logits[tid] += bias
         if job.logits_processors or job.sampling.repetition_penalty != 1.0:
             ids = list(job.prompt) + self.generated + list(extra)
             for f in job.logits_processors:
                 logits = f(ids, logits)
+        if job.grammar is not None:
+            if self.constraint is None:
+                self.constraint = job.grammar.constraint(len(logits))
+            logits = self.constraint.mask(logits, extra)
+        if job.sampling.repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, ids, job.sampling.repetition_penalty)
         return logits
 
@@ -201,12 +238,7 @@ class Sequence:
             self.last_logits = np.array(logits)
             self.finish("length")
             return True
-        if job.logits_processors:
-            ids = list(job.prompt) + self.generated
-            for f in job.logits_processors:
-                logits = f(ids, logits)
-        seen = (list(job.prompt) + self.generated) if job.sampling.repetition_penalty != 1.0 else ()
-        return self._take(sample(logits, job.sampling, self.rng, seen), logits)
+        return self._take(sample(self._prepare(logits), job.sampling, self.rng), logits)
 
     def _take(self, tid: int, logits) -> bool:
         """Append token ``tid`` (drawn from ``logits``), emit what the stop rule releases; True when the
@@ -215,17 +247,22 @@ class Sequence:
         self.generated.append(tid)
         self.next_token = tid
         lp = (self._logprobs(logits, tid),) if job.logprobs else ()
-        finish = None
-        if tid in self.tok.stop_ids and not job.ignore_eos:
-            text, hit = self.stops.push(self.decoder.flush())
-            text, finish = text + ("" if hit else self.stops.flush()), "stop"
+        if self.constraint is not None:
+            self.constraint.take(tid)
+        eos = tid in self.tok.stop_ids and not job.ignore_eos
+        text, hit = self.stops.push(self.decoder.flush() if eos else self.decoder.push(tid))
+        if hit:
+            finish = "stop"
+        elif eos or (self.constraint is not None and self.constraint.complete):
+            finish = "stop"
+        elif len(self.generated) >= job.max_tokens:
+            finish = "length"
         else:
-            text, hit = self.stops.push(self.decoder.push(tid))
-            if hit:
-                finish = "stop"
-            elif len(self.generated) >= job.max_tokens:
-                more, hit = self.stops.push(self.decoder.flush())
-                text, finish = text + more + ("" if hit else self.stops.flush()), "stop" if hit else "length"
+            finish = None
+        if finish and not hit:                   # the stream ends: release what was held back
+            more, hit = self.stops.push(self.decoder.flush())
+            text += more if hit else more + self.stops.flush()
+            finish = "stop" if hit else finish
         if text or lp:
             self.emit(Event("delta", text=text, logprobs=lp))
         if finish:
