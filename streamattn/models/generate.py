@@ -16,7 +16,7 @@ import numpy as np
 from streamattn.arrays import to_host
 from streamattn.models.transformer import Transformer
 from streamattn.models.sampling import SamplingParams, sample
-from streamattn.models.tokenizer import StreamDecoder, Tokenizer
+from streamattn.text.tokenizer import StreamDecoder, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ def warm_model(model, kind: str) -> float:
     compiled layers, then the array layers' kernels, so that their pages never add up (peak RSS of
     ``streamattn generate`` on SmolLM2, 705-token prompt: 294 -> 273 MB)."""
     from streamattn.memory import release_compiler_pages
-    from streamattn.models.qmatmul import ROWS
+    from streamattn.quant.matmul import ROWS
     t0 = time.perf_counter()
     release_compiler_pages()          # those touched by what loaded before (the CLI's attention warm-up)
     caches = model.new_caches(batch=1, max_chunk=ROWS, dtype=kind)

@@ -194,9 +194,9 @@ def load_ids(file, tokenizer, max_tokens: int | None = None) -> list:
 
 def run_args(args) -> int:
     """``streamattn perplexity``: score the file, print or write the JSON, draw the PNG."""
-    from streamattn.models.hub import resolve_model
-    from streamattn.models.loader import load_gguf
-    from streamattn.models.tokenizer import Tokenizer
+    from streamattn.gguf.hub import resolve_model
+    from streamattn.gguf.loader import load_gguf
+    from streamattn.text.tokenizer import Tokenizer
     from streamattn.threads import set_threads
 
     if args.cache != "full" and args.window is None:

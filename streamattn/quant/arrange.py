@@ -7,32 +7,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from streamattn.models import quant
-from streamattn.models.quant import QWeight, concat_rows, row_slice
-
-#: Row groups multiplied as one matrix (one read of the layer's input for all of them).
-FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
+from streamattn.quant.weights import QWeight, concat_rows, move_planes, row_slice
 
 
-def fuse(weights: dict, n_layers: int) -> dict:
-    """Each layer's :data:`FUSED` row groups as one matrix; the parts in ``weights`` become row views of
-    it (one copy in memory). Groups whose packed kinds differ stay apart (the model multiplies them
-    one by one)."""
+def fuse(weights: dict, groups) -> dict:
+    """Each row group of ``groups`` (tuples of names in ``weights``, in row order: a layer's q, k, v) as one
+    matrix, keyed by the tuple; its parts in ``weights`` become row views of it (one copy in memory).
+    Groups whose packed kinds differ stay apart (the model multiplies them one by one)."""
     fused = {}
-    for i in range(n_layers):
-        for key, parts in FUSED.items():
-            names = [f"blk.{i}.{p}.weight" for p in parts]
-            ws = [weights[n] for n in names]
-            if all(isinstance(w, QWeight) for w in ws):
-                f = concat_rows(ws)
-            elif not any(isinstance(w, QWeight) for w in ws):
-                f = np.ascontiguousarray(np.concatenate(ws, 0), np.float32)
-            else:
-                f = None
-            if f is None:
-                continue
-            fused[f"blk.{i}.{key}.weight"] = f
-            _slice_parts(weights, f, names)
+    for names in groups:
+        ws = [weights[n] for n in names]
+        if all(isinstance(w, QWeight) for w in ws):
+            f = concat_rows(ws)
+        elif not any(isinstance(w, QWeight) for w in ws):
+            f = np.ascontiguousarray(np.concatenate(ws, 0), np.float32)
+        else:
+            f = None
+        if f is None:
+            continue
+        fused[tuple(names)] = f
+        _slice_parts(weights, f, names)
     return fused
 
 
@@ -45,31 +39,24 @@ def _slice_parts(weights: dict, whole, names) -> None:
         row += rows
 
 
-_USE_ORDER = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_gate_up", "ffn_down")
+def into_one_buffer(weights: dict, fused: dict, order) -> None:
+    """Move every packed matrix into one allocation in the order a forward pass reads them (``order``:
+    tensor names; a fused group takes the place of its first part): :func:`streamattn.quant.weights.move_planes`.
+    The parts of a fused group become row views of its moved copy again."""
+    group_of = {names[0]: names for names in fused}
+    viewed = {n for names in fused for n in names}             # row views of a fused copy: not owners
+    owners = []
+    for n in order:
+        key = group_of.get(n, n)
+        w = fused[key] if n in group_of else None if n in viewed else weights[n]
+        if isinstance(w, QWeight):
+            owners.append((key, w))
 
-
-def into_one_buffer(weights: dict, fused: dict, n_layers: int) -> None:
-    """Move every packed matrix into one allocation in the order a forward pass reads them (layer by
-    layer, then the output head): :func:`streamattn.models.quant.move_planes`. The parts of a fused
-    group become row views of its moved copy again."""
-    parts_of = {f"blk.{i}.{key}.weight": [f"blk.{i}.{p}.weight" for p in ps]
-                for i in range(n_layers) for key, ps in FUSED.items()}
-    viewed = {p for f in fused for p in parts_of[f]}             # row views of a fused copy: not owners
-
-    def order(name):
-        bits = name.split(".")
-        if bits[0] != "blk":
-            return (n_layers, 0, name)
-        rank = _USE_ORDER.index(bits[2]) if bits[2] in _USE_ORDER else len(_USE_ORDER)
-        return (int(bits[1]), rank, name)
-
-    def moved(name, new):
-        if name not in fused:
-            weights[name] = new
+    def moved(key, new):
+        if key not in fused:
+            weights[key] = new
             return
-        fused[name] = new
-        _slice_parts(weights, new, parts_of[name])
+        fused[key] = new
+        _slice_parts(weights, new, key)
 
-    owners = sorted(((n, w) for n, w in (*weights.items(), *fused.items()) if isinstance(w, QWeight)
-                     and n not in viewed), key=lambda nw: order(nw[0]))
-    quant.move_planes(owners, moved)                   # consumes owners: each old copy goes at once
+    move_planes(owners, moved)                   # consumes owners: each old copy goes at once

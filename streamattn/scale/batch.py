@@ -44,9 +44,9 @@ class ModelOptions:
     def load(self):
         """Load the model once: the Generator this worker decodes with."""
         from streamattn.models.generate import Generator
-        from streamattn.models.hub import resolve_model
-        from streamattn.models.loader import load_gguf
-        from streamattn.models.tokenizer import Tokenizer
+        from streamattn.gguf.hub import resolve_model
+        from streamattn.gguf.loader import load_gguf
+        from streamattn.text.tokenizer import Tokenizer
         from streamattn.models.transformer import Transformer
         from streamattn.threads import set_threads
 

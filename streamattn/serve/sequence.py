@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from streamattn.models.sampling import SamplingParams, sample
-from streamattn.models.tokenizer import StreamDecoder, Tokenizer
+from streamattn.text.tokenizer import StreamDecoder, Tokenizer
 
 
 @dataclass(frozen=True)
