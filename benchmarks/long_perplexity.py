@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from streamattn.models.hub import resolve_model
-from streamattn.models.loader import load_gguf
+from streamattn.gguf.hub import resolve_model
+from streamattn.gguf.loader import load_gguf
 from streamattn.engine.perplexity import label, load_ids, perplexity, plot, progress_bar
-from streamattn.models.tokenizer import Tokenizer
+from streamattn.text.tokenizer import Tokenizer
 from streamattn.models.transformer import Transformer
 from streamattn.threads import set_threads
 

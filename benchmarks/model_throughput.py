@@ -24,8 +24,8 @@ import time
 import numpy as np
 
 from streamattn.bench import report as benchreport, suites, sweep as bench
-from streamattn.models.loader import load_gguf
-from streamattn.models.hub import resolve_model
+from streamattn.gguf.loader import load_gguf
+from streamattn.gguf.hub import resolve_model
 from streamattn.models.transformer import Transformer
 from streamattn.threads import set_threads
 

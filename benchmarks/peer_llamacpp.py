@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = Path(__file__).resolve().parent / "peer_llamacpp.mjs"
 PROMPT = Path(__file__).resolve().parent / "data" / "prompt_rome.txt"
-MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}     # our names -> streamattn.models.hub names
+MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}     # our names -> streamattn.gguf.hub names
 ENGINES = ("streamattn", "llama.cpp")
 _OURS_STATS = re.compile(r"\[prompt (\d+) tokens, prefill (\d+) ms; (\d+) decode steps, ([\d.]+) tok/s\]")
 
@@ -150,11 +150,11 @@ def plot(rows: list, path: Path) -> bool:
 
 # ---------------------------------------------------------------------------------------- running
 def resolve_path(name: str) -> Path:
-    """``streamattn.models.hub.resolve_model(name)``, asked of a child process. This process must not load
+    """``streamattn.gguf.hub.resolve_model(name)``, asked of a child process. This process must not load
     Numba: a page of its LLVM library mapped here too stays resident in our engine's process, whose
     release of those pages (streamattn.memory.release_compiler_pages) skips shared ones, and its peak
     RSS read 287-289 MB here against 267 MB for the same command run alone (2026-12-01)."""
-    code = "import sys; from streamattn.models.hub import resolve_model; print(resolve_model(sys.argv[1]))"
+    code = "import sys; from streamattn.gguf.hub import resolve_model; print(resolve_model(sys.argv[1]))"
     out = subprocess.run([sys.executable, "-c", code, name], cwd=ROOT, check=True, capture_output=True, text=True)
     sys.stderr.write(out.stderr)
     return Path(out.stdout.strip())

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from streamattn.models import qmatmul as qm
+from streamattn.quant import matmul as qm
 from streamattn.engine.generate import Generator
-from streamattn.models.hub import resolve_model
-from streamattn.models.loader import load_gguf
-from streamattn.models.tokenizer import Tokenizer
+from streamattn.gguf.hub import resolve_model
+from streamattn.gguf.loader import load_gguf
+from streamattn.text.tokenizer import Tokenizer
 from streamattn.models.transformer import Transformer
 from streamattn.threads import set_threads
 

@@ -38,9 +38,10 @@ def main():
     set_threads(1)
     from streamattn.backends import cpu
     from numba import njit
-    from streamattn.models import compiled, heads_kernel, qmatmul
-    from streamattn.models.hub import resolve_model
-    from streamattn.models.loader import load_gguf
+    from streamattn.models import compiled, heads_kernel
+    from streamattn.quant import matmul as qmatmul
+    from streamattn.gguf.hub import resolve_model
+    from streamattn.gguf.loader import load_gguf
     from streamattn.models.transformer import Transformer
     tf = Transformer(load_gguf(resolve_model(args.model, quiet=True)))
     tf.compile_layers = not args.array_layers
@@ -63,7 +64,7 @@ def main():
         if hasattr(w, "__dict__"):
             w.__dict__.pop("_bound", None)                # the drivers each weight kept (qmatmul._bound)
     cpu.write_attend = lambda *a: (-1, o, lse, True)
-    heads_kernel._heads_rope_alloc = lambda *a: (o, kv, kv)
+    heads_kernel.heads_rope_alloc = lambda *a: (o, kv, kv)
     compiled.run_layer = njit(lambda x, w, at: True)          # what a call costs to enter, no work
     glue = _median_step(tf, caches, tok, args.steps)
     print(f"{c.name}: one decode step {real * 1e3:.2f} ms; with every compiled call stubbed "

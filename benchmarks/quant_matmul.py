@@ -1,4 +1,4 @@
-"""Packed-weight matmul kernels (streamattn/models/qmatmul.py) against float32 numpy, alternated.
+"""Packed-weight matmul kernels (streamattn/quant/matmul.py) against float32 numpy, alternated.
 
     PYTHONPATH=. python benchmarks/quant_matmul.py [--repeats 7] [--rows 1,4,64,256] [--group-rows 1,2,4,8]
         [--threads 1] [--types Q4_1,Q8_0]
@@ -18,8 +18,8 @@ import time
 import numpy as np
 from numba import njit
 
-from streamattn.models.qmatmul import qmatmul
-from streamattn.models.quant import pack
+from streamattn.quant.matmul import qmatmul
+from streamattn.quant.weights import pack
 from streamattn.threads import set_threads
 
 SHAPES = [("Q4_1", 1536 * 2, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q5_0", 2048 * 2, 640),

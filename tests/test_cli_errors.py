@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from streamattn import cli
-from streamattn.models.chat_template import TemplateError
+from streamattn.text.chat_template import TemplateError
 
 from _model_util import need_smollm2, smollm2_path, write_tiny_gguf
 

@@ -15,8 +15,9 @@ import pytest
 
 from _model_util import load, need_smollm2, smollm2_path, write_tiny_gguf
 from streamattn import CacheSpec, KVCache
-from streamattn.models import compiled, qmatmul
-from streamattn.models.loader import load_gguf
+from streamattn.models import compiled
+from streamattn.quant import matmul as qmatmul
+from streamattn.gguf.loader import load_gguf
 from streamattn.models.transformer import Transformer
 from streamattn.storage import to_storage
 
@@ -220,7 +221,7 @@ def test_refuses_exactly_where_the_cache_would(window, sinks, max_chunk):
         for T in (1, 2, 3, 5, 40):
             trial = clone(cache)
             try:
-                trial._append_trusted(np.ones((2, 1, T, 4)), np.ones((2, 1, T, 4)))
+                trial.append_trusted(np.ones((2, 1, T, 4)), np.ones((2, 1, T, 4)))
                 grew = trial.slots != cache.slots
                 refused = grew or bool((T > trial.answerable()).any())
             except ValueError:

@@ -1,4 +1,4 @@
-"""streamattn.models.gguf_read gives what gguf-py's GGUFReader gives, and refuses damaged containers."""
+"""streamattn.gguf.reader gives what gguf-py's GGUFReader gives, and refuses damaged containers."""
 
 import struct
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from _model_util import gemma_path, need_gemma, need_smollm2, smollm2_path, write_tiny_gguf
-from streamattn.models.gguf_read import GGUFFile
-from streamattn.models.loader import read_metadata
+from streamattn.gguf.reader import GGUFFile
+from streamattn.gguf.metadata import read_metadata
 
 
 def same_as_gguf_reader(path):

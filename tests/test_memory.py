@@ -17,7 +17,7 @@ def test_importing_streamattn_skips_scipy_linalg_and_hides_nothing_after():
     got = _run("""
         import sys
         import streamattn
-        from streamattn.models.qmatmul import quantize_rows      # a first compiled call's imports
+        from streamattn.quant.matmul import quantize_rows      # a first compiled call's imports
         import numpy as np
         x = np.ones((1, 32), np.float32)
         quantize_rows(x, np.empty((1, 32), np.int8), np.empty((1, 1), np.float32), np.empty((1, 1), np.float32),

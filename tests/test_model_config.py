@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from _model_util import need_smollm2, smollm2_path, write_tiny_gguf
-from streamattn.models.loader import (ModelConfig, ModelFileError, config_from_metadata, load_gguf,
-                                    read_metadata)
+from streamattn.gguf.loader import config_from_metadata, load_gguf
+from streamattn.gguf.metadata import ModelFileError, read_metadata
+from streamattn.models.config import ModelConfig
 
 
 @need_smollm2

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from _model_util import load, need_smollm2, smollm2_path, write_tiny_gguf
-from streamattn.models.loader import load_gguf
+from streamattn.gguf.loader import load_gguf
 from streamattn.models.transformer import Transformer
 from streamattn.reference import attention
 

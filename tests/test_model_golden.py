@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from _model_util import gemma_path, load, need_gemma, need_smollm2, smollm2_path
-from streamattn.models.hub import sha256_file
+from streamattn.gguf.hub import sha256_file
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 TOL = 1e-4   # measured 1.9e-6 (SmolLM2), 1.3e-6 (Gemma-3) on 2026-11-30

@@ -27,7 +27,7 @@ for name in ("sqrt", "tanh", "concatenate", "arange", "zeros", "isfinite"):
         setattr(cupy, name, (lambda f: lambda *a, **k: cupy.asarray(f(*a, **k)))(getattr(np, name)))
 sys.path.insert(0, "tests")
 from _model_util import write_tiny_gguf
-from streamattn.models.loader import load_gguf
+from streamattn.gguf.loader import load_gguf
 from streamattn.models.transformer import Transformer
 
 path = write_tiny_gguf(sys.argv[1], arch="gemma3", n_layers=6, d_model=32, n_heads=2, n_kv_heads=1,

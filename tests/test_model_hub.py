@@ -3,8 +3,8 @@
 import pytest
 
 from _model_util import need_smollm2, smollm2_path
-from streamattn.models.loader import ModelFileError
-from streamattn.models.hub import MODELS, cache_dir, pull, resolve_model, sha256_file
+from streamattn.gguf.loader import ModelFileError
+from streamattn.gguf.hub import MODELS, cache_dir, pull, resolve_model, sha256_file
 
 
 @need_smollm2
@@ -36,7 +36,7 @@ def test_gemma_source_assembles_four_parts_in_order():
 def fake_model(tmp_path, monkeypatch):
     """A model source whose 'download' writes known bytes and counts the downloads; the cache in tmp_path."""
     import hashlib
-    from streamattn.models import hub
+    from streamattn.gguf import hub
     good = b"GGUF" + bytes(range(256)) * 64
     src = hub.ModelSource(filename="fake.gguf", packages=("fake==1",), members=("fake.gguf",),
                           sha256=hashlib.sha256(good).hexdigest())

@@ -10,8 +10,8 @@ import zipfile
 
 import pytest
 
-from streamattn.models import hub
-from streamattn.models.loader import ModelFileError
+from streamattn.gguf import hub
+from streamattn.gguf.loader import ModelFileError
 
 PARTS = [b"GGUF" + bytes(range(256)) * 3, b"second part " * 50, b"", b"\x00tail\xff" * 7]
 FILENAME = "tiny-model.gguf"

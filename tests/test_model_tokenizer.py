@@ -4,7 +4,7 @@ import pytest
 
 from _model_util import (gemma_path, need_gemma, need_smollm2,
                          smollm2_path, tokenizer)
-from streamattn.models.tokenizer import StreamDecoder
+from streamattn.text.tokenizer import StreamDecoder
 
 TEXTS = ["Hello, world!", "The year 2024 had 366 days; 3.14159 is pi.", "emoji 👋🏽 and 日本語 and café",
          "def f(x):\n    return x ** 2  # square\n\tprint(f'{x!r}')", "  leading spaces and trailing  ",
@@ -159,7 +159,7 @@ def test_gemma_builtin_chat_format():
 
 @need_gemma
 def test_gemma_file_config_hybrid_windows():
-    from streamattn.models.loader import config_from_metadata
+    from streamattn.gguf.loader import config_from_metadata
     md, _ = tokenizer(gemma_path())
     c = config_from_metadata(md)
     assert (c.arch, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim) == ("gemma3", 18, 4, 1, 256)

@@ -109,12 +109,12 @@ def test_sinks_never_overwritten():
 
 def test_vectorised_exp_is_accurate_and_flushes_masked_scores():
     """The kernel's own exp (a polynomial, not libm): relative error <= 1e-6, -inf -> exactly 0."""
-    from streamattn.backends.cpu_tiles import _exp_tile, _lane_sum
+    from streamattn.backends.cpu_tiles import exp_tile, tile_sum
     x = np.concatenate([np.linspace(-87, 0, 997), [-np.inf, -200.0, -1e-30], [-np.inf] * 8]).astype(np.float32)
     ref = np.exp(x.astype(np.float64) - 0.25)
     got = x.copy()
-    _exp_tile(got, x.size, np.float32(0.25))
-    total = _lane_sum(got, x.size)
+    exp_tile(got, x.size, np.float32(0.25))
+    total = tile_sum(got, x.size)
     rel = np.abs(got / np.where(ref > 0, ref, 1) - 1)
     # Near the running max (the weights that matter) 1e-6; far below it float32's rounding of
     # (x - max) * log2(e) itself costs ~|y| * 2^-24 relative, still far inside the f32 tolerance.

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
-from streamattn.models.qmatmul import (GROUP_ROWS, HAVE_KERNELS, glu_quantize_rows, norm_quantize_rows, qmatmul,
+from streamattn.quant.matmul import (GROUP_ROWS, HAVE_KERNELS, glu_quantize_rows, norm_quantize_rows, qmatmul,
                                        quantize_activations)
-from streamattn.models.qmatmul_kernels import LANES, LANES_VNNI
-from streamattn.models.quant import (SUPPORTED_TYPES, QWeight, UnsupportedWeightType, compact, concat_rows, floats,
+from streamattn.quant.kernels import LANES, LANES_VNNI
+from streamattn.quant.weights import (SUPPORTED_TYPES, QWeight, UnsupportedWeightType, compact, concat_rows, floats,
                                      interleave, move_planes, pack, row_slice)
 
 pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="packed kernels need x86 AVX2 (CI machines have it)")
@@ -191,7 +191,7 @@ def test_rows_bounds_lanes_and_rebinding():
     """rows() refuses ids past either end and counts negative ones from the end; interleave takes only the
     kernels' widths; the model's one-call matmul looks its drivers up again when ROWS is switched (what
     benchmarks/prefill_rows.py does) and when a plane is replaced."""
-    from streamattn.models import qmatmul as qm
+    from streamattn.quant import matmul as qm
     data, w64 = gguf_bytes("Q8_0", 21, 64, seed=9)
     w = pack("t", "Q8_0", data, (21, 64))
     np.testing.assert_array_equal(w.rows(np.array([-1, 0])), w64[[20, 0]].astype(np.float32))
@@ -359,7 +359,7 @@ def test_fused_norm_quantization():
 def test_parallel_quantizers_give_the_serial_bits(gelu):
     """The prefill chunk's quantizers split rows over threads in pieces: every row the same bits as the
     serial quantizer's, with 1 and 2 threads and a row count that leaves a part-filled piece."""
-    from streamattn.models.qacts import glu_quantize_rows_parallel, norm_quantize_rows_parallel
+    from streamattn.quant.activations import glu_quantize_rows_parallel, norm_quantize_rows_parallel
     rng = np.random.default_rng(13)
     x = (rng.standard_normal((45, 576)) * 3).astype(np.float32)
     gu = (rng.standard_normal((45, 2 * 320)) * 3).astype(np.float32)
@@ -385,8 +385,8 @@ _CACHE_PROBE = """
 import numpy as np
 from gguf.quants import quantize
 import gguf
-from streamattn.models.quant import pack
-from streamattn.models.qmatmul import qmatmul
+from streamattn.quant.weights import pack
+from streamattn.quant.matmul import qmatmul
 for name in ("Q4_1", "Q8_0", "F16"):
     data = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
     data = data.astype(np.float16) if name == "F16" else quantize(data, gguf.GGMLQuantizationType[name])

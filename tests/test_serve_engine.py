@@ -17,8 +17,8 @@ MODES = {"full": {}, "window": dict(cache="window", window=6), "sinks": dict(cac
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from streamattn.models.loader import load_gguf
-    from streamattn.models.tokenizer import Tokenizer
+    from streamattn.gguf.loader import load_gguf
+    from streamattn.text.tokenizer import Tokenizer
     from streamattn.models.transformer import Transformer
     m = load_gguf(write_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", arch="llama", vocab=64))
     return Transformer(m), Tokenizer.from_metadata(m.metadata)
@@ -229,7 +229,7 @@ def test_serve_config_validates(kw, msg):
 
 def test_config_choices_are_the_model_layers():
     """serve/config keeps its own tuples (it must not import the model layer); they must not drift."""
-    from streamattn.models.loader import WEIGHT_KINDS
+    from streamattn.gguf.loader import WEIGHT_KINDS
     from streamattn.models.transformer import POSITIONS
     from streamattn.serve import config
     assert config.POSITIONS == POSITIONS and config.WEIGHTS == WEIGHT_KINDS

@@ -34,7 +34,7 @@ from ..storage import write_rows
 from ..threads import many_threads
 from . import cpu_simd, cpu_tiles
 from .cpu_simd import row_max
-from .cpu_tiles import FASTMATH, KIND, _accumulate, _exp_tile, _lane_sum, _scores, _tile_accumulate, _tile_scores
+from .cpu_tiles import FASTMATH, KIND, accumulate, exp_tile, tile_sum, scores, tile_accumulate, tile_scores
 
 PAGE = 2048           # keys per page: a work item's keys, merged by log-sum-exp (the module docstring)
 SUB = 512             # keys per tile inside a page: runs of K, then of V, of 128 KiB (float32, d = 64)
@@ -63,12 +63,12 @@ def _main_pages(L, nq, window, sinks):
 
 
 def _pages_kernels(items):
-    """:func:`_attend_pages` and :func:`_merge_splits` with their work items in ``items`` (``prange``: over
+    """:func:`attend_pages` and :func:`_merge_splits` with their work items in ``items`` (``prange``: over
     Numba's threads; ``range``: serially). One source for both; a call on one thread takes the serial
-    pair (:func:`_attend_all`): the parallel launch cost 3-10 us a decode call (docs/PERF.md). Numba keys
+    pair (:func:`attend_all`): the parallel launch cost 3-10 us a decode call (docs/PERF.md). Numba keys
     a cached closure on its cells, so the two never share a cache entry."""
 
-    def _attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, part_out, part_lse):
+    def attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, part_out, part_lse):
         """Partial attention per (sequence, kv head, page, block of query rows).
 
         q: [B, Hq, T, D] float32, already multiplied by the scale
@@ -152,10 +152,10 @@ def _pages_kernels(items):
                     n = t1 - pos
                     kt = k[b, h, slot:slot + n]                     # [n, D] storage
                     if vector:
-                        _tile_scores(qf, kt, n, sc, kind, kpad, stail)
+                        tile_scores(qf, kt, n, sc, kind, kpad, stail)
                     else:
                         for r in range(rows):
-                            _scores(qf[r], kt, n, sc[r], kind)
+                            scores(qf[r], kt, n, sc[r], kind)
                     n16 = (n + 15) // 16 * 16
                     for r in range(rows):
                         sr = sc[r]
@@ -173,14 +173,14 @@ def _pages_kernels(items):
                             continue
                         alpha[r] = np.float32(math.exp(m[r] - mt))
                         m[r] = mt
-                        _exp_tile(sr, n16, mt)
-                        l[r] = l[r] * alpha[r] + _lane_sum(sr, n16)
+                        exp_tile(sr, n16, mt)
+                        l[r] = l[r] * alpha[r] + tile_sum(sr, n16)
                     vt = v[b, h, slot:slot + n]                     # [n, D] storage
                     tacc[:] = 0.0
                     if vector:
-                        _tile_accumulate(tacc, sc, vt, n, kind)
+                        tile_accumulate(tacc, sc, vt, n, kind)
                     else:
-                        _accumulate(tacc, sc, vt, n, rows, kind)
+                        accumulate(tacc, sc, vt, n, rows, kind)
                     for r in range(rows):
                         ar = acc[r]
                         tr = tacc[r]
@@ -225,17 +225,17 @@ def _pages_kernels(items):
                     o[i] /= tot
                 lse[b, hq, t] = mx + math.log(tot)
 
-    return _attend_pages, _merge_splits
+    return attend_pages, _merge_splits
 
 
-_attend_pages, _merge_splits = (njit(parallel=True, fastmath=FASTMATH, cache=True)(f)
+attend_pages, _merge_splits = (njit(parallel=True, fastmath=FASTMATH, cache=True)(f)
                                 for f in _pages_kernels(prange))
 _attend_pages_serial, _merge_splits_serial = (njit(fastmath=FASTMATH, cache=True)(f) for f in _pages_kernels(range))
 
 
 @njit(cache=True)
 def _grid(lengths, counts, window, sinks, group):
-    """(npages, nblocks) of :func:`_attend_pages`: the most pages any sequence reads (at least 1), and
+    """(npages, nblocks) of :func:`attend_pages`: the most pages any sequence reads (at least 1), and
     blocks of ROW_BLOCK rows for the ``group * max(counts)`` query rows of a kv head (at least 1)."""
     npages, most = 1, 0
     for b in range(lengths.shape[0]):
@@ -246,9 +246,9 @@ def _grid(lengths, counts, window, sinks, group):
 
 
 @njit(cache=True)
-def _attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, serial):
-    """:func:`_attend_pages` then :func:`_merge_splits`, with their buffers: one call from Python instead
-    of two calls and four allocations (~3 us less per decode call). Arguments as for _attend_pages;
+def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, serial):
+    """:func:`attend_pages` then :func:`_merge_splits`, with their buffers: one call from Python instead
+    of two calls and four allocations (~3 us less per decode call). Arguments as for attend_pages;
     ``serial``: take the serial pair (one thread set: :func:`streamattn.threads.many_threads`); returns
     out [B, Hq, T, D], lse [B, Hq, T] float32."""
     B, Hq, T, D = q.shape
@@ -258,7 +258,7 @@ def _attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, serial):
     out = np.empty((B, Hq, T, D), np.float32)                   # [B, Hq, T, D]
     lse = np.empty((B, Hq, T), np.float32)                      # [B, Hq, T]
     if not serial:
-        _attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, part_out, part_lse)
+        attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, part_out, part_lse)
         _merge_splits(part_out, part_lse, out, lse)
     else:
         _attend_pages_serial(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, part_out, part_lse)
@@ -271,7 +271,7 @@ def write_attend(q, scale, kst, vst, ks, vs, ka, va, lengths, counts, last_count
                  expbits, kind, serial):
     """Append then attend for a causal cache without sinks, one call from Python (the model's decode and
     prefill chunks): :func:`streamattn.storage.write_rows` of the chunk (kst, vst: the storage as bits;
-    ks, vs: the chunk as stored, as bits; refused whole if not finite), then :func:`_attend_all` of
+    ks, vs: the chunk as stored, as bits; refused whole if not finite), then :func:`attend_all` of
     ``q * scale`` (q: float32 [B, Hq, T, D]) over ka, va (the storage as the kernels read it). The same
     calls and bits as ``KVCache.append`` then :func:`attend`, without the Python between them (~1 ms a
     SmolLM2 decode step in the model, where that Python runs with its data evicted: docs/PERF.md).
@@ -281,12 +281,12 @@ def write_attend(q, scale, kst, vst, ks, vs, ka, va, lengths, counts, last_count
     if bad >= 0:
         return bad, np.empty((0, 0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), True
     qs = q * np.float32(scale)
-    out, lse = _attend_all(qs, qs, ka, va, lengths, counts, 0, 0, kind, serial)
+    out, lse = attend_all(qs, qs, ka, va, lengths, counts, 0, 0, kind, serial)
     return bad, out, lse, bool(np.isfinite(lse).all())
 
 
 def count_pages(lengths, counts, window: int, sinks: int) -> int:
-    """Most pages any sequence of the call reads (at least 1): the ``npages`` of :func:`_attend_pages`."""
+    """Most pages any sequence of the call reads (at least 1): the ``npages`` of :func:`attend_pages`."""
     return _grid(np.asarray(lengths, np.int64), np.asarray(counts, np.int64), window, sinks, 1)[0]
 
 
@@ -317,7 +317,7 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
     vb = v.view(kb.dtype)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     counts = np.ascontiguousarray(counts, dtype=np.int64)
-    out, lse = _attend_all(qs, qss, kb, vb, lengths, counts, window, sinks, KIND[kind], not many_threads())
+    out, lse = attend_all(qs, qss, kb, vb, lengths, counts, window, sinks, KIND[kind], not many_threads())
     return out.astype(q.dtype, copy=False), lse
 
 

@@ -38,19 +38,19 @@ VF = ir.VectorType(F32, W)  # <16 x float>
 I8P = ir.IntType(8).as_pointer()
 
 
-def _const(n: int):
+def const(n: int):
     return ir.Constant(I64, n)
 
 
-def _llvm_fn(builder, name: str, ret, args):
+def llvm_fn(builder, name: str, ret, args):
     """The module's declaration of an LLVM intrinsic (declared once per module)."""
     mod = builder.module
     return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, args), name)
 
 
-def _fmuladd(builder, a, b, c):
+def fmuladd(builder, a, b, c):
     """a * b + c, fused where the target has FMA."""
-    return builder.call(_llvm_fn(builder, "llvm.fmuladd.v16f32", VF, [VF, VF, VF]), [a, b, c])
+    return builder.call(llvm_fn(builder, "llvm.fmuladd.v16f32", VF, [VF, VF, VF]), [a, b, c])
 
 
 def _splat(builder, x):
@@ -59,7 +59,7 @@ def _splat(builder, x):
     return builder.shuffle_vector(v, ir.Constant(VF, ir.Undefined), ir.Constant(ir.VectorType(I32, W), [0] * W))
 
 
-class _Rows:
+class Rows:
     """A 2-D C-contiguous Numba array inside a code generator: its data pointer, row stride and item size.
 
     The column offset is col * a constant item size, so LLVM folds a row's chunks into displacements of
@@ -74,18 +74,18 @@ class _Rows:
         self.cols = cgutils.unpack_tuple(builder, ary.shape)[1]
 
 
-def _addr(builder, ary, row, col, elem):
-    """&ary[row, col] of a :class:`_Rows` as an ``elem``*."""
-    off = builder.add(builder.mul(row, ary.row_stride), builder.mul(col, _const(ary.itemsize)))
+def addr(builder, ary, row, col, elem):
+    """&ary[row, col] of a :class:`Rows` as an ``elem``*."""
+    off = builder.add(builder.mul(row, ary.row_stride), builder.mul(col, const(ary.itemsize)))
     return builder.bitcast(builder.gep(ary.data, [off], source_etype=ir.IntType(8)), elem.as_pointer())
 
 
-def _load16(builder, ary, row, col, kind: int):
+def load16(builder, ary, row, col, kind: int):
     """ary[row, col:col + 16] as <16 x float>, widening float16 (kind 1) or bfloat16 (kind 2) bits."""
     if kind == 0:
-        return builder.load(_addr(builder, ary, row, col, VF), align=4, typ=VF)
+        return builder.load(addr(builder, ary, row, col, VF), align=4, typ=VF)
     vi = ir.VectorType(I16, W)
-    bits = builder.load(_addr(builder, ary, row, col, vi), align=2, typ=vi)
+    bits = builder.load(addr(builder, ary, row, col, vi), align=2, typ=vi)
     if kind == 1:                                   # fpext: vcvtph2ps on x86
         return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), W)), VF)
     wide = builder.zext(bits, ir.VectorType(I32, W))  # bfloat16: the top half of a float32
@@ -97,18 +97,18 @@ def _prefetches(R: int, kind: int) -> bool:
     return R >= PREFETCH_MIN_ROWS or kind != 0
 
 
-def _prefetch(builder, ary, row, col):
+def prefetch_line(builder, ary, row, col):
     """Prefetch the line PREFETCH_BYTES past &ary[row, col] for reading, hint T0; never faults, even
     past the array's end. The rows are contiguous (C arrays), so that is the same column some rows on,
     however wide a row is, and ``col`` may run past the row's end into the rows after it. ``col`` is a
     multiple of 16: for 16-bit storage two chunks share a 64-byte line, so only chunks that start a line
     prefetch."""
-    fn = _llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8P, I32, I32, I32])
-    starts_line = builder.icmp_unsigned("==", builder.urem(builder.mul(col, _const(ary.itemsize)), _const(64)),
-                                        _const(0))   # always true for float32 (LLVM folds the test away)
+    fn = llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8P, I32, I32, I32])
+    starts_line = builder.icmp_unsigned("==", builder.urem(builder.mul(col, const(ary.itemsize)), const(64)),
+                                        const(0))   # always true for float32 (LLVM folds the test away)
     with builder.if_then(starts_line):
-        here = _addr(builder, ary, row, col, ir.IntType(8))
-        builder.call(fn, [builder.gep(here, [_const(PREFETCH_BYTES)], source_etype=ir.IntType(8)),
+        here = addr(builder, ary, row, col, ir.IntType(8))
+        builder.call(fn, [builder.gep(here, [const(PREFETCH_BYTES)], source_etype=ir.IntType(8)),
                           ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
@@ -138,7 +138,7 @@ def _transpose_sum(builder, vecs):
     return vecs[0], [lanes.index(i) for i in range(len(lanes))]
 
 
-def _c_arrays(*tys) -> bool:
+def c_arrays(*tys) -> bool:
     """Typing guard: the kernels load runs of consecutive elements, so every array must be C-contiguous."""
     return all(isinstance(t, types.Array) and t.layout == "C" for t in tys)
 
@@ -163,7 +163,7 @@ def _kernel(body, arrays, storage):
     @intrinsic
     def kernel(typingctx, a0, a1, a2, a3, a4, kind):
         args = (a0, a1, a2, a3, a4, kind)
-        if not _c_arrays(*(args[i] for i in arrays)):
+        if not c_arrays(*(args[i] for i in arrays)):
             return None
 
         def codegen(context, builder, sig, values):
@@ -184,33 +184,33 @@ def _make_qk(R: int):
     KB = W // R                                     # keys per call: R * KB = 16 dot products
 
     def body(context, builder, sig, args, kind):
-        qa, ka, sa = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
+        qa, ka, sa = (Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
         r0v, jv = args[1], args[3]
         D = ka.cols
         zero = ir.Constant(VF, [0.0] * W)
         accs = [cgutils.alloca_once(builder, VF) for _ in range(R * KB)]  # dot g*KB+t, lane-wise
         for a in accs:
             builder.store(zero, a)
-        rows = [builder.add(r0v, _const(g)) for g in range(R)]
-        keys = [builder.add(jv, _const(t)) for t in range(KB)]
-        with cgutils.for_range(builder, builder.udiv(D, _const(W))) as loop:
-            col = builder.mul(loop.index, _const(W))
-            qs = [_load16(builder, qa, rows[g], col, 0) for g in range(R)]
+        rows = [builder.add(r0v, const(g)) for g in range(R)]
+        keys = [builder.add(jv, const(t)) for t in range(KB)]
+        with cgutils.for_range(builder, builder.udiv(D, const(W))) as loop:
+            col = builder.mul(loop.index, const(W))
+            qs = [load16(builder, qa, rows[g], col, 0) for g in range(R)]
             for t in range(KB):
                 if _prefetches(R, kind):
                     # the lines of the KB contiguous rows in memory order (chunk t of "row" jv, KB chunks
                     # per step), not in the order the loads take them (row t's chunk at col)
-                    _prefetch(builder, ka, jv, builder.mul(builder.add(builder.mul(loop.index, _const(KB)),
-                                                                       _const(t)), _const(W)))
-                kv = _load16(builder, ka, keys[t], col, kind)
+                    prefetch_line(builder, ka, jv, builder.mul(builder.add(builder.mul(loop.index, const(KB)),
+                                                                       const(t)), const(W)))
+                kv = load16(builder, ka, keys[t], col, kind)
                 for g in range(R):
                     a = accs[g * KB + t]
-                    builder.store(_fmuladd(builder, qs[g], kv, builder.load(a)), a)
+                    builder.store(fmuladd(builder, qs[g], kv, builder.load(a)), a)
         total, lane_of = _transpose_sum(builder, [builder.load(a) for a in accs])
         for g in range(R):                      # this row's KB sums, in key order, as one store
             pick = ir.Constant(ir.VectorType(I32, KB), [lane_of[g * KB + t] for t in range(KB)])
             part = builder.shuffle_vector(total, ir.Constant(VF, ir.Undefined), pick)
-            builder.store(part, _addr(builder, sa, rows[g], jv, ir.VectorType(F32, KB)), align=4)
+            builder.store(part, addr(builder, sa, rows[g], jv, ir.VectorType(F32, KB)), align=4)
     return _kernel(body, arrays=(0, 2, 4), storage=2)        # qk(qf, r0, kt, j, sc, kind)
 
 
@@ -228,46 +228,46 @@ def _make_pv(R: int):
     G4 = 4 if R <= 2 else 2                           # vectors per column group: R * G4 * U <= 16 accumulators
 
     def body(context, builder, sig, args, kind):
-        aa, pa, va = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
+        aa, pa, va = (Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
         r0v, nv = args[1], args[4]
         D = va.cols
-        rows = [builder.add(r0v, _const(g)) for g in range(R)]
-        wide_end = builder.mul(builder.udiv(D, _const(G4 * W)), _const(G4 * W))
-        for CG, start, count in ((G4, _const(0), builder.udiv(D, _const(G4 * W))),
-                                 (1, wide_end, builder.udiv(builder.sub(D, wide_end), _const(W)))):
+        rows = [builder.add(r0v, const(g)) for g in range(R)]
+        wide_end = builder.mul(builder.udiv(D, const(G4 * W)), const(G4 * W))
+        for CG, start, count in ((G4, const(0), builder.udiv(D, const(G4 * W))),
+                                 (1, wide_end, builder.udiv(builder.sub(D, wide_end), const(W)))):
             accs = [[cgutils.alloca_once(builder, VF) for _ in range(R * CG)] for _ in range(U)]
 
             def add_key(key, cols, acc_set):
                 if _prefetches(R, kind):
                     for c in range(CG):
-                        _prefetch(builder, va, key, cols[c])
-                xs = [_load16(builder, va, key, cols[c], kind) for c in range(CG)]
+                        prefetch_line(builder, va, key, cols[c])
+                xs = [load16(builder, va, key, cols[c], kind) for c in range(CG)]
                 for g in range(R):
-                    w = _splat(builder, builder.load(_addr(builder, pa, rows[g], key, F32), typ=F32))
+                    w = _splat(builder, builder.load(addr(builder, pa, rows[g], key, F32), typ=F32))
                     for c in range(CG):
                         a = acc_set[g * CG + c]
-                        builder.store(_fmuladd(builder, w, xs[c], builder.load(a)), a)
+                        builder.store(fmuladd(builder, w, xs[c], builder.load(a)), a)
 
             with cgutils.for_range(builder, count) as group:
-                c0 = builder.add(start, builder.mul(group.index, _const(CG * W)))
-                cols = [builder.add(c0, _const(W * c)) for c in range(CG)]
+                c0 = builder.add(start, builder.mul(group.index, const(CG * W)))
+                cols = [builder.add(c0, const(W * c)) for c in range(CG)]
                 for g in range(R):
                     for c in range(CG):
-                        builder.store(_load16(builder, aa, rows[g], cols[c], 0), accs[0][g * CG + c])
+                        builder.store(load16(builder, aa, rows[g], cols[c], 0), accs[0][g * CG + c])
                         for u in range(1, U):
                             builder.store(ir.Constant(VF, [0.0] * W), accs[u][g * CG + c])
-                with cgutils.for_range(builder, builder.udiv(nv, _const(U))) as step:
+                with cgutils.for_range(builder, builder.udiv(nv, const(U))) as step:
                     for u in range(U):
-                        add_key(builder.add(builder.mul(step.index, _const(U)), _const(u)), cols, accs[u])
+                        add_key(builder.add(builder.mul(step.index, const(U)), const(u)), cols, accs[u])
                 if U == 2:                          # an odd last key
                     with builder.if_then(builder.trunc(nv, ir.IntType(1))):
-                        add_key(builder.sub(nv, _const(1)), cols, accs[0])
+                        add_key(builder.sub(nv, const(1)), cols, accs[0])
                 for g in range(R):
                     for c in range(CG):
                         total = builder.load(accs[0][g * CG + c])
                         for u in range(1, U):
                             total = builder.fadd(total, builder.load(accs[u][g * CG + c]))
-                        builder.store(total, _addr(builder, aa, rows[g], cols[c], VF), align=4)
+                        builder.store(total, addr(builder, aa, rows[g], cols[c], VF), align=4)
     return _kernel(body, arrays=(0, 2, 3), storage=3)        # pv(acc, r0, p, vt, n, kind)
 
 
@@ -278,15 +278,15 @@ PV = {R: _make_pv(R) for R in (1, 2, 4)}
 @intrinsic
 def row_max(typingctx, x, n, init):
     """max(init, x[0], ..., x[n - 1]) of a contiguous 1-D float32 array, 16 lanes at a time, then a tail."""
-    if not (_c_arrays(x) and x.ndim == 1 and x.dtype == types.float32):
+    if not (c_arrays(x) and x.ndim == 1 and x.dtype == types.float32):
         return None
 
     def codegen(context, builder, sig, args):
         xa = context.make_array(sig.args[0])(context, builder, value=args[0])
         nv, init = args[1], args[2]
-        vmax = _llvm_fn(builder, "llvm.maxnum.v16f32", VF, [VF, VF])
-        smax = _llvm_fn(builder, "llvm.maxnum.f32", F32, [F32, F32])
-        vred = _llvm_fn(builder, "llvm.vector.reduce.fmax.v16f32", F32, [VF])
+        vmax = llvm_fn(builder, "llvm.maxnum.v16f32", VF, [VF, VF])
+        smax = llvm_fn(builder, "llvm.maxnum.f32", F32, [F32, F32])
+        vred = llvm_fn(builder, "llvm.vector.reduce.fmax.v16f32", F32, [VF])
         stride = cgutils.unpack_tuple(builder, xa.strides)[0]
         base = builder.bitcast(xa.data, I8P)
 
@@ -295,23 +295,23 @@ def row_max(typingctx, x, n, init):
                                    ty.as_pointer())
         # four vectors of running maxima, 64 floats per step: one chain of maxnum was latency-bound
         accs = [cgutils.alloca_once_value(builder, _splat(builder, init)) for _ in range(4)]
-        quads = builder.udiv(nv, _const(4 * W))          # steps of four vectors
+        quads = builder.udiv(nv, const(4 * W))          # steps of four vectors
         with cgutils.for_range(builder, quads) as loop:
             for a, acc in enumerate(accs):
-                i = builder.add(builder.mul(loop.index, _const(4 * W)), _const(a * W))
+                i = builder.add(builder.mul(loop.index, const(4 * W)), const(a * W))
                 v = builder.load(at(i, VF), align=4, typ=VF)
                 builder.store(builder.call(vmax, [builder.load(acc), v]), acc)
-        blocks = builder.udiv(nv, _const(W))              # whole vectors; the last blocks % 4 one at a time
-        done = builder.mul(quads, _const(4))
+        blocks = builder.udiv(nv, const(W))              # whole vectors; the last blocks % 4 one at a time
+        done = builder.mul(quads, const(4))
         with cgutils.for_range(builder, builder.sub(blocks, done)) as loop:
-            v = builder.load(at(builder.mul(builder.add(done, loop.index), _const(W)), VF), align=4, typ=VF)
+            v = builder.load(at(builder.mul(builder.add(done, loop.index), const(W)), VF), align=4, typ=VF)
             builder.store(builder.call(vmax, [builder.load(accs[0]), v]), accs[0])
         acc = accs[0]
         m01 = builder.call(vmax, [builder.load(accs[0]), builder.load(accs[1])])
         m23 = builder.call(vmax, [builder.load(accs[2]), builder.load(accs[3])])
         builder.store(builder.call(vmax, [m01, m23]), acc)
         best = cgutils.alloca_once_value(builder, builder.call(vred, [builder.load(acc)]))
-        tail = builder.mul(blocks, _const(W))
+        tail = builder.mul(blocks, const(W))
         with cgutils.for_range(builder, builder.sub(nv, tail)) as loop:
             v = builder.load(at(builder.add(tail, loop.index), F32), typ=F32)
             builder.store(builder.call(smax, [builder.load(best), v]), best)

@@ -2,7 +2,7 @@
 
 Each is written so that a row's result depends only on the row and the tile's keys, never on how many
 rows the call has or on keys past the row's last one (the batch invariance of :mod:`.cpu`). The vector
-paths need head_dim % 16 == 0 (:mod:`.cpu_simd`); ``_scores`` and ``_accumulate`` are the plain-Numba
+paths need head_dim % 16 == 0 (:mod:`.cpu_simd`); ``scores`` and ``accumulate`` are the plain-Numba
 fallbacks for other sizes.
 """
 
@@ -14,7 +14,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .cpu_simd import I32, PV, QK, VF, W, _const, bf16_to_f32, f16_to_f32
+from .cpu_simd import I32, PV, QK, VF, W, const, bf16_to_f32, f16_to_f32
 
 # Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
 # masked scores are -inf on purpose.
@@ -24,7 +24,7 @@ _QK1, _QK2, _QK4 = QK[1], QK[2], QK[4]   # module globals: Numba cannot index th
 _PV1, _PV2, _PV4 = PV[1], PV[2], PV[4]
 
 
-#: The constants of :func:`exp16` (Cephes exp2f's polynomial: see _exp_tile).
+#: The constants of :func:`exp16` (Cephes exp2f's polynomial: see exp_tile).
 _EXP2_POLY = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3, 5.550332471162809e-2,
               2.402264791363012e-1, 6.931472028550421e-1, 1.0)
 _LOG2E = 1.4426950408889634
@@ -33,7 +33,7 @@ _LOG2E = 1.4426950408889634
 @intrinsic
 def exp16(typingctx, x, j0, mx):
     """x[j0:j0 + 16] <- exp(x - mx) in place, one <16 x float>: the arithmetic of
-    :func:`_exp_tile` written as vector IR, the same IEEE operations in
+    :func:`exp_tile` written as vector IR, the same IEEE operations in
     the same order per element — y = max((x - mx) * log2(e), -127) (Numba's max: y when the compare
     fails, so NaN stays NaN), k = floor(y + 1/2), f = y - k, Horner's polynomial in f with one FMA per
     step, times 2^k by exponent bits. As a plain Numba loop, compiled apart from its caller, it stayed
@@ -78,7 +78,7 @@ def _vfn(builder, name, args):
 
 @intrinsic
 def lane_sum(typingctx, x, n16):
-    """sum(x[:n16]) (n16 a multiple of 16) in the order of :func:`_lane_sum`:
+    """sum(x[:n16]) (n16 a multiple of 16) in the order of :func:`tile_sum`:
     16 lanes from zero (lane i adds x[i], x[i + 16], ... in turn), then lanes i + 8 onto i, i + 4 onto i,
     and (l0 + l2) + (l1 + l3). One vector add per 16 elements, whatever the caller's compilation."""
     if not (isinstance(x, types.Array) and x.ndim == 1 and x.layout == "C" and x.dtype == types.float32):
@@ -89,7 +89,7 @@ def lane_sum(typingctx, x, n16):
         n = context.cast(builder, args[1], sig.args[1], types.int64)
         acc = cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * W))
         base = builder.bitcast(ary.data, VF.as_pointer())
-        with cgutils.for_range(builder, builder.udiv(n, _const(W))) as loop:
+        with cgutils.for_range(builder, builder.udiv(n, const(W))) as loop:
             v = builder.load(builder.gep(base, [loop.index]), align=4)
             builder.store(builder.fadd(builder.load(acc), v), acc)
         a = builder.load(acc)
@@ -115,7 +115,7 @@ def _wide_impl(x, kind):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _exp_tile(x, n16, mx):
+def exp_tile(x, n16, mx):
     """x[:n16] <- exp(x[:n16] - mx) in place (n16 a multiple of 16); vectorisable (libm's exp is scalar).
 
     2^y = 2^k * 2^f with k = floor(y + 1/2), f in [-1/2, 1/2]: 2^f from a degree-6 polynomial (Cephes
@@ -131,7 +131,7 @@ def _exp_tile(x, n16, mx):
 
 
 @njit(fastmath=FASTMATH - {"reassoc"}, cache=True)
-def _lane_sum(x, n16):
+def tile_sum(x, n16):
     """sum(x[:n16]) in one fixed order: 16 lanes (lane i holds x[i], x[i + 16], ... in turn), then a fixed
     tree. Trailing zero blocks leave it unchanged, so a tile's sum does not depend on where the call's
     keys end (batch invariance). No 'reassoc', so LLVM keeps this order."""
@@ -139,7 +139,7 @@ def _lane_sum(x, n16):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _scores(qr, kt, n, out, kind):
+def scores(qr, kt, n, out, kind):
     """out[j] = qr . kt[j] for j < n (one query row), widening 16-bit storage as it is read.
 
     One key row at a time, in memory order: reading four rows interleaved (to share q's loads) streamed
@@ -155,7 +155,7 @@ def _scores(qr, kt, n, out, kind):
 
 
 @njit(fastmath=FASTMATH - {"reassoc"}, cache=True)
-def _accumulate(acc, p, vt, n, rows, kind):
+def accumulate(acc, p, vt, n, rows, kind):
     """acc[r] += sum_j p[r, j] vt[j] for r < rows, j < n.
 
     Eight V rows per pass and every query row inside it: acc is loaded and stored once per eight keys,
@@ -200,7 +200,7 @@ def _qk_rows(R, qf, r, kt, n, sc, kind):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _tile_scores(qf, kt, n, sc, kind, kpad, stail):
+def tile_scores(qf, kt, n, sc, kind, kpad, stail):
     """sc[r, :n] = qf[r] . kt[:n] for every row r (head_dim % 16 == 0): rows in fours, then two, one.
 
     Every score is the same arithmetic whichever kernel computes it (lane-wise FMAs over head_dim, then
@@ -228,7 +228,7 @@ def _tile_scores(qf, kt, n, sc, kind, kpad, stail):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _tile_accumulate(acc, p, vt, n, kind):
+def tile_accumulate(acc, p, vt, n, kind):
     """acc[r] += sum_j p[r, j] vt[j] for every row r, j < n (head_dim % 16 == 0): rows in fours, two, one.
 
     acc: [rows, D] float32, p: [rows, >= n] float32, vt: [n, D] storage

@@ -25,7 +25,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..backends.cpu_simd import VF, W, _c_arrays, _load16, _prefetch, _Rows, _const
+from ..backends.cpu_simd import VF, W, c_arrays, load16, prefetch_line, Rows, const
 
 ROW = 64                    # floats per row of the vector readers' view of the buffer: four 16-lane loads
 
@@ -58,21 +58,21 @@ def _read_rows(typingctx, x, lo, hi, prefetch):
     """Sum of x[lo:hi] (x: [n, 64] float32, C order) read with the kernels' 16-lane loads into four
     vector accumulators (one per chunk of a row); ``prefetch``: also the kernels' T0 prefetch
     PREFETCH_BYTES ahead of every line. Returns float32."""
-    if not (_c_arrays(x) and x.ndim == 2 and x.dtype == types.float32):
+    if not (c_arrays(x) and x.ndim == 2 and x.dtype == types.float32):
         return None
 
     def codegen(context, builder, sig, args):
-        xa = _Rows(context, builder, sig.args[0], args[0])
+        xa = Rows(context, builder, sig.args[0], args[0])
         lo_v, hi_v, pf = args[1], args[2], args[3]
         accs = [cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * W)) for _ in range(ROW // W)]
 
         def emit(with_prefetch):
-            with cgutils.for_range_slice(builder, lo_v, hi_v, _const(1)) as (row, _):
+            with cgutils.for_range_slice(builder, lo_v, hi_v, const(1)) as (row, _):
                 for c, acc in enumerate(accs):
-                    col = _const(c * W)
+                    col = const(c * W)
                     if with_prefetch:
-                        _prefetch(builder, xa, row, col)
-                    builder.store(builder.fadd(builder.load(acc), _load16(builder, xa, row, col, 0)), acc)
+                        prefetch_line(builder, xa, row, col)
+                    builder.store(builder.fadd(builder.load(acc), load16(builder, xa, row, col, 0)), acc)
 
         with builder.if_else(cgutils.as_bool_bit(builder, pf)) as (yes, no):
             with yes:

@@ -21,7 +21,7 @@ from streamattn.engine.grammar import Grammars
 from streamattn.engine.sequence import Job, Sequence, check_logit_bias
 from streamattn.engine.speculative import SpecParams
 from streamattn.models.transformer import POSITIONS, Transformer
-from streamattn.models.tokenizer import Tokenizer
+from streamattn.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -270,7 +270,7 @@ class Generator:
 
 def warm_model(model, kind: str) -> float:
     """Run ``model`` (a CPU :class:`~streamattn.models.transformer.Transformer`) once on throwaway caches:
-    a chunk of :data:`~streamattn.models.qmatmul.ROWS` tokens, one token, then a chunk with a padded row,
+    a chunk of :data:`~streamattn.quant.matmul.ROWS` tokens, one token, then a chunk with a padded row,
     so that every kernel a prefill, a decode step and a ragged batch call (the packed matmul drivers of
     each weight kind, the fused norm and activation quantizers, attention for storage ``kind``) is
     compiled or loaded from Numba's cache now, outside any timing, as llama.cpp's warm-up decode does.
@@ -282,7 +282,7 @@ def warm_model(model, kind: str) -> float:
     compiled layers, then the array layers' kernels, so that their pages never add up (peak RSS of
     ``streamattn generate`` on SmolLM2, 705-token prompt: 294 -> 273 MB)."""
     from streamattn.memory import release_compiler_pages
-    from streamattn.models.qmatmul import ROWS
+    from streamattn.quant.matmul import ROWS
     t0 = time.perf_counter()
     release_compiler_pages()          # those touched by what loaded before (the CLI's attention warm-up)
     caches = model.new_caches(batch=1, max_chunk=ROWS, dtype=kind)

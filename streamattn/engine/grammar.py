@@ -44,7 +44,7 @@ class Grammar:
 
 
 class Grammars:
-    """Compiles and caches grammars for one :class:`~streamattn.models.tokenizer.Tokenizer` (thread-safe)."""
+    """Compiles and caches grammars for one :class:`~streamattn.text.tokenizer.Tokenizer` (thread-safe)."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer

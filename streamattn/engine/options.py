@@ -26,7 +26,7 @@ class ModelOptions:
     Parameters
     ----------
     model : str or None
-        A .gguf path or a model name (``streamattn.models.hub``); None = the default model.
+        A .gguf path or a model name (``streamattn.gguf.hub``); None = the default model.
     weights : {"quant", "f32"}
         Keep the file's packed blocks, or dequantize to float32 (the reference path).
     cache : {"full", "window", "sinks"}
@@ -129,9 +129,9 @@ class ModelOptions:
         ``progress(done, total, name)`` sees the tensors being read. A ``--backend gpu`` without a visible
         CUDA device is refused before the file is read.
         """
-        from streamattn.models.hub import resolve_model
-        from streamattn.models.loader import load_gguf
-        from streamattn.models.tokenizer import Tokenizer
+        from streamattn.gguf.hub import resolve_model
+        from streamattn.gguf.loader import load_gguf
+        from streamattn.text.tokenizer import Tokenizer
         from streamattn.models.transformer import Transformer
         from streamattn.threads import set_threads
 

@@ -191,7 +191,7 @@ def load_ids(file, tokenizer, max_tokens: int | None = None) -> list:
 def run_args(args) -> int:
     """``streamattn perplexity``: score the file, print or write the JSON, draw the PNG."""
     from streamattn.engine.options import ModelOptions
-    from streamattn.models.hub import resolve_model
+    from streamattn.gguf.hub import resolve_model
 
     opts = ModelOptions.from_args(args)
     path = resolve_model(opts.model, quiet=args.quiet)

@@ -15,7 +15,7 @@ import numpy as np
 
 from streamattn.engine.sampling import SamplingParams, apply_repetition_penalty, sample
 from streamattn.engine.speculative import DraftLength, SpecParams, make_proposer, verify
-from streamattn.models.tokenizer import StreamDecoder, Tokenizer
+from streamattn.text.tokenizer import StreamDecoder, Tokenizer
 
 
 def check_logit_bias(bias, vocab: int) -> tuple:

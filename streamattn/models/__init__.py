@@ -1,4 +1,6 @@
-"""The model layer: GGUF reading, transformer forward, tokenizer, sampling, generation, model cache.
+"""The forward pass: model configs, one file per architecture, the transformer, its layer, the compiled CPU
+layers.
 
-Built on the engine (``streamattn.CacheSpec``, ``KVCache``, ``attend``); the engine never imports it.
+Built on the attention core (``streamattn.CacheSpec``, ``KVCache``, ``attend``), on :mod:`streamattn.quant`
+and :mod:`streamattn.gguf`; the core never imports it.
 """

@@ -2,38 +2,30 @@
 
 Written against an array module ``xp`` (numpy on the CPU; CuPy on the GPU once weights are moved with
 ``Transformer.to``). Weight matrices are float arrays or packed GGUF blocks
-(:class:`~streamattn.models.quant.QWeight`); :func:`linear` and :func:`embed_rows` are the two
+(:class:`~streamattn.quant.weights.QWeight`); :func:`linear` and :func:`embed_rows` are the two
 operations that look at which (on numpy, packed integer weights go to the fused kernels of
-:mod:`streamattn.models.qmatmul`). :class:`ArrayOps` binds them to one forward call as the layer's ops.
+:mod:`streamattn.quant.matmul`). :class:`ArrayOps` binds them to one forward call as the layer's ops.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 
-from streamattn.dispatch import _append_attend   # attend() without re-checking what forward built
-from streamattn.models.quant import QWeight
+from streamattn.dispatch import append_attend   # attend() without re-checking what forward built
+from streamattn.models.heads_kernel import heads_rope_cpu
 from streamattn.models.rope import rope, rope_tables  # noqa: F401  (rope_tables: heads_rope's doctest)
-
-
-@functools.cache
-def _cpu_kernels(name: str):
-    """Module ``streamattn.models.<name>`` (qmatmul, heads_kernel): imported on first use, since their Numba
-    kernels load then and a GPU model never needs them; cached, since an import statement in a function
-    runs on every call (docs/DESIGN.md §16)."""
-    import importlib
-    return importlib.import_module(f"streamattn.models.{name}")
+from streamattn.quant import matmul as qmatmul
+from streamattn.quant.weights import QWeight
 
 
 def linear(xp, x, w):
     """``x @ w.T``: x [..., in], w [out, in] a float array or a :class:`QWeight` -> [..., out]."""
     if _int_kernel(w):
-        return _cpu_kernels("qmatmul").plain_qmatmul(x, w)
+        return qmatmul.plain_qmatmul(x, w)
     if isinstance(w, QWeight):
-        return _cpu_kernels("qmatmul").qmatmul(x, w)
+        return qmatmul.qmatmul(x, w)
     if isinstance(w, tuple):                     # row groups of different block kinds
         return xp.concatenate([linear(xp, x, p) for p in w], axis=-1)
     return x @ w.T
@@ -47,7 +39,7 @@ def norm_linear(xp, x, norm_w, eps, w):
     """``rms_norm(x, norm_w) @ w.T``; on packed integer weights the norm is fused into the quantization
     of the activations (one compiled pass)."""
     if _int_kernel(w):
-        return _cpu_kernels("qmatmul").norm_qmatmul(x, norm_w, eps, w)
+        return qmatmul.norm_qmatmul(x, norm_w, eps, w)
     return linear(xp, rms_norm(xp, x, norm_w, eps), w)
 
 
@@ -55,7 +47,7 @@ def glu_linear(xp, gu, activation, w):
     """``(act(g) * u) @ w.T`` for gu = [g | u] [..., 2*d_ff]; act 'silu' or 'gelu_tanh'. Fused like
     :func:`norm_linear` on packed integer weights."""
     if _int_kernel(w):
-        return _cpu_kernels("qmatmul").glu_qmatmul(gu, activation == "gelu_tanh", w)
+        return qmatmul.glu_qmatmul(gu, activation == "gelu_tanh", w)
     d_ff = gu.shape[-1] // 2
     g, u = gu[..., :d_ff], gu[..., d_ff:]
     return linear(xp, (gelu_tanh(xp, g) if activation == "gelu_tanh" else silu(xp, g)) * u, w)
@@ -108,8 +100,8 @@ def heads_rope(xp, h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm=None, eps
     [(1, 1, 1, 4), (1, 1, 1, 4), (1, 1, 1, 4)]
     """
     if xp is np:
-        return _cpu_kernels("heads_kernel").heads_rope_cpu(h, cos, sin, style=style, n_heads=n_heads,
-                                                           n_kv_heads=n_kv_heads, qk_norm=qk_norm, eps=eps)
+        return heads_rope_cpu(h, cos, sin, style=style, n_heads=n_heads, n_kv_heads=n_kv_heads, qk_norm=qk_norm,
+                              eps=eps)
     return _heads_rope_xp(xp, h, cos, sin, style=style, n_heads=n_heads, n_kv_heads=n_kv_heads,
                           qk_norm=qk_norm, eps=eps)
 
@@ -143,7 +135,7 @@ class ArrayOps:
         self.sink_tables = {}    # (base, n_s + n_c - 1) -> tables at the queries' cache positions
 
     def at_layer(self, i: int):
-        self.i, self.cache, self.base = i, self.caches[i], self.tf._base(i)
+        self.i, self.cache, self.base = i, self.caches[i], self.tf.rope_base_of(i)
         return self
 
     def norm_linear(self, x, norm_w, w):
@@ -159,14 +151,14 @@ class ArrayOps:
         if self.positions == "cache" and cache.spec.sinks:                              # [B, H, T, hd]
             newest = cache.spec.sinks + cache.spec.window - 1
             if (base, newest) not in self.sink_tables:
-                self.sink_tables[base, newest] = self.tf._rope_tables(np.minimum(self.pos, newest), base)
+                self.sink_tables[base, newest] = self.tf.rope_tables_at(np.minimum(self.pos, newest), base)
             qs = _qk_heads(xp, h, c.n_heads + c.n_kv_heads, c.head_dim, qk_norm, c.norm_eps)[:, :, :c.n_heads]
             self.q_sink = xp.ascontiguousarray(
                 rope(xp, qs, *self.sink_tables[base, newest], c.rope_style).transpose(0, 2, 1, 3))
         return q, k, v
 
     def attend(self, q, k, v):
-        o, _ = _append_attend(q, k, v, self.cache, backend=self.backend, scale=float(self.c.attn_scale),
+        o, _ = append_attend(q, k, v, self.cache, backend=self.backend, scale=float(self.c.attn_scale),
                               counts=self.counts, q_sink=self.q_sink)                   # write, then attend
         if self.hook is not None:
             self.hook(self.i, q, k, v, o)

@@ -29,12 +29,14 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from streamattn.backends import cpu
+from streamattn import storage
+from streamattn.backends import cpu, cpu_simd, cpu_tiles
 from streamattn.kernel_cache import drop_when_changed
-from streamattn.models import heads_kernel, layer, qmatmul
-from streamattn.models.heads_kernel import _heads_rope_alloc, heads_rope_rows_parallel, rms_row
-from streamattn.models.qmatmul import GELU, NORM, PLAIN, SILU
-from streamattn.models.transformer import LayerWeights
+from streamattn.models import heads_kernel, layer
+from streamattn.models.heads_kernel import heads_rope_alloc, heads_rope_rows_parallel, rms_row
+from streamattn.models.layer import LayerWeights
+from streamattn.quant import activations, kernels, matmul as qmatmul
+from streamattn.quant.matmul import GELU, NORM, PLAIN, SILU
 from streamattn.storage import EXPONENT_BITS, bits, write_rows
 
 
@@ -76,7 +78,7 @@ def _untag(tag_type) -> tuple:
 def _matmul(w_type):
     """The compiled ``x @ W.T`` (any driver mode) of a weight tuple of Numba type ``w_type``: the
     drivers ``_fused`` calls, with its placeholder arrays, then the padding rows cut."""
-    serial, parallel = qmatmul._qdrivers(*_untag(w_type.types[4]))
+    serial, parallel = qmatmul.qdrivers(*_untag(w_type.types[4]))
 
     @njit
     def run(mode, x, nw, eps, w, one_thread):
@@ -122,7 +124,7 @@ def _heads_rope(h, qk_norm, at):
     def impl(h, qk_norm, at):
         cfg, step = at[0], at[2]
         if step.serial or h.shape[0] < 32:
-            return _heads_rope_alloc(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk)
+            return heads_rope_alloc(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk)
         return heads_rope_rows_parallel(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk)
     return impl
 
@@ -230,7 +232,7 @@ def _attend(q, k, v, at):
             step.status[0] = 1                       # not finite as stored: nothing written (see run_layer)
             return np.full((B * T, q.shape[1] * D), np.nan, np.float32)
         qs = q * np.float32(cfg.scale)
-        out, lse = cpu._attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind,
+        out, lse = cpu.attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind,
                                    step.serial)
         return heads_to_rows(out, lse) if one else heads_to_rows_parallel(out, lse)
     return impl
@@ -263,10 +265,7 @@ def run_layer(x, w, at):
 def _drop_stale() -> None:
     """Numba keys compiled_layer's cache file on layer.py alone; drop it once when what it compiles in
     changes (this module's ops, the kernels they call: :func:`streamattn.kernel_cache.drop_when_changed`)."""
-    from streamattn.backends import cpu_simd, cpu_tiles
-    from streamattn.models import qacts, qmatmul_kernels
-    from streamattn import storage
-    files = [m.__file__ for m in (layer, qmatmul, qmatmul_kernels, qacts, heads_kernel, cpu, cpu_simd, cpu_tiles,
+    files = [m.__file__ for m in (layer, qmatmul, kernels, activations, heads_kernel, cpu, cpu_simd, cpu_tiles,
                                   storage)] + [__file__]
 
     def delete(directory):                       # the layer, and this module's functions that link it in
@@ -305,7 +304,7 @@ def bind_weights(lw: LayerWeights):
         return None
     _vector = lambda a, empty: empty if a is None else np.ascontiguousarray(a, np.float32)  # noqa: E731
     return Weights(attn_norm=_vector(lw.attn_norm, _EMPTY1), ffn_norm=_vector(lw.ffn_norm, _EMPTY1),
-                   qk_norm=_vector(lw.qk_norm, heads_kernel._NO_NORM),
+                   qk_norm=_vector(lw.qk_norm, heads_kernel.NO_NORM),
                    post_attn_norm=_vector(lw.post_attn_norm, _EMPTY1[:0]),
                    post_ffw_norm=_vector(lw.post_ffw_norm, _EMPTY1[:0]), **mats)
 
@@ -377,7 +376,7 @@ class CompiledLayers:
         hand the layer back; False where that is not the reason or the cache cannot (a head() view)."""
         need = int(cache.lengths.max()) + T
         if need <= cache.slots or (cache.spec.max_len is not None and need > cache.spec.max_len) \
-                or getattr(cache, "_view_of", None) is not None:
+                or cache.view_of is not None:
             return False
         cache.reserve(need)
         return True

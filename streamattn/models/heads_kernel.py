@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-_NO_NORM = np.zeros((0, 1), np.float32)   # qk_norm=None: a norm table with no rows
+NO_NORM = np.zeros((0, 1), np.float32)   # qk_norm=None: a norm table with no rows
 
 
 @njit(cache=True)
@@ -142,14 +142,14 @@ def heads_rope_cpu(h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm=None, eps
     B, T, W = h.shape
     hd = W // (n_heads + 2 * n_kv_heads)
     rows = np.ascontiguousarray(h.reshape(B * T, W), np.float32)                # [M, W]
-    norm_w = _NO_NORM if qk_norm is None else np.ascontiguousarray(qk_norm, np.float32)
-    return _heads_rope_alloc(rows, np.ascontiguousarray(cos.reshape(B * T, hd), np.float32),
+    norm_w = NO_NORM if qk_norm is None else np.ascontiguousarray(qk_norm, np.float32)
+    return heads_rope_alloc(rows, np.ascontiguousarray(cos.reshape(B * T, hd), np.float32),
                            np.ascontiguousarray(sin.reshape(B * T, hd), np.float32), style == "neox", norm_w,
                            np.float32(eps), B, n_heads, n_kv_heads)
 
 
 @njit(cache=True)
-def _heads_rope_alloc(h, cos, sin, neox, norm_w, eps, B, H, Hk):
+def heads_rope_alloc(h, cos, sin, neox, norm_w, eps, B, H, Hk):
     """:func:`_heads_rope` into new q [B, H, T, hd], k, v [B, Hk, T, hd] (made here: one call from Python
     instead of three numpy allocations and a call, run between weight reads that evict their data)."""
     q, k, v = _new_heads(h, B, H, Hk)
@@ -168,7 +168,7 @@ def _new_heads(h, B, H, Hk):
 
 @njit(parallel=True, cache=True)
 def heads_rope_rows_parallel(h, cos, sin, neox, norm_w, eps, B, H, Hk):
-    """:func:`_heads_rope_alloc` with the rows split over Numba's threads in pieces of 16 (a prompt chunk;
+    """:func:`heads_rope_alloc` with the rows split over Numba's threads in pieces of 16 (a prompt chunk;
     every row is computed alone, so the same bits)."""
     M = h.shape[0]
     q, k, v = _new_heads(h, B, H, Hk)

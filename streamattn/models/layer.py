@@ -4,7 +4,7 @@
 context, so the same function runs two ways:
 
 * as Python, with ``at`` an object whose methods are array code on any ``xp`` (numpy, CuPy):
-  :class:`streamattn.models.transformer.ArrayOps`, what ``Transformer.forward`` uses everywhere;
+  :class:`streamattn.models.array_ops.ArrayOps`, what ``Transformer.forward`` uses everywhere;
 * compiled by Numba, with ``at`` a tuple of arrays and numbers: :mod:`streamattn.models.compiled`
   gives each op a Numba implementation (``numba.extending.overload``) over the same CPU kernels the
   array ops call, in the same order, so both give the same bits (tests/test_compiled_layer.py). The
@@ -17,11 +17,29 @@ are the identity on a llama-family layer)::
     x += post_norm(attend(q, k, v) @ Wo.T)           # attend: write k, v into the cache, then attend
     x += post_norm(act(g) * u @ Wdown.T)             # g, u = rms_norm(x) @ Wgu.T; act: silu, gelu-tanh
 
-``x`` is the residual stream, updated in place. ``w`` has the fields of
-:class:`~streamattn.models.transformer.LayerWeights`.
+``x`` is the residual stream, updated in place. ``w`` has the fields of :class:`LayerWeights`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LayerWeights:
+    """One block's weights, matrices ``[out, in]`` (multiply as ``x @ W.T``; float arrays, QWeight, or a
+    tuple of row groups of different block kinds). Which GGUF tensors make each field is the
+    architecture's (:class:`streamattn.models.config.Architecture`)."""
+
+    attn_norm: object   # [d_model]
+    wqkv: object        # [q_dim + 2*kv_dim, d_model]  (q rows, then k rows, then v rows)
+    wo: object          # [d_model, q_dim]
+    ffn_norm: object    # [d_model]
+    wgu: object         # [2*d_ff, d_model]  (gate rows, then up rows)
+    wdown: object       # [d_model, d_ff]
+    qk_norm: object = None         # [n_heads + n_kv_heads, head_dim]  (q-norm rows, then k-norm rows)
+    post_attn_norm: object = None  # [d_model]
+    post_ffw_norm: object = None   # [d_model]
 
 
 def norm_linear(x, norm_w, w, at):

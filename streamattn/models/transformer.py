@@ -25,37 +25,23 @@ Model (pre-norm; gemma3 extras in brackets)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from streamattn import CacheSpec, KVCache
-from streamattn.models.arrange import FUSED
-from streamattn.models.array_ops import ArrayOps, _cpu_kernels, embed_rows, norm_linear
-from streamattn.models.layer import decoder_layer
-from streamattn.models.loader import GGUFModel, ModelConfig
-from streamattn.models.quant import QWeight, concat_rows
+from streamattn.models import compiled
+from streamattn.models.architectures import ARCHITECTURES
+from streamattn.models.array_ops import ArrayOps, embed_rows, norm_linear
+from streamattn.models.config import EMBEDDING, OUTPUT, OUTPUT_NORM, ModelConfig, tensor_name
+from streamattn.models.layer import LayerWeights, decoder_layer
 from streamattn.models.rope import RopeTables, rope_tables
+from streamattn.quant import matmul as qmatmul
+from streamattn.quant.weights import QWeight, concat_rows
+from streamattn.threads import many_threads
 
 CACHE_MODES = ("full", "window", "sinks")
 POSITIONS = ("absolute", "cache")
-
-
-@dataclass
-class LayerWeights:
-    """One block's weights, matrices ``[out, in]`` (multiply as ``x @ W.T``; float arrays, QWeight, or a
-    tuple of row groups of different block kinds)."""
-
-    attn_norm: object   # [d_model]
-    wqkv: object        # [q_dim + 2*kv_dim, d_model]  (q rows, then k rows, then v rows)
-    wo: object          # [d_model, q_dim]
-    ffn_norm: object    # [d_model]
-    wgu: object         # [2*d_ff, d_model]  (gate rows, then up rows)
-    wdown: object       # [d_model, d_ff]
-    qk_norm: object = None         # [n_heads + n_kv_heads, head_dim]  gemma3 (q_norm rows, then k_norm rows)
-    post_attn_norm: object = None  # [d_model]   gemma3
-    post_ffw_norm: object = None   # [d_model]   gemma3
 
 
 def _cat_rows(parts):
@@ -65,6 +51,19 @@ def _cat_rows(parts):
     if any(isinstance(p, QWeight) for p in parts):
         return tuple(parts)
     return np.ascontiguousarray(np.concatenate(parts, 0), np.float32)
+
+
+def _layer_weight(c: ModelConfig, field: str, names: tuple, w: dict, fused: dict):
+    """The LayerWeights ``field`` made of the tensors ``names``: one tensor; a row group (the loader's
+    single fused copy, else concatenated here); for ``qk_norm`` the q-norm row per q head, then the k-norm
+    row per kv head."""
+    if field == "qk_norm":
+        q, k = names
+        return np.concatenate([np.tile(w[q], (c.n_heads, 1)), np.tile(w[k], (c.n_kv_heads, 1))])
+    if len(names) == 1:
+        return w[names[0]]
+    f = fused.get(names)
+    return f if f is not None else _cat_rows([w[n] for n in names])
 
 
 def _to_device(xp, w):
@@ -81,8 +80,8 @@ class Transformer:
 
     Parameters
     ----------
-    model : GGUFModel
-        From :func:`streamattn.models.loader.load_gguf`.
+    model : streamattn.gguf.loader.GGUFModel
+        From :func:`streamattn.gguf.loader.load_gguf`: its config, weights and fused row groups.
     xp : module, optional
         Array module (numpy default; cupy after :meth:`to`).
 
@@ -93,33 +92,18 @@ class Transformer:
     >>> logits = tf.forward(np.array([[1, 2, 3]]), caches)          # [1, 3, vocab]
     """
 
-    def __init__(self, model: GGUFModel, xp=np):
+    def __init__(self, model, xp=np):
         self.config: ModelConfig = model.config
         self.xp = xp
         c, w = self.config, model.weights
         self.weights_kind = model.weights_kind
-        self.embed = w["token_embd.weight"]                       # [vocab, d_model]
-        self.output = w.get("output.weight", self.embed)          # [vocab, d_model] (tied when absent)
-        self.output_norm = w["output_norm.weight"]                # [d_model]
-        self.layers = []
-        def fused(p, key):
-            """One layer's fused row groups (the loader's single copy, else concatenated here)."""
-            f = model.fused.get(p + key + ".weight")
-            return f if f is not None else _cat_rows([w[p + n + ".weight"] for n in FUSED[key]])
-
-        for i in range(c.n_layers):
-            p = f"blk.{i}."
-            self.layers.append(LayerWeights(
-                attn_norm=w[p + "attn_norm.weight"],
-                wqkv=fused(p, "attn_qkv"),
-                wo=w[p + "attn_output.weight"], ffn_norm=w[p + "ffn_norm.weight"],
-                wgu=fused(p, "ffn_gate_up"),
-                wdown=w[p + "ffn_down.weight"],
-                qk_norm=None if not c.qk_norm else np.concatenate(
-                    [np.tile(w[p + "attn_q_norm.weight"], (c.n_heads, 1)),
-                     np.tile(w[p + "attn_k_norm.weight"], (c.n_kv_heads, 1))]),
-                post_attn_norm=w.get(p + "post_attention_norm.weight"),
-                post_ffw_norm=w.get(p + "post_ffw_norm.weight")))
+        self.embed = w[tensor_name(EMBEDDING)]                          # [vocab, d_model]
+        self.output = w.get(tensor_name(OUTPUT), self.embed)            # [vocab, d_model] (tied when absent)
+        self.output_norm = w[tensor_name(OUTPUT_NORM)]                  # [d_model]
+        arch = ARCHITECTURES[c.arch]
+        self.layers = [LayerWeights(**{f: _layer_weight(c, f, names, w, model.fused)
+                                       for f, names in arch.layer_tensors(i).items()})
+                       for i in range(c.n_layers)]
         #: Run the layers as compiled calls on the CPU where they allow it (:mod:`streamattn.models.compiled`:
         #: the same bits); False runs every layer as array code.
         self.compile_layers = True
@@ -192,12 +176,12 @@ class Transformer:
         return caches
 
     # ------------------------------------------------------------------ forward
-    def _rope_tables(self, pos, base):
+    def rope_tables_at(self, pos, base):
         """(cos, sin) [B, T, 1, hd] of RoPE base ``base`` at positions ``pos`` [B, T], computed now."""
         cos, sin = rope_tables(pos[:, :, None], self._rope.inv_freq[base], self.config.rope_style)
         return self.xp.asarray(cos), self.xp.asarray(sin)
 
-    def _base(self, i: int) -> float:
+    def rope_base_of(self, i: int) -> float:
         """RoPE base of layer i (gemma3: local layers have their own)."""
         c = self.config
         return c.rope_base if c.layer_windows[i] is None else c.rope_base_local
@@ -209,8 +193,8 @@ class Transformer:
                 and hook is None and (positions == "absolute" or not any(k.spec.sinks for k in caches))):
             return None
         fast = self._compiled
-        if fast is None or fast.rows != _cpu_kernels("qmatmul").ROWS:
-            fast = self._compiled = _cpu_kernels("compiled").CompiledLayers(self)
+        if fast is None or fast.rows != qmatmul.ROWS:
+            fast = self._compiled = compiled.CompiledLayers(self)
         return fast
 
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
@@ -261,12 +245,12 @@ class Transformer:
         ops = ArrayOps(self, caches, tables, pos, backend, attn_counts, attn_hook, positions)
         fast = self._compiled_layers(backend, attn_counts, attn_hook, positions, caches)
         if fast is not None:                          # the compiled layers' RoPE rows, per base: [B*T, hd]
-            serial, status = not _cpu_kernels("qmatmul").many_threads(), np.zeros(1, np.int64)
+            serial, status = not many_threads(), np.zeros(1, np.int64)
             steps = {base: fast.step(cos.reshape(B * T, -1), sin.reshape(B * T, -1), B, serial, status)
                      for base, (cos, sin) in tables.items()}
             x2 = x.reshape(B * T, c.d_model)
         for i, lw in enumerate(self.layers):
-            if fast is not None and fast.run(i, x2, caches[i], steps[self._base(i)]):
+            if fast is not None and fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):
                 continue
             decoder_layer(x, lw, ops.at_layer(i))
         if last_only:

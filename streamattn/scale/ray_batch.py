@@ -50,7 +50,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None):
     return ray
 
 
-def _ray_up() -> bool:
+def ray_up() -> bool:
     try:
         import ray
     except ImportError:
@@ -114,7 +114,7 @@ def run_ray(requests: list, out: OutputFile, opts: ModelOptions, *, actors: int 
     errors: list = []
     if not requests:
         return errors
-    was_up = _ray_up()
+    was_up = ray_up()
     ray = init_ray(address)
     try:
         ray.data.DataContext.get_current().enable_progress_bars = False

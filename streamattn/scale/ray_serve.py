@@ -138,9 +138,9 @@ def run(config, *, replicas: int | None = 1, autoscale: tuple | None = None, cpu
     until interrupted and then shuts Serve and a Ray it started down; otherwise it returns once every
     replica is running (the caller calls :func:`shutdown`).
     """
-    from streamattn.scale.ray_batch import _ray_up, init_ray
+    from streamattn.scale.ray_batch import ray_up, init_ray
     _sizing(config, replicas, autoscale, cpus_per_replica)
-    was_up = _ray_up()
+    was_up = ray_up()
     init_ray(address)
     from ray import serve
     up = False

@@ -44,9 +44,9 @@ class ServerState:
     def load(self) -> None:
         """Load the model and start the engine (runs in a thread; /health is 503 until it is done)."""
         try:
-            from streamattn.models.hub import resolve_model
-            from streamattn.models.loader import load_gguf
-            from streamattn.models.tokenizer import Tokenizer
+            from streamattn.gguf.hub import resolve_model
+            from streamattn.gguf.loader import load_gguf
+            from streamattn.text.tokenizer import Tokenizer
             from streamattn.models.transformer import Transformer
             from streamattn.threads import set_threads
 

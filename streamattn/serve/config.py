@@ -9,7 +9,7 @@ CACHE_DTYPES = ("float32", "float16", "bfloat16")
 BACKENDS = ("reference", "cpu", "gpu", "auto")
 POSITIONS = ("absolute", "cache")        # = models.transformer.POSITIONS (not imported: config stays light;
 #                                           tests/test_serve_engine.py checks they agree)
-WEIGHTS = ("quant", "f32")               # = models.loader.WEIGHT_KINDS (checked there too)
+WEIGHTS = ("quant", "f32")               # = gguf.loader.WEIGHT_KINDS (checked there too)
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class ServeConfig:
     Parameters
     ----------
     model : str or None
-        A .gguf path or a model name (``streamattn.models.hub``); None = the default model.
+        A .gguf path or a model name (``streamattn.gguf.hub``); None = the default model.
     host, port : str, int
         Where uvicorn listens (``build_app`` itself ignores them).
     parallel : int

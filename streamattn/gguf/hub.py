@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamattn.models.loader import ModelFileError
+from streamattn.gguf.metadata import ModelFileError
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
-"""``x @ W.T`` on packed GGUF weights (:mod:`streamattn.models.quant`): quantized activations, drivers.
+"""``x @ W.T`` on packed GGUF weights (:mod:`streamattn.quant.weights`): quantized activations, drivers.
 
 Route (ggml's): each activation row is quantized once per matmul to int8 per 32 columns (scale ``xd``
-and ``xs = xd * sum(q)``, llama.cpp's Q8_1; :mod:`streamattn.models.qacts`), then every block of a
+and ``xs = xd * sum(q)``, llama.cpp's Q8_1; :mod:`streamattn.quant.activations`), then every block of a
 weight row is one exact integer dot product, turned to float and added with one FMA by ``scale * xd``
-(the IR kernels and their contract are in :mod:`streamattn.models.qmatmul_kernels`). Float kinds
+(the IR kernels and their contract are in :mod:`streamattn.quant.kernels`). Float kinds
 (F32/F16/BF16) take float32 activations as they are and a 16-lane FMA per chunk.
 
-A packed weight's rows come in interleaved groups of :data:`~streamattn.models.qmatmul_kernels.LANES`
+A packed weight's rows come in interleaved groups of :data:`~streamattn.quant.kernels.LANES`
 (one vector lane per row). Groups are the outer loop (split over threads); for each, the activation
 rows go in groups of :data:`ROWS` through a kernel that unpacks each weight block once for the whole
 group, then the remainder one by one, through the kernel that also prefetches the weights
@@ -15,7 +15,7 @@ activation row of the call (prefill chunks and decode batches).
 
 Batch invariance: an output element ``out[b, r]`` is always the same function of row ``r`` and
 activation row ``b`` alone — the blocks in column order into one float accumulator, whatever group
-of rows either sat in (qmatmul_kernels says why). Threads split weight groups, never a reduction, so a
+of rows either sat in (streamattn.quant.kernels says why). Threads split weight groups, never a reduction, so a
 sequence's logits are bit-identical alone or in any batch, with any thread count.
 
 The integer instructions are x86 AVX2 (also present on every AVX-512 CPU); :data:`HAVE_KERNELS` says
@@ -31,35 +31,35 @@ from numba import njit, prange
 
 from streamattn.backends import cpu_simd
 from streamattn.kernel_cache import drop_when_changed
-from streamattn.models import qacts, qmatmul_kernels
-from streamattn.models.qmatmul_kernels import LANES, LANES_VNNI, _host_cpu_has, make_fdot_rows, make_qdot
-from streamattn.models.qacts import (glu_quantize_rows, glu_quantize_rows_parallel, norm_quantize_rows,  # noqa: F401
+from streamattn.quant import activations, kernels
+from streamattn.quant.activations import (glu_quantize_rows, glu_quantize_rows_parallel, norm_quantize_rows,  # noqa: F401
                                       norm_quantize_rows_parallel, quantize_rows)
-from streamattn.models.quant import QWeight
+from streamattn.quant.kernels import LANES, LANES_VNNI, host_cpu_has, make_fdot_rows, make_qdot
+from streamattn.quant.weights import QWeight
 from streamattn.threads import many_threads
 
 #: Activation rows per weight-block unpacking (measured: docs/PERF.md). Results do not depend on it.
 ROWS = 8 if LANES == 16 else 4
 GROUP_ROWS = (1, 2, 4, 8)
 #: How far ahead of the weights being read the one-row kernel prefetches (measured: docs/PERF.md; the
-#: hardware prefetcher alone leaves a decode step's weight reads well under a plain read's). Read when
-#: a weight kind's drivers are first built (:func:`_qdrivers` is cached).
+#: hardware prefetcher alone left a decode step's weight reads ~45% under a plain read's). Read when
+#: a weight kind's drivers are first built (:func:`qdrivers` is cached).
 PREFETCH_BYTES = 4096
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
-HAVE_KERNELS = _host_cpu_has("avx2")
+HAVE_KERNELS = host_cpu_has("avx2")
 
 
 def _drop_stale_cache() -> None:
-    """Delete this module's and qacts' cache files once when what their cached code inlines or calls
-    changed (qmatmul_kernels.py, cpu_simd.py, qacts.py: :func:`streamattn.kernel_cache.drop_when_changed`).
+    """Delete this module's and activations' cache files once when what their cached code inlines or calls
+    changed (kernels.py, cpu_simd.py, activations.py: :func:`streamattn.kernel_cache.drop_when_changed`).
     The drivers are closures made on demand, so their files go by name rather than by dispatcher."""
     def delete(directory):
-        for module in (__name__, qacts.__name__):
+        for module in (__name__, activations.__name__):
             for f in directory.glob(f"{module.rsplit('.', 1)[-1]}.*.nb[ic]"):
                 f.unlink()
-    drop_when_changed([m.__file__ for m in (qmatmul_kernels, cpu_simd, qacts)], "streamattn_qmatmul_kernels.sha256",
+    drop_when_changed([m.__file__ for m in (kernels, cpu_simd, activations)], "streamattn_qmatmul_kernels.sha256",
                       lambda: quantize_rows._cache._cache_path, delete)
 
 
@@ -71,18 +71,18 @@ def _njit_drivers(loops):
 
 
 #: What a driver quantizes first (its ``mode``): nothing (the activations are given), plain rows, RMSNorm
-#: rows, or the gated activation of [g | u] rows (silu, gelu-tanh): :mod:`streamattn.models.qacts`.
+#: rows, or the gated activation of [g | u] rows (silu, gelu-tanh): :mod:`streamattn.quant.activations`.
 GIVEN, PLAIN, NORM, SILU, GELU = -1, 0, 1, 2, 3
 
 
 @functools.cache
-def _qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LANES_VNNI):
+def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LANES_VNNI):
     """Serial and group-parallel drivers ``run(mode, x, nw, eps, xq, xd, xs, xc, qs, scale, minv, out)
     -> out``: unless ``mode`` is GIVEN, first quantize ``x`` (see :data:`GIVEN`; norm weight ``nw``,
     ``eps``) into new activations and a new ``out`` (the arguments are then placeholders); then loop over
     the weight's interleaved groups g: activation rows in groups of R, then one by one, out[b, lanes g +
     n] = dot(qs, scale, minv, g, xq, xd, xs, xc, b). ``vnni``: which integer dot product
-    (:func:`~streamattn.models.qmatmul_kernels.make_qdot`; the same results).
+    (:func:`~streamattn.quant.kernels.make_qdot`; the same results).
 
     One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
     decode step streams megabytes of weights, and the Python of a call made of several (numpy buffers,
@@ -101,7 +101,7 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LA
                 xd = np.empty((M, K // 32), np.float32)
                 xs = np.empty((M, K // 32), np.float32)
                 xc = np.empty((M, K // 16), np.int32)
-                pieces = split and M >= 2 * qacts.PIECE_ROWS
+                pieces = split and M >= 2 * activations.PIECE_ROWS
                 if mode == NORM:
                     if pieces:
                         norm_quantize_rows_parallel(x, nw, eps, xq, xd, xs, xc)
@@ -129,7 +129,7 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LA
 
 @functools.cache
 def _fdrivers(kind: str, R: int):
-    """As :func:`_qdrivers` for float storage: out[b, r] = dot(w, r, x, b)."""
+    """As :func:`qdrivers` for float storage: out[b, r] = dot(w, r, x, b)."""
     dot_r, dot_1 = make_fdot_rows(_FKINDS[kind], R), make_fdot_rows(_FKINDS[kind], 1)
 
     def loops(rows):
@@ -154,7 +154,7 @@ _NO_ACTS = (np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32), np.zeros((
 
 def quantize_activations(x):
     """x: float32 [M, K] -> (xq int8 [M, K], xd, xs float32 [M, K/32], xc int32 [M, K/16]) for
-    :func:`qmatmul` (:func:`streamattn.models.qacts.quantize_rows`)."""
+    :func:`qmatmul` (:func:`streamattn.quant.activations.quantize_rows`)."""
     M, K = x.shape
     acts = (np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32),
             np.empty((M, K // 16), np.int32))
@@ -180,7 +180,7 @@ def glu_qmatmul(gu, gelu: bool, w: QWeight):
 
 
 def _fused(mode, x, nw, eps, w):
-    """One driver call that quantizes x (``mode``) and multiplies (:func:`_qdrivers`). What it needs of
+    """One driver call that quantizes x (``mode``) and multiplies (:func:`qdrivers`). What it needs of
     ``w`` is looked up once and kept on it (:func:`_bound`): ~120 calls a decode step."""
     b = w.__dict__.get("_bound")
     if b is None or b[1] is not w.qs or b[2] is not w.scale or b[3] is not w.minv or b[5] != ROWS:
@@ -221,7 +221,7 @@ def _check_runs_here(w: QWeight) -> None:
 
 def _drivers_of(w: QWeight):
     """The default drivers (:data:`ROWS`, :data:`LANES_VNNI`) for w's kind."""
-    return _qdrivers(w.kind, w.group, ROWS, w.lanes, LANES_VNNI)
+    return qdrivers(w.kind, w.group, ROWS, w.lanes, LANES_VNNI)
 
 
 def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=None, vnni=None):
@@ -234,7 +234,7 @@ def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=N
     out = np.empty((M, w.qs.shape[0] * w.lanes), np.float32)
     par = many_threads() if parallel is None else parallel
     minv = w.minv if w.minv is not None else _EMPTY
-    _qdrivers(w.kind, w.group, group_rows, w.lanes, vnni)[par](GIVEN, _EMPTY, _EMPTY1, 0.0, xq, xd, xs, xc, w.qs,
+    qdrivers(w.kind, w.group, group_rows, w.lanes, vnni)[par](GIVEN, _EMPTY, _EMPTY1, 0.0, xq, xd, xs, xc, w.qs,
                                                                w.scale, minv, out)
     return _real_rows(out, N)
 
@@ -257,7 +257,7 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
         model). The result is the same.
     vnni : bool, optional
         Integer dot products by ``vpdpbusd`` (default: where the CPU has it at the kernels' width,
-        :data:`~streamattn.models.qmatmul_kernels.LANES_VNNI`) or by ``vpmaddubsw`` + ``vpmaddwd``.
+        :data:`~streamattn.quant.kernels.LANES_VNNI`) or by ``vpmaddubsw`` + ``vpmaddwd``.
         The result is the same; True on a CPU without it raises.
 
     Returns
@@ -266,7 +266,7 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
 
     Examples
     --------
-    >>> from streamattn.models.quant import pack
+    >>> from streamattn.quant.weights import pack
     >>> w = pack("w", "F32", np.eye(32, dtype=np.float32), (32, 32))
     >>> bool((qmatmul(np.arange(64, dtype=np.float32).reshape(2, 32), w)[1] == np.arange(32, 64)).all())
     True

@@ -1,11 +1,11 @@
-"""LLVM-IR block dot products of :mod:`streamattn.models.qmatmul`: a group of weight rows against R
+"""LLVM-IR block dot products of :mod:`streamattn.quant.matmul`: a group of weight rows against R
 activation rows.
 
 Numba has no vector types, and plain Numba loops over the same blocks did not vectorise (0.3-0.4 G
 weights/s, see docs/PERF.md), so the dot products are emitted as IR here, like streamattn/backends/cpu_simd.
 
 A packed weight is stored in groups of :data:`LANES` rows interleaved by four bytes
-(:mod:`streamattn.models.quant`), so each vector lane is one weight row: a block's integer products
+(:mod:`streamattn.quant.weights`), so each vector lane is one weight row: a block's integer products
 are ``group / 4`` byte dot products against four activation bytes broadcast to every lane, its exact
 sum scaled by one FMA, and the group's outputs leave as one vector store — no horizontal sums
 (:func:`make_qdot` gives the contract). Each block of the group is loaded and unpacked once for R
@@ -21,7 +21,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from streamattn.backends.cpu_simd import _addr, _c_arrays, _fmuladd, _llvm_fn, _load16, _Rows
+from streamattn.backends.cpu_simd import addr, c_arrays, fmuladd, llvm_fn, load16, Rows
 
 I1, I8, I16, I32, I64, F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                               ir.FloatType())
@@ -32,7 +32,7 @@ for _t in (I1, I8, I16, I32, I64, F32, V16I8, V32I8, V16I16, V8I32, V8F, V16F, V
     str(_t)                                       # cache each str() now: see _stable
 
 
-def _host_cpu_has(feature: str) -> bool:
+def host_cpu_has(feature: str) -> bool:
     """Whether LLVM reports ``feature`` (e.g. "avx2") for this CPU: what Numba compiles for."""
     import llvmlite.binding as llvm
     return "+" + feature in llvm.get_host_cpu_features().flatten().split(",")
@@ -40,12 +40,12 @@ def _host_cpu_has(feature: str) -> bool:
 
 #: Whether this CPU has the VNNI byte dot product (AVX-VNNI, or AVX512-VNNI with VL): then a block's four-byte
 #: sums are one ``vpdpbusd`` instead of ``vpmaddubsw`` + ``vpmaddwd``, with the same integer results.
-VNNI = _host_cpu_has("avxvnni") or (_host_cpu_has("avx512vnni") and _host_cpu_has("avx512vl"))
+VNNI = host_cpu_has("avxvnni") or (host_cpu_has("avx512vnni") and host_cpu_has("avx512vl"))
 
 
 #: Whether this CPU has AVX-512 F and BW (16-lane kernels: :data:`LANES`).
-WIDE = _host_cpu_has("avx512bw") and _host_cpu_has("avx512f")
-WIDE_VNNI = WIDE and _host_cpu_has("avx512vnni")
+WIDE = host_cpu_has("avx512bw") and host_cpu_has("avx512f")
+WIDE_VNNI = WIDE and host_cpu_has("avx512vnni")
 
 
 def _i64(n):
@@ -71,7 +71,7 @@ def _hsum(builder, v, n):
 
 
 def _load(builder, rows, r, c, ty):
-    return builder.load(_addr(builder, rows, r, c, ty), align=1, typ=ty)
+    return builder.load(addr(builder, rows, r, c, ty), align=1, typ=ty)
 
 
 def _load_floats(builder, rows, r, c, n: int = 1):
@@ -79,23 +79,23 @@ def _load_floats(builder, rows, r, c, n: int = 1):
     widened here: exactly, so both storages give the same floats)."""
     if rows.itemsize == 4:
         ty = F32 if n == 1 else ir.VectorType(F32, n)
-        return builder.load(_addr(builder, rows, r, c, ty), align=4, typ=ty)
+        return builder.load(addr(builder, rows, r, c, ty), align=4, typ=ty)
     half = ir.HalfType() if n == 1 else ir.VectorType(ir.HalfType(), n)
-    bits = builder.load(_addr(builder, rows, r, c, I16 if n == 1 else ir.VectorType(I16, n)), align=2)
+    bits = builder.load(addr(builder, rows, r, c, I16 if n == 1 else ir.VectorType(I16, n)), align=2)
     return builder.fpext(builder.bitcast(bits, half), F32 if n == 1 else ir.VectorType(F32, n))
 
 
 def _store_out(builder, oa, row, col, value):
-    builder.store(value, _addr(builder, oa, row, col, F32), align=4)
+    builder.store(value, addr(builder, oa, row, col, F32), align=4)
 
 
 def _stable(intr, key: str):
     """Give an intrinsic a fixed identity. Numba pickles an intrinsic with a per-process uuid1; a cached
-    function holding it as a closure variable (the drivers of streamattn.models.qmatmul) then gets a
+    function holding it as a closure variable (the drivers of streamattn.quant.matmul) then gets a
     new cache key in every process: it was compiled anew at each start (0.3-1.3 s a weight kind) and
     its cache grew a file each time. ``key`` must name everything the code depends on."""
     try:
-        intr._set_uuid(f"streamattn.models.qmatmul_kernels:{key}")
+        intr._set_uuid(f"streamattn.quant.kernels:{key}")
     except (AttributeError, AssertionError):      # numba internals moved: only the cache misses again
         pass
     for v in intr._defn.__closure__ or ():        # llvmlite types cache their str() once printed, which
@@ -104,7 +104,7 @@ def _stable(intr, key: str):
     return intr
 
 
-#: Weight rows per interleaved group of a packed weight (:mod:`streamattn.models.quant`), which is the
+#: Weight rows per interleaved group of a packed weight (:mod:`streamattn.quant.weights`), which is the
 #: number of float lanes of the kernels' vectors: 16 with AVX-512 (F and BW), else 8 (AVX2).
 LANES = 16 if WIDE else 8
 #: Whether this CPU has the byte dot product ``vpdpbusd`` at :data:`LANES` lanes (AVX512-VNNI for 16;
@@ -118,20 +118,20 @@ def _int_dot(builder, acc, w, x, lanes: int, vnni: bool):
     int16) + ``vpmaddwd`` by ones + add, exact when no pair passes 32767: callers keep w <= 128."""
     vi, vb = ir.VectorType(I32, lanes), ir.VectorType(I8, 4 * lanes)
     if vnni:
-        dp = _llvm_fn(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", vi, [vi, vi, vi])
+        dp = llvm_fn(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", vi, [vi, vi, vi])
         return builder.call(dp, [acc, builder.bitcast(w, vi), builder.bitcast(x, vi)])
     vh = ir.VectorType(I16, 2 * lanes)
     if lanes == 16:
         names = ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512")
     else:
         names = ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd")
-    p16 = builder.call(_llvm_fn(builder, names[0], vh, [vb, vb]), [builder.bitcast(w, vb), builder.bitcast(x, vb)])
-    p32 = builder.call(_llvm_fn(builder, names[1], vi, [vh, vh]), [p16, ir.Constant(vh, [1] * (2 * lanes))])
+    p16 = builder.call(llvm_fn(builder, names[0], vh, [vb, vb]), [builder.bitcast(w, vb), builder.bitcast(x, vb)])
+    p32 = builder.call(llvm_fn(builder, names[1], vi, [vh, vh]), [p16, ir.Constant(vh, [1] * (2 * lanes))])
     return builder.add(acc, p32)
 
 
 def _prefetch(builder, ptr):
-    fn = _llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+    fn = llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
     builder.call(fn, [builder.bitcast(ptr, I8.as_pointer()), ir.Constant(I32, 0), ir.Constant(I32, 2),
                       ir.Constant(I32, 1)])
 
@@ -141,8 +141,8 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
               prefetch: int = 0):
     """Intrinsic dot(qs, scale, minv, g, xq, xd, xs, xc, m, out) -> None: ``out[m + j, lanes g + n]`` for
     n < lanes and j < R: weight rows lanes g .. lanes g + lanes - 1 (interleaved group g of a packed "q4"
-    or "q8" weight: :mod:`streamattn.models.quant`) times quantized activation rows m .. m + R - 1
-    (:mod:`streamattn.models.qacts`, row-major).
+    or "q8" weight: :mod:`streamattn.quant.weights`) times quantized activation rows m .. m + R - 1
+    (:mod:`streamattn.quant.activations`, row-major).
 
     One vector lane per weight row. Per block of ``group`` columns (32; 16 for Q6_K) and activation row:
     the exact integer sum S of the block's products, made of ``group / 4`` byte dot products of a
@@ -168,13 +168,13 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
 
     @intrinsic
     def qdot(typingctx, qs, scale, minv, g, xq, xd, xs, xc, m, out):
-        if not _c_arrays(qs, scale, minv, xq, xd, xs, xc, out):
+        if not c_arrays(qs, scale, minv, xq, xd, xs, xc, out):
             return None
         if any(p.dtype not in (types.float32, types.uint16) for p in (scale, minv)):
             return None                          # _load_floats reads float32, or float16 bits as uint16
 
         def codegen(context, builder, sig, args):
-            qa, sa, ma, xa, da, ua, ca, oa = (_Rows(context, builder, sig.args[i], args[i])
+            qa, sa, ma, xa, da, ua, ca, oa = (Rows(context, builder, sig.args[i], args[i])
                                               for i in (0, 1, 2, 4, 5, 6, 7, 9))
             g0 = context.cast(builder, args[3], sig.args[3], types.int64)
             m0 = context.cast(builder, args[8], sig.args[8], types.int64)
@@ -188,10 +188,10 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                 wcol = builder.mul(b, _i64(wbytes))
                 if prefetch:
                     for t in range(0, wbytes, 64):
-                        _prefetch(builder, _addr(builder, qa, g0, builder.add(wcol, _i64(prefetch + t)), I8))
+                        _prefetch(builder, addr(builder, qa, g0, builder.add(wcol, _i64(prefetch + t)), I8))
                     ahead = builder.mul(builder.add(b, _i64(ahead_blocks)), _i64(G))
                     for p in ((sa, ma) if kind == "q4" else (sa,)):
-                        _prefetch(builder, _addr(builder, p, g0, ahead, I8))
+                        _prefetch(builder, addr(builder, p, g0, ahead, I8))
                 signs = None
                 if kind == "q4":
                     ws = q4_steps(builder, qa, g0, wcol, G)
@@ -199,7 +199,7 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                     ws = [_load(builder, qa, g0, builder.add(wcol, _i64(4 * G * s)), VB) for s in range(steps)]
                     if not vnni:                       # back to signed w; |w| <= 128 for vpmaddubsw
                         signs = [builder.xor(v, ir.Constant(VB, [-128] * (4 * G))) for v in ws]
-                        ws = [builder.call(_llvm_fn(builder, f"llvm.abs.v{4 * G}i8", VB, [VB, I1]),
+                        ws = [builder.call(llvm_fn(builder, f"llvm.abs.v{4 * G}i8", VB, [VB, I1]),
                                            [v, ir.Constant(I1, 0)]) for v in signs]
                 bG = builder.mul(b, _i64(G))
                 sv = _load_floats(builder, sa, g0, bG, G)
@@ -248,7 +248,7 @@ def block_epilogue(builder, iacc, sv, mv, da, ua, r, b, group, acc, accm):
     their mins) ``accm = fma(minv, xs, accm)``. Every kernel ends a block with exactly this."""
     G = iacc.type.count
     VG = ir.VectorType(F32, G)
-    fma = _llvm_fn(builder, f"llvm.fmuladd.v{G}f32", VG, [VG, VG, VG])
+    fma = llvm_fn(builder, f"llvm.fmuladd.v{G}f32", VG, [VG, VG, VG])
     xdb = b if group == 32 else builder.udiv(b, _i64(32 // group))
     sp = builder.fmul(sv, _splat(builder, _load(builder, da, r, xdb, F32), G))
     builder.store(builder.call(fma, [builder.sitofp(iacc, VG), sp, builder.load(acc)]), acc)
@@ -262,7 +262,7 @@ def store_outputs(builder, oa, r, g, acc, accm):
     res = builder.load(acc)
     if accm is not None:
         res = builder.fadd(res, builder.load(accm))
-    builder.store(res, _addr(builder, oa, r, builder.mul(g, _i64(res.type.count)), res.type), align=4)
+    builder.store(res, addr(builder, oa, r, builder.mul(g, _i64(res.type.count)), res.type), align=4)
 
 
 def _splat_int(builder, x, n):
@@ -279,20 +279,20 @@ def make_fdot_rows(kind: int, R: int = 1):
     16-column chunk of the weight loaded and widened once for the R rows."""
     @intrinsic
     def fdot(typingctx, w, r, x, b, out):
-        if not _c_arrays(w, x, out):
+        if not c_arrays(w, x, out):
             return None
 
         def codegen(context, builder, sig, args):
-            wa, xa, oa = (_Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
+            wa, xa, oa = (Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
             r = context.cast(builder, args[1], sig.args[1], types.int64)
             b0 = context.cast(builder, args[3], sig.args[3], types.int64)
             rows = [builder.add(b0, _i64(j)) for j in range(R)]
             accs = [cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(R)]
             with cgutils.for_range(builder, builder.udiv(xa.cols, _i64(16))) as loop:
                 col = builder.mul(loop.index, _i64(16))
-                wv = _load16(builder, wa, r, col, kind)
+                wv = load16(builder, wa, r, col, kind)
                 for j in range(R):
-                    builder.store(_fmuladd(builder, wv, _load16(builder, xa, rows[j], col, 0),
+                    builder.store(fmuladd(builder, wv, load16(builder, xa, rows[j], col, 0),
                                            builder.load(accs[j])), accs[j])
             for j in range(R):
                 _store_out(builder, oa, rows[j], r, _hsum(builder, builder.load(accs[j]), 16))

@@ -1,6 +1,6 @@
-"""Activations of :mod:`streamattn.models.qmatmul` quantized to 8 bits (llama.cpp's Q8_1 layout), with the
+"""Activations of :mod:`streamattn.quant.matmul` quantized to 8 bits (llama.cpp's Q8_1 layout), with the
 elementwise work fused in front of it (RMSNorm, the gated activation). Plain Numba; the dot products
-themselves are in qmatmul_kernels."""
+themselves are in streamattn.quant.kernels."""
 
 from __future__ import annotations
 

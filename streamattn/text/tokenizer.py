@@ -9,7 +9,7 @@ Two GGUF tokenizer families (``tokenizer.ggml.model``):
   ranked by the merged piece's score). Spaces become "▁"; no prefix space.
 
 Chat templates: the GGUF's ``tokenizer.chat_template`` is rendered with jinja2 (sandboxed as HF does, and
-bounded in time and size: ``streamattn.models.chat_template``) when jinja2 is importable; otherwise, and for files without a template (the Gemma-3 GGUF has none),
+bounded in time and size: ``streamattn.text.chat_template``) when jinja2 is importable; otherwise, and for files without a template (the Gemma-3 GGUF has none),
 a built-in ChatML or Gemma turn format is used, chosen from the vocabulary.
 """
 
@@ -62,7 +62,7 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, md: dict) -> "Tokenizer":
-        """Rebuild the tokenizer from GGUF metadata (dict from :func:`gguf_loader.read_metadata`)."""
+        """Rebuild the tokenizer from GGUF metadata (dict from :func:`streamattn.gguf.metadata.read_metadata`)."""
         family = md.get("tokenizer.ggml.model")
         tokens = list(md.get("tokenizer.ggml.tokens") or [])
         if not tokens:
@@ -116,7 +116,7 @@ class Tokenizer:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each message must be a dict with 'role' and 'content' (got {m!r})")
         if self.chat_template:
-            from streamattn.models.chat_template import render
+            from streamattn.text.chat_template import render
             try:
                 return render(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
                               bos_token=self.hf.id_to_token(self.bos_id) or "",

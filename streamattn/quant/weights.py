@@ -1,7 +1,7 @@
 """GGUF weight matrices kept in their block formats: one packed copy per tensor, never widened to float32.
 
 A GGUF block interleaves per-block scales with the quantized values. :func:`pack` splits each tensor once,
-at load time, into planes the kernels in :mod:`streamattn.models.qmatmul` read with vector loads:
+at load time, into planes the kernels in :mod:`streamattn.quant.matmul` read with vector loads:
 
 ==========  ==========  =================================================================================
 GGUF type   kind        values per row (``K`` columns), before interleaving
@@ -21,7 +21,7 @@ BF16        ``"f16"``,
 ==========  ==========  =================================================================================
 
 **Interleaved groups of rows.** The "q4"/"q8" planes hold rows in groups of ``lanes`` (16 on AVX-512,
-8 on AVX2: :data:`streamattn.models.qmatmul_kernels.LANES`; the last group padded with zero rows),
+8 on AVX2: :data:`streamattn.quant.kernels.LANES`; the last group padded with zero rows),
 one plane row per group. Within a group, block b's bytes come as ``steps`` vectors of ``4 * lanes``
 bytes, lane n of vector s holding four consecutive bytes of row n: for "q8", its values 4s .. 4s + 3
 of the block (``steps`` = group / 4); for "q4", its file bytes 4s .. 4s + 3 (``steps`` = 4), whose
@@ -283,7 +283,7 @@ def pack(name: str, type_name: str, data: np.ndarray, shape: tuple, lanes: int |
         quantized types, the values [rows, cols] for F32/F16 (BF16: bytes or uint16).
     shape : (rows, cols)
     lanes : int, optional
-        Rows per interleaved group (default: the kernels' :data:`~streamattn.models.qmatmul_kernels.LANES`).
+        Rows per interleaved group (default: the kernels' :data:`~streamattn.quant.kernels.LANES`).
 
     Raises
     ------
@@ -305,7 +305,7 @@ def pack(name: str, type_name: str, data: np.ndarray, shape: tuple, lanes: int |
         raw = np.ascontiguousarray(data).view(np.uint16).reshape(n, k)
         return QWeight(type_name.lower(), shape, raw.copy(), source=type_name)
     u8 = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
-    from streamattn.models.qmatmul_kernels import LANES      # the kernels' vector width (imports LLVM's)
+    from streamattn.quant.kernels import LANES      # the kernels' vector width (imports LLVM's)
     return interleave(_PACKERS[type_name](u8.reshape(n, k // block, -1), shape), LANES if lanes is None else lanes)
 
 

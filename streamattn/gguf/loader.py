@@ -1,0 +1,198 @@
+"""Read a GGUF model file: metadata -> :class:`~streamattn.models.config.ModelConfig`, tensors -> packed or
+float32 weights.
+
+Built on llama.cpp's own ``gguf`` package (its type tables; ``gguf.quants.dequantize`` for Q4_1, Q8_0,
+Q4_K, Q5_0, Q6_K, ... on the float32 path); the container is read by :mod:`streamattn.gguf.reader`
+(GGUFReader's results, 50x faster on Gemma's vocabulary). Matrices stay in their block formats by
+default (:mod:`streamattn.quant.weights`, one packed copy); ``weights="f32"`` is the float32 reference.
+
+What a file holds depends on its architecture, and all of that is the architecture's file
+(:data:`streamattn.models.architectures.ARCHITECTURES`: its metadata -> config, its tensors and their
+shapes; the facts about the files it relies on, see docs/DESIGN.md §10). This module reads, validates
+and lays out whatever the architecture names.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import gguf.quants
+from gguf.constants import Keys
+
+from streamattn.gguf.metadata import Metadata, ModelFileError, check_tensor_names, read_metadata
+from streamattn.gguf.reader import GGUFFile
+from streamattn.models.architectures import ARCHITECTURES
+from streamattn.models.config import Architecture, ModelConfig
+from streamattn.quant.arrange import fuse, into_one_buffer
+from streamattn.quant.weights import UnsupportedWeightType, pack
+
+
+@dataclass
+class GGUFModel:
+    """A loaded model file: config, weights, and the raw metadata (for the tokenizer).
+
+    ``weights`` maps GGUF tensor names to arrays in GGUF's numpy layout: matrices are
+    ``[out_features, in_features]``, e.g. ``blk.0.attn_q.weight: [n_heads*head_dim, d_model]``; float32
+    arrays, except matrices as :class:`streamattn.quant.weights.QWeight` when ``weights_kind == "quant"``.
+    """
+
+    path: str
+    config: ModelConfig
+    weights: dict = field(repr=False)
+    metadata: dict = field(repr=False)
+    weights_kind: str = "f32"
+    fused: dict = field(default_factory=dict, repr=False)   # (part names, in row order) -> one matrix (arrange.fuse)
+
+
+def architecture_of(md: dict, path: str = "<metadata>") -> Architecture:
+    """The :class:`~streamattn.models.config.Architecture` of a file's metadata, or ModelFileError."""
+    arch = md.get(Keys.General.ARCHITECTURE)
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise ModelFileError(f"{path}: architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[arch]
+
+
+def config_from_metadata(md: dict, path: str = "<metadata>") -> ModelConfig:
+    """Build a :class:`~streamattn.models.config.ModelConfig` from GGUF metadata (a dict as returned by
+    :func:`~streamattn.gguf.metadata.read_metadata`), by the file's architecture.
+
+    Raises
+    ------
+    ModelFileError
+        Unsupported architecture, missing keys, or RoPE scaling this engine does not implement.
+    """
+    arch = architecture_of(md, path)
+    try:
+        return arch.config(Metadata(md, arch.name, path))
+    except ValueError as e:
+        if isinstance(e, ModelFileError):
+            raise
+        raise ModelFileError(f"{path}: inconsistent metadata: {e}") from e
+
+
+def open_container(path: str) -> GGUFFile:
+    """The file's container (:class:`~streamattn.gguf.reader.GGUFFile`), or ModelFileError naming what is
+    wrong with it (missing, a directory, not GGUF, truncated or corrupt)."""
+    if not os.path.exists(path):
+        raise ModelFileError(f"{path}: no such file; give --model PATH.gguf or run "
+                             "`streamattn pull smollm2-135m`")
+    if os.path.isdir(path):
+        raise ModelFileError(f"{path}: is a directory, expected a .gguf file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ModelFileError(f"{path}: not a GGUF file (first bytes {magic!r}, expected b'GGUF')")
+    try:
+        return GGUFFile(path)       # checks every count and every tensor's end against the file's size
+    except Exception as e:  # noqa: BLE001 - any parse failure of a damaged file
+        raise ModelFileError(f"{path}: the GGUF container cannot be read ({type(e).__name__}: {e}); the "
+                             "file is truncated or corrupt - re-download it") from e
+
+
+WEIGHT_KINDS = ("quant", "f32")
+
+
+def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None,
+              weights: str = "quant") -> GGUFModel:
+    """Load a GGUF model: validate, read the config, keep matrices packed (or dequantize to float32).
+
+    Parameters
+    ----------
+    path : str
+        The ``.gguf`` file.
+    progress : callable(done, total, tensor_name), optional
+        Called after each tensor is read.
+    weights : {"quant", "f32"}
+        "quant": matrices stay in their GGUF block formats (:class:`~streamattn.quant.weights.QWeight`;
+        1-D tensors such as norms are float32); "f32": every tensor dequantized to float32 (the
+        reference path).
+
+    Returns
+    -------
+    GGUFModel
+        ``weights[name]``: matrices ``[out_features, in_features]``.
+
+    Raises
+    ------
+    ModelFileError
+        Missing file, not GGUF, truncated, corrupt (non-finite weights), unsupported architecture, or
+        (``weights="quant"``) a matrix of a GGUF type without a packed kernel.
+
+    Examples
+    --------
+    >>> m = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")   # doctest: +SKIP
+    >>> m.config.n_layers, m.weights["blk.0.attn_q.weight"].shape
+    (30, (576, 576))
+    """
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights must be one of {WEIGHT_KINDS} (got {weights!r})")
+    path = os.fspath(path)
+    reader = open_container(path)
+    md = read_metadata(reader, path)
+    arch = architecture_of(md, path)
+    config = config_from_metadata(md, path)
+    check_tensor_names(config.n_layers, (t.name for t in reader.tensors), path)
+    # only the tensors' views of the file map outlive the reader (GGUFReader's field objects, the
+    # tokenizer's ~100k strings as numpy parts, took ~160 MB for SmolLM2; the metadata is in md now)
+    tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors]
+    file_map = reader.data
+    del reader
+    out = {}
+    total = len(tensors)
+    for i, (name, qtype, shape, data) in enumerate(tensors):
+        floats_odd = qtype.name in ("F32", "F16", "BF16") and shape[0] % 16
+        if weights == "quant" and len(shape) == 2 and not floats_odd:      # odd float rows: kept float32
+            try:
+                w = pack(name, qtype.name, data, (shape[1], shape[0]))
+            except UnsupportedWeightType as e:
+                raise ModelFileError(f"{path}: {e}") from e
+            if not w.finite():
+                raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf; the file is corrupt "
+                                     "- re-download it")
+            _drop_pages(file_map)
+        else:
+            try:
+                w = np.array(gguf.quants.dequantize(data, qtype), dtype=np.float32, order="C", copy=True)
+            except Exception as e:  # noqa: BLE001
+                raise ModelFileError(f"{path}: tensor {name!r} of type {qtype.name} cannot be "
+                                     f"dequantized ({e})") from e
+            if not np.isfinite(w).all():
+                raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf after dequantization; the "
+                                     "file is corrupt - re-download it")
+        out[name] = w
+        if progress is not None:
+            progress(i + 1, total, name)
+    del tensors, file_map
+    order = _check_tensors(arch, config, out, path)
+    groups = [names for i in range(config.n_layers) for names in arch.layer_tensors(i).values()
+              if len(names) > 1 and len(out[names[0]].shape) == 2]
+    fused = fuse(out, groups)
+    if weights == "quant":
+        into_one_buffer(out, fused, order)
+    return GGUFModel(path=path, config=config, weights=out, metadata=md, weights_kind=weights, fused=fused)
+
+
+def _drop_pages(file_map) -> None:
+    """Let the kernel drop the file pages read so far: the packed copies are all that is used later, and
+    pages of a mapped file count in the process's RSS while mapped (SmolLM2: 96 MB)."""
+    mm = getattr(file_map, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise"):
+        import mmap
+        mm.madvise(mmap.MADV_DONTNEED)
+
+
+def _check_tensors(arch: Architecture, c: ModelConfig, w: dict, path: str) -> list:
+    """ModelFileError unless the file holds every tensor the architecture names, in its shape; returns
+    their names in the order a forward pass reads them."""
+    expect = arch.expected_shapes(c, w)
+    for name, shape in expect.items():
+        if name not in w:
+            raise ModelFileError(f"{path}: tensor {name!r} is missing (architecture {c.arch}, "
+                                 f"{c.n_layers} layers)")
+        if w[name].shape != shape:
+            raise ModelFileError(f"{path}: tensor {name!r} has shape {w[name].shape}, expected {shape}")
+    return list(expect)

@@ -1,0 +1,30 @@
+"""The llama family (llama, SmolLM2, ...): metadata -> :class:`~streamattn.models.config.ModelConfig`, and
+its layer's tensors.
+
+Pre-norm blocks with a SiLU-gated MLP, every layer global, one RoPE base. llama.cpp's converter stores the
+``attn_q``/``attn_k`` rows permuted so that RoPE rotates *adjacent* pairs (2i, 2i+1) of each head
+("interleaved", llama.cpp's ROPE_TYPE_NORM). We keep that order and rotate adjacent pairs; q·k is
+unchanged by a permutation applied to both, so the cache and attention never need to know (docs/DESIGN.md
+§10).
+"""
+
+from __future__ import annotations
+
+from gguf.constants import MODEL_TENSOR as T, Keys
+
+from streamattn.models.config import Architecture, ModelConfig, common_fields
+
+
+def config(md) -> ModelConfig:
+    """``md``: a :class:`streamattn.gguf.metadata.Metadata` of a llama file."""
+    c = common_fields(md)
+    base = md.real(Keys.Rope.FREQ_BASE, 10_000.0)
+    return ModelConfig(**c, rope_base=base, rope_base_local=base, rope_style="interleaved",
+                       layer_windows=(None,) * c["n_layers"], embed_scale=1.0, activation="silu",
+                       qk_norm=False, post_norms=False)
+
+
+LLAMA = Architecture(
+    name="llama", config=config,
+    layer=dict(attn_norm=T.ATTN_NORM, wqkv=(T.ATTN_Q, T.ATTN_K, T.ATTN_V), wo=T.ATTN_OUT,
+               ffn_norm=T.FFN_NORM, wgu=(T.FFN_GATE, T.FFN_UP), wdown=T.FFN_DOWN))

@@ -1,0 +1,1 @@
+"""Text: the tokenizer built from GGUF metadata, and chat templates."""
