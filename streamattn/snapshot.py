@@ -45,6 +45,7 @@ import zipfile
 import numpy as np
 
 from .arrays import check_sequence_index
+from .files import BadFile, read_bytes
 from .cache import KVCache
 from .spec import POLICY_FIELDS, CacheSpec
 
@@ -237,10 +238,13 @@ def _read(path, max_bytes: int | None = None):
     anything is allocated. Any failure of parsing (zipfile, numpy's header parser, JSON, recursion,
     memory) becomes ``StateFileError``.
     """
-    with open(path, "rb") as f:  # a missing or unreadable file raises its own OSError, naming it
-        raw = f.read()
+    limit = _memory_limit() if max_bytes is None else max_bytes
+    try:  # a missing or unreadable file raises its own OSError, naming it
+        raw = read_bytes(path, limit=limit + _MAX_META + _MAX_MEMBERS * 512, what="state file")  # + headers
+    except BadFile as e:                  # a FIFO, a device, a directory, or more than max_bytes
+        raise StateFileError(str(e)) from None
     try:
-        return _parse(raw, _memory_limit() if max_bytes is None else max_bytes)
+        return _parse(raw, limit)
     except _Bad as e:
         raise StateFileError(f"{os.fspath(path)}: {e}") from None
     except (Exception, MemoryError, RecursionError) as e:  # noqa: BLE001 - every parse failure, by name
@@ -260,6 +264,7 @@ def _members(raw: bytes) -> dict:
         infos = z.infolist()
         if len(infos) > _MAX_MEMBERS:
             raise ValueError(f"{len(infos)} members")
+        _check_ranges(raw, infos, z.start_dir)
         members = {}
         for info in infos:
             if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size \
@@ -272,6 +277,25 @@ def _members(raw: bytes) -> dict:
                 raise ValueError(f"unexpected member {info.filename!r}")
             members[name] = _npy(z.read(info), info.filename)   # zipfile checks the CRC-32
     return members
+
+
+def _check_ranges(raw: bytes, infos, start_dir: int) -> None:
+    """Each member's bytes (local header, name, extra field, data) must lie apart from every other's and
+    before the central directory: members that overlap (each one's data holding the next) would make the
+    file yield far more bytes than it holds, though each member alone passes every check."""
+    spans = []
+    for info in infos:
+        at = info.header_offset
+        if at < 0 or at + 30 > len(raw) or raw[at:at + 4] != b"PK\x03\x04":
+            raise ValueError(f"member {info.filename!r}: no local header at byte {at}")
+        n_name, n_extra = int.from_bytes(raw[at + 26:at + 28], "little"), int.from_bytes(raw[at + 28:at + 30],
+                                                                                         "little")
+        spans.append((at, at + 30 + n_name + n_extra + info.compress_size, info.filename))
+    spans.sort()
+    for (a0, a1, an), (b0, _, bn) in zip(spans, spans[1:] + [(start_dir, 0, "the central directory")]):
+        if a1 > b0:
+            raise ValueError(f"member {an!r} (bytes {a0}..{a1}) overlaps {bn!r} at byte {b0}; every member "
+                             "must hold its own bytes")
 
 
 def _npy(data: bytes, name: str):
