@@ -256,6 +256,13 @@ def _open(path: str):
 WEIGHT_KINDS = ("quant", "f32")
 
 
+def load_header(path: str) -> tuple:
+    """(metadata, ModelConfig) of a GGUF file without reading any tensor (for checks before a load)."""
+    path = os.fspath(path)
+    md = read_metadata(_open(path), path)
+    return md, config_from_metadata(md, path)
+
+
 def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None,
               weights: str = "quant") -> GGUFModel:
     """Load a GGUF model: validate, read the config, keep matrices packed (or dequantize to float32).
