@@ -45,6 +45,8 @@ class ServeConfig:
         Keep the GGUF's packed blocks (default) or dequantize everything to float32 (the reference path).
     model_id : str or None
         Name reported by /v1/models and required in requests (default: the model file's stem).
+    max_body_mb : float
+        Largest request body accepted, in MiB (a larger one is answered 413 before it is read whole).
     debug_fail_text : str or None
         Testing aid: a request whose prompt text contains this string raises inside its engine step, to
         show that one request's failure stays its own.
@@ -66,6 +68,7 @@ class ServeConfig:
     positions: str = "absolute"
     weights: str = "quant"
     model_id: str | None = None
+    max_body_mb: float = 8.0
     debug_fail_text: str | None = None
 
     def __post_init__(self):
@@ -95,6 +98,8 @@ class ServeConfig:
         need(self.cache_dtype in CACHE_DTYPES, "cache_dtype", f"one of {CACHE_DTYPES}")
         need(self.positions in POSITIONS, "positions", f"one of {POSITIONS}")
         need(self.weights in WEIGHTS, "weights", f"one of {WEIGHTS}")
+        need(isinstance(self.max_body_mb, (int, float)) and not isinstance(self.max_body_mb, bool)
+             and 0 < self.max_body_mb <= 1024, "max_body_mb", "a number in (0, 1024] (MiB)")
         need(self.debug_fail_text is None or (isinstance(self.debug_fail_text, str) and self.debug_fail_text),
              "debug_fail_text", "None or a non-empty string")
 
