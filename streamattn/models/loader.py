@@ -242,7 +242,12 @@ def _open(path: str):
                              "`streamattn pull smollm2-135m`")
     if os.path.isdir(path):
         raise ModelFileError(f"{path}: is a directory, expected a .gguf file")
-    with open(path, "rb") as fh:
+    from streamattn.files import BadFile, open_regular
+    try:
+        fh = open_regular(path)     # a FIFO or a device is refused by name (reading one blocks or never ends)
+    except BadFile as e:
+        raise ModelFileError(str(e)) from None
+    with fh:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise ModelFileError(f"{path}: not a GGUF file (first bytes {magic!r}, expected b'GGUF')")
@@ -306,9 +311,13 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     md = read_metadata(reader, path)
     config = config_from_metadata(md, path)
     check_tensor_names(config, (t.name for t in reader.tensors), path)
+    # shapes checked, and tensors the model does not use left unread, before any tensor's bytes are read
+    used = _check_tensors(config, {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors},
+                          path)
     # only the tensors' views of the file map outlive the reader (GGUFReader's field objects, the
     # tokenizer's ~100k strings as numpy parts, took ~160 MB for SmolLM2; the metadata is in md now)
-    tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors]
+    tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors
+               if t.name in used]
     file_map = reader.data
     del reader
     out = {}
@@ -337,7 +346,6 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
         if progress is not None:
             progress(i + 1, total, name)
     del tensors, file_map
-    _check_tensors(config, out, path)
     fused = fuse(out, config.n_layers)
     if weights == "quant":
         into_one_buffer(out, fused, config.n_layers)
@@ -353,7 +361,8 @@ def _drop_pages(file_map) -> None:
         mm.madvise(mmap.MADV_DONTNEED)
 
 
-def _check_tensors(c: ModelConfig, w: dict, path: str) -> None:
+def _check_tensors(c: ModelConfig, w: dict, path: str) -> set:
+    """``w``: name -> shape ([out, in] for matrices). The names the model uses, each of the right shape."""
     expect = {"token_embd.weight": (c.vocab_size, c.d_model), "output_norm.weight": (c.d_model,)}
     for i in range(c.n_layers):
         p = f"blk.{i}."
@@ -373,5 +382,6 @@ def _check_tensors(c: ModelConfig, w: dict, path: str) -> None:
         if name not in w:
             raise ModelFileError(f"{path}: tensor {name!r} is missing (architecture {c.arch}, "
                                  f"{c.n_layers} layers)")
-        if w[name].shape != shape:
-            raise ModelFileError(f"{path}: tensor {name!r} has shape {w[name].shape}, expected {shape}")
+        if w[name] != shape:
+            raise ModelFileError(f"{path}: tensor {name!r} has shape {w[name]}, expected {shape}")
+    return set(expect)
