@@ -60,6 +60,18 @@ def check_regular(path, *, what: str = "file") -> None:
         raise BadFile(f"{p}: is {kind(st.st_mode)}; expected a regular {what}")
 
 
+def check_writable(path, *, what: str = "output file") -> None:
+    """Refuse, before any work, an output path that cannot be written: a folder, a device or FIFO, a
+    missing or unwritable parent folder. (Writing may still fail later: a full disk.)"""
+    p = os.fspath(path)
+    check_regular(p, what=what)
+    parent = os.path.dirname(os.path.abspath(p))
+    if not os.path.isdir(parent):
+        raise BadFile(f"{p}: its folder {parent} does not exist; expected a writable {what}")
+    if not os.access(parent if not os.path.exists(p) else p, os.W_OK):
+        raise BadFile(f"{p}: not writable; expected a writable {what}")
+
+
 def read_bytes(path, *, limit: int, what: str = "file") -> bytes:
     """The whole of a regular file holding at most ``limit`` bytes; :class:`BadFile` if it holds more.
 
@@ -106,4 +118,4 @@ def short(value, n: int = 60) -> str:
     return f"{r[:n]}... ({size})"
 
 
-__all__ = ["BadFile", "check_regular", "kind", "open_regular", "read_bytes", "read_text", "same_file", "short"]
+__all__ = ["BadFile", "check_regular", "check_writable", "kind", "open_regular", "read_bytes", "read_text", "same_file", "short"]
