@@ -29,7 +29,7 @@ def kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def open_regular(path, mode: str = "rb"):
+def open_regular(path, mode: str = "rb", *, what: str = "file"):
     """Open ``path`` for reading ("rb" or "r+b") if it is a regular file; :class:`BadFile` otherwise.
 
     The file is opened with ``O_NONBLOCK`` (a FIFO does not block the open) and checked with ``fstat`` on
@@ -41,7 +41,7 @@ def open_regular(path, mode: str = "rb"):
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise BadFile(f"{p}: is {kind(st.st_mode)}; expected a regular file")
+            raise BadFile(f"{p}: is {kind(st.st_mode)}; expected a regular {what}")
         os.set_blocking(fd, True)
         return os.fdopen(fd, mode)
     except BaseException:
@@ -80,7 +80,7 @@ def read_bytes(path, *, limit: int, what: str = "file") -> bytes:
     >>> read_bytes("/dev/zero", limit=1 << 20)     # doctest: +SKIP
     BadFile: /dev/zero: is a character device; expected a regular file
     """
-    with open_regular(path) as f:
+    with open_regular(path, what=what) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
             raise BadFile(f"{os.fspath(path)}: {what} of {size} bytes; at most {limit} bytes are accepted")
