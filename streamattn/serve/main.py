@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="RoPE positions in the text or within the cache (StreamingLLM, for --cache sinks)")
     p.add_argument("--weights", choices=WEIGHTS, default=d.weights,
                    help="quant: the GGUF's packed blocks (default); f32: dequantized float32 reference")
+    p.add_argument("--max-body-mb", type=float, default=d.max_body_mb,
+                   help="largest request body accepted, MiB (larger: 413)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.add_argument("--debug-fail-text", default=None, help=argparse.SUPPRESS)
     from streamattn.scale.ray_serve import add_arguments as add_ray_arguments
@@ -40,7 +42,8 @@ def config_from_args(args) -> ServeConfig:
                        parallel=args.parallel, cache=args.cache, window=args.window, sinks=args.sinks,
                        max_queue=args.max_queue, prompt_cache_mb=args.prompt_cache_mb, threads=args.threads,
                        backend=args.backend, prefill_chunk=args.prefill_chunk, cache_dtype=args.cache_dtype,
-                       positions=args.positions, weights=args.weights, debug_fail_text=args.debug_fail_text)
+                       positions=args.positions, weights=args.weights, max_body_mb=args.max_body_mb,
+                       debug_fail_text=args.debug_fail_text)
 
 
 def run_args(args) -> int:
