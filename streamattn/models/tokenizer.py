@@ -101,8 +101,8 @@ class Tokenizer:
 
     @functools.cached_property
     def _special_re(self):
-        names = sorted({self.hf.id_to_token(i) or "" for i in self.special_ids} - {""}, key=len, reverse=True)
-        return re.compile("|".join(map(re.escape, names))) if names else None
+        names = {self.hf.id_to_token(i) or "" for i in self.special_ids} - {""}
+        return re.compile(_trie_pattern(names)) if names else None
 
     @functools.cached_property
     def _hf_text(self) -> HFTokenizer:
@@ -255,6 +255,25 @@ def _build_spm(tokens, types, md):
         else:
             tb.append(t.replace("▁", " ").encode("utf-8"))
     return hf, tb
+
+
+def _trie_pattern(words) -> str:
+    """A regex matching any of ``words``, written as a trie (``<(?:end_of_turn|start_of_(?:image|turn))``):
+    Gemma's 6249 control tokens as one flat alternation took 15 s to search 4 MB, as a trie ~0.1 s."""
+    trie: dict = {}
+    for w in words:
+        node = trie
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def pattern(node) -> str:
+        alts = [re.escape(ch) + pattern(node[ch]) for ch in sorted(k for k in node if k)]
+        if not alts:
+            return ""
+        inner = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{inner})?" if "" in node else inner
+    return pattern(trie)
 
 
 class TooLong(ValueError):
