@@ -46,7 +46,7 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
     weighted sum overflows while the answer does not (v = 3e38) are answered exactly (those rows are
     recomputed by the float64 reference, as it answers them); scores whose log-sum-exp is past float32
     (``|scale * q.k|`` > 3.4e38) raise ValueError naming the row. Both cost nothing on ordinary input:
-    one check of ``out`` (q-sized) per call.
+    one check of ``out`` (q-sized) per call. (Host caches; a GPU cache keeps the NaN rule there.)
 
     Examples
     --------
