@@ -222,8 +222,9 @@ def read_requests(path, *, done: set = frozenset(), done_lines: set = frozenset(
                 if r.key not in done and measure is not None:
                     try:
                         measure(r)
-                    except ValueError as e:
-                        raise BadLine(n, short(str(e), 300).strip("'\"")) from None
+                    except Exception as e:  # noqa: BLE001 - whatever the tokenizer or template raises
+                        msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                        raise BadLine(n, short(msg, 300).strip("'\"")) from None
             except BadLine as e:
                 e.id = line_id(text)
                 res.bad.append(e)
