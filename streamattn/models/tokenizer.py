@@ -100,9 +100,11 @@ class Tokenizer:
         return max(1, max(map(len, self.token_bytes), default=1), max((len(n.encode()) for n in names), default=1))
 
     @functools.cached_property
-    def _special_re(self):
+    def _special_names(self) -> tuple:
+        """(trie regex of the control-token strings up to 256 characters or None, the longer ones)."""
         names = {self.hf.id_to_token(i) or "" for i in self.special_ids} - {""}
-        return re.compile(_trie_pattern(names)) if names else None
+        short = {n for n in names if len(n) <= 256}
+        return (re.compile(_trie_pattern(short)) if short else None), tuple(sorted(names - short))
 
     @functools.cached_property
     def _hf_text(self) -> HFTokenizer:
@@ -113,8 +115,9 @@ class Tokenizer:
 
     def special_in(self, text: str) -> str | None:
         """The first control-token string (``<|im_end|>``) that ``text`` contains, or None."""
-        m = self._special_re.search(text) if self._special_re is not None else None
-        return m.group(0) if m else None
+        trie, long = self._special_names
+        m = trie.search(text) if trie is not None else None
+        return m.group(0) if m else next((n for n in long if n in text), None)
 
     def encode(self, text: str, *, add_bos: bool | None = None, max_tokens: int | None = None) -> list:
         """Token ids of ``text``.
