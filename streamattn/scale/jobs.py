@@ -200,8 +200,9 @@ def read_requests(path, *, done: set = frozenset(), done_lines: set = frozenset(
                 while raw and not raw.endswith(b"\n"):      # skip the rest of the line, a piece at a time
                     raw = f.readline(1 << 20)
                     size += len(raw)
-                res.bad.append(BadLine(n, f"{size} bytes, longer than the {max_line_bytes} bytes a line may "
-                                          "hold"))
+                if n not in done_lines:
+                    res.bad.append(BadLine(n, f"{size} bytes, longer than the {max_line_bytes} bytes a line "
+                                              "may hold"))
                 continue
             if n in done_lines:
                 continue
