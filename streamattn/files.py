@@ -118,4 +118,5 @@ def short(value, n: int = 60) -> str:
     return f"{r[:n]}... ({size})"
 
 
-__all__ = ["BadFile", "check_regular", "check_writable", "kind", "open_regular", "read_bytes", "read_text", "same_file", "short"]
+__all__ = ["BadFile", "check_regular", "check_writable", "kind", "open_regular", "read_bytes", "read_text",
+           "same_file", "short"]
