@@ -39,6 +39,7 @@ import hashlib
 import io
 import json
 import os
+import struct
 import tempfile
 import zipfile
 
@@ -239,14 +240,13 @@ def _read(path, max_bytes: int | None = None):
     memory) becomes ``StateFileError``.
     """
     limit = _memory_limit() if max_bytes is None else max_bytes
-    try:  # a missing or unreadable file raises its own OSError, naming it
+    try:  # a missing or unreadable path raises its own OSError; a FIFO, a device, a folder: BadFile
         raw = read_bytes(path, limit=limit + _MAX_META + _MAX_MEMBERS * 512, what="state file")  # + headers
-    except BadFile as e:                  # a FIFO, a device, a directory, or more than max_bytes
-        raise StateFileError(str(e)) from None
-    try:
         return _parse(raw, limit)
-    except _Bad as e:
-        raise StateFileError(f"{os.fspath(path)}: {e}") from None
+    except OSError:
+        raise
+    except (BadFile, _Bad) as e:   # BadFile names the path itself
+        raise StateFileError(str(e) if isinstance(e, BadFile) else f"{os.fspath(path)}: {e}") from None
     except (Exception, MemoryError, RecursionError) as e:  # noqa: BLE001 - every parse failure, by name
         raise StateFileError(f"{os.fspath(path)}: not a readable streamattn state file: truncated or corrupted "
                              f"({type(e).__name__}: {e})") from e
@@ -280,22 +280,13 @@ def _members(raw: bytes) -> dict:
 
 
 def _check_ranges(raw: bytes, infos, start_dir: int) -> None:
-    """Each member's bytes (local header, name, extra field, data) must lie apart from every other's and
-    before the central directory: members that overlap (each one's data holding the next) would make the
-    file yield far more bytes than it holds, though each member alone passes every check."""
-    spans = []
-    for info in infos:
-        at = info.header_offset
-        if at < 0 or at + 30 > len(raw) or raw[at:at + 4] != b"PK\x03\x04":
-            raise ValueError(f"member {info.filename!r}: no local header at byte {at}")
-        n_name, n_extra = int.from_bytes(raw[at + 26:at + 28], "little"), int.from_bytes(raw[at + 28:at + 30],
-                                                                                         "little")
-        spans.append((at, at + 30 + n_name + n_extra + info.compress_size, info.filename))
-    spans.sort()
+    """Members' bytes (local header to end of data) may not overlap each other or the central directory:
+    nested members pass every check alone, yet yield many times the file's size."""
+    spans = sorted((i.header_offset, i.header_offset + 30 + sum(struct.unpack_from("<HH", raw, i.header_offset + 26))
+                    + i.compress_size, i.filename) for i in infos)       # 30: local header; + name, extra
     for (a0, a1, an), (b0, _, bn) in zip(spans, spans[1:] + [(start_dir, 0, "the central directory")]):
         if a1 > b0:
-            raise ValueError(f"member {an!r} (bytes {a0}..{a1}) overlaps {bn!r} at byte {b0}; every member "
-                             "must hold its own bytes")
+            raise ValueError(f"member {an!r} (bytes {a0}..{a1}) overlaps {bn!r} at byte {b0}")
 
 
 def _npy(data: bytes, name: str):
