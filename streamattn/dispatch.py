@@ -42,6 +42,12 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
     A real row that sees a NaN or inf key or value (stored with ``check_finite=False``) comes back NaN in
     ``out`` and ``lse``, as the float64 oracle answers; never zeros, which would look like padding.
 
+    At the float32 edge, with finite q, k and v (a ``check_finite`` cache): values so large that the
+    weighted sum overflows while the answer does not (v = 3e38) are answered exactly (those rows are
+    recomputed by the float64 reference, as it answers them); scores whose log-sum-exp is past float32
+    (``|scale * q.k|`` > 3.4e38) raise ValueError naming the row. Both cost nothing on ordinary input:
+    one check of ``out`` (q-sized) per call. (Host caches; a GPU cache keeps the NaN rule there.)
+
     Examples
     --------
     >>> from streamattn import CacheSpec, KVCache
@@ -90,7 +96,7 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
                          "one chunk may have lost keys to the ring")
     _check_answerable(cache, counts)
     return _run(fn, q, cache, 1.0 / float(np.sqrt(spec.head_dim)) if scale is None else float(scale), counts,
-                q_sink)
+                q_sink, edge=True)
 
 
 def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts=None, q_sink=None):
@@ -153,15 +159,31 @@ def _check_answerable(cache: KVCache, counts) -> None:
                          f"{int(cache.held_from[b])} on; append new tokens and attend those")
 
 
-def _run(fn, q, cache: KVCache, scale: float, counts, q_sink):
-    """The backend call on validated arguments, then the NaN rule."""
+def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, *, edge: bool = False):
+    """The backend call on validated arguments, then the NaN rule (and with ``edge``, the float32 edge
+    rule of :func:`attend`)."""
     spec = cache.spec
-    out, lse = fn(q, cache.k, cache.v, cache.lengths, counts, window=spec.window or 0, sinks=spec.sinks,
-                  scale=scale, kind=spec.dtype, q_sink=q_sink)
-    return _poison_non_finite(out, lse, counts, cache.xp)
+    args = (cache.k, cache.v, cache.lengths, counts)
+    kw = dict(window=spec.window or 0, sinks=spec.sinks, scale=scale, kind=spec.dtype, q_sink=q_sink)
+    out, lse = fn(q, *args, **kw)
+
+    def float32_edge(out, lse, real, bad):
+        if not spec.check_finite or not np.isfinite(q).all():
+            return out, lse                       # a non-finite input: the NaN rule answers
+        if bad.any():
+            b, h, t = (int(i[0]) for i in np.nonzero(bad))
+            raise ValueError(f"attention scores overflow float32 (sequence {b}, query head {h}, row {t}): the "
+                             "log-sum-exp of scale * q.k is past 3.4e38 although q, k and v are finite; scale "
+                             "q, k or scale down (attend changes nothing)")
+        wrong = real & ~np.isfinite(out).all(axis=-1)                           # [batch, q_heads, T]
+        if wrong.any():                           # only the weighted sum of huge values overflowed
+            ref_out, _ = backends.get("reference", "cpu")(q, *args, **kw)
+            out[wrong] = ref_out[wrong]
+        return out, lse
+    return _poison_non_finite(out, lse, counts, cache.xp, edge=float32_edge if edge else None)
 
 
-def _poison_non_finite(out, lse, counts, xp):
+def _poison_non_finite(out, lse, counts, xp, edge=None):
     """NaN on every real row whose log-sum-exp is not finite, as the float64 oracle answers.
 
     A real query always sees at least its own key, so its lse is finite unless a key or value it sees is
@@ -169,12 +191,14 @@ def _poison_non_finite(out, lse, counts, xp):
     would answer zeros with lse = -inf there, which reads exactly like a padding row: a wrong number must
     never look like a valid empty answer. Costs one pass over lse [batch, q_heads, T].
     """
-    if isinstance(lse, np.ndarray) and np.isfinite(lse).all():    # no padding row, no bad row: the usual decode
-        return out, lse
+    if isinstance(lse, np.ndarray) and np.isfinite(lse).all() and (edge is None or np.isfinite(out).all()):
+        return out, lse                                     # no padding row, no bad row: the usual decode
     T = lse.shape[2]
     real = (np.arange(T)[None, :] < np.asarray(counts)[:, None])[:, None, :]      # [batch, 1, T], host
     if isinstance(lse, np.ndarray):
         bad = real & ~np.isfinite(lse)                                            # [batch, q_heads, T]
+        if edge is not None:
+            out, lse = edge(out, lse, real, bad)
         if bad.any():
             out[bad] = np.nan
             lse[bad] = np.nan

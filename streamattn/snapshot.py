@@ -39,12 +39,14 @@ import hashlib
 import io
 import json
 import os
+import struct
 import tempfile
 import zipfile
 
 import numpy as np
 
 from .arrays import check_sequence_index
+from .files import BadFile, read_bytes
 from .cache import KVCache
 from .spec import POLICY_FIELDS, CacheSpec
 
@@ -237,12 +239,14 @@ def _read(path, max_bytes: int | None = None):
     anything is allocated. Any failure of parsing (zipfile, numpy's header parser, JSON, recursion,
     memory) becomes ``StateFileError``.
     """
-    with open(path, "rb") as f:  # a missing or unreadable file raises its own OSError, naming it
-        raw = f.read()
-    try:
-        return _parse(raw, _memory_limit() if max_bytes is None else max_bytes)
-    except _Bad as e:
-        raise StateFileError(f"{os.fspath(path)}: {e}") from None
+    limit = _memory_limit() if max_bytes is None else max_bytes
+    try:  # a missing or unreadable path raises its own OSError; a FIFO, a device, a folder: BadFile
+        raw = read_bytes(path, limit=limit + _MAX_META + _MAX_MEMBERS * 512, what="state file")  # + headers
+        return _parse(raw, limit)
+    except OSError:
+        raise
+    except (BadFile, _Bad) as e:   # BadFile names the path itself
+        raise StateFileError(str(e) if isinstance(e, BadFile) else f"{os.fspath(path)}: {e}") from None
     except (Exception, MemoryError, RecursionError) as e:  # noqa: BLE001 - every parse failure, by name
         raise StateFileError(f"{os.fspath(path)}: not a readable streamattn state file: truncated or corrupted "
                              f"({type(e).__name__}: {e})") from e
@@ -260,6 +264,7 @@ def _members(raw: bytes) -> dict:
         infos = z.infolist()
         if len(infos) > _MAX_MEMBERS:
             raise ValueError(f"{len(infos)} members")
+        _check_ranges(raw, infos, z.start_dir)
         members = {}
         for info in infos:
             if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size \
@@ -272,6 +277,16 @@ def _members(raw: bytes) -> dict:
                 raise ValueError(f"unexpected member {info.filename!r}")
             members[name] = _npy(z.read(info), info.filename)   # zipfile checks the CRC-32
     return members
+
+
+def _check_ranges(raw: bytes, infos, start_dir: int) -> None:
+    """Members' bytes (local header to end of data) may not overlap each other or the central directory:
+    nested members pass every check alone, yet yield many times the file's size."""
+    spans = sorted((i.header_offset, i.header_offset + 30 + sum(struct.unpack_from("<HH", raw, i.header_offset + 26))
+                    + i.compress_size, i.filename) for i in infos)       # 30: local header; + name, extra
+    for (a0, a1, an), (b0, _, bn) in zip(spans, spans[1:] + [(start_dir, 0, "the central directory")]):
+        if a1 > b0:
+            raise ValueError(f"member {an!r} (bytes {a0}..{a1}) overlaps {bn!r} at byte {b0}")
 
 
 def _npy(data: bytes, name: str):

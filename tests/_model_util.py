@@ -72,7 +72,7 @@ def load(path: str, weights: str = "f32"):
 def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: int = 32, n_heads: int = 4,
                     n_kv_heads: int = 1, head_dim: int = 16, d_ff: int = 48, vocab: int = 64,
                     window: int = 4, seed: int = 0, nan_tensor: str | None = None, override: dict | None = None,
-                    quant: dict | None = None):
+                    quant: dict | None = None, tokens: list | None = None, extra_tensors: dict | None = None):
     """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors).
 
     ``quant`` maps tensor names' last part (e.g. ``"ffn_down"``) to a GGUF type that gguf-py quantizes
@@ -80,6 +80,9 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
 
     ``override`` maps metadata keys (e.g. ``"gemma3.block_count"``) to a value written instead of the
     default, with its own GGUF type inferred (a str stays a string: "a number stored as a string").
+
+    ``tokens`` replaces the vocabulary's token list (its length need not match ``vocab``);
+    ``extra_tensors`` maps names to (raw uint8 block bytes, GGUF type name) written as they are.
     """
     import gguf
     rng = np.random.default_rng(seed)
@@ -108,7 +111,7 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
     if arch == "gemma3":
         w.add_sliding_window(window)
     w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_list(tokens if tokens is not None else [f"t{i}" for i in range(vocab)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
@@ -142,6 +145,8 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
             t(p + "attn_k_norm.weight", head_dim, scale=0.1, offset=1.0)
             t(p + "post_attention_norm.weight", d_model, scale=0.1, offset=1.0)
             t(p + "post_ffw_norm.weight", d_model, scale=0.1, offset=1.0)
+    for name, (raw, qtype) in (extra_tensors or {}).items():
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

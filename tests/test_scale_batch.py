@@ -78,14 +78,17 @@ def test_cli_batch_local_resume_and_bad_lines(tmp_path, capsys, one_thread):
     assert main(argv + ["--on-error", "skip"]) == 1                     # reported, skipped, the rest written
     assert "line 3: prompt must be a non-empty string" in capsys.readouterr().err
     recs = [json.loads(s) for s in out.read_text().splitlines()]
+    assert recs[0] == {"id": "bad", "line": 3, "error": "line 3: prompt must be a non-empty string (got 3)"}
+    recs = recs[1:]                                                     # the bad line's error record first
     _, tf, tok = load(smollm2_path(), weights="quant")                 # the CLI's default weights
     g = Generator(tf, tok)
     for r, p in zip(recs, PROMPTS):                                     # batched == each prompt alone
         evs = list(g.stream(p, max_tokens=4))
         assert r["text"] == "".join(e.text for e in evs) and r["completion_tokens"] == len(evs)
         assert r["finish_reason"] == evs[-1].finish and r["prompt_tokens"] == len(tok.encode(p))
-    assert main(argv + ["--on-error", "skip"]) == 1                     # resumed: nothing left to run
-    assert out.read_text().count("\n") == len(PROMPTS)
+    assert main(argv + ["--on-error", "skip"]) == 0                     # resumed: nothing left to run (the
+    #                                                                     bad line has its error record)
+    assert out.read_text().count("\n") == len(PROMPTS) + 1
 
 
 def test_cli_batch_argument_errors(tmp_path, capsys):

@@ -17,6 +17,7 @@ writes the JSON of :func:`perplexity` and a PNG of perplexity against position.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -27,6 +28,7 @@ import numpy as np
 
 from streamattn.engine.core import Engine, EngineConfig
 from streamattn.engine.sequence import Job, Sequence
+from streamattn.files import check_writable, read_text, same_file
 from streamattn.models.transformer import Transformer
 
 
@@ -173,19 +175,61 @@ def progress_bar(quiet: bool) -> Callable[[int, int, float], None] | None:
     return show
 
 
-def load_ids(file, tokenizer, max_tokens: int | None = None) -> list:
-    """Token ids of a text file (the first ``max_tokens + 1`` of them: that many are scored)."""
-    path = Path(file)
-    if not path.is_file():
+MAX_TEXT_BYTES = 1 << 30     # a text file to score (a 1 GiB text is ~250M tokens: days of scoring)
+
+
+def read_text_file(file) -> str:
+    """The UTF-8 text of ``file``, read through :func:`streamattn.files.read_text`: a missing file is
+    FileNotFoundError, a folder, FIFO or device, a file over MAX_TEXT_BYTES or one that is not UTF-8 is
+    :class:`~streamattn.files.BadFile`, each naming the file."""
+    if not os.path.lexists(file):
         raise FileNotFoundError(f"text file {str(file)!r} not found (scripts/get_text.sh writes a long one)")
-    ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+    return read_text(file, limit=MAX_TEXT_BYTES, what="text file")
+
+
+def load_ids(file, tokenizer, max_tokens: int | None = None, *, text: str | None = None) -> list:
+    """Token ids of a text file (the first ``max_tokens + 1`` of them: that many are scored).
+
+    With ``max_tokens`` only a prefix of the text is tokenized: enough characters for twice that many
+    tokens (``tokenizer.max_token_bytes`` each), cut at a space or newline, so the work is bounded by
+    ``max_tokens`` and not by the file. ``text``: the file's contents when already read.
+    """
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise ValueError(f"--max-tokens must be an integer >= 1 (got {max_tokens!r})")
+    text = read_text_file(file) if text is None else text
     if max_tokens is not None:
-        if max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1 (got {max_tokens})")
-        ids = ids[:max_tokens + 1]
+        room = 2 * (max_tokens + 1) * tokenizer.max_token_bytes
+        if len(text) > room:
+            cut = max(text.rfind(" ", room // 2, room), text.rfind("\n", room // 2, room))
+            text = text[:cut if cut > 0 else room]
+        ids = tokenizer.encode(text)[:max_tokens + 1]
+    else:
+        ids = tokenizer.encode(text)
     if len(ids) < 2:
         raise ValueError(f"{file} holds {len(ids)} token(s); perplexity needs at least 2")
     return ids
+
+
+def check_args(args) -> str:
+    """Every argument checked before the model loads (so no result is lost to a bad flag after the
+    work): the numbers, the output paths (``--json``, ``--png``: a writable file in an existing folder),
+    and the text file itself, whose contents are returned."""
+    from streamattn.engine.options import ModelOptions
+    ModelOptions.from_args(args)                  # the shared flags: --prefill-chunk, --window, --threads ...
+    if args.bucket < 1:
+        raise ValueError(f"--bucket must be >= 1 (got {args.bucket})")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
+    for flag, out in (("--json", args.json), ("--png", args.png)):
+        if out:
+            check_writable(out, what=f"{flag} output file")
+    if args.json and args.png and same_file(args.json, args.png) or (args.json and args.json == args.png):
+        raise ValueError(f"--json and --png name the same file {args.json}; give two files")
+    for flag, out in (("--json", args.json), ("--png", args.png)):
+        if out and (same_file(out, args.file) or os.path.abspath(out) == os.path.abspath(args.file)):
+            raise ValueError(f"{flag} {out} is the text file being scored; give another file")
+    return read_text_file(args.file)
 
 
 def run_args(args) -> int:
@@ -193,10 +237,11 @@ def run_args(args) -> int:
     from streamattn.engine.options import ModelOptions
     from streamattn.gguf.hub import resolve_model
 
+    text = check_args(args)
     opts = ModelOptions.from_args(args)
     path = resolve_model(opts.model, quiet=args.quiet)
     tf, tok, m = replace(opts, model=str(path)).load()
-    ids = load_ids(args.file, tok, args.max_tokens)
+    ids = load_ids(args.file, tok, args.max_tokens, text=text)
     r = perplexity(tf, ids, cache=opts.cache, window=opts.window_n, sinks=opts.sinks_n, positions=opts.positions,
                    chunk=opts.prefill_chunk, backend=opts.backend, bucket=args.bucket,
                    progress=progress_bar(args.quiet))

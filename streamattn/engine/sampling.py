@@ -7,9 +7,12 @@ means greedy (argmax after the repetition penalty); the filters then do nothing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+
+MIN_TEMPERATURE = 1e-5      # below it (but > 0) logits / temperature overflow float64: refused
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,7 @@ class SamplingParams:
     Parameters
     ----------
     temperature : float
-        0 = greedy; > 0 divides the logits.
+        0 = greedy; otherwise a finite number >= ``MIN_TEMPERATURE`` (1e-5) that divides the logits.
     top_k : int
         Keep the k most likely tokens (0 = off).
     top_p : float
@@ -30,7 +33,10 @@ class SamplingParams:
         > 1 discourages tokens already in the context (CTRL rule: positive logits divided, negative
         multiplied); 1.0 = off.
     seed : int or None
-        Seed of the numpy Generator (None: fresh entropy).
+        Seed of the numpy Generator, an integer in [0, 2**63) (None: fresh entropy).
+
+    Every field is checked here (type, range, finite), so a bad value fails when the parameters are
+    built, never in the middle of decoding.
     """
 
     temperature: float = 0.0
@@ -41,9 +47,17 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not (self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy")
-        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number (got {str(v)[:40]!r})")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature):
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE} (got {self.temperature})")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
+                                      or not 0 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None (got {str(self.seed)[:40]!r})")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (got {self.top_k!r}); 0 disables it")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p}); 1.0 disables it")

@@ -66,8 +66,9 @@ def cache_dir() -> Path:
 
 
 def sha256_file(path, *, chunk: int = 1 << 22) -> str:
+    from streamattn.files import open_regular
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:                # a FIFO or device in the cache: refused by name, no hang
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -200,11 +201,17 @@ def _remember(target: Path, digest: str) -> None:
     _marker(target).write_text(f"{digest}  {target.name}\nsize {st.st_size} mtime_ns {st.st_mtime_ns}\n")
 
 
+def _read_marker(target: Path) -> str:
+    """The marker's text: a regular file of at most 4 KiB (anything else raises BadFile, a ValueError)."""
+    from streamattn.files import read_text
+    return read_text(_marker(target), limit=4096, what="checksum marker")
+
+
 def _recorded(target: Path) -> str | None:
     """The digest recorded beside target by the last verification, if any."""
     try:
-        return _marker(target).read_text().split()[0]
-    except (OSError, IndexError):
+        return _read_marker(target).split()[0]
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -213,7 +220,7 @@ def verified_unchanged(target: Path, digest: str | None) -> bool | None:
     size and mtime it had when that digest was verified; False when it differs; None when there is no
     such record (never verified by this version)."""
     try:
-        lines = _marker(target).read_text().splitlines()
+        lines = _read_marker(target).splitlines()
         recorded = lines[0].split()[0]
         _, size, _, mtime = lines[1].split()
     except (OSError, IndexError, ValueError):

@@ -82,7 +82,12 @@ def open_container(path: str) -> GGUFFile:
                              "`streamattn pull smollm2-135m`")
     if os.path.isdir(path):
         raise ModelFileError(f"{path}: is a directory, expected a .gguf file")
-    with open(path, "rb") as fh:
+    from streamattn.files import BadFile, open_regular
+    try:
+        fh = open_regular(path)     # a FIFO or a device is refused by name (reading one blocks or never ends)
+    except BadFile as e:
+        raise ModelFileError(str(e)) from None
+    with fh:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise ModelFileError(f"{path}: not a GGUF file (first bytes {magic!r}, expected b'GGUF')")
@@ -94,6 +99,13 @@ def open_container(path: str) -> GGUFFile:
 
 
 WEIGHT_KINDS = ("quant", "f32")
+
+
+def load_header(path: str) -> tuple:
+    """(metadata, ModelConfig) of a GGUF file without reading any tensor (for checks before a load)."""
+    path = os.fspath(path)
+    md = read_metadata(open_container(path), path)
+    return md, config_from_metadata(md, path)
 
 
 def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None,
@@ -136,9 +148,14 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     arch = architecture_of(md, path)
     config = config_from_metadata(md, path)
     check_tensor_names(config.n_layers, (t.name for t in reader.tensors), path)
+    # shapes checked, and tensors the model does not use left unread, before any tensor's bytes are read
+    order = _check_tensors(arch, config, {t.name: tuple(int(n) for n in reversed(t.shape))
+                                          for t in reader.tensors}, path)
+    used = set(order)
     # only the tensors' views of the file map outlive the reader (GGUFReader's field objects, the
     # tokenizer's ~100k strings as numpy parts, took ~160 MB for SmolLM2; the metadata is in md now)
-    tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors]
+    tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors
+               if t.name in used]
     file_map = reader.data
     del reader
     out = {}
@@ -167,7 +184,6 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
         if progress is not None:
             progress(i + 1, total, name)
     del tensors, file_map
-    order = _check_tensors(arch, config, out, path)
     groups = [names for i in range(config.n_layers) for names in arch.layer_tensors(i).values()
               if len(names) > 1 and len(out[names[0]].shape) == 2]
     fused = fuse(out, groups)
@@ -185,14 +201,14 @@ def _drop_pages(file_map) -> None:
         mm.madvise(mmap.MADV_DONTNEED)
 
 
-def _check_tensors(arch: Architecture, c: ModelConfig, w: dict, path: str) -> list:
-    """ModelFileError unless the file holds every tensor the architecture names, in its shape; returns
-    their names in the order a forward pass reads them."""
-    expect = arch.expected_shapes(c, w)
+def _check_tensors(arch: Architecture, c: ModelConfig, shapes: dict, path: str) -> list:
+    """ModelFileError unless the file holds every tensor the architecture names, in its shape (``shapes``:
+    name -> shape, [out, in] for matrices); returns their names in the order a forward pass reads them."""
+    expect = arch.expected_shapes(c, shapes)
     for name, shape in expect.items():
-        if name not in w:
+        if name not in shapes:
             raise ModelFileError(f"{path}: tensor {name!r} is missing (architecture {c.arch}, "
                                  f"{c.n_layers} layers)")
-        if w[name].shape != shape:
-            raise ModelFileError(f"{path}: tensor {name!r} has shape {w[name].shape}, expected {shape}")
+        if shapes[name] != shape:
+            raise ModelFileError(f"{path}: tensor {name!r} has shape {shapes[name]}, expected {shape}")
     return list(expect)

@@ -26,6 +26,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
           12: "<f8"}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+MAX_ARRAY_ITEMS = 1 << 20   # a metadata array (the largest vocabularies hold 262,144 tokens): each item
+#                             becomes a Python object (~40-80 bytes), so the count is bounded, not the bytes
 _DIRECT = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
            "I32": np.int32, "I64": np.int64}      # tensor types GGUFReader views as values, not bytes
 
@@ -46,12 +48,16 @@ class GGUFFile:
     """Parse ``path``. ``metadata``: key -> int / float / bool / str / list (as ``ReaderField.contents``
     gives them); ``tensors``: list of :class:`Tensor`; ``data``: the read-only file map.
 
-    Raises ValueError naming what is wrong (truncated, bad magic or version, a count past the file,
-    a duplicated key or tensor name, an unknown type); the caller adds the path.
+    Raises ValueError naming what is wrong (truncated, bad magic or version, a count past the file, an
+    array of more than ``MAX_ARRAY_ITEMS`` items (naming its key), a duplicated key or tensor name, an
+    unknown type); the caller adds the path.
     """
 
     def __init__(self, path: str):
         import gguf
+
+        from streamattn.files import open_regular
+        open_regular(path).close()                # a FIFO or a device: refused by name, before the map
         self.data = np.memmap(path, mode="r", dtype=np.uint8)
         self._mv = memoryview(self.data)
         self._size = len(self._mv)
@@ -73,7 +79,10 @@ class GGUFFile:
                 raise ValueError(f"duplicate metadata key {key!r}")
             vtype = self._scalar("<I")
             self.types[key] = vtype
-            self.metadata[key] = self._value(vtype)
+            try:
+                self.metadata[key] = self._value(vtype)
+            except ValueError as e:
+                raise ValueError(f"metadata key {key[:80]!r}: {e}") from None
         infos = []
         for _ in range(n_tensors):
             name = self._string()
@@ -133,6 +142,8 @@ class GGUFFile:
         if vtype != _ARRAY:
             raise ValueError(f"unknown metadata value type {vtype} at byte {self._off}")
         etype, count = self._scalar("<I"), self._scalar("<Q")
+        if count > MAX_ARRAY_ITEMS:
+            raise ValueError(f"array of {count} values, more than the {MAX_ARRAY_ITEMS} this reader accepts")
         if etype in _NUMPY:
             size = np.dtype(_NUMPY[etype]).itemsize
             if count > self._size:

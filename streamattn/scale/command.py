@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from streamattn.engine.sampling import SamplingParams, add_arguments as add_sampling_arguments
 from streamattn.engine.options import ModelOptions, add_arguments as add_model_arguments
+from streamattn.engine.sampling import SamplingParams, add_arguments as add_sampling_arguments
+from streamattn.files import check_regular, open_regular, same_file
 from streamattn.scale.batch import run_local
 from streamattn.scale.jobs import OutputFile, Progress, read_requests
 
@@ -33,6 +34,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 
+def prompt_measure(opts: ModelOptions):
+    """A ``measure`` for :func:`~streamattn.scale.jobs.read_requests`: each line's prompt is encoded (chat
+    template included) with the model's tokenizer, read from the file's metadata without its weights, and
+    must leave one token of the model's context to generate. The encoding stops early (bounded by the
+    context, not by the line) for a prompt too long to fit."""
+    from streamattn.gguf.hub import resolve_model
+    from streamattn.gguf.loader import load_header
+    from streamattn.text.tokenizer import Tokenizer
+
+    md, config = load_header(resolve_model(opts.model, quiet=True))
+    tok, context = Tokenizer.from_metadata(md), int(config.context_length)
+
+    def measure(r) -> int:
+        if r.messages is not None:
+            text = tok.apply_chat([dict(m) for m in r.messages])
+        elif opts.chat:
+            msgs = [{"role": "system", "content": opts.system}] if opts.system else []
+            text = tok.apply_chat(msgs + [{"role": "user", "content": r.prompt}])
+        else:
+            text = r.prompt
+        try:
+            n = len(tok.encode(text, max_tokens=context - 1))
+        except ValueError as e:
+            raise ValueError(f"the prompt is too long for the model's context of {context} tokens ({e}); "
+                             "shorten it") from None
+        if n == 0:
+            raise ValueError("the prompt encodes to no tokens; give some text")
+        return n
+    return measure
+
+
 def run_args(args) -> int:
     for name, v, lo in (("--batch-size", args.batch_size, 1), ("--actors", args.actors, 1),
                         ("--max-tokens", args.max_tokens, 1)):
@@ -43,11 +75,18 @@ def run_args(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
     opts = ModelOptions.from_args(args)
+    open_regular(args.input).close()              # a FIFO, a device, a folder: refused by name, first
+    check_regular(args.output, what="output file")
+    if same_file(args.input, args.output):
+        raise ValueError(f"-o {args.output} is the input file {args.input}; give another output file")
+    measure = prompt_measure(opts)
     with OutputFile(args.output) as out:
-        got = read_requests(args.input, done=out.done, max_tokens=args.max_tokens, sampling=sampling,
-                            stop=tuple(args.stop))
+        got = read_requests(args.input, done=out.done, done_lines=out.done_lines, measure=measure,
+                            max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop))
         for e in got.bad:
             print(f"streamattn batch: {args.input}: {e}", file=sys.stderr)
+            if args.on_error == "skip":
+                out.write_error(e.line, e.id, str(e))
         if got.bad and args.on_error == "stop":
             raise ValueError(f"{len(got.bad)} bad line(s) in {args.input} (first: {got.bad[0]}); fix them or "
                              f"pass --on-error skip")
@@ -63,6 +102,10 @@ def run_args(args) -> int:
         else:
             errors = run_local(got.requests, out, opts, batch_size=args.batch_size, progress=progress,
                                stop_on_error=args.on_error == "stop")
+        if args.on_error == "skip":
+            ids = {r.line: r.id for r in got.requests}
+            for e in errors:
+                out.write_error(e.line, ids.get(e.line), str(e))
     for e in errors:
         print(f"streamattn batch: {args.input}: {e}", file=sys.stderr)
     if errors and args.on_error == "stop":

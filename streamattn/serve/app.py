@@ -150,11 +150,29 @@ def build_app(config: ServeConfig) -> FastAPI:
     return app
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to pass ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {declared} bytes; this server accepts at most {limit}",
+                       code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body is over {limit} bytes; this server accepts at most {limit}",
+                           code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _complete(st: ServerState, request: Request, kind: str):
-    body = await request.body()
+    body = await _read_body(request, int(st.cfg.max_body_mb * (1 << 20)))
     st.need_ready()
-    job, meta = parse(body, kind, model_id=st.model_id, tok=st.tok, context=st.context,
-                      fail_text=st.cfg.debug_fail_text, speculative=st.cfg.spec_params)
+    # parsing tokenizes the prompt and renders the chat template: off the event loop, so that other
+    # clients (and /health) are answered meanwhile; each step is bounded (protocol.py, chat_template.py)
+    job, meta = await asyncio.to_thread(parse, body, kind, model_id=st.model_id, tok=st.tok, context=st.context,
+                                        fail_text=st.cfg.debug_fail_text, speculative=st.cfg.spec_params)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 

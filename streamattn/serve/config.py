@@ -49,6 +49,8 @@ class ServeConfig:
         Speculative decoding for every request that does not say otherwise (its ``speculative`` field).
     draft_max : int
         Drafted tokens per step at most (capped at ``prefill_chunk - 1``).
+    max_body_mb : float
+        Largest request body accepted, in MiB (a larger one is answered 413 before it is read whole).
     debug_fail_text : str or None
         Testing aid: a request whose prompt text contains this string raises inside its engine step, to
         show that one request's failure stays its own.
@@ -72,6 +74,7 @@ class ServeConfig:
     model_id: str | None = None
     speculative: str | None = None
     draft_max: int = 8
+    max_body_mb: float = 8.0
     debug_fail_text: str | None = None
 
     def __post_init__(self):
@@ -103,6 +106,8 @@ class ServeConfig:
         need(self.weights in WEIGHTS, "weights", f"one of {WEIGHTS}")
         need(self.speculative in (None, "ngram"), "speculative", "None or 'ngram'")
         need(is_int(self.draft_max) and self.draft_max >= 1, "draft_max", "an integer >= 1")
+        need(isinstance(self.max_body_mb, (int, float)) and not isinstance(self.max_body_mb, bool)
+             and 0 < self.max_body_mb <= 1024, "max_body_mb", "a number in (0, 1024] (MiB)")
         need(self.debug_fail_text is None or (isinstance(self.debug_fail_text, str) and self.debug_fail_text),
              "debug_fail_text", "None or a non-empty string")
 

@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-cache-mb", type=float, default=d.prompt_cache_mb, help="prompt cache size (0: off)")
     from streamattn.engine.speculative import add_arguments as add_speculative_arguments
     add_speculative_arguments(p)                           # the default of requests that do not say
+    p.add_argument("--max-body-mb", type=float, default=d.max_body_mb,
+                   help="largest request body accepted, MiB (larger: 413)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.add_argument("--debug-fail-text", default=None, help=argparse.SUPPRESS)
     from streamattn.scale.ray_serve import add_arguments as add_ray_arguments
@@ -32,7 +34,8 @@ def config_from_args(args) -> ServeConfig:
                        max_queue=args.max_queue, prompt_cache_mb=args.prompt_cache_mb, threads=args.threads,
                        backend=args.backend, prefill_chunk=args.prefill_chunk, cache_dtype=args.cache_dtype,
                        positions=args.positions, weights=args.weights, speculative=args.speculative,
-                       draft_max=args.draft_max, debug_fail_text=args.debug_fail_text)
+                       draft_max=args.draft_max, max_body_mb=args.max_body_mb,
+                       debug_fail_text=args.debug_fail_text)
 
 
 def run_args(args) -> int:

@@ -3,6 +3,15 @@
 Requests are parsed by hand from the raw body (so malformed JSON and wrong types both answer 400 with an
 OpenAI error body, not FastAPI's 422) and checked with pydantic models that allow unknown fields, as
 OpenAI clients send many.
+
+Limits on what a client sends, each answered 400 with the field named (the body size, 413, is checked by
+the app before parsing): JSON nested at most ``MAX_DEPTH`` deep; strings must be valid Unicode (no lone
+surrogates); at most ``MAX_STOP`` stop strings of at most ``MAX_STOP_CHARS`` characters; sampling values
+as :class:`~streamattn.models.sampling.SamplingParams` checks them (seed in [0, 2**63), temperature 0 or
+>= 1e-5, finite); the prompt must leave one token of the context, and a prompt too long for it is refused
+before it is fully tokenized (the work is bounded by the context, not by the prompt). Chat message
+contents are text: control-token strings typed into them stay text (``Tokenizer.apply_chat``); a raw
+``prompt`` of /v1/completions is the opt-in for writing control tokens (``<|im_start|>``) yourself.
 """
 
 from __future__ import annotations
@@ -17,6 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from streamattn.engine.sampling import SamplingParams
 from streamattn.engine.sequence import Job
 from streamattn.engine.speculative import SpecParams
+from streamattn.text.tokenizer import TooLong
+
+MAX_DEPTH = 64              # JSON nesting of a request body
+MAX_STOP = 16               # stop strings per request
+MAX_STOP_CHARS = 256        # characters per stop string
 
 
 class APIError(Exception):
@@ -97,10 +111,14 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests too deeply (at most {MAX_DEPTH} levels)",
+                       code="invalid_json") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"the request body must be a JSON object (got {type(obj).__name__})",
                        code="invalid_type")
+    _check_tree(obj)
     try:
         req = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(obj)
     except ValidationError as e:
@@ -115,6 +133,11 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
         if getattr(req, name) not in (None, 0, 0.0):
             raise APIError(400, f"{name} is not supported (got {getattr(req, name)}); use repetition_penalty",
                            param=name, code="unsupported_value")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"stop: at most {MAX_STOP} strings of 1..{MAX_STOP_CHARS} characters each (got "
+                       f"{len(stop)}, the longest {max(map(len, stop), default=0)} characters)", param="stop",
+                       code="invalid_value")
     text = _prompt_text(req, kind, tok)
     if kind == "text" and isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
         ids = list(req.prompt)
@@ -123,7 +146,13 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
             raise APIError(400, f"prompt token ids must be in 0..{tok.vocab_size - 1} (got {bad[0]})",
                            param="prompt", code="invalid_value")
     else:
-        ids = tok.encode(text)
+        try:
+            ids = tok.encode(text, max_tokens=context - 1)
+        except TooLong:
+            param = "messages" if kind == "chat" else "prompt"
+            raise APIError(400, f"the prompt does not fit this model's context of {context} tokens with one "
+                           f"left to generate ({len(text)} characters); shorten the {param}", param=param,
+                           code="context_length_exceeded") from None
     param = "messages" if kind == "chat" else "prompt"
     if not ids:
         raise APIError(400, f"{param} encodes to no tokens; give some text", param=param, code="invalid_value")
@@ -149,12 +178,15 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
     else:
         want_lp, top = req.logprobs is not None, int(req.logprobs or 0)
-    sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                              top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
-                              min_p=req.min_p or 0.0,
-                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                              seed=req.seed)
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    try:
+        sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                  top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
+                                  min_p=req.min_p or 0.0,
+                                  repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                                  seed=req.seed)
+    except (ValueError, TypeError) as e:
+        name = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=name, code="invalid_value") from None
     spec = None if req.speculative == "none" else speculative
     if req.speculative == "ngram" or (req.draft_max is not None and req.speculative != "none"):
         spec = SpecParams(draft_max=req.draft_max or (speculative or SpecParams()).draft_max)
@@ -164,6 +196,29 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
     meta = dict(kind=kind, model=model_id, stream=bool(req.stream),
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))
     return job, meta
+
+
+def _check_tree(obj) -> None:
+    """Nesting at most MAX_DEPTH deep and no lone surrogate in any string or key (iterative: any depth)."""
+    todo = [(obj, 1, "")]
+    while todo:
+        x, depth, where = todo.pop()
+        if depth > MAX_DEPTH and isinstance(x, (dict, list)):
+            raise APIError(400, f"{where or 'the body'}: nested more than {MAX_DEPTH} levels deep", param=where
+                           or None, code="invalid_value")
+        items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+        for k, v in items:
+            path = f"{where}.{k}" if where else str(k)
+            for s in (k, v):
+                if isinstance(s, str):
+                    try:
+                        s.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        raise APIError(400, f"{path[:80]}: a lone surrogate (U+{ord(s[e.start]):04X}) at character "
+                                       f"{e.start}; strings must be valid Unicode", param=path[:80],
+                                       code="invalid_value") from None
+            if isinstance(v, (dict, list)):
+                todo.append((v, depth + 1, path))
 
 
 def _prompt_text(req, kind: str, tok) -> str:

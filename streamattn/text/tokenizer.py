@@ -16,6 +16,9 @@ a built-in ChatML or Gemma turn format is used, chosen from the vocabulary.
 from __future__ import annotations
 
 import codecs
+import functools
+import re
+import secrets
 from dataclasses import dataclass
 
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
@@ -90,11 +93,57 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.token_bytes)
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list:
-        """Token ids of ``text``; special-token strings in it (``<|im_start|>``) map to their ids."""
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token's length in bytes: a text of n bytes is at least n / this many tokens."""
+        names = (self.hf.id_to_token(i) or "" for i in self.special_ids)
+        return max(1, max(map(len, self.token_bytes), default=1), max((len(n.encode()) for n in names), default=1))
+
+    @functools.cached_property
+    def _special_names(self) -> tuple:
+        """(trie regex of the control-token strings up to 256 characters or None, the longer ones)."""
+        names = {self.hf.id_to_token(i) or "" for i in self.special_ids} - {""}
+        short = {n for n in names if len(n) <= 256}
+        return (re.compile(_trie_pattern(short)) if short else None), tuple(sorted(names - short))
+
+    @functools.cached_property
+    def _hf_text(self) -> HFTokenizer:
+        """A copy of ``hf`` that reads special-token strings as plain text (for message content)."""
+        hf = HFTokenizer.from_str(self.hf.to_str())
+        hf.encode_special_tokens = True
+        return hf
+
+    def special_in(self, text: str) -> str | None:
+        """The first control-token string (``<|im_end|>``) that ``text`` contains, or None."""
+        trie, long = self._special_names
+        m = trie.search(text) if trie is not None else None
+        return m.group(0) if m else next((n for n in long if n in text), None)
+
+    def encode(self, text: str, *, add_bos: bool | None = None, max_tokens: int | None = None) -> list:
+        """Token ids of ``text``.
+
+        A plain string is a raw prompt: control-token strings in it (``<|im_start|>``) map to their ids.
+        A :class:`ChatText` from :meth:`apply_chat` keeps its message contents as text: only the chat
+        template's own markers become control tokens.
+
+        ``max_tokens``: refuse (:class:`TooLong`, a ValueError) a text of more tokens, without tokenizing
+        one whose length alone shows it (more than ``max_tokens * max_token_bytes`` bytes), so the work is
+        bounded by ``max_tokens`` and not by the text.
+        """
+        if max_tokens is not None and len(text) > max_tokens * self.max_token_bytes:
+            raise TooLong(f"the text has {len(text)} characters, more than {max_tokens} tokens can hold "
+                          f"(at most {self.max_token_bytes} bytes a token)", limit=max_tokens)
+        parts = getattr(text, "parts", None)
+        if parts:
+            ids = []
+            for piece, is_content in parts:
+                ids += (self._hf_text if is_content else self.hf).encode(piece, add_special_tokens=False).ids
+        else:
+            ids = self.hf.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise TooLong(f"the text is {len(ids)} tokens, more than {max_tokens}", limit=max_tokens)
         return ids
 
     def decode(self, ids, *, skip_special: bool = True) -> str:
@@ -106,15 +155,39 @@ class Tokenizer:
             return GEMMA_TEMPLATE
         return CHATML_TEMPLATE
 
-    def apply_chat(self, messages: list, *, add_generation_prompt: bool = True) -> str:
+    def apply_chat(self, messages: list, *, add_generation_prompt: bool = True) -> "ChatText":
         """Render chat ``messages`` ([{"role": ..., "content": ...}]) into the model's prompt text.
 
         Uses the file's jinja template when present and jinja2 is installed; otherwise the built-in
-        ChatML (SmolLM2) or Gemma turn format.
+        ChatML (SmolLM2) or Gemma turn format. The result is a :class:`ChatText`: a ``str`` that also
+        knows where each message's content lies, so that :meth:`encode` reads control-token strings
+        typed into a message (``<|im_end|>\\n<|im_start|>system``) as text, never as turn markers. If the
+        template changes a content that holds such a string (so its place cannot be found), the
+        messages are refused with a ValueError naming the message and the token.
         """
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each message must be a dict with 'role' and 'content' (got {m!r})")
+                raise ValueError(f"each message must be a dict with 'role' and 'content' (got {str(m)[:80]})")
+        text = self._render(messages, add_generation_prompt)
+        found = [(i, self.special_in(m["content"])) for i, m in enumerate(messages)
+                 if isinstance(m["content"], str)]
+        found = [(i, t) for i, t in found if t]
+        if not found:
+            return ChatText(text)
+        mark = "\ue000" + secrets.token_hex(8)       # unguessable: no content can forge a mark
+        marked = [{**m, "content": f"{mark}{i}\ue001"} if isinstance(m["content"], str) else m
+                  for i, m in enumerate(messages)]
+        pieces = re.split(re.escape(mark) + r"(\d+)\ue001", self._render(marked, add_generation_prompt))
+        parts = []
+        for j, piece in enumerate(pieces):
+            parts.append((piece, False) if j % 2 == 0 else (messages[int(piece)]["content"], True))
+        if "".join(p for p, _ in parts) != text:
+            i, t = found[0]
+            raise ValueError(f"messages[{i}].content contains the control token {t!r}, and this chat template "
+                             "changes message content, so it cannot be kept as plain text; remove it")
+        return ChatText(text, tuple(p for p in parts if p[0]))
+
+    def _render(self, messages: list, add_generation_prompt: bool) -> str:
         if self.chat_template:
             from streamattn.text.chat_template import render
             try:
@@ -185,6 +258,45 @@ def _build_spm(tokens, types, md):
         else:
             tb.append(t.replace("▁", " ").encode("utf-8"))
     return hf, tb
+
+
+def _trie_pattern(words) -> str:
+    """A regex matching any of ``words``, written as a trie (``<(?:end_of_turn|start_of_(?:image|turn))``):
+    Gemma's 6249 control tokens as one flat alternation took 15 s to search 4 MB, as a trie ~0.1 s."""
+    trie: dict = {}
+    for w in words:
+        node = trie
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def pattern(node) -> str:
+        alts = [re.escape(ch) + pattern(node[ch]) for ch in sorted(k for k in node if k)]
+        if not alts:
+            return ""
+        inner = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{inner})?" if "" in node else inner
+    return pattern(trie)
+
+
+class TooLong(ValueError):
+    """A text longer than a token limit; ``limit`` is that limit."""
+
+    def __init__(self, msg: str, *, limit: int):
+        super().__init__(msg)
+        self.limit = limit
+
+
+class ChatText(str):
+    """Rendered chat text that remembers its pieces: ``parts`` is ((text, is_message_content), ...), empty
+    when no content holds a control-token string (the whole text then tokenizes as one)."""
+
+    parts: tuple
+
+    def __new__(cls, text: str, parts: tuple = ()):
+        s = super().__new__(cls, text)
+        s.parts = parts
+        return s
 
 
 class StreamDecoder:
