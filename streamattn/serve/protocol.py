@@ -7,7 +7,7 @@ OpenAI clients send many.
 Limits on what a client sends, each answered 400 with the field named (the body size, 413, is checked by
 the app before parsing): JSON nested at most ``MAX_DEPTH`` deep; strings must be valid Unicode (no lone
 surrogates); at most ``MAX_STOP`` stop strings of at most ``MAX_STOP_CHARS`` characters; sampling values
-as :class:`~streamattn.models.sampling.SamplingParams` checks them (seed in [0, 2**63), temperature 0 or
+as :class:`~streamattn.engine.sampling.SamplingParams` checks them (seed in [0, 2**63), temperature 0 or
 >= 1e-5, finite); the prompt must leave one token of the context, and a prompt too long for it is refused
 before it is fully tokenized (the work is bounded by the context, not by the prompt). Chat message
 contents are text: control-token strings typed into them stay text (``Tokenizer.apply_chat``); a raw
