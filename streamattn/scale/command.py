@@ -12,7 +12,7 @@ from streamattn.engine.options import ModelOptions, add_arguments as add_model_a
 from streamattn.engine.sampling import SamplingParams, add_arguments as add_sampling_arguments
 from streamattn.files import check_regular, open_regular, same_file
 from streamattn.scale.batch import run_local
-from streamattn.scale.jobs import OutputFile, Progress, read_requests
+from streamattn.scale.jobs import MAX_STOP, MAX_STOP_CHARS, OutputFile, Progress, read_requests
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +70,9 @@ def run_args(args) -> int:
                         ("--max-tokens", args.max_tokens, 1)):
         if v < lo:
             raise ValueError(f"{name} must be >= {lo} (got {v})")
+    if len(args.stop) > MAX_STOP or any(not 0 < len(x) <= MAX_STOP_CHARS for x in args.stop):
+        raise ValueError(f"--stop: at most {MAX_STOP} stop strings of 1..{MAX_STOP_CHARS} characters each "
+                         f"(got {len(args.stop)})")
     if args.cpus_per_actor <= 0:
         raise ValueError(f"--cpus-per-actor must be > 0 (got {args.cpus_per_actor})")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
