@@ -59,7 +59,7 @@ class KernelClock:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--rows", default="1,4", help="qmatmul.ROWS values, comma-separated")
+    ap.add_argument("--rows", default="1,4", help="KernelPlan rows values, comma-separated")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
