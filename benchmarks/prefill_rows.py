@@ -6,7 +6,7 @@
 One process, the model loaded once per weight kind. Each variant prefills the ~700-token prompt of
 benchmarks/data/prompt_rome.txt (the llama.cpp peer's prompt) from fresh caches, in chunks of ``--chunk``
 tokens, through ``Generator.prefill`` (what ``streamattn generate`` times): quant weights with
-``qmatmul.ROWS`` = R (activation rows per weight-block unpacking; R = 1 is the one-row kernel) and the
+a model of ``KernelPlan(rows=R)`` (activation rows per weight-block unpacking; R = 1 is the one-row kernel) and the
 float32 reference (OpenBLAS), at each thread count. Variants alternate within each repeat, in an order
 that flips every repeat; a warm-up prefill of each runs first (JIT). Before timing, the last-token logits
 of every R are checked bit-identical. Prints median prefill tok/s per variant, the share of time in the
@@ -18,6 +18,7 @@ core's worth of time, and its CPU seconds against the 1-thread variant's show wh
 from __future__ import annotations
 
 import argparse
+import functools
 import resource
 import statistics
 import sys
@@ -51,11 +52,14 @@ class KernelClock:
         finally:
             self.seconds += time.perf_counter() - t
 
+    def __get__(self, obj, objtype=None):          # in place of a method: bound to its instance
+        return self if obj is None else functools.partial(self, obj)
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--rows", default="1,4", help="qmatmul.ROWS values, comma-separated")
+    ap.add_argument("--rows", default="1,4", help="KernelPlan rows values, comma-separated")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
@@ -65,20 +69,19 @@ def main():
     quant = load_gguf(str(path), weights="quant")
     tok = Tokenizer.from_metadata(quant.metadata)
     ids = tok.encode(PROMPT.read_text())
-    gens = {f"quant R={r}": (Generator(Transformer(quant), tok, prefill_chunk=args.chunk), r)
+    gens = {f"quant R={r}": (Generator(Transformer(quant, plan=qm.KernelPlan(rows=r)), tok, prefill_chunk=args.chunk), r)
             for r in (int(v) for v in args.rows.split(","))}
     if not args.no_f32:
         gens["f32"] = (Generator(Transformer(load_gguf(str(path), weights="f32")), tok, prefill_chunk=args.chunk),
                        None)
-    clock, fclock = KernelClock(qm._fused), KernelClock(qm.qmatmul)
-    qm._fused, qm.qmatmul = clock, fclock
+    clock, fclock = KernelClock(qm.Matmuls._fused), KernelClock(qm.qmatmul)
+    qm.Matmuls._fused, qm.qmatmul = clock, fclock
     threads = [int(t) for t in args.threads.split(",")]
     variants = [(name, t) for t in threads for name in gens]
 
     def run(name, t):
         gen, rows = gens[name]
         set_threads(t)
-        qm.ROWS = rows if rows is not None else qm.ROWS
         clock.seconds = fclock.seconds = 0.0
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         logits = gen.prefill([ids])

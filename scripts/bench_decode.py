@@ -91,11 +91,11 @@ def breakdown(tf, gen, step, wbytes, ceiling, kind):
 
     def matmuls():
         for lw in tf.layers:
-            linear(np, x, lw.wqkv)
-            linear(np, a, lw.wo)
-            linear(np, x, lw.wgu)
-            linear(np, h, lw.wdown)
-        linear(np, x, tf.output)
+            linear(np, x, lw.wqkv, tf.matmuls)
+            linear(np, a, lw.wo, tf.matmuls)
+            linear(np, x, lw.wgu, tf.matmuls)
+            linear(np, h, lw.wdown, tf.matmuls)
+        linear(np, x, tf.output, tf.matmuls)
 
     q = np.random.default_rng(3).standard_normal((1, c.n_heads, 1, c.head_dim)).astype(np.float32)
 

@@ -189,8 +189,8 @@ def test_every_lane_width_gives_the_same_bits(type_name):
 
 def test_rows_bounds_lanes_and_rebinding():
     """rows() refuses ids past either end and counts negative ones from the end; interleave takes only the
-    kernels' widths; the model's one-call matmul looks its drivers up again when ROWS is switched (what
-    benchmarks/prefill_rows.py does) and when a plane is replaced."""
+    kernels' widths; the model's one-call matmul gives the same bits under another kernel plan (what
+    benchmarks/prefill_rows.py builds) and looks its drivers up again when a plane is replaced."""
     from streamattn.quant import matmul as qm
     data, w64 = gguf_bytes("Q8_0", 21, 64, seed=9)
     w = pack("t", "Q8_0", data, (21, 64))
@@ -202,17 +202,16 @@ def test_rows_bounds_lanes_and_rebinding():
         pack("t", "Q8_0", data, (21, 64), lanes=4)
     x = np.random.default_rng(2).standard_normal((1, 1, 64)).astype(np.float32)
     want = qmatmul(x[0], w, parallel=False)
-    np.testing.assert_array_equal(qm.plain_qmatmul(x, w)[0], want)
-    before = qm.ROWS
-    try:
-        qm.ROWS = 2 if before != 2 else 4
-        np.testing.assert_array_equal(qm.plain_qmatmul(x, w)[0], want)
-        assert w.__dict__["_bound"][-1] == qm.ROWS              # bound again, for the new ROWS
-    finally:
-        qm.ROWS = before
+    mm = qm.Matmuls(qm.KernelPlan())
+    np.testing.assert_array_equal(mm.plain(x, w)[0], want)
+    other = qm.Matmuls(qm.KernelPlan(rows=2 if qm.ROWS != 2 else 4))
+    np.testing.assert_array_equal(other.plain(x, w)[0], want)
+    assert other.drivers(w) is not mm.drivers(w)               # each table its own plan's drivers
     w.scale = w.scale.copy()
     w.scale[...] = 0
-    np.testing.assert_array_equal(qm.plain_qmatmul(x, w), np.zeros((1, 1, 21), np.float32))
+    np.testing.assert_array_equal(mm.plain(x, w), np.zeros((1, 1, 21), np.float32))
+    del w
+    assert mm._bound == {}                                      # a weight that is gone leaves the table
 
 
 def test_interleaved_layout():

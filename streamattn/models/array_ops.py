@@ -20,14 +20,15 @@ from streamattn.quant import matmul as qmatmul
 from streamattn.quant.weights import QWeight
 
 
-def linear(xp, x, w):
-    """``x @ w.T``: x [..., in], w [out, in] a float array or a :class:`QWeight` -> [..., out]."""
+def linear(xp, x, w, mm):
+    """``x @ w.T``: x [..., in], w [out, in] a float array or a :class:`QWeight` -> [..., out]; ``mm``:
+    the model's :class:`~streamattn.quant.matmul.Matmuls` (its kernel plan and bound drivers)."""
     if _int_kernel(w):
-        return qmatmul.plain_qmatmul(x, w)
+        return mm.plain(x, w)
     if isinstance(w, QWeight):
-        return qmatmul.qmatmul(x, w)
+        return qmatmul.qmatmul(x, w, group_rows=mm.plan.rows, vnni=mm.plan.vnni)
     if isinstance(w, tuple):                     # row groups of different block kinds
-        return xp.concatenate([linear(xp, x, p) for p in w], axis=-1)
+        return xp.concatenate([linear(xp, x, p, mm) for p in w], axis=-1)
     return x @ w.T
 
 
@@ -35,22 +36,22 @@ def _int_kernel(w) -> bool:
     return isinstance(w, QWeight) and w.kind in ("q4", "q8")
 
 
-def norm_linear(xp, x, norm_w, eps, w):
+def norm_linear(xp, x, norm_w, eps, w, mm):
     """``rms_norm(x, norm_w) @ w.T``; on packed integer weights the norm is fused into the quantization
     of the activations (one compiled pass)."""
     if _int_kernel(w):
-        return qmatmul.norm_qmatmul(x, norm_w, eps, w)
-    return linear(xp, rms_norm(xp, x, norm_w, eps), w)
+        return mm.norm(x, norm_w, eps, w)
+    return linear(xp, rms_norm(xp, x, norm_w, eps), w, mm)
 
 
-def glu_linear(xp, gu, activation, w):
+def glu_linear(xp, gu, activation, w, mm):
     """``(act(g) * u) @ w.T`` for gu = [g | u] [..., 2*d_ff]; act 'silu' or 'gelu_tanh'. Fused like
     :func:`norm_linear` on packed integer weights."""
     if _int_kernel(w):
-        return qmatmul.glu_qmatmul(gu, activation == "gelu_tanh", w)
+        return mm.glu(gu, activation == "gelu_tanh", w)
     d_ff = gu.shape[-1] // 2
     g, u = gu[..., :d_ff], gu[..., d_ff:]
-    return linear(xp, (gelu_tanh(xp, g) if activation == "gelu_tanh" else silu(xp, g)) * u, w)
+    return linear(xp, (gelu_tanh(xp, g) if activation == "gelu_tanh" else silu(xp, g)) * u, w, mm)
 
 
 def embed_rows(xp, w, ids):
@@ -129,7 +130,7 @@ class ArrayOps:
     one ``forward`` call; :meth:`at_layer` points them at a layer."""
 
     def __init__(self, tf, caches, tables, pos, backend, counts, hook, positions):
-        self.tf, self.xp, self.c = tf, tf.xp, tf.config
+        self.tf, self.xp, self.c, self.mm = tf, tf.xp, tf.config, tf.matmuls
         self.caches, self.tables, self.pos, self.backend = caches, tables, pos, backend
         self.counts, self.hook, self.positions = counts, hook, positions
         self.sink_tables = {}    # (base, n_s + n_c - 1) -> tables at the queries' cache positions
@@ -139,7 +140,7 @@ class ArrayOps:
         return self
 
     def norm_linear(self, x, norm_w, w):
-        return norm_linear(self.xp, x, norm_w, self.c.norm_eps, w)
+        return norm_linear(self.xp, x, norm_w, self.c.norm_eps, w, self.mm)
 
     def heads_rope(self, h, qk_norm):
         """q, k, v; for a sinks cache under ``positions="cache"`` also the queries rotated at their cache
@@ -166,10 +167,10 @@ class ArrayOps:
         return o.transpose(0, 2, 1, 3).reshape(B, T, H * hd)                            # [B, T, H*hd]
 
     def linear(self, x, w):
-        return linear(self.xp, x, w)
+        return linear(self.xp, x, w, self.mm)
 
     def glu_linear(self, gu, w):
-        return glu_linear(self.xp, gu, self.c.activation, w)
+        return glu_linear(self.xp, gu, self.c.activation, w, self.mm)
 
     def post_norm(self, x, norm_w):
         return x if norm_w is None else rms_norm(self.xp, x, norm_w, self.c.norm_eps)

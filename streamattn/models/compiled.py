@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import weakref
 from collections import namedtuple
 from pathlib import Path
 
@@ -77,17 +78,18 @@ def _untag(tag_type) -> tuple:
 
 def _matmul(w_type):
     """The compiled ``x @ W.T`` (any driver mode) of a weight tuple of Numba type ``w_type``: the
-    drivers ``_fused`` calls, with its placeholder arrays, then the padding rows cut."""
+    drivers ``Matmuls`` calls, with its placeholder arrays, then the padding rows cut."""
     serial, parallel = qmatmul.qdrivers(*_untag(w_type.types[4]))
 
     @njit
     def run(mode, x, nw, eps, w, one_thread):
-        e = x[:0]                    # placeholders of the types _fused passes (the driver makes its own)
-        acts = (e.view(np.int8), e, e, e.view(np.int32))
+        e = x[:0]                    # placeholders of the types Matmuls passes (the driver makes its own)
         if one_thread:
-            out = serial(mode, x, nw, eps, *acts, w[0], w[1], w[2], e)
+            out = serial(mode=mode, x=x, nw=nw, eps=eps, xq=e.view(np.int8), xd=e, xs=e, xc=e.view(np.int32),
+                         qs=w[0], scale=w[1], minv=w[2], out=e)
         else:
-            out = parallel(mode, x, nw, eps, *acts, w[0], w[1], w[2], e)
+            out = parallel(mode=mode, x=x, nw=nw, eps=eps, xq=e.view(np.int8), xd=e, xs=e, xc=e.view(np.int32),
+                           qs=w[0], scale=w[1], minv=w[2], out=e)
         return out if out.shape[1] == w[3] else np.ascontiguousarray(out[:, :w[3]])
     return run
 
@@ -286,20 +288,21 @@ def layers_cached() -> bool:
         return True
 
 
-def _matrix(w):
-    """A packed integer weight as the compiled ops' tuple, or None for anything else (float weights,
-    row groups of mixed kinds, a CPU the kernels do not run on)."""
+def _matrix(w, plan: qmatmul.KernelPlan):
+    """A packed integer weight as the compiled ops' tuple, its drivers chosen by ``plan``, or None for
+    anything else (float weights, row groups of mixed kinds, a CPU or plan the kernels do not run on)."""
     if not (qmatmul.HAVE_KERNELS and isinstance(w, qmatmul.QWeight) and w.kind in _KINDS and w.lanes in _LANES
-            and w.lanes <= qmatmul.LANES and w.group in _GROUPS):
+            and w.lanes <= plan.lanes and w.group in _GROUPS):
         return None
     return (w.qs, w.scale, _EMPTY2 if w.minv is None else w.minv, w.shape[0],
-            _tag(w.kind, w.group, w.lanes, qmatmul.ROWS, qmatmul.LANES_VNNI))
+            _tag(w.kind, w.group, w.lanes, plan.rows, plan.vnni))
 
 
-def bind_weights(lw: LayerWeights):
-    """A layer's weights as the compiled layer takes them, or None where a matrix is not a packed
-    integer weight (that layer stays array code)."""
-    mats = {name: _matrix(getattr(lw, name)) for name in ("wqkv", "wo", "wgu", "wdown")}
+def bind_weights(lw: LayerWeights, plan: qmatmul.KernelPlan | None = None):
+    """A layer's weights as the compiled layer takes them under ``plan`` (default ``KernelPlan()``), or None
+    where a matrix is not a packed integer weight (that layer stays array code)."""
+    plan = qmatmul.KernelPlan() if plan is None else plan
+    mats = {name: _matrix(getattr(lw, name), plan) for name in ("wqkv", "wo", "wgu", "wdown")}
     if any(m is None for m in mats.values()):
         return None
     _vector = lambda a, empty: empty if a is None else np.ascontiguousarray(a, np.float32)  # noqa: E731
@@ -313,23 +316,22 @@ def _cache_sources(cache) -> tuple:
     return cache.k, cache.v, cache.lengths, cache.last_counts, cache.held_from
 
 
-def bind_cache(cache) -> tuple:
-    """(the arrays it was made from, :class:`Kv`) of a CPU cache; kept on the cache, made again when
-    any of them was replaced (a grown ring, a restored state)."""
-    src = _cache_sources(cache)
+def bind_cache(cache) -> Kv:
+    """The :class:`Kv` of a CPU cache (views of its arrays, its geometry)."""
     spec = cache.spec
     kst, vst = bits(cache.k), bits(cache.v)
     ka, va = (cache.k, cache.v) if spec.dtype == "float32" else (kst, vst)
     kv = Kv(kst, vst, ka, va, cache.lengths, cache.last_counts, cache.held_from, spec.sinks, cache.ring,
             spec.window or 0, spec.max_chunk, spec.max_len or 0, spec.check_finite, EXPONENT_BITS[spec.dtype],
             cpu.KIND[spec.dtype])
-    cache.__dict__["_kernel_views"] = (src, kv)
     return kv
 
 
 class CompiledLayers:
-    """A Transformer's layers as compiled calls: its numbers and each layer's weights bound once (None
-    for a layer that stays array code, bound again when any of its weights or planes was replaced);
+    """A Transformer's layers as compiled calls under its :class:`~streamattn.quant.matmul.KernelPlan`:
+    its numbers and each layer's weights bound once (None for a layer that stays array code, bound again
+    when any of its weights or planes was replaced), and each cache's :class:`Kv` kept here (made again
+    when any of its arrays was replaced: a grown ring, a restored state; dropped with the cache);
     :meth:`run` runs one layer."""
 
     step = Step
@@ -338,25 +340,32 @@ class CompiledLayers:
         c = tf.config
         self.cfg = Cfg(c.n_heads, c.n_kv_heads, float(c.norm_eps), np.float32(c.norm_eps), c.rope_style == "neox",
                        float(c.attn_scale), c.activation == "gelu_tanh")
-        self.rows = qmatmul.ROWS                    # the group size the weights' tags name
+        self.plan = tf.plan                         # the drivers the weights' tags name
         self.layers = tf.layers
         self.sources = [_sources(lw) for lw in tf.layers]
-        self.weights = [bind_weights(lw) for lw in tf.layers]
+        self.weights = [bind_weights(lw, self.plan) for lw in tf.layers]
+        self.caches = {}                            # id(cache) -> (weakref to it, its arrays bound, Kv)
+
+    def kv(self, cache) -> Kv:
+        """The cache's :class:`Kv`, bound now if it was not or any of its arrays was replaced."""
+        b = self.caches.get(id(cache))   # an entry is this cache's: one of a cache that is gone has left
+        if b is None or not all(map(operator.is_, b[1], _cache_sources(cache))):
+            key, table = id(cache), self.caches
+            b = (weakref.ref(cache, lambda _, key=key: table.pop(key, None)), _cache_sources(cache),
+                 bind_cache(cache))
+            table[key] = b
+        return b[2]
 
     def run(self, i: int, x, cache, step: Step) -> bool:
         """Layer i on the residual rows x [B*T, d] (float32, in place) and its CPU cache; False where it
         did nothing and the array layer must run it (see the module docstring)."""
         src = _sources(self.layers[i])
         if not all(map(operator.is_, src, self.sources[i])):
-            self.sources[i], self.weights[i] = src, bind_weights(self.layers[i])
+            self.sources[i], self.weights[i] = src, bind_weights(self.layers[i], self.plan)
         w = self.weights[i]
         if w is None or cache.xp is not np:
             return False
-        bound = cache.__dict__.get("_kernel_views")
-        if bound is None or not all(map(operator.is_, bound[0], _cache_sources(cache))):
-            kv = bind_cache(cache)
-        else:
-            kv = bound[1]
+        kv = self.kv(cache)
         if run_layer(x, w, (self.cfg, kv, step)):
             return True
         if kv.window:
@@ -364,10 +373,10 @@ class CompiledLayers:
         old = cache.k, cache.v
         if not self._grow(cache, x.shape[0] // step.B):
             return False
-        if run_layer(x, w, (self.cfg, bind_cache(cache), step)):
+        if run_layer(x, w, (self.cfg, self.kv(cache), step)):
             return True
         cache.k, cache.v = old                       # refused as not finite: the ring as it was (and its
-        cache.__dict__.pop("_kernel_views", None)    # contents, which write_rows left untouched)
+        self.caches.pop(id(cache), None)             # contents, which write_rows left untouched)
         return False
 
     @staticmethod

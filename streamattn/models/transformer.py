@@ -36,7 +36,7 @@ from streamattn.models.array_ops import ArrayOps, embed_rows, norm_linear
 from streamattn.models.config import EMBEDDING, OUTPUT, OUTPUT_NORM, ModelConfig, tensor_name
 from streamattn.models.layer import LayerWeights, decoder_layer
 from streamattn.models.rope import RopeTables, rope_tables
-from streamattn.quant import matmul as qmatmul
+from streamattn.quant.matmul import KernelPlan, Matmuls
 from streamattn.quant.weights import QWeight, concat_rows
 from streamattn.threads import many_threads
 
@@ -84,6 +84,9 @@ class Transformer:
         From :func:`streamattn.gguf.loader.load_gguf`: its config, weights and fused row groups.
     xp : module, optional
         Array module (numpy default; cupy after :meth:`to`).
+    plan : streamattn.quant.matmul.KernelPlan, optional
+        Which packed-weight kernels its matmuls run (default: this CPU's best, ``KernelPlan()``); every
+        plan gives the same bits. Kept for the model's life (:attr:`plan`, :attr:`matmuls`).
 
     Examples
     --------
@@ -92,9 +95,12 @@ class Transformer:
     >>> logits = tf.forward(np.array([[1, 2, 3]]), caches)          # [1, 3, vocab]
     """
 
-    def __init__(self, model, xp=np):
+    def __init__(self, model, xp=np, *, plan: KernelPlan | None = None):
         self.config: ModelConfig = model.config
         self.xp = xp
+        self._plan = KernelPlan() if plan is None else plan
+        #: The model's packed matmuls under its plan, with the drivers bound to each weight.
+        self.matmuls = Matmuls(self._plan)
         c, w = self.config, model.weights
         self.weights_kind = model.weights_kind
         self.embed = w[tensor_name(EMBEDDING)]                          # [vocab, d_model]
@@ -111,6 +117,11 @@ class Transformer:
         half = c.head_dim // 2
         self._rope = RopeTables({base: (1.0 / base ** (np.arange(half, dtype=np.float64) * 2 / c.head_dim))
                                  for base in {c.rope_base, c.rope_base_local}}, c.rope_style)
+
+    @property
+    def plan(self) -> KernelPlan:
+        """The kernel plan this model was made with."""
+        return self._plan
 
     def to(self, xp):
         """Move every weight array to array module ``xp`` (e.g. cupy); returns self. Packed weights are
@@ -192,10 +203,9 @@ class Transformer:
         if not (self.compile_layers and self.xp is np and backend in ("cpu", "auto") and counts is None
                 and hook is None and (positions == "absolute" or not any(k.spec.sinks for k in caches))):
             return None
-        fast = self._compiled
-        if fast is None or fast.rows != qmatmul.ROWS:
-            fast = self._compiled = compiled.CompiledLayers(self)
-        return fast
+        if self._compiled is None:
+            self._compiled = compiled.CompiledLayers(self)
+        return self._compiled
 
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
                 attn_hook: Callable | None = None, positions: str = "absolute"):
@@ -255,4 +265,4 @@ class Transformer:
             decoder_layer(x, lw, ops.at_layer(i))
         if last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
-        return norm_linear(xp, x, self.output_norm, c.norm_eps, self.output)          # [..., vocab]
+        return norm_linear(xp, x, self.output_norm, c.norm_eps, self.output, self.matmuls)   # [..., vocab]

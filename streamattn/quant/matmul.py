@@ -8,8 +8,8 @@ weight row is one exact integer dot product, turned to float and added with one 
 
 A packed weight's rows come in interleaved groups of :data:`~streamattn.quant.kernels.LANES`
 (one vector lane per row). Groups are the outer loop (split over threads); for each, the activation
-rows go in groups of :data:`ROWS` through a kernel that unpacks each weight block once for the whole
-group, then the remainder one by one, through the kernel that also prefetches the weights
+rows go in groups of ``rows`` (:class:`KernelPlan`) through a kernel that unpacks each weight block once
+for the whole group, then the remainder one by one, through the kernel that also prefetches the weights
 :data:`PREFETCH_BYTES` ahead. A group's weights are read from memory once and stay in L1/L2 for every
 activation row of the call (prefill chunks and decode batches).
 
@@ -25,6 +25,8 @@ whether this CPU has them, and ``load_gguf(path, weights="f32")`` is the path fo
 from __future__ import annotations
 
 import functools
+import weakref
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
@@ -38,7 +40,8 @@ from streamattn.quant.kernels import LANES, LANES_VNNI, host_cpu_has, make_fdot_
 from streamattn.quant.weights import QWeight
 from streamattn.threads import many_threads
 
-#: Activation rows per weight-block unpacking (measured: docs/PERF.md). Results do not depend on it.
+#: Activation rows per weight-block unpacking of the default :class:`KernelPlan` (measured: docs/PERF.md).
+#: Results do not depend on it.
 ROWS = 8 if LANES == 16 else 4
 GROUP_ROWS = (1, 2, 4, 8)
 #: How far ahead of the weights being read the one-row kernel prefetches (measured: docs/PERF.md; the
@@ -49,6 +52,40 @@ _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
 HAVE_KERNELS = host_cpu_has("avx2")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which of the packed-weight kernels a model's matmuls run. Every plan gives the same bits
+    (tests/test_quant_kernels.py); a model keeps one for its life (``Transformer(model, plan=...)``).
+
+    Parameters
+    ----------
+    rows : {1, 2, 4, 8}
+        Activation rows per weight-block unpacking (default :data:`ROWS`, measured: docs/PERF.md).
+    lanes : {8, 16}
+        The widest interleaved row group the kernels take (default: this CPU's vectors,
+        :data:`~streamattn.quant.kernels.LANES`); a weight packed wider than this does not run.
+    vnni : bool
+        Integer dot products by ``vpdpbusd`` (default: where the CPU has it at the kernels' width,
+        :data:`~streamattn.quant.kernels.LANES_VNNI`) or by ``vpmaddubsw`` + ``vpmaddwd``.
+    """
+
+    rows: int = ROWS
+    lanes: int = LANES
+    vnni: bool = LANES_VNNI
+
+    def __post_init__(self):
+        if isinstance(self.rows, bool) or self.rows not in GROUP_ROWS:
+            raise ValueError(f"rows must be one of {GROUP_ROWS} (got {self.rows!r})")
+        if isinstance(self.lanes, bool) or self.lanes not in (8, 16) or self.lanes > LANES:
+            raise ValueError(f"lanes must be 8{' or 16' if LANES == 16 else ''}, this CPU's vector widths "
+                             f"(got {self.lanes!r})")
+        if not isinstance(self.vnni, bool):
+            raise ValueError(f"vnni must be True or False (got {self.vnni!r})")
+        if self.vnni and not LANES_VNNI:
+            raise ValueError(f"vnni=True needs vpdpbusd at {LANES} lanes (AVX512-VNNI, or AVX-VNNI for 8 lanes); "
+                             "this CPU has none")
 
 
 def _drop_stale_cache() -> None:
@@ -162,47 +199,60 @@ def quantize_activations(x):
     return acts
 
 
-def norm_qmatmul(x, norm_w, eps: float, w: QWeight):
-    """``rms_norm(x) @ W.T`` for a "q4"/"q8" weight, the norm fused into the activations' quantization.
-    x: float32 [..., K], norm_w: float32 [K] -> [..., N]."""
-    return _fused(NORM, x, norm_w, eps, w)
+class Matmuls:
+    """A model's packed matmuls under its :class:`KernelPlan`: one compiled call each that quantizes the
+    activations (plain, RMSNorm, gated activation) and multiplies. What a weight needs of its drivers is
+    looked up once and kept here, by weight (the model owns this table: ``Transformer.matmuls``); a weight
+    whose planes were replaced is bound again, and one that is gone leaves the table."""
 
+    def __init__(self, plan: KernelPlan):
+        self.plan = plan
+        self._bound = {}         # id(w) -> (weakref to w, drivers, qs, scale, minv, rows)
 
-def plain_qmatmul(x, w: QWeight):
-    """``x @ W.T`` for a "q4"/"q8" weight and float32 x [..., K] of the weight's columns: :func:`qmatmul`
-    without its checks, for the model, whose shapes are its own."""
-    return _fused(PLAIN, x, _EMPTY1, 0.0, w)
+    def norm(self, x, norm_w, eps: float, w: QWeight):
+        """``rms_norm(x) @ W.T`` for a "q4"/"q8" weight, the norm fused into the activations' quantization.
+        x: float32 [..., K], norm_w: float32 [K] -> [..., N]."""
+        return self._fused(NORM, x, norm_w, eps, w)
 
+    def plain(self, x, w: QWeight):
+        """``x @ W.T`` for a "q4"/"q8" weight and float32 x [..., K] of the weight's columns: :func:`qmatmul`
+        without its checks, for the model, whose shapes are its own."""
+        return self._fused(PLAIN, x, _EMPTY1, 0.0, w)
 
-def glu_qmatmul(gu, gelu: bool, w: QWeight):
-    """``(act(g) * u) @ W.T`` for gu = [g | u]: float32 [..., 2F] and a "q4"/"q8" weight [N, F]."""
-    return _fused(GELU if gelu else SILU, gu, _EMPTY1, 0.0, w)
+    def glu(self, gu, gelu: bool, w: QWeight):
+        """``(act(g) * u) @ W.T`` for gu = [g | u]: float32 [..., 2F] and a "q4"/"q8" weight [N, F]."""
+        return self._fused(GELU if gelu else SILU, gu, _EMPTY1, 0.0, w)
 
+    def drivers(self, w: QWeight) -> tuple:
+        """The plan's (serial, group-parallel) drivers for w's kind (:func:`qdrivers`)."""
+        return qdrivers(w.kind, w.group, self.plan.rows, w.lanes, self.plan.vnni)
 
-def _fused(mode, x, nw, eps, w):
-    """One driver call that quantizes x (``mode``) and multiplies (:func:`qdrivers`). What it needs of
-    ``w`` is looked up once and kept on it (:func:`_bound`): ~120 calls a decode step."""
-    b = w.__dict__.get("_bound")
-    if b is None or b[1] is not w.qs or b[2] is not w.scale or b[3] is not w.minv or b[5] != ROWS:
-        b = _bound(w)                                    # first use, planes replaced, or ROWS switched
-    drivers, qs, scale, minv, n, _ = b
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.dtype != np.float32 or not x2.flags.c_contiguous:
-        x2 = np.ascontiguousarray(x2, np.float32)
-    if nw.dtype != np.float32 or not nw.flags.c_contiguous:
-        nw = np.ascontiguousarray(nw, np.float32)
-    out = drivers[many_threads()](mode, x2, nw, eps, *_NO_ACTS, qs, scale, _EMPTY if minv is None else minv,
-                                  _EMPTY)
-    return _real_rows(out, n).reshape(*x.shape[:-1], n)
+    def _fused(self, mode, x, nw, eps, w):
+        """One driver call that quantizes x (``mode``) and multiplies (:func:`qdrivers`): ~120 calls a
+        decode step on the array layers."""
+        b = self._bound.get(id(w))       # an entry is w's: one of a weight that is gone has left (_bind)
+        if b is None or b[2] is not w.qs or b[3] is not w.scale or b[4] is not w.minv:
+            b = self._bind(w)                            # first use, or planes replaced
+        _, drivers, qs, scale, minv, n = b
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != np.float32 or not x2.flags.c_contiguous:
+            x2 = np.ascontiguousarray(x2, np.float32)
+        if nw.dtype != np.float32 or not nw.flags.c_contiguous:
+            nw = np.ascontiguousarray(nw, np.float32)
+        # positional: from Python, Numba folds keywords at ~0.6 us a call (the compiled layers call by name)
+        out = drivers[many_threads()](mode, x2, nw, eps, *_NO_ACTS, qs, scale, _EMPTY if minv is None else minv,
+                                      _EMPTY)
+        return _real_rows(out, n).reshape(*x.shape[:-1], n)
 
-
-def _bound(w: QWeight) -> tuple:
-    """(drivers, qs, scale, minv, rows, ROWS) of w, stored on w; refuses what this CPU's
-    kernels cannot run (no AVX2; groups wider than its vectors)."""
-    _check_runs_here(w)
-    b = (_drivers_of(w), w.qs, w.scale, w.minv, w.shape[0], ROWS)
-    w.__dict__["_bound"] = b
-    return b
+    def _bind(self, w: QWeight) -> tuple:
+        """w's entry of the table, which leaves it when w is gone (so an entry found by id is always w's);
+        refuses what this CPU's kernels cannot run (no AVX2; groups wider than the plan's lanes)."""
+        _check_runs_here(w, self.plan.lanes)
+        key, table = id(w), self._bound
+        b = (weakref.ref(w, lambda _, key=key: table.pop(key, None)), self.drivers(w), w.qs, w.scale, w.minv,
+             w.shape[0])
+        table[key] = b
+        return b
 
 
 def _real_rows(out, n: int):
@@ -210,18 +260,15 @@ def _real_rows(out, n: int):
     return out if out.shape[1] == n else np.ascontiguousarray(out[:, :n])
 
 
-def _check_runs_here(w: QWeight) -> None:
+def _check_runs_here(w: QWeight, lanes: int = LANES) -> None:
+    """RuntimeError without AVX2; ValueError for a weight interleaved wider than ``lanes`` (at most this
+    CPU's vectors)."""
     if not HAVE_KERNELS:
         raise RuntimeError("the packed-weight kernels need an x86 CPU with AVX2; load the model with "
                            "weights='f32' (CLI: --weights f32)")
-    if w.lanes not in (8, 16) or w.lanes > LANES:
-        raise ValueError(f"weight {w.shape} is interleaved by {w.lanes} rows; this CPU's kernels take groups "
-                         f"of 8{' or 16' if LANES == 16 else ''} (pack it with lanes=None)")
-
-
-def _drivers_of(w: QWeight):
-    """The default drivers (:data:`ROWS`, :data:`LANES_VNNI`) for w's kind."""
-    return qdrivers(w.kind, w.group, ROWS, w.lanes, LANES_VNNI)
+    if w.lanes not in (8, 16) or w.lanes > lanes:
+        raise ValueError(f"weight {w.shape} is interleaved by {w.lanes} rows; these kernels take groups "
+                         f"of 8{' or 16' if lanes == 16 else ''} (pack it with lanes=None)")
 
 
 def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=None, vnni=None):
@@ -234,8 +281,8 @@ def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=N
     out = np.empty((M, w.qs.shape[0] * w.lanes), np.float32)
     par = many_threads() if parallel is None else parallel
     minv = w.minv if w.minv is not None else _EMPTY
-    qdrivers(w.kind, w.group, group_rows, w.lanes, vnni)[par](GIVEN, _EMPTY, _EMPTY1, 0.0, xq, xd, xs, xc, w.qs,
-                                                               w.scale, minv, out)
+    qdrivers(w.kind, w.group, group_rows, w.lanes, vnni)[par](mode=GIVEN, x=_EMPTY, nw=_EMPTY1, eps=0.0, xq=xq, xd=xd,
+                                                              xs=xs, xc=xc, qs=w.qs, scale=w.scale, minv=minv, out=out)
     return _real_rows(out, N)
 
 
@@ -252,9 +299,8 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
     parallel : bool, optional
         Split rows over Numba's threads (default: when more than one is set). The result is the same.
     group_rows : {1, 2, 4, 8}, optional
-        Activation rows per weight-block unpacking (default: the module's :data:`ROWS`, read at each
-        call; the model's own calls see a change of ROWS too, so a benchmark can switch it for a whole
-        model). The result is the same.
+        Activation rows per weight-block unpacking (default :data:`ROWS`; a model takes its own from its
+        :class:`KernelPlan`). The result is the same.
     vnni : bool, optional
         Integer dot products by ``vpdpbusd`` (default: where the CPU has it at the kernels' width,
         :data:`~streamattn.quant.kernels.LANES_VNNI`) or by ``vpmaddubsw`` + ``vpmaddwd``.
