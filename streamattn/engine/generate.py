@@ -270,7 +270,7 @@ class Generator:
 
 def warm_model(model, kind: str) -> float:
     """Run ``model`` (a CPU :class:`~streamattn.models.transformer.Transformer`) once on throwaway caches:
-    a chunk of :data:`~streamattn.quant.matmul.ROWS` tokens, one token, then a chunk with a padded row,
+    a chunk of ``model.plan.rows`` tokens (its kernel plan), one token, then a chunk with a padded row,
     so that every kernel a prefill, a decode step and a ragged batch call (the packed matmul drivers of
     each weight kind, the fused norm and activation quantizers, attention for storage ``kind``) is
     compiled or loaded from Numba's cache now, outside any timing, as llama.cpp's warm-up decode does.
@@ -282,11 +282,11 @@ def warm_model(model, kind: str) -> float:
     compiled layers, then the array layers' kernels, so that their pages never add up (peak RSS of
     ``streamattn generate`` on SmolLM2, 705-token prompt: 294 -> 273 MB)."""
     from streamattn.memory import release_compiler_pages
-    from streamattn.quant.matmul import ROWS
     t0 = time.perf_counter()
     release_compiler_pages()          # those touched by what loaded before (the CLI's attention warm-up)
-    caches = model.new_caches(batch=1, max_chunk=ROWS, dtype=kind)
-    model.forward(np.zeros((1, ROWS), np.int64), caches, last_only=True)
+    rows = model.plan.rows
+    caches = model.new_caches(batch=1, max_chunk=rows, dtype=kind)
+    model.forward(np.zeros((1, rows), np.int64), caches, last_only=True)
     model.forward(np.zeros((1, 1), np.int64), caches, last_only=True)
     release_compiler_pages()          # the compiled layers are loaded: LLVM's pages can go (memory.py), so
     # that they do not add to those the array layers' kernels touch next: a padded row goes through those,
