@@ -330,3 +330,137 @@ def test_speculative_requests_give_the_same_text_and_report_drafts(server, clien
     assert drafted == d.accepted_prediction_tokens + d.rejected_prediction_tokens
     r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "speculative": "eagle"})
     assert r.status_code == 400 and "speculative" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ structured outputs, tools, n, logit_bias
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                       "required": ["city"], "additionalProperties": False}}}
+
+
+def _chat(client, content, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_response_format_json_schema_streamed_whole_greedy_and_sampled(client):
+    from structured_cases import SCHEMAS, prompt_for, validate
+    for name in ("person", "ref_defs", "object_array", "date_format", "any_of_objects", "tags"):
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+        for kw in (dict(temperature=0), dict(temperature=0.9, seed=4)):
+            whole = _chat(client, prompt_for(name), response_format=fmt, max_tokens=200, **kw).choices[0]
+            validate(SCHEMAS[name], whole.message.content)
+            assert whole.finish_reason == "stop"
+            chunks = list(_chat(client, prompt_for(name), response_format=fmt, max_tokens=200, stream=True, **kw))
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.message.content
+    obj = _chat(client, "Give a JSON object with a cat's name and age, nothing else.",
+                response_format={"type": "json_object"}, max_tokens=400, temperature=0).choices[0]
+    assert obj.finish_reason == "stop" and isinstance(json.loads(obj.message.content), dict)
+
+
+def test_constrained_requests_beside_unconstrained_ones(client):
+    """4 concurrent requests, two constrained: the unconstrained ones equal their solo outputs, the
+    constrained ones validate."""
+    from structured_cases import SCHEMAS, prompt_for, validate
+    free = ["The sky is", "Water boils at"]
+    alone = [text_of(client, p, n=12, extra_body={"cache_prompt": False}) for p in free]
+    got = {}
+
+    def free_run(i):
+        got[i] = text_of(client, free[i], n=12, extra_body={"cache_prompt": False})
+
+    def cons_run(name):
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}}
+        got[name] = _chat(client, prompt_for(name), response_format=fmt, max_tokens=200, temperature=0
+                          ).choices[0].message.content
+    threads = [threading.Thread(target=free_run, args=(0,)), threading.Thread(target=cons_run, args=("recipe",)),
+               threading.Thread(target=free_run, args=(1,)), threading.Thread(target=cons_run, args=("mixed_five",))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[0], got[1]] == alone
+    validate(SCHEMAS["recipe"], got["recipe"])
+    validate(SCHEMAS["mixed_five"], got["mixed_five"])
+
+
+@pytest.mark.parametrize("body,feature", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}, "not"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "bogus"}}}, "bogus"),
+    ({"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}, "name"),
+    ({"type": "bogus"}, "response_format.type")])
+def test_unenforceable_response_formats_are_400_naming_the_feature(server, body, feature):
+    r = httpx.post(server[0] + "/v1/chat/completions", json={"model": MODEL, "response_format": body,
+                                                             "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and feature in r.json()["error"]["message"], r.text
+
+
+def _check_call(call, tools):
+    import jsonschema
+    fn = {t["function"]["name"]: t["function"] for t in tools}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
+    assert call.type == "function" and call.id.startswith("call_")
+
+
+def test_tool_calls_required_named_auto_none_streamed_and_whole(client):
+    tools = [WEATHER, TIME]
+    ask = "What is the weather in Paris? Use the tools."
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        r = _chat(client, ask, tools=tools, tool_choice=choice, max_tokens=80, temperature=0).choices[0]
+        assert r.finish_reason == "tool_calls" and r.message.content is None and len(r.message.tool_calls) == 1
+        _check_call(r.message.tool_calls[0], tools)
+        if isinstance(choice, dict):
+            assert r.message.tool_calls[0].function.name == "get_time"
+        chunks = list(_chat(client, ask, tools=tools, tool_choice=choice, max_tokens=80, temperature=0,
+                            stream=True))
+        deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert len(deltas) == 1 and deltas[0].function.name == r.message.tool_calls[0].function.name
+        assert json.loads(deltas[0].function.arguments) == json.loads(r.message.tool_calls[0].function.arguments)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    auto = _chat(client, ask, tools=tools, tool_choice="auto", max_tokens=80, temperature=0).choices[0]
+    if auto.message.tool_calls:                              # the model chose a call: a valid one
+        assert auto.finish_reason == "tool_calls"
+        _check_call(auto.message.tool_calls[0], tools)
+    else:
+        assert auto.message.content and not auto.message.content.lstrip().startswith("{")
+    streamed = list(_chat(client, ask, tools=tools, tool_choice="auto", max_tokens=80, temperature=0, stream=True))
+    calls = [tc for c in streamed if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert bool(calls) == bool(auto.message.tool_calls) and (text or None) == auto.message.content
+    none = _chat(client, ask, tools=tools, tool_choice="none", max_tokens=20, temperature=0).choices[0]
+    assert none.message.tool_calls is None and none.finish_reason in ("stop", "length")
+
+
+def test_n_choices_fork_one_prompt(client):
+    """n=3: greedy choices are equal; seeded sampled choice i equals a separate request with seed + i."""
+    g = _chat(client, "Name a colour.", n=3, max_tokens=12, temperature=0)
+    assert len(g.choices) == 3 and len({c.message.content for c in g.choices}) == 1
+    one = _chat(client, "Name a colour.", max_tokens=12, temperature=0)
+    assert [c.index for c in g.choices] == [0, 1, 2] and g.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert g.choices[0].message.content == one.choices[0].message.content
+    s = _chat(client, "Tell me a story.", n=3, max_tokens=16, temperature=0.9, seed=21,
+              extra_body={"cache_prompt": False})
+    solo = [_chat(client, "Tell me a story.", max_tokens=16, temperature=0.9, seed=21 + i,
+                  extra_body={"cache_prompt": False}).choices[0].message.content for i in range(3)]
+    assert [c.message.content for c in s.choices] == solo and len(set(solo)) > 1
+    streamed = list(_chat(client, "Tell me a story.", n=3, max_tokens=16, temperature=0.9, seed=21, stream=True))
+    by = ["", "", ""]
+    for c in streamed:
+        for ch in c.choices:
+            by[ch.index] += ch.delta.content or ""
+    assert by == solo
+    r = httpx.post(client.base_url.__str__().rstrip("/") + "/chat/completions",
+                   json={"model": MODEL, "n": 99, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "n must be" in r.json()["error"]["message"]
+
+
+def test_logit_bias_through_the_client(server, client):
+    base = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0)
+    forced = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                       logit_bias={"42": 100})
+    assert forced.choices[0].text != base.choices[0].text
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "logit_bias": {"-5": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"

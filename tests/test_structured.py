@@ -129,3 +129,22 @@ def test_cli_json_schema_and_json_flags(tmp_path, capsys):
     (tmp_path / "bad.json").write_text('{"not": {"type": "string"}}')
     assert main(base + ["--json-schema", str(tmp_path / "bad.json")]) == 2
     assert "cannot be enforced" in capsys.readouterr().err
+
+
+@need_smollm2
+def test_batch_lines_take_response_format(tmp_path):
+    """`streamattn batch`: a line's response_format is enforced; a line whose schema cannot be enforced
+    gets an error record naming the keyword, the others still run."""
+    from streamattn.cli import main
+    lines = [{"id": "p", "messages": [{"role": "user", "content": prompt_for("person")}], "max_tokens": 120,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS["person"]}}},
+             {"id": "free", "prompt": "The capital of France is", "max_tokens": 5},
+             {"id": "bad", "prompt": "x", "response_format": {"type": "json_schema",
+                                                               "json_schema": {"name": "b", "schema": {"not": {}}}}}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    rc = main(["batch", str(inp), "-o", str(out), "--model", smollm2_path(), "-q", "--on-error", "skip"])
+    recs = {r.get("id"): r for r in map(json.loads, out.read_text().splitlines())}
+    assert rc == 1 and "not" in recs["bad"]["error"]
+    validate(SCHEMAS["person"], recs["p"]["text"])
+    assert recs["free"]["text"] and recs["p"]["finish_reason"] == "stop"

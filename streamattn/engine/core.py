@@ -230,7 +230,10 @@ class Engine:
         B, C = max(s.slot for s in active) + 1, self.cfg.prefill_chunk   # slots past the last active idle
         counts = np.zeros(B, np.int64)                                     # [B] real tokens per slot
         for s in active:                                   # a draft of k tokens rides after the last one
-            counts[s.slot] = min(C, len(s.job.prompt) - s.done) if s.prefilling else 1 + len(s.plan_draft(C - 1))
+            if s.prefilling:                               # a choice waits for its leader's prompt (n > 1)
+                counts[s.slot] = 0 if self._waits(s) else min(C, len(s.job.prompt) - s.done)
+            else:
+                counts[s.slot] = 1 + len(s.plan_draft(C - 1))
         tokens = np.zeros((B, int(counts.max())), np.int64)                # [B, T] ragged, zero padding
         for s in active:
             tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
@@ -271,6 +274,7 @@ class Engine:
                 s.done += n
                 if s.prefilling:
                     continue
+                self._fork_followers(s, active)
                 if s.job.cache_prompt and self.cfg.prompt_cache_mb > 0:
                     self.prompt_cache.store(list(s.job.prompt), caches=self.caches, slot=s.slot)
                     self.metrics.cache_bytes.set(self.prompt_cache.nbytes)
@@ -289,6 +293,22 @@ class Engine:
         self.steps += 1
         self.metrics.steps.inc()
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
+
+    @staticmethod
+    def _waits(s: Sequence) -> bool:
+        """``s`` is a further choice whose leader, running beside it, is still feeding the same prompt."""
+        return s.leader is not None and s.done == 0 and s.leader.slot >= 0 and s.leader.prefilling
+
+    def _fork_followers(self, s: Sequence, active: list) -> None:
+        """``s`` has just fed its whole prompt: each choice waiting on it takes a copy of its rows, less
+        the last prompt token, which the choice runs itself (the same bits: §5); a rewind of one token is
+        always allowed (§4)."""
+        for f in active:
+            if f.leader is s and f.done == 0 and f.slot >= 0:
+                for c in self.caches:
+                    state.fork(c, s.slot, f.slot)
+                    state.rewind(c, f.slot, 1)
+                f.done = f.cached = len(f.job.prompt) - 1
 
     def _verify(self, s: Sequence, rows) -> bool:
         """Accept what ``s``'s draft earns from ``rows`` [1 + k, vocab] and rewind the rest out of every

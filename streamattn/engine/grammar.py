@@ -17,10 +17,12 @@ A schema llguidance cannot compile, or that uses a keyword it does not enforce, 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 
 class GrammarError(ValueError):
@@ -106,6 +108,64 @@ class Grammars:
         return g
 
 
+@njit(cache=True)
+def _masked(logits, bits, n):
+    """A copy of ``logits`` [vocab] with -inf where bit i of ``bits`` (int32 words, llguidance's layout:
+    token i is bit i % 32 of word i // 32) is clear, and for ids >= n (past the tokenizer's vocabulary)."""
+    out = np.empty_like(logits)
+    for i in range(logits.shape[0]):
+        if i < n and (bits[i >> 5] >> (i & 31)) & 1:
+            out[i] = logits[i]
+        else:
+            out[i] = -np.inf
+    return out
+
+
+class ResponseFormatError(GrammarError):
+    """A ``response_format`` (or tool definition) that is malformed or cannot be enforced; ``param``
+    names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def response_format_grammar(fmt, grammars):
+    """The Grammar of ``response_format`` (None for ``{"type": "text"}`` or absent)."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise ResponseFormatError("response_format must be an object with a 'type'", "response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return grammars.json_object()
+    if kind != "json_schema":
+        raise ResponseFormatError(f"response_format.type must be 'text', 'json_object' or 'json_schema' (got "
+                              f"{kind[:40]!r})", "response_format.type")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ResponseFormatError("response_format.json_schema must be an object with 'name' and 'schema'",
+                              "response_format.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ResponseFormatError("response_format.json_schema.name must be 1..64 characters of a-z, A-Z, 0-9, _ "
+                              f"and - (got {str(name)[:40]!r})", "response_format.json_schema.name")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise ResponseFormatError("response_format.json_schema.schema must be a JSON schema object",
+                              "response_format.json_schema.schema")
+    try:
+        return grammars.json_schema(schema)
+    except GrammarError as e:
+        raise ResponseFormatError(f"response_format.json_schema.schema: {e}", "response_format.json_schema.schema")
+
+
+
 class Constraint:
     """One sequence's matcher: masks logits, takes tokens, rolls back drafted ones it tried."""
 
@@ -119,28 +179,26 @@ class Constraint:
         self.n = grammar.lltok.vocab_size
         self.bits = allocate_token_bitmask(1, self.n)                       # [1, ceil(n / 32)] int32
 
-    def allowed(self) -> np.ndarray:
-        """bool [vocab]: the tokens the grammar allows next."""
+    def _fill(self) -> None:
         from llguidance.numpy import fill_next_token_bitmask
         fill_next_token_bitmask(self.matcher, self.bits, 0)
-        ok = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[:self.n].astype(bool)
-        if self.vocab > self.n:                                             # ids past the tokenizer's
-            ok = np.concatenate([ok, np.zeros(self.vocab - self.n, bool)])
-        return ok[:self.vocab]
+
+    def allowed(self) -> np.ndarray:
+        """bool [vocab]: the tokens the grammar allows next."""
+        self._fill()
+        return np.isfinite(_masked(np.zeros(self.vocab, np.float32), self.bits[0], self.n))
 
     def mask(self, logits, extra=()) -> np.ndarray:
-        """``logits`` [vocab] with every token the grammar forbids set to -inf, in the state after the
-        taken tokens and then ``extra`` (drafted tokens being verified; rolled back afterwards)."""
+        """``logits`` [vocab] with every token the grammar forbids set to -inf (a new array), in the state
+        after the taken tokens and then ``extra`` (drafted tokens being verified; rolled back afterwards)."""
         extra = list(extra)
         if extra and not self.matcher.consume_tokens(extra):
             self.matcher.rollback(len(extra))
             return np.full(self.vocab, -np.inf, np.float32)                # unreachable state
-        ok = self.allowed()
+        self._fill()
         if extra:
             self.matcher.rollback(len(extra))
-        out = np.array(logits, np.float32, copy=True)
-        out[~ok] = -np.inf
-        return out
+        return _masked(np.asarray(logits, np.float32), self.bits[0], self.n)
 
     def take(self, token_id: int) -> None:
         """Advance by a taken token; GrammarError if the grammar forbade it (never after :meth:`mask`)."""

@@ -148,6 +148,7 @@ class Sequence:
     admitted: bool = False
     finish_reason: str | None = None
     last_logits: object = None                         # [vocab] of the last prompt token, max_tokens == 0
+    leader: "Sequence | None" = None                   # n > 1: another choice of the same prompt to fork from
     draft: list = field(default_factory=list)          # tokens drafted for this step (fed after next_token)
     drafted: int = 0                                   # drafted tokens verified so far
     accepted: int = 0                                  # of which were accepted

@@ -13,6 +13,8 @@ line's text does not depend on which other lines share its batch, and the local 
 
 from __future__ import annotations
 
+import json
+
 from streamattn.engine.options import ModelOptions
 from streamattn.scale.jobs import BadLine, OutputFile, Progress, Request
 
@@ -31,6 +33,7 @@ def complete(gen, requests: list, opts: ModelOptions) -> list:
     request could not run (e.g. its chat messages do not fit the template); the other requests still run.
     A record's text depends on its own line only, never on which lines share its batch.
     """
+    from streamattn.engine.grammar import response_format_grammar
     from streamattn.engine.sequence import Job
     results: dict = {}
     runs = []
@@ -40,8 +43,10 @@ def complete(gen, requests: list, opts: ModelOptions) -> list:
                 ids = gen.tok.encode(gen.tok.apply_chat([dict(m) for m in r.messages]))
             else:
                 ids = gen.encode_prompt(r.prompt, chat=opts.chat, system=opts.system)
+            grammar = (None if r.response_format is None
+                       else response_format_grammar(json.loads(r.response_format), gen.grammars))
             job = Job(prompt=tuple(ids), max_tokens=r.max_tokens, sampling=r.sampling, stop=r.stop,
-                      cache_prompt=False, speculative=opts.spec_params)
+                      cache_prompt=False, speculative=opts.spec_params, grammar=grammar)
         except Exception as e:                      # noqa: BLE001 - reported per line, the batch goes on
             results[r.line] = {"line": r.line, "id": r.id, "error": f"{type(e).__name__}: {e}"}
             continue

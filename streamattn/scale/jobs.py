@@ -42,7 +42,7 @@ from streamattn.engine.sampling import SamplingParams
 from streamattn.files import BadFile, kind, open_regular, short
 
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
-_KEYS = {"id", "prompt", "messages", "max_tokens", "stop", *_SAMPLING_KEYS}
+_KEYS = {"id", "prompt", "messages", "max_tokens", "stop", "response_format", *_SAMPLING_KEYS}
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_LINE_BYTES = 16 << 20            # an input line (a prompt past the context is refused before this)
 MAX_RECORD_BYTES = 256 << 20         # an output record read back when resuming
@@ -64,7 +64,8 @@ class Request:
 
     line : 1-based line number in the input file; id : the line's id (str or int);
     prompt / messages : exactly one is set; max_tokens, sampling, stop : the run's defaults with the
-    line's overrides applied.
+    line's overrides applied; response_format : the line's OpenAI ``response_format`` as JSON text
+    (compiled and enforced by the engine), or None.
     """
 
     line: int
@@ -74,6 +75,7 @@ class Request:
     max_tokens: int
     sampling: SamplingParams
     stop: tuple = ()
+    response_format: str | None = None
 
     @property
     def key(self) -> str:
@@ -83,7 +85,8 @@ class Request:
     def to_json(self) -> str:
         d = dict(line=self.line, id=self.id, prompt=self.prompt, max_tokens=self.max_tokens, stop=list(self.stop),
                  messages=None if self.messages is None else [dict(m) for m in self.messages],
-                 sampling={k: getattr(self.sampling, k) for k in _SAMPLING_KEYS})
+                 sampling={k: getattr(self.sampling, k) for k in _SAMPLING_KEYS},
+                 response_format=self.response_format)
         return json.dumps(d)
 
     @classmethod
@@ -92,7 +95,8 @@ class Request:
         msgs = d["messages"]
         return cls(line=d["line"], id=d["id"], prompt=d["prompt"], max_tokens=d["max_tokens"],
                    stop=tuple(d["stop"]), sampling=SamplingParams(**d["sampling"]),
-                   messages=None if msgs is None else tuple(tuple(m.items()) for m in msgs))
+                   messages=None if msgs is None else tuple(tuple(m.items()) for m in msgs),
+                   response_format=d.get("response_format"))
 
 
 def id_key(i) -> str:
@@ -162,8 +166,12 @@ def parse_line(text: str, line: int, *, max_tokens: int, sampling: SamplingParam
         sp = replace(sampling, **{k: d[k] for k in _SAMPLING_KEYS if k in d})
     except (ValueError, TypeError) as e:
         raise BadLine(line, short(str(e), 200).strip("'\"")) from None
+    fmt = d.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object", "json_schema")):
+        raise BadLine(line, f"response_format must be an object with type 'text', 'json_object' or 'json_schema' "
+                            f"(got {short(fmt)})")
     return Request(line=line, id=rid, prompt=prompt, messages=messages, max_tokens=n, sampling=sp,
-                   stop=tuple(st))
+                   stop=tuple(st), response_format=None if fmt is None else json.dumps(fmt))
 
 
 @dataclass

@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -25,6 +26,7 @@ from streamattn.serve.config import ServeConfig
 from streamattn.engine.core import Engine, QueueFull
 from streamattn.serve.metrics import Metrics
 from streamattn.serve.protocol import APIError, Reply, parse
+from streamattn.serve.structured import tool_calls
 from streamattn.engine.sequence import Sequence
 
 
@@ -36,6 +38,7 @@ class ServerState:
         self.metrics = Metrics()
         self.engine: Engine | None = None
         self.tok = None
+        self.grammars = None                     # the tokenizer's grammar compiler and cache
         self.model_id = config.model_id
         self.context = 0
         self.load_error: str | None = None
@@ -62,6 +65,8 @@ class ServerState:
                 from streamattn.engine.generate import warm_model
                 warm_model(tf, self.cfg.cache_dtype)
             self.tok = Tokenizer.from_metadata(m.metadata)
+            from streamattn.engine.grammar import Grammars
+            self.grammars = Grammars(self.tok)
             self.context = int(m.config.context_length)
             self.model_id = self.model_id or Path(path).stem
             self.engine = Engine(tf, self.tok, self.cfg.engine_config, self.metrics).start()
@@ -169,74 +174,124 @@ async def _read_body(request: Request, limit: int) -> bytes:
 async def _complete(st: ServerState, request: Request, kind: str):
     body = await _read_body(request, int(st.cfg.max_body_mb * (1 << 20)))
     st.need_ready()
-    # parsing tokenizes the prompt and renders the chat template: off the event loop, so that other
-    # clients (and /health) are answered meanwhile; each step is bounded (protocol.py, chat_template.py)
+    # parsing tokenizes the prompt, renders the chat template and compiles grammars: off the event loop,
+    # so that other clients (and /health) are answered meanwhile; each step is bounded (protocol.py,
+    # chat_template.py)
     job, meta = await asyncio.to_thread(parse, body, kind, model_id=st.model_id, tok=st.tok, context=st.context,
-                                        fail_text=st.cfg.debug_fail_text, speculative=st.cfg.spec_params)
+                                        fail_text=st.cfg.debug_fail_text, speculative=st.cfg.spec_params,
+                                        grammars=st.grammars)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 
-    def emit(ev):                                    # engine thread -> this request's event loop
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, ev)
-        except RuntimeError:                         # the loop is closed: nobody listens any more
-            pass
+    def emitter(i: int):
+        def emit(ev):                                # engine thread -> this request's event loop
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+            except RuntimeError:                     # the loop is closed: nobody listens any more
+                pass
+        return emit
 
-    seq = Sequence(job=job, emit=emit, tok=st.tok)
+    seqs = []
+    for i in range(meta["n"]):                       # choice i samples with seed + i; later choices fork
+        seed = job.sampling.seed
+        j = job if i == 0 or seed is None else replace(job, sampling=replace(job.sampling, seed=seed + i))
+        seqs.append(Sequence(job=j, emit=emitter(i), tok=st.tok, leader=seqs[0] if i else None))
     try:
-        st.engine.submit(seq)
+        for s in seqs:
+            st.engine.submit(s)
     except QueueFull as e:
+        for s in seqs:
+            st.engine.cancel(s)
         raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded") from None
     reply = Reply(meta, st.tok)
-    watcher = asyncio.create_task(_watch_disconnect(request, st.engine, seq))
+    watcher = asyncio.create_task(_watch_disconnect(request, st.engine, seqs))
     if meta["stream"]:
-        return StreamingResponse(_sse(st, seq, reply, events, watcher, meta["include_usage"]),
+        return StreamingResponse(_sse(st, seqs, reply, events, watcher, meta),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        text, lps = [], []
-        while True:
-            ev = await events.get()
+        n = len(seqs)
+        text, lps, done = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+        while None in done:
+            i, ev = await events.get()
             if ev.kind == "delta":
-                text.append(ev.text)
-                lps.extend(ev.logprobs)
+                text[i].append(ev.text)
+                lps[i].extend(ev.logprobs)
             elif ev.kind == "error":
                 raise APIError(500, ev.message, type="server_error", code="engine_error")
             else:
-                return reply.whole("".join(text), tuple(lps), ev.finish, ev.usage)
+                done[i] = ev
+        choices = []
+        for i in range(n):
+            t = "".join(text[i])
+            choices.append((t, tuple(lps[i]), done[i].finish, tool_calls(t, meta["calls"])))
+        return reply.whole(choices, _usage([ev.usage for ev in done]))
     finally:
         watcher.cancel()
-        st.engine.cancel(seq)                         # a no-op once finished
+        for s in seqs:
+            st.engine.cancel(s)                       # a no-op once finished
 
 
-async def _sse(st, seq, reply: Reply, events, watcher, include_usage: bool):
+def _usage(usages: list) -> dict:
+    """One request's usage over its choices: the prompt once, every choice's completion tokens."""
+    u = dict(usages[0])
+    c = sum(x["completion_tokens"] for x in usages)
+    u.update(completion_tokens=c, total_tokens=u["prompt_tokens"] + c)
+    if "completion_tokens_details" in u:
+        u["completion_tokens_details"] = {k: sum(x["completion_tokens_details"][k] for x in usages)
+                                          for k in u["completion_tokens_details"]}
+    return u
+
+
+async def _sse(st, seqs, reply: Reply, events, watcher, meta: dict):
+    """The event stream of one request's choices. A choice that is (or, with tool_choice "auto", turns
+    out to be) a tool call is held until it ends and sent as one ``delta.tool_calls`` chunk."""
     def data(obj) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
+    n, calls = len(seqs), meta["calls"]
+    held = [calls == "call"] * n                      # this choice's text is held back (a call)
+    text, usages, left = [""] * n, [None] * n, n
     try:
         if reply.kind == "chat":
-            yield data(reply.chunk(first=True))
-        while True:
-            ev = await events.get()
+            for i in range(n):
+                yield data(reply.chunk(first=True, index=i))
+        while left:
+            i, ev = await events.get()
             if ev.kind == "delta":
-                yield data(reply.chunk(ev.text, ev.logprobs))
+                before = text[i]
+                text[i] += ev.text
+                if calls == "auto" and not before.strip() and text[i].strip():
+                    held[i] = text[i].lstrip().startswith("{")     # its first character decides
+                    if not held[i]:
+                        yield data(reply.chunk(text[i], ev.logprobs, index=i))
+                        continue
+                if not held[i] and (ev.text or ev.logprobs) and (calls != "auto" or text[i].strip()):
+                    yield data(reply.chunk(ev.text, ev.logprobs, index=i))
             elif ev.kind == "error":
                 yield data(APIError(500, ev.message, type="server_error", code="engine_error").body())
                 return
             else:
-                yield data(reply.chunk(finish=ev.finish))
-                if include_usage:
-                    yield data(reply.usage_chunk(ev.usage))
-                yield "data: [DONE]\n\n"
-                return
+                found = tool_calls(text[i], calls)
+                if found:
+                    yield data(reply.chunk(index=i, tool_calls=found))
+                elif held[i] or (calls == "auto" and not text[i].strip()):
+                    yield data(reply.chunk(text[i], index=i))      # not a call after all: its text
+                yield data(reply.chunk(finish="tool_calls" if found else ev.finish, index=i))
+                usages[i], left = ev.usage, left - 1
+        if meta["include_usage"]:
+            yield data(reply.usage_chunk(_usage(usages)))
+        yield "data: [DONE]\n\n"
     finally:
         watcher.cancel()
-        st.engine.cancel(seq)
+        for s in seqs:
+            st.engine.cancel(s)
 
 
-async def _watch_disconnect(request: Request, engine: Engine, seq: Sequence) -> None:
-    """Cancel ``seq`` the moment the client's connection closes."""
-    while not seq.finished:
+async def _watch_disconnect(request: Request, engine: Engine, seqs: list) -> None:
+    """Cancel the request's sequences the moment the client's connection closes."""
+    while not all(s.finished for s in seqs):
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
-            engine.cancel(seq)
+            for s in seqs:
+                engine.cancel(s)
             return

@@ -24,7 +24,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streamattn.engine.sampling import SamplingParams
-from streamattn.engine.sequence import Job
+from streamattn.engine.sequence import Job, check_logit_bias
 from streamattn.engine.speculative import SpecParams
 from streamattn.text.tokenizer import TooLong
 
@@ -76,6 +76,8 @@ class _Common(_Strict):
     n: Optional[int] = None
     ignore_eos: bool = False                   # extension (vLLM): keep going past end-of-sequence tokens
     cache_prompt: bool = True                  # extension (llama.cpp): use the prompt cache
+    logit_bias: Optional[dict] = None
+    response_format: Optional[dict] = None
     speculative: Optional[Literal["ngram", "none"]] = None   # extension: speculate ("none": not even by default)
     draft_max: Optional[int] = Field(None, ge=1, le=64)      # extension: drafted tokens per step at most
 
@@ -84,6 +86,9 @@ class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list] = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: Optional[bool] = None      # accepted; one call per completion is made
 
 
 class CompletionRequest(_Common):
@@ -100,13 +105,17 @@ def _validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"{param}: {err['msg']}{got}", param=param, code=err["type"])
 
 
+MAX_N = 8
+
+
 def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text: str | None = None,
-          speculative=None):
+          speculative=None, grammars=None):
     """Check a request body; return (Job, meta) or raise APIError (400/404).
 
     ``kind`` is "chat" or "text"; ``meta`` holds model, stream, include_usage, kind and logprob settings.
     ``speculative`` (a SpecParams or None) is the server's default; a request's ``speculative`` /
-    ``draft_max`` fields override it.
+    ``draft_max`` fields override it. ``grammars`` (an engine Grammars) compiles ``response_format`` and
+    tool-call grammars; meta["n"] is the number of choices, meta["calls"] how to read tool calls.
     """
     try:
         obj = json.loads(body)
@@ -126,9 +135,20 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
     if req.model != model_id:
         raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_id!r}",
                        param="model", code="model_not_found")
-    if req.n not in (None, 1):
-        raise APIError(400, f"n must be 1 (got {req.n}): one choice per request; send several requests",
-                       param="n", code="unsupported_value")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be in 1..{MAX_N} (got {req.n})", param="n", code="invalid_value")
+    from streamattn.serve.structured import Plan, StructuredError, plan
+    try:
+        if kind == "chat":
+            structured = plan(req, grammars)
+        else:
+            from streamattn.serve.structured import response_format_grammar
+            structured = Plan(grammar=response_format_grammar(req.response_format, grammars))
+        bias = check_logit_bias(req.logit_bias, tok.vocab_size)
+    except StructuredError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+    except ValueError as e:
+        raise APIError(400, str(e), param="logit_bias", code="invalid_value") from None
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(req, name) not in (None, 0, 0.0):
             raise APIError(400, f"{name} is not supported (got {getattr(req, name)}); use repetition_penalty",
@@ -138,7 +158,7 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
         raise APIError(400, f"stop: at most {MAX_STOP} strings of 1..{MAX_STOP_CHARS} characters each (got "
                        f"{len(stop)}, the longest {max(map(len, stop), default=0)} characters)", param="stop",
                        code="invalid_value")
-    text = _prompt_text(req, kind, tok)
+    text = _prompt_text(req, kind, tok, structured.tools_message)
     if kind == "text" and isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
         ids = list(req.prompt)
         bad = [i for i in ids if not 0 <= i < tok.vocab_size]
@@ -192,8 +212,9 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
         spec = SpecParams(draft_max=req.draft_max or (speculative or SpecParams()).draft_max)
     job = Job(prompt=tuple(ids), max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=want_lp,
               top_logprobs=top, ignore_eos=req.ignore_eos, cache_prompt=req.cache_prompt,
-              speculative=spec, fail=bool(fail_text) and fail_text in text)
-    meta = dict(kind=kind, model=model_id, stream=bool(req.stream),
+              speculative=spec, grammar=structured.grammar, logit_bias=bias,
+              fail=bool(fail_text) and fail_text in text)
+    meta = dict(kind=kind, model=model_id, stream=bool(req.stream), n=req.n or 1, calls=structured.calls,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))
     return job, meta
 
@@ -221,7 +242,7 @@ def _check_tree(obj) -> None:
                 todo.append((v, depth + 1, path))
 
 
-def _prompt_text(req, kind: str, tok) -> str:
+def _prompt_text(req, kind: str, tok, tools_message: str | None = None) -> str:
     if kind == "text":
         p = req.prompt
         if isinstance(p, list):
@@ -243,7 +264,20 @@ def _prompt_text(req, kind: str, tok) -> str:
                                    f"{json.dumps(part)[:80]})", param=f"messages.{i}.content", code="invalid_type")
                 parts.append(part["text"])
             content = "".join(parts)
+        calls = getattr(m, "tool_calls", None)
+        if m.role == "assistant" and not content and isinstance(calls, list) and calls:
+            try:                                  # an earlier call, in the form the model was asked for
+                f = calls[0]["function"]
+                content = json.dumps({"name": f["name"], "arguments": json.loads(f["arguments"])})
+            except (KeyError, TypeError, ValueError):
+                raise APIError(400, f"messages.{i}.tool_calls: each needs function.name and function.arguments "
+                               "(a JSON string)", param=f"messages.{i}.tool_calls", code="invalid_value") from None
         msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    if tools_message:
+        if msgs and msgs[0]["role"] == "system":
+            msgs[0] = {"role": "system", "content": msgs[0]["content"] + "\n\n" + tools_message}
+        else:
+            msgs.insert(0, {"role": "system", "content": tools_message})
     try:
         return tok.apply_chat(msgs)
     except ValueError as e:
@@ -263,27 +297,40 @@ class Reply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str = "", logprobs: tuple = (), finish: str | None = None, *, first=False) -> dict:
-        """One stream event's payload (``first``: the chat stream's opening role delta)."""
+    def chunk(self, text: str = "", logprobs: tuple = (), finish: str | None = None, *, first=False,
+              index: int = 0, tool_calls: list | None = None) -> dict:
+        """One stream event's payload for choice ``index`` (``first``: the chat stream's opening role
+        delta; ``tool_calls``: a delta carrying whole calls, as OpenAI's ``delta.tool_calls``)."""
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            if first:
+                delta = {"role": "assistant", "content": ""}
+            elif tool_calls:
+                delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(tool_calls)]}
+            else:
+                delta = {"content": text} if text else {}
+            choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
-        choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice], "usage": None}
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage}
 
-    def whole(self, text: str, logprobs: tuple, finish: str, usage: dict) -> dict:
-        """The non-streaming response."""
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self.logprobs(logprobs), "finish_reason": finish}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage}
+    def whole(self, choices: list, usage: dict) -> dict:
+        """The non-streaming response; ``choices``: (text, logprobs, finish, tool_calls or None) each."""
+        out = []
+        for i, (text, logprobs, finish, calls) in enumerate(choices):
+            if self.kind == "chat":
+                msg = {"role": "assistant", "content": None if calls else text}
+                if calls:
+                    msg["tool_calls"] = calls
+                out.append({"index": i, "message": msg, "logprobs": self.logprobs(logprobs),
+                            "finish_reason": "tool_calls" if calls else finish})
+            else:
+                out.append({"index": i, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish})
+        return {**self._head("chat.completion" if self.kind == "chat" else "text_completion"), "choices": out,
+                "usage": usage}
 
     def _token(self, i: int) -> tuple:
         b = self.tok.token_bytes[i] or (self.tok.hf.id_to_token(i) or "").encode()
