@@ -276,11 +276,10 @@ def warm_model(model, kind: str) -> float:
     compiled or loaded from Numba's cache now, outside any timing, as llama.cpp's warm-up decode does.
     Seconds taken.
 
-    Loading the matmul drivers of one weight kind took 0.3-1.3 s in a fresh process (docs/PERF.md), which
-    a timed prefill had counted. LLVM's library pages, which only loading needs, are handed back before
-    and after each of the two kinds of loading (:func:`streamattn.memory.release_compiler_pages`): the
-    compiled layers, then the array layers' kernels, so that their pages never add up (peak RSS of
-    ``streamattn generate`` on SmolLM2, 705-token prompt: 294 -> 273 MB)."""
+    LLVM's library pages, which only loading needs, are handed back before and after each of the two
+    kinds of loading (:func:`streamattn.memory.release_compiler_pages`): the compiled layers, then the
+    array layers' kernels, so that their pages never add up (docs/DESIGN.md §15; the figures:
+    docs/PERF.md)."""
     from streamattn.memory import release_compiler_pages
     t0 = time.perf_counter()
     release_compiler_pages()          # those touched by what loaded before (the CLI's attention warm-up)
