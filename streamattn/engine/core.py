@@ -239,11 +239,22 @@ class Engine:
             tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
                                                else [s.next_token, *s.draft])
         caches = self.caches if B == self.cfg.slots else self._head(B, counts)
-        every = any((s.job.targets is not None and s.prefilling) or s.draft for s in active)   # all rows' logits
+        # the positions whose logits the step needs: a row's last real token, every fed token of a draft
+        # being verified or of a prompt being scored; their offsets into the result, per slot
+        rows, cols, first = [], [], {}
+        for s in active:
+            n = int(counts[s.slot])
+            want = (range(n) if s.draft or (s.job.targets is not None and s.prefilling)
+                    else range(max(n - 1, 0), n))             # an idle, waiting slot (n = 0): none
+            first[s.slot] = len(rows) - want.start
+            rows += [s.slot] * len(want)
+            cols += list(want)
+        only_last = len(rows) == len(active) and len(active) == B
         try:
             logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
-                                                last_only=not every, positions=self.cfg.positions),
-                             copy=False)                                   # [B, vocab] or [B, T, vocab]
+                                                last_only=only_last, positions=self.cfg.positions,
+                                                logits_at=None if only_last else (np.array(rows), np.array(cols))),
+                             copy=False)                                   # [B, vocab] or [N, vocab]
         except Exception as e:                                             # shared by the batch
             if not self.isolate_failures:
                 raise
@@ -254,10 +265,11 @@ class Engine:
             return
         for s in active:
             n = int(counts[s.slot])
-            row = logits[s.slot] if not every else logits[s.slot, n - 1]    # [vocab]: the last real token's
+            at = first[s.slot]                                  # logits[at + t]: the slot's token t
+            row = logits[s.slot] if only_last else logits[at + n - 1]       # [vocab]: the last real token's
             if s.draft:
                 try:
-                    ended = self._verify(s, logits[s.slot, :n])
+                    ended = self._verify(s, logits[at:at + n])
                 except Exception as e:
                     if not self.isolate_failures:
                         raise
@@ -270,7 +282,7 @@ class Engine:
                 continue
             if s.prefilling:
                 if s.job.targets is not None:
-                    s.score(logits[s.slot, :n], s.done)
+                    s.score(logits[at:at + n], s.done)
                 s.done += n
                 if s.prefilling:
                     continue

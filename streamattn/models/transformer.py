@@ -208,7 +208,7 @@ class Transformer:
         return self._compiled
 
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
-                attn_hook: Callable | None = None, positions: str = "absolute"):
+                logits_at=None, attn_hook: Callable | None = None, positions: str = "absolute"):
         """Run T new tokens per sequence through every layer, appending their K/V to ``caches``.
 
         Parameters
@@ -223,6 +223,10 @@ class Transformer:
             Attention backend for :func:`streamattn.dispatch`.
         last_only : bool
             Return logits of each sequence's last real token only: [B, vocab].
+        logits_at : (rows, cols) int arrays [N], optional
+            Return the logits of these (sequence, token) positions only: [N, vocab] (the engine's steps,
+            which need the last token of a prompt chunk but every position of a speculative draft); a
+            position's logits are the same bits as in the full [B, T, vocab] result.
         attn_hook : callable(layer, q, k, v, out), optional
             Sees each layer's post-RoPE q: [B, Hq, T, hd], k, v: [B, Hkv, T, hd] and attention output.
         positions : {"absolute", "cache"}
@@ -232,7 +236,7 @@ class Transformer:
 
         Returns
         -------
-        logits : float32 [B, T, vocab] (or [B, vocab] with ``last_only``)
+        logits : float32 [B, T, vocab] (or [B, vocab] with ``last_only``, [N, vocab] with ``logits_at``)
         """
         xp, c = self.xp, self.config
         tokens = np.asarray(tokens)
@@ -265,4 +269,6 @@ class Transformer:
             decoder_layer(x, lw, ops.at_layer(i))
         if last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
+        elif logits_at is not None:
+            x = x[xp.asarray(logits_at[0]), xp.asarray(logits_at[1])]                   # [N, d]
         return norm_linear(xp, x, self.output_norm, c.norm_eps, self.output, self.matmuls)   # [..., vocab]
