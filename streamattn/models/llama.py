@@ -6,13 +6,18 @@ Pre-norm blocks with a SiLU-gated MLP, every layer global, one RoPE base. llama.
 ("interleaved", llama.cpp's ROPE_TYPE_NORM). We keep that order and rotate adjacent pairs; q·k is
 unchanged by a permutation applied to both, so the cache and attention never need to know (docs/DESIGN.md
 §10).
+
+RoPE scaling: linear (``llama.rope.scaling.*``) and Llama-3.x's, which llama.cpp's converter precomputes
+into ``rope_freqs.weight``: one divisor per frequency (1 for the high frequencies, ``factor`` for the low
+ones, a smooth blend between), as ggml's rope ``freq_factors``. Both are applied by the transformer
+(:func:`streamattn.models.rope.inverse_frequencies`); any other scaling is refused by name.
 """
 
 from __future__ import annotations
 
 from gguf.constants import MODEL_TENSOR as T, Keys
 
-from streamattn.models.config import Architecture, ModelConfig, common_fields
+from streamattn.models.config import OUTPUT, ROPE_FREQS, Architecture, ModelConfig, common_fields
 
 
 def config(md) -> ModelConfig:
@@ -27,4 +32,5 @@ def config(md) -> ModelConfig:
 LLAMA = Architecture(
     name="llama", config=config,
     layer=dict(attn_norm=T.ATTN_NORM, wqkv=(T.ATTN_Q, T.ATTN_K, T.ATTN_V), wo=T.ATTN_OUT,
-               ffn_norm=T.FFN_NORM, wgu=(T.FFN_GATE, T.FFN_UP), wdown=T.FFN_DOWN))
+               ffn_norm=T.FFN_NORM, wgu=(T.FFN_GATE, T.FFN_UP), wdown=T.FFN_DOWN),
+    optional=(OUTPUT, ROPE_FREQS))

@@ -33,9 +33,9 @@ from streamattn import CacheSpec, KVCache
 from streamattn.models import compiled
 from streamattn.models.architectures import ARCHITECTURES
 from streamattn.models.array_ops import ArrayOps, embed_rows, norm_linear
-from streamattn.models.config import EMBEDDING, OUTPUT, OUTPUT_NORM, ModelConfig, tensor_name
+from streamattn.models.config import EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS, ModelConfig, tensor_name
 from streamattn.models.layer import LayerWeights, decoder_layer
-from streamattn.models.rope import RopeTables, rope_tables
+from streamattn.models.rope import RopeTables, inverse_frequencies, rope_tables
 from streamattn.quant.matmul import KernelPlan, Matmuls
 from streamattn.quant.weights import QWeight, concat_rows
 from streamattn.threads import many_threads
@@ -114,8 +114,12 @@ class Transformer:
         #: the same bits); False runs every layer as array code.
         self.compile_layers = True
         self._compiled = None
-        half = c.head_dim // 2
-        self._rope = RopeTables({base: (1.0 / base ** (np.arange(half, dtype=np.float64) * 2 / c.head_dim))
+        # RoPE scaling (linear, and llama3's per-dimension divisors in rope_freqs.weight) applies to the
+        # global base; a distinct local base is unscaled (Gemma-3: HF's local rotary is the default one,
+        # llama.cpp's rope_freq_scale_train_swa is 1)
+        factors = w.get(tensor_name(ROPE_FREQS))
+        self._rope = RopeTables({base: inverse_frequencies(base, c.head_dim, **(
+                                    dict(linear=c.rope_linear, factors=factors) if base == c.rope_base else {}))
                                  for base in {c.rope_base, c.rope_base_local}}, c.rope_style)
 
     @property

@@ -1,0 +1,122 @@
+"""Each architecture against HF transformers: a tiny seeded model, written to GGUF by our own writer
+(tests/_hf_gguf.py), loaded by ``load_gguf``, and our logits compared with transformers' forward at every
+position of a 48-token sequence (float32 path: max|ours - theirs| / max|theirs| <= 1e-3; packed path at
+Q8_0, the compiled layers: cosine >= 0.999 at every position), greedy continuations equal on the float32
+path. Needs torch and transformers (the ``hfref`` extra, installed by scripts/setup.sh)."""
+
+import numpy as np
+import pytest
+
+from _hf_gguf import hf_model, write_gguf
+from streamattn.gguf.loader import load_gguf
+from streamattn.gguf.metadata import ModelFileError
+from streamattn.models.transformer import Transformer
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N, PROMPT, NEW, CHUNK = 48, 16, 16, 16
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}   # every kind of dimension at 48
+CASES = {
+    "llama3": dict(arch="llama", rope=LLAMA3),                       # untied output, permuted q/k rows
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """(name, HF model, f32 GGUF path, Q8_0 GGUF path, token ids [N])."""
+    name = request.param
+    model = hf_model(**CASES[name], seed=len(name))
+    d = tmp_path_factory.mktemp(name)
+    ids = np.random.default_rng(7).integers(3, model.config.vocab_size, N).tolist()
+    return (name, model, write_gguf(model, d / "f32.gguf"), write_gguf(model, d / "q8.gguf", quant="Q8_0"), ids)
+
+
+def theirs(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()              # [T, vocab]
+
+
+def ours(tf, ids) -> np.ndarray:
+    caches = tf.new_caches(batch=1, max_chunk=CHUNK)
+    return np.concatenate([tf.forward(np.array([ids[s:s + CHUNK]]), caches)[0]
+                           for s in range(0, len(ids), CHUNK)])                 # [T, vocab]
+
+
+def rel_err(a, b) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_float32_logits_match_transformers(case):
+    name, model, path, _, ids = case
+    m = load_gguf(path, weights="f32")
+    assert m.config.arch == CASES[name]["arch"]
+    ref = theirs(model, ids)
+    err = rel_err(ours(Transformer(m), ids), ref)
+    print(f"\n{name}: f32 max rel err {err:.2e} over {N} positions")
+    assert err <= 1e-3
+    assert np.abs(ref).max() > 2 and ref.std(axis=-1).min() > 0.3      # logits spread: the test can fail
+
+
+def test_packed_q8_0_logits_match_transformers(case):
+    """The packed path: Q8_0 matrices through the compiled layers (checked to be the ones that ran)."""
+    name, model, _, path, ids = case
+    tf = Transformer(load_gguf(path))
+    got, ref = ours(tf, ids), theirs(model, ids)
+    assert tf._compiled is not None and all(w is not None for w in tf._compiled.weights)
+    cos = (got * ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1))   # [T]
+    print(f"\n{name}: Q8_0 packed min cosine {cos.min():.6f}, max rel err {rel_err(got, ref):.2e}")
+    assert cos.min() >= 0.999
+
+
+def test_float32_greedy_matches_transformers(case):
+    name, model, path, _, ids = case
+    tf = Transformer(load_gguf(path, weights="f32"))
+    caches = tf.new_caches(batch=1, max_chunk=PROMPT)
+    logits = tf.forward(np.array([ids[:PROMPT]]), caches, last_only=True)[0]
+    mine = []
+    for _ in range(NEW):
+        mine.append(int(np.argmax(logits)))
+        logits = tf.forward(np.array([[mine[-1]]]), caches, last_only=True)[0]
+    seq = list(ids[:PROMPT])
+    for _ in range(NEW):
+        seq.append(int(np.argmax(theirs(model, seq)[-1])))
+    assert mine == seq[PROMPT:]
+
+
+def test_llama3_rope_factors_are_what_makes_it_match(tmp_path):
+    """Without rope_freqs.weight (the file as a loader that ignored it would read it) the logits are far
+    off: the comparison above does see RoPE scaling."""
+    model = hf_model(**CASES["llama3"], seed=6)
+    ids = np.random.default_rng(7).integers(3, model.config.vocab_size, N).tolist()
+    path = write_gguf(model, tmp_path / "no_factors.gguf", drop_tensors=("rope_freqs.weight",))
+    assert rel_err(ours(Transformer(load_gguf(path, weights="f32")), ids), theirs(model, ids)) > 0.05
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("llama.attn_logit_softcapping", 30.0, "metadata key 'llama.attn_logit_softcapping' = '30.0'"),
+    ("llama.final_logit_softcapping", 30.0, "metadata key 'llama.final_logit_softcapping'"),
+    ("llama.rope.scaling.type", "yarn", r"RoPE scaling 'yarn' \(llama.rope.scaling.type\) is not supported"),
+    ("llama.rope.scaling.attn_factor", 2.0, "llama.rope.scaling.attn_factor' = 2.0 is not supported"),
+    ("llama.expert_count", 8, "metadata key 'llama.expert_count' = '8'"),
+    ("llama.rope.dimension_count", 16, "'llama.rope.dimension_count' = 16 differs from the head size 32"),
+])
+def test_a_forward_changing_key_is_refused_by_name(tmp_path, key, value, match):
+    model = hf_model(**CASES["llama3"], seed=6)
+    path = write_gguf(model, tmp_path / "m.gguf", extra_kv={key: value})
+    for weights in ("f32", "quant"):
+        with pytest.raises(ModelFileError, match=match):
+            load_gguf(path, weights=weights)
+
+
+def test_linear_rope_scaling_matches_transformers(tmp_path):
+    """``rope.scaling.type = linear``: every frequency divided by the factor, as HF's linear rope."""
+    rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    model = hf_model(arch="llama", rope=rope, seed=3)
+    path = write_gguf(model, tmp_path / "lin.gguf", extra_kv={"llama.rope.scaling.type": "linear",
+                                                              "llama.rope.scaling.factor": 4.0})
+    ids = np.random.default_rng(7).integers(3, model.config.vocab_size, N).tolist()
+    assert rel_err(ours(Transformer(load_gguf(path, weights="f32")), ids), theirs(model, ids)) <= 1e-3
