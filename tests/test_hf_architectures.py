@@ -22,6 +22,8 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}   # every kind of dimension at 48
 CASES = {
     "llama3": dict(arch="llama", rope=LLAMA3),                       # untied output, permuted q/k rows
+    "qwen2": dict(arch="qwen2", tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen3": dict(arch="qwen3", head_dim=64, tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
 }
 
 
@@ -110,6 +112,17 @@ def test_a_forward_changing_key_is_refused_by_name(tmp_path, key, value, match):
     for weights in ("f32", "quant"):
         with pytest.raises(ModelFileError, match=match):
             load_gguf(path, weights=weights)
+
+
+def test_an_unexpected_tensor_is_refused_by_name(tmp_path):
+    """A qwen2 file read as llama (its q/k/v biases unused) is refused naming a bias."""
+    model = hf_model(arch="qwen2", rope={"rope_type": "default", "rope_theta": 1e6})
+    raw = open(write_gguf(model, tmp_path / "q.gguf"), "rb").read()
+    path2 = tmp_path / "as_llama.gguf"                 # the architecture and its keys renamed, same length
+    path2.write_bytes(raw.replace(b"qwen2", b"llama"))
+    assert load_gguf(str(tmp_path / "q.gguf"), weights="f32").config.arch == "qwen2"
+    with pytest.raises(ModelFileError, match=r"tensor 'blk\.0\.attn_k\.bias' .* is not used by architecture 'llama'"):
+        load_gguf(str(path2), weights="f32")
 
 
 def test_linear_rope_scaling_matches_transformers(tmp_path):
