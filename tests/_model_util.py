@@ -72,8 +72,11 @@ def load(path: str, weights: str = "f32"):
 def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: int = 32, n_heads: int = 4,
                     n_kv_heads: int = 1, head_dim: int = 16, d_ff: int = 48, vocab: int = 64,
                     window: int = 4, seed: int = 0, nan_tensor: str | None = None, override: dict | None = None,
-                    quant: dict | None = None, tokens: list | None = None, extra_tensors: dict | None = None):
-    """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors).
+                    quant: dict | None = None, tokens: list | None = None, extra_tensors: dict | None = None,
+                    rope_freqs: bool = False):
+    """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors): gemma3,
+    llama, qwen2 (q/k/v biases) or qwen3 (q/k norms); ``rope_freqs``: with a ``rope_freqs.weight`` of
+    divisors in [1, 8] (llama3 RoPE scaling, llama only).
 
     ``quant`` maps tensor names' last part (e.g. ``"ffn_down"``) to a GGUF type that gguf-py quantizes
     (``"Q4_1"``, ``"Q8_0"``, ...): those tensors are stored quantized (columns: a multiple of 32).
@@ -140,11 +143,18 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
         t(p + "ffn_gate.weight", d_ff, d_model)
         t(p + "ffn_up.weight", d_ff, d_model)
         t(p + "ffn_down.weight", d_model, d_ff)
-        if arch == "gemma3":
+        if arch == "qwen2":
+            t(p + "attn_q.bias", q)
+            t(p + "attn_k.bias", kv)
+            t(p + "attn_v.bias", kv)
+        if arch in ("gemma3", "qwen3"):
             t(p + "attn_q_norm.weight", head_dim, scale=0.1, offset=1.0)
             t(p + "attn_k_norm.weight", head_dim, scale=0.1, offset=1.0)
+        if arch == "gemma3":
             t(p + "post_attention_norm.weight", d_model, scale=0.1, offset=1.0)
             t(p + "post_ffw_norm.weight", d_model, scale=0.1, offset=1.0)
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2, dtype=np.float32))
     for name, (raw, qtype) in (extra_tensors or {}).items():
         w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
     w.write_header_to_file()
