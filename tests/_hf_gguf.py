@@ -15,12 +15,12 @@ import numpy as np
 
 #: HF model classes and GGUF architectures of the families built here.
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM")}
 
 
 def hf_model(arch: str, *, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
              head_dim: int | None = None, ffn: int = 256, vocab: int = 320, rope: dict | None = None,
-             tied: bool = False):
+             tied: bool = False, **extra):
     """A float32 HF causal LM of family ``arch`` with seeded random weights of a size that gives logits a
     wide spread (matrices ~ N(0, 1/in), norm weights 1 + N(0, 0.1²), biases N(0, 0.1²)), in eval mode."""
     import torch
@@ -32,6 +32,7 @@ def hf_model(arch: str, *, seed: int = 0, hidden: int = 128, layers: int = 2, he
               rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
     if head_dim is not None:
         kw["head_dim"] = head_dim
+    kw.update(extra)                 # e.g. Phi-3's sliding_window
     cfg = cfg_cls(**kw)
     torch.manual_seed(seed)
     model = model_cls(cfg).to(torch.float32)
@@ -74,10 +75,10 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
 
 
 def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None = None,
-               drop_tensors: tuple = ()) -> str:
+               drop_tensors: tuple = (), extra_tensors: dict | None = None) -> str:
     """Write an HF model made by :func:`hf_model` as GGUF: float32 tensors, or the matrices (2-D, columns a
     multiple of 32) as ``quant`` (e.g. "Q8_0"). ``extra_kv``: more metadata {key: value} (str, float, int);
-    ``drop_tensors``: GGUF tensor names left out."""
+    ``drop_tensors``: GGUF tensor names left out; ``extra_tensors``: {GGUF name: float32 array} added."""
     import gguf
     cfg = model.config
     arch = cfg.model_type
@@ -95,6 +96,8 @@ def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None =
     rope = cfg.rope_parameters
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
+    if arch == "phi3":                                   # the converter writes 0 for none
+        w.add_sliding_window(cfg.sliding_window or 0)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     w.add_bos_token_id(1)
@@ -115,6 +118,7 @@ def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None =
         tensors[name] = a
     if rope.get("rope_type") == "llama3":
         tensors[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"] = llama3_rope_factors(rope, head_dim)
+    tensors.update(extra_tensors or {})
     for name, a in tensors.items():
         if name in drop_tensors:
             continue

@@ -24,6 +24,8 @@ CASES = {
     "llama3": dict(arch="llama", rope=LLAMA3),                       # untied output, permuted q/k rows
     "qwen2": dict(arch="qwen2", tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
     "qwen3": dict(arch="qwen3", head_dim=64, tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
+    # fused qkv and gate/up; every layer slides (16 keys: the window binds within 48 positions)
+    "phi3": dict(arch="phi3", sliding_window=16, pad_token_id=0, rope={"rope_type": "default", "rope_theta": 10000.0}),
 }
 
 
@@ -123,6 +125,16 @@ def test_an_unexpected_tensor_is_refused_by_name(tmp_path):
     assert load_gguf(str(tmp_path / "q.gguf"), weights="f32").config.arch == "qwen2"
     with pytest.raises(ModelFileError, match=r"tensor 'blk\.0\.attn_k\.bias' .* is not used by architecture 'llama'"):
         load_gguf(str(path2), weights="f32")
+
+
+def test_phi3_long_rope_factors_are_refused_by_name(tmp_path):
+    """su/longrope Phi-3 files (rope_factors_long/short) are not implemented: refused, never run unscaled."""
+    model = hf_model(**CASES["phi3"], seed=4)
+    half = np.ones(16, np.float32)
+    path = write_gguf(model, tmp_path / "long.gguf", extra_tensors={"rope_factors_long.weight": half,
+                                                                    "rope_factors_short.weight": half})
+    with pytest.raises(ModelFileError, match=r"tensor 'rope_factors_long\.weight' \(and 1 more"):
+        load_gguf(path, weights="f32")
 
 
 def test_linear_rope_scaling_matches_transformers(tmp_path):
