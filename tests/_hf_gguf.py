@@ -15,14 +15,16 @@ import numpy as np
 
 #: HF model classes and GGUF architectures of the families built here.
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+            "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 
 def hf_model(arch: str, *, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
              head_dim: int | None = None, ffn: int = 256, vocab: int = 320, rope: dict | None = None,
              tied: bool = False, **extra):
     """A float32 HF causal LM of family ``arch`` with seeded random weights of a size that gives logits a
-    wide spread (matrices ~ N(0, 1/in), norm weights 1 + N(0, 0.1²), biases N(0, 0.1²)), in eval mode."""
+    wide spread (matrices ~ N(0, 1/in), norm weights 1 + N(0, 0.1²) (Gemma's, stored as w - 1: N(0, 0.1²)),
+    biases N(0, 0.1²)), in eval mode."""
     import torch
     import transformers
     cfg_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[arch])
@@ -40,7 +42,7 @@ def hf_model(arch: str, *, seed: int = 0, hidden: int = 128, layers: int = 2, he
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+                p.copy_((arch != "gemma3") + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
@@ -81,7 +83,7 @@ def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None =
     ``drop_tensors``: GGUF tensor names left out; ``extra_tensors``: {GGUF name: float32 array} added."""
     import gguf
     cfg = model.config
-    arch = cfg.model_type
+    arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -94,6 +96,10 @@ def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None =
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
+    if arch == "gemma3":             # per layer type; the file holds the global one (local: 1e4, fixed)
+        assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+        rope = rope["full_attention"]
+        w.add_sliding_window(cfg.sliding_window)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
     if arch == "phi3":                                   # the converter writes 0 for none
@@ -115,6 +121,8 @@ def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None =
         a = p.detach().numpy().astype(np.float32)
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             a = llama_permute(a, cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            a = a + 1                # the converter stores Gemma's norms as 1 + w
         tensors[name] = a
     if rope.get("rope_type") == "llama3":
         tensors[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"] = llama3_rope_factors(rope, head_dim)

@@ -25,8 +25,15 @@ CASES = {
     "qwen2": dict(arch="qwen2", tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
     "qwen3": dict(arch="qwen3", head_dim=64, tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
     # fused qkv and gate/up; every layer slides (16 keys: the window binds within 48 positions)
+    # 6 layers: 5 sliding (window 8), layer 5 global with linear RoPE scaling (factor 8, as Gemma-3 4B+)
+    "gemma3": dict(arch="gemma3", layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=8, tied=True,
+                   rope={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}),
     "phi3": dict(arch="phi3", sliding_window=16, pad_token_id=0, rope={"rope_type": "default", "rope_theta": 10000.0}),
 }
+
+#: Metadata llama.cpp's converter adds for a case (its rope scaling keys).
+KV = {"gemma3": {"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -36,7 +43,9 @@ def case(request, tmp_path_factory):
     model = hf_model(**CASES[name], seed=len(name))
     d = tmp_path_factory.mktemp(name)
     ids = np.random.default_rng(7).integers(3, model.config.vocab_size, N).tolist()
-    return (name, model, write_gguf(model, d / "f32.gguf"), write_gguf(model, d / "q8.gguf", quant="Q8_0"), ids)
+    kv = KV.get(name, {})
+    return (name, model, write_gguf(model, d / "f32.gguf", extra_kv=kv),
+            write_gguf(model, d / "q8.gguf", quant="Q8_0", extra_kv=kv), ids)
 
 
 def theirs(model, ids) -> np.ndarray:
