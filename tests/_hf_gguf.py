@@ -16,7 +16,7 @@ import numpy as np
 #: HF model classes and GGUF architectures of the families built here.
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-            "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+            "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 
 def hf_model(arch: str, *, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -83,7 +83,7 @@ def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None =
     ``drop_tensors``: GGUF tensor names left out; ``extra_tensors``: {GGUF name: float32 array} added."""
     import gguf
     cfg = model.config
-    arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
+    arch = {"gemma3_text": "gemma3", "mistral": "llama"}.get(cfg.model_type, cfg.model_type)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -104,6 +104,8 @@ def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None =
     w.add_vocab_size(cfg.vocab_size)
     if arch == "phi3":                                   # the converter writes 0 for none
         w.add_sliding_window(cfg.sliding_window or 0)
+    if cfg.model_type == "mistral" and cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     w.add_bos_token_id(1)

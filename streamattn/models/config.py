@@ -154,6 +154,17 @@ def common_fields(md) -> dict:
     )
 
 
+def optional_window(md):
+    """Every layer's window n_c from ``{arch}.attention.sliding_window`` (keys incl. the current one, as
+    HF's sliding mask), or None when the key is absent or 0 (llama.cpp's converter writes 0 for none)."""
+    key = Keys.Attention.SLIDING_WINDOW
+    window = md.get(key, 0)
+    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < 1 << 31:
+        raise ModelFileError(f"{md.path}: metadata key {md.key(key)!r} must be an integer in 0..{(1 << 31) - 1} "
+                             f"(0: no window; got {str(window)[:40]!r})")
+    return window or None
+
+
 #: ``{arch}.rope.scaling.type`` values implemented. Llama-3.x scaling ("llama3" in HF configs) is not a
 #: type in GGUF: llama.cpp's converter stores it as per-dimension divisors, the ``rope_freqs.weight``
 #: tensor, which the architectures that accept it apply (:func:`streamattn.models.rope.inverse_frequencies`).

@@ -1,7 +1,8 @@
 """The llama family (llama, SmolLM2, ...): metadata -> :class:`~streamattn.models.config.ModelConfig`, and
 its layer's tensors.
 
-Pre-norm blocks with a SiLU-gated MLP, every layer global, one RoPE base. llama.cpp's converter stores the
+Pre-norm blocks with a SiLU-gated MLP, one RoPE base, every layer global, or (Mistral files with
+``llama.attention.sliding_window``) every layer sliding with that window, as HF's Mistral. llama.cpp's converter stores the
 ``attn_q``/``attn_k`` rows permuted so that RoPE rotates *adjacent* pairs (2i, 2i+1) of each head
 ("interleaved", llama.cpp's ROPE_TYPE_NORM). We keep that order and rotate adjacent pairs; q·k is
 unchanged by a permutation applied to both, so the cache and attention never need to know (docs/DESIGN.md
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from gguf.constants import MODEL_TENSOR as T, Keys
 
-from streamattn.models.config import OUTPUT, ROPE_FREQS, Architecture, ModelConfig, common_fields
+from streamattn.models.config import OUTPUT, ROPE_FREQS, Architecture, ModelConfig, common_fields, optional_window
 
 
 def config(md) -> ModelConfig:
@@ -25,7 +26,7 @@ def config(md) -> ModelConfig:
     c = common_fields(md)
     base = md.real(Keys.Rope.FREQ_BASE, 10_000.0)
     return ModelConfig(**c, rope_base=base, rope_base_local=base, rope_style="interleaved",
-                       layer_windows=(None,) * c["n_layers"], embed_scale=1.0, activation="silu",
+                       layer_windows=(optional_window(md),) * c["n_layers"], embed_scale=1.0, activation="silu",
                        qk_norm=False, post_norms=False)
 
 

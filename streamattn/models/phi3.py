@@ -15,20 +15,16 @@ from __future__ import annotations
 
 from gguf.constants import MODEL_TENSOR as T, Keys
 
-from streamattn.gguf.metadata import ModelFileError
-from streamattn.models.config import Architecture, ModelConfig, block_shapes, common_fields
+from streamattn.models.config import Architecture, ModelConfig, block_shapes, common_fields, optional_window
 
 
 def config(md) -> ModelConfig:
     """``md``: a :class:`streamattn.gguf.metadata.Metadata` of a phi3 file."""
     c = common_fields(md)
-    window = md.get(Keys.Attention.SLIDING_WINDOW, 0)
-    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < 1 << 31:
-        raise ModelFileError(f"{md.path}: metadata key {md.key(Keys.Attention.SLIDING_WINDOW)!r} must be an "
-                             f"integer in 0..{(1 << 31) - 1} (0: no window; got {str(window)[:40]!r})")
+    window = optional_window(md)
     base = md.real(Keys.Rope.FREQ_BASE, 10_000.0)
     return ModelConfig(**c, rope_base=base, rope_base_local=base, rope_style="neox",
-                       layer_windows=(window or None,) * c["n_layers"], embed_scale=1.0, activation="silu",
+                       layer_windows=(window,) * c["n_layers"], embed_scale=1.0, activation="silu",
                        qk_norm=False, post_norms=False)
 
 
