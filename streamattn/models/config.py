@@ -1,10 +1,12 @@
 """What a model is, as data: :class:`ModelConfig` (its numbers and layer flags) and :class:`Architecture`
 (what one architecture file declares: metadata -> config, and which GGUF tensors make each layer weight).
 
-An architecture is one file in streamattn/models/ (``llama.py``, ``gemma3.py``) defining an
-``Architecture`` and one entry in :data:`streamattn.models.architectures.ARCHITECTURES`. Tensor names come
-from gguf.constants (``MODEL_TENSOR`` / ``TENSOR_NAMES``), metadata keys from its ``Keys``; the loader and
-the transformer read both through the architecture and never branch on its name.
+An architecture is one file in streamattn/models/ (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``phi3.py``,
+``gemma3.py``) defining an ``Architecture`` and one entry in
+:data:`streamattn.models.architectures.ARCHITECTURES`. Tensor names come from gguf.constants
+(``MODEL_TENSOR`` / ``TENSOR_NAMES``), metadata keys from its ``Keys``; the loader and the transformer read
+both through the architecture and never branch on its name. What an architecture does not read is
+refused: a ``{arch}.*`` key its config did not read, a tensor it does not name (docs/DESIGN.md §10).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class ModelConfig:
     activation : {"silu", "gelu_tanh"}
         Gate activation of the gated MLP.
     qk_norm, post_norms : bool
-        A per-head RMSNorm of q and k (gemma3); norms after attention and after the MLP (gemma3).
+        A per-head RMSNorm of q and k (gemma3, qwen3); norms after attention and after the MLP (gemma3).
     context_length : int
     bos_id, eos_id : int
     name : str

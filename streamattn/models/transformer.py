@@ -1,4 +1,5 @@
-"""Decoder-only transformer forward pass (llama family and Gemma-3) on streamattn's KV caches.
+"""Decoder-only transformer forward pass (llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma-3) on streamattn's KV
+caches.
 
 The model owns weights and arithmetic; it never touches cache slots. ``forward`` embeds the tokens, runs
 every layer, then the output norm and the logits. A layer is :func:`streamattn.models.layer.decoder_layer`,
@@ -13,9 +14,9 @@ Model (pre-norm; gemma3 extras in brackets)::
 
     x = embed[tok] [* sqrt(d_model)]
     for each layer:                                # decoder_layer
-        h = rmsnorm(x) @ Wqkv.T -> q, k, v        # fused: one matmul
-        [q, k = rmsnorm_per_head(q), rmsnorm_per_head(k)]
-        q, k = rope(q, pos), rope(k, pos)          # base per layer (gemma3: 1e4 local, 1e6 global)
+        h = rmsnorm(x) @ Wqkv.T [+ bqkv] -> q, k, v   # fused: one matmul; bias: qwen2
+        [q, k = rmsnorm_per_head(q), rmsnorm_per_head(k)]   # gemma3, qwen3
+        q, k = rope(q, pos), rope(k, pos)          # base per layer (gemma3: 1e4 local, 1e6 global); scaled
         a = attend(q, cache.append(k, v)) @ Wo.T   # scale 1/sqrt(head_dim)
         x = x + [rmsnorm_post_attn](a)
         g, u = rmsnorm(x) @ Wgu.T                  # fused: one matmul
