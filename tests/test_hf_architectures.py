@@ -22,7 +22,9 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}   # every kind of dimension at 48
 CASES = {
     "llama3": dict(arch="llama", rope=LLAMA3),                       # untied output, permuted q/k rows
-    "mistral": dict(arch="mistral", sliding_window=16),              # llama with every layer sliding
+    # llama with every layer sliding, from llama.attention.sliding_window (which llama.cpp's converter
+    # does not write: tests/test_arch_fixtures.py has a Mistral without a window)
+    "mistral": dict(arch="mistral", sliding_window=16),
     "qwen2": dict(arch="qwen2", tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
     "qwen3": dict(arch="qwen3", head_dim=64, tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
     # fused qkv and gate/up; every layer slides (16 keys: the window binds within 48 positions)

@@ -1,8 +1,10 @@
 """The llama family (llama, SmolLM2, ...): metadata -> :class:`~streamattn.models.config.ModelConfig`, and
 its layer's tensors.
 
-Pre-norm blocks with a SiLU-gated MLP, one RoPE base, every layer global, or (Mistral files with
-``llama.attention.sliding_window``) every layer sliding with that window, as HF's Mistral. llama.cpp's converter stores the
+Pre-norm blocks with a SiLU-gated MLP, one RoPE base, every layer global, or (files with
+``llama.attention.sliding_window``) every layer sliding with that window, as HF's Mistral. llama.cpp's
+converter does not write Mistral v0.1's window (4096): its files run global, as in llama.cpp, which is
+exact up to 4096 positions; later Mistral models have no window. llama.cpp's converter stores the
 ``attn_q``/``attn_k`` rows permuted so that RoPE rotates *adjacent* pairs (2i, 2i+1) of each head
 ("interleaved", llama.cpp's ROPE_TYPE_NORM). We keep that order and rotate adjacent pairs; q·k is
 unchanged by a permutation applied to both, so the cache and attention never need to know (docs/DESIGN.md
