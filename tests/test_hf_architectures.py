@@ -157,3 +157,18 @@ def test_linear_rope_scaling_matches_transformers(tmp_path):
                                                               "llama.rope.scaling.factor": 4.0})
     ids = np.random.default_rng(7).integers(3, model.config.vocab_size, N).tolist()
     assert rel_err(ours(Transformer(load_gguf(path, weights="f32")), ids), theirs(model, ids)) <= 1e-3
+
+
+@pytest.mark.parametrize("mode, dtype", [("window", "float16"), ("sinks", "bfloat16"), ("full", "float16")])
+def test_cache_kinds_run_every_architecture(case, mode, dtype):
+    """16-bit caches, a window and sinks (both wider than the 48 positions, so the attention is the full
+    one) on the packed path (compiled layers) and the float32 path: cosine >= 0.999 with transformers."""
+    name, model, f32, q8, ids = case
+    ref = theirs(model, ids)
+    for path in (f32, q8):
+        tf = Transformer(load_gguf(path, weights="f32" if path == f32 else "quant"))
+        caches = tf.new_caches(batch=1, max_chunk=CHUNK, mode=mode, dtype=dtype,
+                               window=None if mode == "full" else 60, sinks=4 if mode == "sinks" else 0)
+        got = np.concatenate([tf.forward(np.array([ids[s:s + CHUNK]]), caches)[0] for s in range(0, N, CHUNK)])
+        cos = (got * ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1))
+        assert cos.min() >= 0.999, (path, cos.min())
