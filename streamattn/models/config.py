@@ -12,6 +12,7 @@ refused: a ``{arch}.*`` key its config did not read, a tensor it does not name (
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -161,10 +162,10 @@ def optional_window(md):
     HF's sliding mask), or None when the key is absent or 0 (llama.cpp's converter writes 0 for none)."""
     key = Keys.Attention.SLIDING_WINDOW
     window = md.get(key, 0)
-    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < 1 << 31:
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or not 0 <= window < 1 << 31:
         raise ModelFileError(f"{md.path}: metadata key {md.key(key)!r} must be an integer in 0..{(1 << 31) - 1} "
                              f"(0: no window; got {str(window)[:40]!r})")
-    return window or None
+    return int(window) or None
 
 
 #: ``{arch}.rope.scaling.type`` values implemented. Llama-3.x scaling ("llama3" in HF configs) is not a
