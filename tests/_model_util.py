@@ -72,8 +72,11 @@ def load(path: str, weights: str = "f32"):
 def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: int = 32, n_heads: int = 4,
                     n_kv_heads: int = 1, head_dim: int = 16, d_ff: int = 48, vocab: int = 64,
                     window: int = 4, seed: int = 0, nan_tensor: str | None = None, override: dict | None = None,
-                    quant: dict | None = None, tokens: list | None = None, extra_tensors: dict | None = None):
-    """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors).
+                    quant: dict | None = None, tokens: list | None = None, extra_tensors: dict | None = None,
+                    rope_freqs: bool = False):
+    """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors): gemma3,
+    llama, qwen2 (q/k/v biases), qwen3 (q/k norms) or phi3 (fused attn_qkv and ffn_up); ``rope_freqs``: with a ``rope_freqs.weight`` of
+    divisors in [1, 8] (llama3 RoPE scaling, llama only).
 
     ``quant`` maps tensor names' last part (e.g. ``"ffn_down"``) to a GGUF type that gguf-py quantizes
     (``"Q4_1"``, ``"Q8_0"``, ...): those tensors are stored quantized (columns: a multiple of 32).
@@ -108,7 +111,7 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1e6 if arch == "gemma3" else 1e4)
-    if arch == "gemma3":
+    if arch in ("gemma3", "phi3"):
         w.add_sliding_window(window)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens if tokens is not None else [f"t{i}" for i in range(vocab)])
@@ -132,19 +135,32 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
     for i in range(n_layers):
         p = f"blk.{i}."
         t(p + "attn_norm.weight", d_model, scale=0.1, offset=1.0)
-        t(p + "attn_q.weight", q, d_model)
-        t(p + "attn_k.weight", kv, d_model)
-        t(p + "attn_v.weight", kv, d_model)
+        if arch == "phi3":
+            t(p + "attn_qkv.weight", q + 2 * kv, d_model)
+        else:
+            t(p + "attn_q.weight", q, d_model)
+            t(p + "attn_k.weight", kv, d_model)
+            t(p + "attn_v.weight", kv, d_model)
         t(p + "attn_output.weight", d_model, q)
         t(p + "ffn_norm.weight", d_model, scale=0.1, offset=1.0)
-        t(p + "ffn_gate.weight", d_ff, d_model)
-        t(p + "ffn_up.weight", d_ff, d_model)
+        if arch == "phi3":
+            t(p + "ffn_up.weight", 2 * d_ff, d_model)
+        else:
+            t(p + "ffn_gate.weight", d_ff, d_model)
+            t(p + "ffn_up.weight", d_ff, d_model)
         t(p + "ffn_down.weight", d_model, d_ff)
-        if arch == "gemma3":
+        if arch == "qwen2":
+            t(p + "attn_q.bias", q)
+            t(p + "attn_k.bias", kv)
+            t(p + "attn_v.bias", kv)
+        if arch in ("gemma3", "qwen3"):
             t(p + "attn_q_norm.weight", head_dim, scale=0.1, offset=1.0)
             t(p + "attn_k_norm.weight", head_dim, scale=0.1, offset=1.0)
+        if arch == "gemma3":
             t(p + "post_attention_norm.weight", d_model, scale=0.1, offset=1.0)
             t(p + "post_ffw_norm.weight", d_model, scale=0.1, offset=1.0)
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2, dtype=np.float32))
     for name, (raw, qtype) in (extra_tensors or {}).items():
         w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
     w.write_header_to_file()

@@ -18,8 +18,9 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def test_an_unused_tensor_is_never_read(tmp_path, monkeypatch):
-    """A TQ1_0 tensor the model does not use (16.7M weights in 3.5 MB; dequantized: 67 MB) is not read."""
+def test_an_unused_tensor_is_refused_unread(tmp_path, monkeypatch):
+    """A TQ1_0 tensor the model does not use (16.7M weights in 3.5 MB; dequantized: 67 MB) is refused by
+    name (running without it would run another model), before any tensor is read."""
     import gguf.quants
     rows = 1 << 16
     raw = np.zeros((rows, 54), np.uint8)                          # one 256-weight block a row
@@ -28,9 +29,9 @@ def test_an_unused_tensor_is_never_read(tmp_path, monkeypatch):
     real = gguf.quants.dequantize
     monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qtype: (seen.append(qtype.name), real(data, qtype))[1])
     for weights in ("quant", "f32"):
-        m = load_gguf(path, weights=weights)
-        assert "unused.weight" not in m.weights
-    assert "TQ1_0" not in seen and seen                              # the used tensors still were
+        with pytest.raises(ModelFileError, match="tensor 'unused.weight' is not used by architecture 'gemma3'"):
+            load_gguf(path, weights=weights)
+    assert seen == []                                                # refused before any tensor is read
 
 
 def _header_with_array(path, etype: int, count: int, item: bytes) -> None:

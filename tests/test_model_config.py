@@ -58,6 +58,30 @@ def test_unsupported_architecture_and_missing_key():
         config_from_metadata(gemma_md(**{"gemma3.rope.scaling.type": "yarn"}), "m.gguf")
 
 
+@pytest.mark.parametrize("key, value, match", [
+    ("gemma3.attn_logit_softcapping", 50.0, "metadata key 'gemma3.attn_logit_softcapping' = '50.0' is not "
+                                            "implemented for architecture 'gemma3'"),
+    ("gemma3.final_logit_softcapping", 30.0, "'gemma3.final_logit_softcapping'"),
+    ("gemma3.expert_count", 8, "'gemma3.expert_count' = '8'"),
+    ("gemma3.rope.scaling.type", "longrope", r"RoPE scaling 'longrope' \(gemma3.rope.scaling.type\)"),
+    ("gemma3.rope.scaling.factor", 4.0, "'gemma3.rope.scaling.factor' = 4.0 without a scaling type"),
+    ("gemma3.rope.scaling.attn_factor", 1.5, "'gemma3.rope.scaling.attn_factor' = 1.5 is not supported"),
+    ("gemma3.rope.dimension_count", 128, "'gemma3.rope.dimension_count' = 128 differs from the head size 256"),
+    ("gemma3.attention.value_length", 128, "'gemma3.attention.value_length' = 128 differs"),
+])
+def test_a_key_the_architecture_does_not_implement_is_refused(key, value, match):
+    """Soft-capping, experts, other RoPE variants, partial RoPE: refused by name, never run without."""
+    with pytest.raises(ModelFileError, match=match):
+        config_from_metadata(gemma_md(**{key: value}), "m.gguf")
+
+
+def test_keys_read_without_effect_and_linear_scaling():
+    c = config_from_metadata(gemma_md(**{"gemma3.rope.dimension_count": 256, "gemma3.attention.value_length": 256,
+                                         "gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0,
+                                         "gemma3.rope.freq_base_swa": 2e4}))
+    assert (c.rope_linear, c.rope_base, c.rope_base_local) == (8.0, 1e6, 2e4)
+
+
 def test_config_validation():
     base = config_from_metadata(gemma_md())
     kw = {f: getattr(base, f) for f in base.__dataclass_fields__}

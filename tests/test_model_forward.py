@@ -27,14 +27,20 @@ def oracle_logits(m, tokens, *, user_window=None, sinks=0):
     for i in range(c.n_layers):
         p = f"blk.{i}."
         h = norm(x, W[p + "attn_norm.weight"])
-        q = (h @ W[p + "attn_q.weight"].T).reshape(T, H, hd)
-        k = (h @ W[p + "attn_k.weight"].T).reshape(T, Hk, hd)
-        v = (h @ W[p + "attn_v.weight"].T).reshape(T, Hk, hd)
+        if p + "attn_qkv.weight" in W:                                     # phi3: one fused matrix
+            qkv = h @ W[p + "attn_qkv.weight"].T
+            q, k, v = np.split(qkv, [H * hd, (H + Hk) * hd], axis=-1)
+        else:
+            q, k, v = (h @ W[p + f"attn_{n}.weight"].T + W.get(p + f"attn_{n}.bias", 0.0) for n in "qkv")
+        q, k, v = q.reshape(T, H, hd), k.reshape(T, Hk, hd), v.reshape(T, Hk, hd)
         if c.qk_norm:
             q, k = norm(q, W[p + "attn_q_norm.weight"]), norm(k, W[p + "attn_k_norm.weight"])
         own = c.layer_windows[i]
         base = c.rope_base if own is None else c.rope_base_local
-        rot = np.exp(1j * pos[:, None, None] * base ** (-np.arange(hd // 2) * 2 / hd))      # [T, 1, hd/2]
+        inv = base ** (-np.arange(hd // 2) * 2 / hd)                                          # [hd/2]
+        if base == c.rope_base:                   # scaling: the global base's (llama3 divisors, linear)
+            inv = inv / (W.get("rope_freqs.weight", 1.0) * c.rope_linear)
+        rot = np.exp(1j * pos[:, None, None] * inv)                                         # [T, 1, hd/2]
 
         def rope(a):
             if c.rope_style == "interleaved":
@@ -62,7 +68,10 @@ def oracle_logits(m, tokens, *, user_window=None, sinks=0):
             a = norm(a, W[p + "post_attention_norm.weight"])
         x = x + a
         h = norm(x, W[p + "ffn_norm.weight"])
-        g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
+        if p + "ffn_gate.weight" in W:
+            g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
+        else:                                                              # phi3: ffn_up holds gate, up
+            g, u = np.split(h @ W[p + "ffn_up.weight"].T, 2, axis=-1)
         act = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if c.activation == "gelu_tanh" \
             else g / (1 + np.exp(-g))
         f = (act * u) @ W[p + "ffn_down.weight"].T
@@ -92,6 +101,27 @@ def stream_logits(tf, tokens, *, chunk, mode="full", window=None, sinks=0):
 def test_streamed_forward_equals_full_recompute(tmp_path, arch, chunk, mode, window, sinks, weights):
     """Both weight paths: float32 arrays, and the packed-kernel path (the tiny file's F32 matrices)."""
     path = write_tiny_gguf(tmp_path / "t.gguf", arch=arch, n_kv_heads=2 if arch == "llama" else 1)
+    m = load_gguf(path, weights="f32")
+    tf = Transformer(load_gguf(path, weights=weights))
+    tokens = list(np.random.default_rng(1).integers(0, m.config.vocab_size, 23))
+    got = stream_logits(tf, tokens, chunk=chunk, mode=mode, window=window, sinks=sinks)
+    want = oracle_logits(m, tokens, user_window=window, sinks=sinks)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("weights", ["f32", "quant"])
+@pytest.mark.parametrize("arch,chunk,mode,window,sinks", [
+    ("llama+rope_freqs", 3, "full", None, 0),   # llama3 scaling: per-dimension divisors
+    ("llama+rope_freqs", 2, "sinks", 4, 2),
+    ("qwen2", 1, "full", None, 0),              # q/k/v biases
+    ("qwen2", 5, "sinks", 6, 2),
+    ("qwen3", 4, "window", 5, 0),               # per-head q/k norms
+    ("phi3", 3, "full", None, 0),               # fused qkv and gate/up, every layer sliding (window 4)
+    ("phi3", 2, "sinks", 3, 1),
+])
+def test_more_architectures_stream_equal_to_full_recompute(tmp_path, arch, chunk, mode, window, sinks, weights):
+    arch, _, extra = arch.partition("+")
+    path = write_tiny_gguf(tmp_path / "t.gguf", arch=arch, n_kv_heads=2, rope_freqs=extra == "rope_freqs")
     m = load_gguf(path, weights="f32")
     tf = Transformer(load_gguf(path, weights=weights))
     tokens = list(np.random.default_rng(1).integers(0, m.config.vocab_size, 23))

@@ -30,8 +30,9 @@ from _model_util import write_tiny_gguf
 from streamattn.gguf.loader import load_gguf
 from streamattn.models.transformer import Transformer
 
-path = write_tiny_gguf(sys.argv[1], arch="gemma3", n_layers=6, d_model=32, n_heads=2, n_kv_heads=1,
-                       head_dim=64, d_ff=32, vocab=40, window=4)
+arch = sys.argv[2]
+path = write_tiny_gguf(sys.argv[1], arch=arch, n_layers=6, d_model=32, n_heads=2, n_kv_heads=1,
+                       head_dim=64, d_ff=32, vocab=40, window=4, rope_freqs=arch == "llama")
 cpu, gpu = Transformer(load_gguf(path)), Transformer(load_gguf(path)).to(cupy)
 cc, gc = cpu.new_caches(batch=2, max_chunk=3), gpu.new_caches(batch=2, max_chunk=3)
 assert all(c.device == "gpu" for c in gc)
@@ -49,11 +50,14 @@ print("ok", int(gc[0].lengths[1]))
 """
 
 
-def test_model_runs_on_the_gpu_backend_through_the_fake(tmp_path):
+@pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2", "qwen3", "phi3"])
+def test_model_runs_on_the_gpu_backend_through_the_fake(tmp_path, arch):
+    """Every architecture's array code on CuPy (the fake): gemma3's norms and sliding layers, llama with
+    rope_freqs factors, qwen2's q/k/v biases, qwen3's q/k norms, phi3's fused tensors and window; the CPU path is the reference."""
     lib = emu.build(tmp_path / "lib")
     env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(lib),
                PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
-    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "t.gguf")], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "t.gguf"), arch], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.split() == ["ok", "8"]

@@ -63,15 +63,19 @@ def config_from_metadata(md: dict, path: str = "<metadata>") -> ModelConfig:
     Raises
     ------
     ModelFileError
-        Unsupported architecture, missing keys, or RoPE scaling this engine does not implement.
+        Unsupported architecture, missing keys, RoPE scaling this engine does not implement, or a key of
+        the architecture (``{arch}.*``) that it does not read (:meth:`Metadata.check_all_read`).
     """
     arch = architecture_of(md, path)
+    m = Metadata(md, arch.name, path)
     try:
-        return arch.config(Metadata(md, arch.name, path))
+        config = arch.config(m)
     except ValueError as e:
         if isinstance(e, ModelFileError):
             raise
         raise ModelFileError(f"{path}: inconsistent metadata: {e}") from e
+    m.check_all_read()
+    return config
 
 
 def open_container(path: str) -> GGUFFile:
@@ -202,9 +206,17 @@ def _drop_pages(file_map) -> None:
 
 
 def _check_tensors(arch: Architecture, c: ModelConfig, shapes: dict, path: str) -> list:
-    """ModelFileError unless the file holds every tensor the architecture names, in its shape (``shapes``:
-    name -> shape, [out, in] for matrices); returns their names in the order a forward pass reads them."""
+    """ModelFileError unless the file holds every tensor the architecture names, in its shape, and no other
+    (``shapes``: name -> shape, [out, in] for matrices); returns their names in the order a forward pass
+    reads them. A tensor the architecture does not name (a bias, RoPE factors, a norm another variant
+    has) would change the forward pass if it were used: ignoring it would run another model."""
     expect = arch.expected_shapes(c, shapes)
+    extra = sorted(set(shapes) - set(expect))
+    if extra:
+        more = f" (and {len(extra) - 1} more: {', '.join(extra[1:4])})" if len(extra) > 1 else ""
+        raise ModelFileError(f"{path}: tensor {extra[0]!r}{more} is not used by architecture {c.arch!r}; the "
+                             "model would run without it, so it is refused rather than run approximately "
+                             f"(tensors of layer 0: {', '.join(n for n in expect if n.startswith('blk.0.'))})")
     for name, shape in expect.items():
         if name not in shapes:
             raise ModelFileError(f"{path}: tensor {name!r} is missing (architecture {c.arch}, "

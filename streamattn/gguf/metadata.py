@@ -59,6 +59,7 @@ class Metadata:
 
     def __init__(self, md: dict, arch: str, path: str = "<metadata>"):
         self.md, self.arch, self.path = md, arch, path
+        self.read = set()           # the keys read so far (formatted): see :meth:`check_all_read`
 
     def key(self, key: str) -> str:
         """A gguf.constants key template with this file's architecture."""
@@ -68,6 +69,7 @@ class Metadata:
         """The raw value of ``key``; ``default`` when absent, or (no default) ModelFileError."""
         k = self.key(key)
         if k in self.md:
+            self.read.add(k)
             return self.md[k]
         if default is None:
             raise ModelFileError(f"{self.path}: metadata key {k!r} is missing for architecture {self.arch!r}")
@@ -91,12 +93,22 @@ class Metadata:
                                  f"{type(v).__name__} {str(v)[:40]!r})")
         return float(v)
 
-    def unscaled_rope(self) -> None:
-        """ModelFileError unless RoPE is unscaled (none, or linear by 1): the only RoPE implemented."""
-        scaling = self.md.get(self.key(Keys.Rope.SCALING_TYPE), "none")
-        if scaling not in ("none", "linear") or (scaling == "linear"
-                                                  and self.get(Keys.Rope.SCALING_FACTOR, 1.0) != 1.0):
-            raise ModelFileError(f"{self.path}: RoPE scaling {scaling!r} is not supported (only unscaled RoPE)")
+    def check_all_read(self) -> None:
+        """ModelFileError naming the first key of this architecture (``{arch}.*``) that was not read.
+
+        An architecture reads every key it implements, the ones without effect on the forward pass
+        included (``context_length``); a key it did not read may change the forward pass (soft-capping,
+        an expert count, a RoPE variant) and running without it would be silently wrong, so the file is
+        refused instead."""
+        prefix = self.arch + "."
+        unread = sorted(k for k in self.md if k.startswith(prefix) and k not in self.read)
+        if unread:
+            k = unread[0]
+            more = f" (and {len(unread) - 1} more: {', '.join(unread[1:4])})" if len(unread) > 1 else ""
+            raise ModelFileError(
+                f"{self.path}: metadata key {k!r} = {str(self.md[k])[:40]!r}{more} is not implemented for "
+                f"architecture {self.arch!r}; it may change the forward pass, so the model is refused rather "
+                f"than run approximately. Keys implemented: {', '.join(sorted(self.read))}")
 
 
 def check_tensor_names(n_layers: int, names, path: str) -> None:

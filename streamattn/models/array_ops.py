@@ -172,5 +172,8 @@ class ArrayOps:
     def glu_linear(self, gu, w):
         return glu_linear(self.xp, gu, self.c.activation, w, self.mm)
 
+    def bias(self, x, b):
+        return x if b is None else x + b
+
     def post_norm(self, x, norm_w):
         return x if norm_w is None else rms_norm(self.xp, x, norm_w, self.c.norm_eps)

@@ -1,6 +1,6 @@
 """The decoder layer compiled for the CPU: :func:`streamattn.models.layer.decoder_layer` under Numba.
 
-The layer is one Python function over six ops (:mod:`streamattn.models.layer`). Here each op gets a
+The layer is one Python function over seven ops (:mod:`streamattn.models.layer`). Here each op gets a
 Numba implementation (``numba.extending.overload``) over the kernels its array version calls on the CPU
 — the packed-matmul drivers with their fused quantizers, the heads/RoPE kernel, the cache's write and
 the attention kernel — with the same arguments in the same order, so a compiled layer and the array
@@ -128,6 +128,13 @@ def _heads_rope(h, qk_norm, at):
         if step.serial or h.shape[0] < 32:
             return heads_rope_alloc(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk)
         return heads_rope_rows_parallel(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk)
+    return impl
+
+
+@overload(layer.bias)
+def _bias(x, b, at):
+    def impl(x, b, at):
+        return x if b.shape[0] == 0 else x + b     # rows [M, n] + [n]: numpy's float32 adds, the same bits
     return impl
 
 
@@ -309,7 +316,8 @@ def bind_weights(lw: LayerWeights, plan: qmatmul.KernelPlan | None = None):
     return Weights(attn_norm=_vector(lw.attn_norm, _EMPTY1), ffn_norm=_vector(lw.ffn_norm, _EMPTY1),
                    qk_norm=_vector(lw.qk_norm, heads_kernel.NO_NORM),
                    post_attn_norm=_vector(lw.post_attn_norm, _EMPTY1[:0]),
-                   post_ffw_norm=_vector(lw.post_ffw_norm, _EMPTY1[:0]), **mats)
+                   post_ffw_norm=_vector(lw.post_ffw_norm, _EMPTY1[:0]), bqkv=_vector(lw.bqkv, _EMPTY1[:0]),
+                   **mats)
 
 
 def _cache_sources(cache) -> tuple:

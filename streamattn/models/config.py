@@ -1,19 +1,24 @@
 """What a model is, as data: :class:`ModelConfig` (its numbers and layer flags) and :class:`Architecture`
 (what one architecture file declares: metadata -> config, and which GGUF tensors make each layer weight).
 
-An architecture is one file in streamattn/models/ (``llama.py``, ``gemma3.py``) defining an
-``Architecture`` and one entry in :data:`streamattn.models.architectures.ARCHITECTURES`. Tensor names come
-from gguf.constants (``MODEL_TENSOR`` / ``TENSOR_NAMES``), metadata keys from its ``Keys``; the loader and
-the transformer read both through the architecture and never branch on its name.
+An architecture is one file in streamattn/models/ (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``phi3.py``,
+``gemma3.py``) defining an ``Architecture`` and one entry in
+:data:`streamattn.models.architectures.ARCHITECTURES`. Tensor names come from gguf.constants
+(``MODEL_TENSOR`` / ``TENSOR_NAMES``), metadata keys from its ``Keys``; the loader and the transformer read
+both through the architecture and never branch on its name. What an architecture does not read is
+refused: a ``{arch}.*`` key its config did not read, a tensor it does not name (docs/DESIGN.md §10).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
+
+from streamattn.gguf.metadata import ModelFileError
 
 ROPE_STYLES = ("interleaved", "neox")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -45,10 +50,14 @@ class ModelConfig:
     activation : {"silu", "gelu_tanh"}
         Gate activation of the gated MLP.
     qk_norm, post_norms : bool
-        A per-head RMSNorm of q and k (gemma3); norms after attention and after the MLP (gemma3).
+        A per-head RMSNorm of q and k (gemma3, qwen3); norms after attention and after the MLP (gemma3).
     context_length : int
     bos_id, eos_id : int
     name : str
+    rope_linear : float
+        Linear RoPE scaling (``rope.scaling.type = "linear"``): every inverse frequency divided by it
+        (1: none). Per-dimension divisors (llama3 scaling) are a tensor, ``rope_freqs.weight``, applied by
+        the transformer (:func:`streamattn.models.rope.inverse_frequencies`).
     """
 
     arch: str
@@ -73,6 +82,7 @@ class ModelConfig:
     bos_id: int
     eos_id: int
     name: str = ""
+    rope_linear: float = 1.0
 
     def __post_init__(self):
         if not isinstance(self.arch, str) or not self.arch:
@@ -94,7 +104,7 @@ class ModelConfig:
                              f"{self.n_layers}")
         if any(w is not None and w < 1 for w in self.layer_windows):
             raise ValueError(f"layer_windows entries must be None or >= 1 (got {self.layer_windows})")
-        for f in ("norm_eps", "rope_base", "rope_base_local", "attn_scale", "embed_scale"):
+        for f in ("norm_eps", "rope_base", "rope_base_local", "attn_scale", "embed_scale", "rope_linear"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{f} must be a finite number > 0 (got {v!r})")
@@ -114,13 +124,24 @@ class ModelConfig:
 
 def common_fields(md) -> dict:
     """The :class:`ModelConfig` fields that the llama-family files store under the same keys: sizes, norm
-    eps, context, special tokens, name, and the attention scale 1/sqrt(head_dim). ``md``: a
-    :class:`streamattn.gguf.metadata.Metadata` (typed, bounded reads). Refuses scaled RoPE."""
-    md.unscaled_rope()
+    eps, context, special tokens, name, the attention scale 1/sqrt(head_dim) and RoPE scaling
+    (:func:`rope_linear`). ``md``: a :class:`streamattn.gguf.metadata.Metadata` (typed, bounded reads).
+
+    Raises
+    ------
+    ModelFileError
+        RoPE on part of a head (``rope.dimension_count`` < head_dim), values of another width than keys
+        (``attention.value_length``), or RoPE scaling this engine does not implement.
+    """
     n_layers = md.integer(Keys.LLM.BLOCK_COUNT)
     d_model = md.integer(Keys.LLM.EMBEDDING_LENGTH)
     n_heads = md.integer(Keys.Attention.HEAD_COUNT)
     head_dim = md.integer(Keys.Attention.KEY_LENGTH, d_model // n_heads)
+    for key, what in ((Keys.Rope.DIMENSION_COUNT, "RoPE on part of each head"),
+                      (Keys.Attention.VALUE_LENGTH, "values of another width than keys")):
+        if md.integer(key, head_dim) != head_dim:
+            raise ModelFileError(f"{md.path}: metadata key {md.key(key)!r} = {md.get(key)} differs from the "
+                                 f"head size {head_dim}: {what} is not supported")
     tokens = md.md.get(Keys.Tokenizer.LIST)
     vocab = md.integer(Keys.LLM.VOCAB_SIZE, len(tokens) if isinstance(tokens, list) else 0)
     return dict(
@@ -132,29 +153,92 @@ def common_fields(md) -> dict:
         bos_id=md.integer(Keys.Tokenizer.BOS_ID, 1, top=vocab - 1),
         eos_id=md.integer(Keys.Tokenizer.EOS_ID, 2, top=vocab - 1),
         name=str(md.md.get(Keys.General.NAME, ""))[:200],
-        attn_scale=1.0 / math.sqrt(head_dim),
+        attn_scale=1.0 / math.sqrt(head_dim), rope_linear=rope_linear(md),
     )
 
 
-def tensor_name(tensor: MODEL_TENSOR, layer: int | None = None) -> str:
-    """The GGUF name of a weight: ``tensor_name(MODEL_TENSOR.ATTN_Q, 3) == "blk.3.attn_q.weight"``."""
-    base = TENSOR_NAMES[tensor]
-    return (base if layer is None else base.format(bid=layer)) + ".weight"
+def optional_window(md):
+    """Every layer's window n_c from ``{arch}.attention.sliding_window`` (keys incl. the current one, as
+    HF's sliding mask), or None when the key is absent or 0 (llama.cpp's converter writes 0 for none)."""
+    key = Keys.Attention.SLIDING_WINDOW
+    window = md.get(key, 0)
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or not 0 <= window < 1 << 31:
+        raise ModelFileError(f"{md.path}: metadata key {md.key(key)!r} must be an integer in 0..{(1 << 31) - 1} "
+                             f"(0: no window; got {str(window)[:40]!r})")
+    return int(window) or None
 
 
-#: The tensors outside the blocks: the token embedding, the output norm, and the output matrix (absent:
-#: tied to the embedding).
-EMBEDDING, OUTPUT_NORM, OUTPUT = MODEL_TENSOR.TOKEN_EMBD, MODEL_TENSOR.OUTPUT_NORM, MODEL_TENSOR.OUTPUT
+#: ``{arch}.rope.scaling.type`` values implemented. Llama-3.x scaling ("llama3" in HF configs) is not a
+#: type in GGUF: llama.cpp's converter stores it as per-dimension divisors, the ``rope_freqs.weight``
+#: tensor, which the architectures that accept it apply (:func:`streamattn.models.rope.inverse_frequencies`).
+ROPE_SCALINGS = ("none", "linear")
+
+
+def rope_linear(md) -> float:
+    """The linear RoPE factor of a file's ``{arch}.rope.scaling.*`` keys: 1 when unscaled, else the factor
+    every inverse frequency (of the global layers) is divided by, as llama.cpp's ``freq_scale`` = 1/factor.
+
+    Raises
+    ------
+    ModelFileError
+        A scaling type other than :data:`ROPE_SCALINGS` (yarn, longrope, ...), a factor without a type,
+        or an attention factor other than 1, each naming the key and its value.
+    """
+    kind = md.get(Keys.Rope.SCALING_TYPE, "none")
+    factor = md.real(Keys.Rope.SCALING_FACTOR, 1.0)
+    if kind not in ROPE_SCALINGS:
+        raise ModelFileError(f"{md.path}: RoPE scaling {str(kind)[:40]!r} ({md.key(Keys.Rope.SCALING_TYPE)}) "
+                             f"is not supported; supported: {', '.join(ROPE_SCALINGS)}, and llama3 factors "
+                             "in rope_freqs.weight")
+    if kind == "none" and factor != 1.0:
+        raise ModelFileError(f"{md.path}: metadata key {md.key(Keys.Rope.SCALING_FACTOR)!r} = {factor} without "
+                             f"a scaling type; expected {md.key(Keys.Rope.SCALING_TYPE)} = 'linear' or factor 1")
+    attn = md.real(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)
+    if attn != 1.0:
+        raise ModelFileError(f"{md.path}: metadata key {md.key(Keys.Rope.SCALING_ATTN_FACTOR)!r} = {attn} is "
+                             "not supported (only 1: RoPE tables unscaled in magnitude)")
+    md.get(Keys.Rope.SCALING_ORIG_CTX_LEN, 0)      # used by yarn only: no effect on linear scaling
+    md.get(Keys.Rope.SCALING_FINETUNED, False)     # a note on training: no effect on the forward pass
+    return factor if kind == "linear" else 1.0
+
+
+@dataclass(frozen=True)
+class Bias:
+    """The bias of a linear layer, next to its weight: ``Bias(MODEL_TENSOR.ATTN_Q)`` is
+    ``blk.{i}.attn_q.bias``, of shape ``[out]``."""
+
+    of: MODEL_TENSOR
+
+
+def tensor_name(tensor, layer: int | None = None) -> str:
+    """The GGUF name of a weight (a ``MODEL_TENSOR``) or a :class:`Bias`:
+    ``tensor_name(MODEL_TENSOR.ATTN_Q, 3) == "blk.3.attn_q.weight"``, ``tensor_name(Bias(MODEL_TENSOR.ATTN_Q),
+    3) == "blk.3.attn_q.bias"``."""
+    t, suffix = (tensor.of, ".bias") if isinstance(tensor, Bias) else (tensor, ".weight")
+    base = TENSOR_NAMES[t]
+    return (base if layer is None else base.format(bid=layer)) + suffix
+
+
+#: The tensors outside the blocks: the token embedding, the output norm, the output matrix (absent:
+#: tied to the embedding), and RoPE's per-dimension frequency divisors (llama3 scaling, where accepted).
+EMBEDDING, OUTPUT_NORM, OUTPUT, ROPE_FREQS = (MODEL_TENSOR.TOKEN_EMBD, MODEL_TENSOR.OUTPUT_NORM, MODEL_TENSOR.OUTPUT,
+                                              MODEL_TENSOR.ROPE_FREQS)
 
 
 def block_shapes(c: ModelConfig) -> dict:
-    """{MODEL_TENSOR: shape} of the tensors a llama-family file may hold, matrices ``[out, in]``."""
+    """{MODEL_TENSOR: shape} of the tensors a llama-family file may hold, matrices ``[out, in]`` (a
+    :class:`Bias` has the shape ``[out]`` of its weight's rows)."""
     d, T = c.d_model, MODEL_TENSOR
     return {EMBEDDING: (c.vocab_size, d), OUTPUT: (c.vocab_size, d), OUTPUT_NORM: (d,),
+            ROPE_FREQS: (c.head_dim // 2,),
             T.ATTN_NORM: (d,), T.ATTN_Q: (c.q_dim, d), T.ATTN_K: (c.kv_dim, d), T.ATTN_V: (c.kv_dim, d),
             T.ATTN_OUT: (d, c.q_dim), T.FFN_NORM: (d,), T.FFN_GATE: (c.d_ff, d), T.FFN_UP: (c.d_ff, d),
             T.FFN_DOWN: (d, c.d_ff), T.ATTN_Q_NORM: (c.head_dim,), T.ATTN_K_NORM: (c.head_dim,),
             T.ATTN_POST_NORM: (d,), T.FFN_POST_NORM: (d,)}
+
+
+def _shape(shapes: dict, t) -> tuple:
+    return shapes[t.of][:1] if isinstance(t, Bias) else shapes[t]
 
 
 @dataclass(frozen=True)
@@ -169,16 +253,22 @@ class Architecture:
         Its metadata -> config (the keys it reads, its layer flags).
     layer : dict
         :class:`~streamattn.models.layer.LayerWeights` field -> the GGUF tensor that holds it
-        (``MODEL_TENSOR``), or a tuple of tensors whose rows it holds in order (``wqkv``: q, k, v; ``wgu``:
-        gate, up), multiplied as one matrix. ``qk_norm`` is (q-norm, k-norm), one row each, repeated per
-        head. Fields left out are None (the layer has no such weight).
+        (``MODEL_TENSOR``, or :class:`Bias` of one), or a tuple of tensors whose rows it holds in order
+        (``wqkv``: q, k, v; ``wgu``: gate, up; ``bqkv``: their biases), multiplied as one matrix.
+        ``qk_norm`` is (q-norm, k-norm), one row each, repeated per head. Fields left out are None (the
+        layer has no such weight).
+    optional : tuple of MODEL_TENSOR
+        Tensors outside the blocks that a file may hold and the forward pass then uses (default: the
+        output matrix, tied to the embedding when absent; llama-family files add :data:`ROPE_FREQS`).
+        A file holding any tensor not named here or in ``layer`` is refused (the loader's check).
     shapes : callable(ModelConfig) -> {MODEL_TENSOR: shape}
-        The shape of every tensor named in ``layer`` (default :func:`block_shapes`).
+        The shape of every tensor named in ``layer`` and ``optional`` (default :func:`block_shapes`).
     """
 
     name: str
     config: Callable
     layer: dict
+    optional: tuple = (OUTPUT,)
     shapes: Callable = field(default=block_shapes)
 
     def layer_tensors(self, i: int) -> dict:
@@ -188,12 +278,12 @@ class Architecture:
 
     def expected_shapes(self, c: ModelConfig, names) -> dict:
         """{tensor name: shape} that a file of config ``c`` must hold (``names``: the tensors it holds,
-        for the optional output matrix), in the order a forward pass reads them: layer by layer, then the
+        for the optional ones), in the order a forward pass reads them: layer by layer, then the
         tensors outside the blocks (by name)."""
         shape = self.shapes(c)
         kinds = [t for ts in self.layer.values() for t in (ts if isinstance(ts, tuple) else (ts,))]
-        out = {tensor_name(t, i): shape[t] for i in range(c.n_layers) for t in kinds}
-        outside = [EMBEDDING, OUTPUT_NORM] + ([OUTPUT] if tensor_name(OUTPUT) in names else [])
+        out = {tensor_name(t, i): _shape(shape, t) for i in range(c.n_layers) for t in kinds}
+        outside = [EMBEDDING, OUTPUT_NORM] + [t for t in self.optional if tensor_name(t) in names]
         for t in sorted(outside, key=tensor_name):
             out[tensor_name(t)] = shape[t]
         return out

@@ -4,8 +4,9 @@ The llama block plus a per-head RMSNorm of q and k, norms after attention and af
 GELU(tanh)-gated MLP, the embedding scaled by sqrt(d_model), and five sliding-window layers for every
 global one. Rows are not permuted: RoPE rotates the two halves of each head ("neox" style). Norm weights
 are stored already shifted (1 + w), so every RMSNorm is a plain ``x * w``. The file carries neither the
-local RoPE base, nor the sliding-window pattern, nor a chat template: llama.cpp hard-codes base 1e4 on
-local layers and one global layer in every 6; so do we (the constants below; docs/DESIGN.md §10).
+sliding-window pattern nor a chat template, and older files not the local RoPE base (newer converters
+write ``gemma3.rope.freq_base_swa``): llama.cpp hard-codes base 1e4 on local layers and one global layer
+in every 6; so do we (the constants below; docs/DESIGN.md §10).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def config(md) -> ModelConfig:
     n, window = c["n_layers"], md.integer(Keys.Attention.SLIDING_WINDOW)
     windows = tuple(None if (i + 1) % GLOBAL_EVERY == 0 else window for i in range(n))
     return ModelConfig(**c, rope_base=md.real(Keys.Rope.FREQ_BASE, 1_000_000.0),
-                       rope_base_local=ROPE_BASE_LOCAL, rope_style="neox", layer_windows=windows,
+                       rope_base_local=md.real(Keys.Rope.FREQ_BASE_SWA, ROPE_BASE_LOCAL), rope_style="neox", layer_windows=windows,
                        embed_scale=math.sqrt(c["d_model"]), activation="gelu_tanh", qk_norm=True,
                        post_norms=True)
 

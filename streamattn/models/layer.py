@@ -1,4 +1,4 @@
-"""The decoder layer, written once over six ops: the one description of the architectures' blocks.
+"""The decoder layer, written once over seven ops: the one description of the architectures' blocks.
 
 :func:`decoder_layer` is plain Python over the ops below. Each op hands its work to ``at``, the layer's
 context, so the same function runs two ways:
@@ -11,9 +11,9 @@ context, so the same function runs two ways:
   CPU decode step then costs one compiled call per layer, not ~40 Python calls and array wrappers.
 
 Layer (pre-norm; Gemma-3's extras are a per-head norm in ``heads_rope`` and the two post norms, which
-are the identity on a llama-family layer)::
+are the identity on a llama-family layer; Qwen2's is the bias of q, k, v; Qwen3's the per-head norm)::
 
-    q, k, v = heads_rope(rms_norm(x) @ Wqkv.T)       # [q-norm, k-norm,] RoPE
+    q, k, v = heads_rope(rms_norm(x) @ Wqkv.T [+ bqkv])   # [q-norm, k-norm,] RoPE
     x += post_norm(attend(q, k, v) @ Wo.T)           # attend: write k, v into the cache, then attend
     x += post_norm(act(g) * u @ Wdown.T)             # g, u = rms_norm(x) @ Wgu.T; act: silu, gelu-tanh
 
@@ -40,6 +40,7 @@ class LayerWeights:
     qk_norm: object = None         # [n_heads + n_kv_heads, head_dim]  (q-norm rows, then k-norm rows)
     post_attn_norm: object = None  # [d_model]
     post_ffw_norm: object = None   # [d_model]
+    bqkv: object = None            # [q_dim + 2*kv_dim]  (q, k, v biases: qwen2), float32
 
 
 def norm_linear(x, norm_w, w, at):
@@ -68,6 +69,11 @@ def glu_linear(gu, w, at):
     return at.glu_linear(gu, w)
 
 
+def bias(x, b, at):
+    """``x + b`` (b [n] broadcast over the rows of x [.., n]), or x itself where the layer has no such bias."""
+    return at.bias(x, b)
+
+
 def post_norm(x, norm_w, at):
     """``rms_norm(x, norm_w)``, or x itself where the layer has no such norm."""
     return at.post_norm(x, norm_w)
@@ -75,6 +81,6 @@ def post_norm(x, norm_w, at):
 
 def decoder_layer(x, w, at):
     """One decoder layer on the residual rows ``x`` (in place): see the module docstring."""
-    q, k, v = heads_rope(norm_linear(x, w.attn_norm, w.wqkv, at), w.qk_norm, at)
+    q, k, v = heads_rope(bias(norm_linear(x, w.attn_norm, w.wqkv, at), w.bqkv, at), w.qk_norm, at)
     x += post_norm(linear(attend(q, k, v, at), w.wo, at), w.post_attn_norm, at)
     x += post_norm(glu_linear(norm_linear(x, w.ffn_norm, w.wgu, at), w.wdown, at), w.post_ffw_norm, at)

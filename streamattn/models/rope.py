@@ -13,6 +13,27 @@ import numpy as np
 ROPE_BLOCK = 64
 
 
+def inverse_frequencies(base: float, head_dim: int, *, linear: float = 1.0, factors=None) -> np.ndarray:
+    """float64 [head_dim/2] inverse frequencies ``base ** (-2i / head_dim) / (factors[i] * linear)``.
+
+    ``factors``: float [head_dim/2] per-dimension divisors (llama.cpp's ``rope_freqs.weight``, ggml's
+    rope ``freq_factors``: how its converter stores Llama-3.x scaling), or None; ``linear``: linear
+    scaling (``rope.scaling.factor``; ggml's ``freq_scale`` = 1/linear). With both at 1 this is plain
+    RoPE, bit for bit.
+
+    >>> inverse_frequencies(1e4, 4, factors=np.array([1.0, 8.0]))
+    array([1.     , 0.00125])
+    """
+    inv = 1.0 / base ** (np.arange(head_dim // 2, dtype=np.float64) * 2 / head_dim)
+    if factors is not None:
+        f = np.asarray(factors, np.float64)
+        if f.shape != inv.shape or not (np.isfinite(f).all() and (f > 0).all()):
+            raise ValueError(f"RoPE frequency factors must be {inv.shape[0]} finite numbers > 0 (got shape "
+                             f"{f.shape}, min {f.min() if f.size else None})")
+        inv = inv / f
+    return inv / linear if linear != 1.0 else inv
+
+
 def rope(xp, x, cos, sin, style):
     """Rotate pairs of x: [..., hd] by full-width tables cos, sin: [..., hd] (see ``rope_tables``).
 

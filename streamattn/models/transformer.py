@@ -1,4 +1,5 @@
-"""Decoder-only transformer forward pass (llama family and Gemma-3) on streamattn's KV caches.
+"""Decoder-only transformer forward pass (llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma-3) on streamattn's KV
+caches.
 
 The model owns weights and arithmetic; it never touches cache slots. ``forward`` embeds the tokens, runs
 every layer, then the output norm and the logits. A layer is :func:`streamattn.models.layer.decoder_layer`,
@@ -13,9 +14,9 @@ Model (pre-norm; gemma3 extras in brackets)::
 
     x = embed[tok] [* sqrt(d_model)]
     for each layer:                                # decoder_layer
-        h = rmsnorm(x) @ Wqkv.T -> q, k, v        # fused: one matmul
-        [q, k = rmsnorm_per_head(q), rmsnorm_per_head(k)]
-        q, k = rope(q, pos), rope(k, pos)          # base per layer (gemma3: 1e4 local, 1e6 global)
+        h = rmsnorm(x) @ Wqkv.T [+ bqkv] -> q, k, v   # fused: one matmul; bias: qwen2
+        [q, k = rmsnorm_per_head(q), rmsnorm_per_head(k)]   # gemma3, qwen3
+        q, k = rope(q, pos), rope(k, pos)          # base per layer (gemma3: 1e4 local, 1e6 global); scaled
         a = attend(q, cache.append(k, v)) @ Wo.T   # scale 1/sqrt(head_dim)
         x = x + [rmsnorm_post_attn](a)
         g, u = rmsnorm(x) @ Wgu.T                  # fused: one matmul
@@ -33,9 +34,9 @@ from streamattn import CacheSpec, KVCache
 from streamattn.models import compiled
 from streamattn.models.architectures import ARCHITECTURES
 from streamattn.models.array_ops import ArrayOps, embed_rows, norm_linear
-from streamattn.models.config import EMBEDDING, OUTPUT, OUTPUT_NORM, ModelConfig, tensor_name
+from streamattn.models.config import EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS, ModelConfig, tensor_name
 from streamattn.models.layer import LayerWeights, decoder_layer
-from streamattn.models.rope import RopeTables, rope_tables
+from streamattn.models.rope import RopeTables, inverse_frequencies, rope_tables
 from streamattn.quant.matmul import KernelPlan, Matmuls
 from streamattn.quant.weights import QWeight, concat_rows
 from streamattn.threads import many_threads
@@ -114,8 +115,12 @@ class Transformer:
         #: the same bits); False runs every layer as array code.
         self.compile_layers = True
         self._compiled = None
-        half = c.head_dim // 2
-        self._rope = RopeTables({base: (1.0 / base ** (np.arange(half, dtype=np.float64) * 2 / c.head_dim))
+        # RoPE scaling (linear, and llama3's per-dimension divisors in rope_freqs.weight) applies to the
+        # global base; a distinct local base is unscaled (Gemma-3: HF's local rotary is the default one,
+        # llama.cpp's rope_freq_scale_train_swa is 1)
+        factors = w.get(tensor_name(ROPE_FREQS))
+        self._rope = RopeTables({base: inverse_frequencies(base, c.head_dim, **(
+                                    dict(linear=c.rope_linear, factors=factors) if base == c.rope_base else {}))
                                  for base in {c.rope_base, c.rope_base_local}}, c.rope_style)
 
     @property

@@ -1,0 +1,174 @@
+"""Each architecture against HF transformers: a tiny seeded model, written to GGUF by our own writer
+(tests/_hf_gguf.py), loaded by ``load_gguf``, and our logits compared with transformers' forward at every
+position of a 48-token sequence (float32 path: max|ours - theirs| / max|theirs| <= 1e-3; packed path at
+Q8_0, the compiled layers: cosine >= 0.999 at every position), greedy continuations equal on the float32
+path. Needs torch and transformers (the ``hfref`` extra, installed by scripts/setup.sh)."""
+
+import numpy as np
+import pytest
+
+from _hf_gguf import hf_model, write_gguf
+from streamattn.gguf.loader import load_gguf
+from streamattn.gguf.metadata import ModelFileError
+from streamattn.models.transformer import Transformer
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N, PROMPT, NEW, CHUNK = 48, 16, 16, 16
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}   # every kind of dimension at 48
+CASES = {
+    "llama3": dict(arch="llama", rope=LLAMA3),                       # untied output, permuted q/k rows
+    # llama with every layer sliding, from llama.attention.sliding_window (which llama.cpp's converter
+    # does not write: tests/test_arch_fixtures.py has a Mistral without a window)
+    "mistral": dict(arch="mistral", sliding_window=16),
+    "qwen2": dict(arch="qwen2", tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen3": dict(arch="qwen3", head_dim=64, tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
+    # fused qkv and gate/up; every layer slides (16 keys: the window binds within 48 positions)
+    # 6 layers: 5 sliding (window 8), layer 5 global with linear RoPE scaling (factor 8, as Gemma-3 4B+)
+    "gemma3": dict(arch="gemma3", layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=8, tied=True,
+                   rope={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}),
+    "phi3": dict(arch="phi3", sliding_window=16, pad_token_id=0, rope={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+#: Metadata llama.cpp's converter adds for a case (its rope scaling keys).
+KV = {"gemma3": {"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """(name, HF model, f32 GGUF path, Q8_0 GGUF path, token ids [N])."""
+    name = request.param
+    model = hf_model(**CASES[name], seed=len(name))
+    d = tmp_path_factory.mktemp(name)
+    ids = np.random.default_rng(7).integers(3, model.config.vocab_size, N).tolist()
+    kv = KV.get(name, {})
+    return (name, model, write_gguf(model, d / "f32.gguf", extra_kv=kv),
+            write_gguf(model, d / "q8.gguf", quant="Q8_0", extra_kv=kv), ids)
+
+
+def theirs(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()              # [T, vocab]
+
+
+def ours(tf, ids) -> np.ndarray:
+    caches = tf.new_caches(batch=1, max_chunk=CHUNK)
+    return np.concatenate([tf.forward(np.array([ids[s:s + CHUNK]]), caches)[0]
+                           for s in range(0, len(ids), CHUNK)])                 # [T, vocab]
+
+
+def rel_err(a, b) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_float32_logits_match_transformers(case):
+    name, model, path, _, ids = case
+    m = load_gguf(path, weights="f32")
+    assert m.config.arch == {"mistral": "llama"}.get(CASES[name]["arch"], CASES[name]["arch"])
+    ref = theirs(model, ids)
+    err = rel_err(ours(Transformer(m), ids), ref)
+    print(f"\n{name}: f32 max rel err {err:.2e} over {N} positions")
+    assert err <= 1e-3
+    assert np.abs(ref).max() > 2 and ref.std(axis=-1).min() > 0.3      # logits spread: the test can fail
+
+
+def test_packed_q8_0_logits_match_transformers(case):
+    """The packed path: Q8_0 matrices through the compiled layers (checked to be the ones that ran)."""
+    name, model, _, path, ids = case
+    tf = Transformer(load_gguf(path))
+    got, ref = ours(tf, ids), theirs(model, ids)
+    assert tf._compiled is not None and all(w is not None for w in tf._compiled.weights)
+    cos = (got * ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1))   # [T]
+    print(f"\n{name}: Q8_0 packed min cosine {cos.min():.6f}, max rel err {rel_err(got, ref):.2e}")
+    assert cos.min() >= 0.999
+
+
+def test_float32_greedy_matches_transformers(case):
+    name, model, path, _, ids = case
+    tf = Transformer(load_gguf(path, weights="f32"))
+    caches = tf.new_caches(batch=1, max_chunk=PROMPT)
+    logits = tf.forward(np.array([ids[:PROMPT]]), caches, last_only=True)[0]
+    mine = []
+    for _ in range(NEW):
+        mine.append(int(np.argmax(logits)))
+        logits = tf.forward(np.array([[mine[-1]]]), caches, last_only=True)[0]
+    seq = list(ids[:PROMPT])
+    for _ in range(NEW):
+        seq.append(int(np.argmax(theirs(model, seq)[-1])))
+    assert mine == seq[PROMPT:]
+
+
+def test_llama3_rope_factors_are_what_makes_it_match(tmp_path):
+    """Without rope_freqs.weight (the file as a loader that ignored it would read it) the logits are far
+    off: the comparison above does see RoPE scaling."""
+    model = hf_model(**CASES["llama3"], seed=6)
+    ids = np.random.default_rng(7).integers(3, model.config.vocab_size, N).tolist()
+    path = write_gguf(model, tmp_path / "no_factors.gguf", drop_tensors=("rope_freqs.weight",))
+    assert rel_err(ours(Transformer(load_gguf(path, weights="f32")), ids), theirs(model, ids)) > 0.05
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("llama.attn_logit_softcapping", 30.0, "metadata key 'llama.attn_logit_softcapping' = '30.0'"),
+    ("llama.final_logit_softcapping", 30.0, "metadata key 'llama.final_logit_softcapping'"),
+    ("llama.rope.scaling.type", "yarn", r"RoPE scaling 'yarn' \(llama.rope.scaling.type\) is not supported"),
+    ("llama.rope.scaling.attn_factor", 2.0, "llama.rope.scaling.attn_factor' = 2.0 is not supported"),
+    ("llama.expert_count", 8, "metadata key 'llama.expert_count' = '8'"),
+    ("llama.rope.dimension_count", 16, "'llama.rope.dimension_count' = 16 differs from the head size 32"),
+])
+def test_a_forward_changing_key_is_refused_by_name(tmp_path, key, value, match):
+    model = hf_model(**CASES["llama3"], seed=6)
+    path = write_gguf(model, tmp_path / "m.gguf", extra_kv={key: value})
+    for weights in ("f32", "quant"):
+        with pytest.raises(ModelFileError, match=match):
+            load_gguf(path, weights=weights)
+
+
+def test_an_unexpected_tensor_is_refused_by_name(tmp_path):
+    """A qwen2 file read as llama (its q/k/v biases unused) is refused naming a bias."""
+    model = hf_model(arch="qwen2", rope={"rope_type": "default", "rope_theta": 1e6})
+    raw = open(write_gguf(model, tmp_path / "q.gguf"), "rb").read()
+    path2 = tmp_path / "as_llama.gguf"                 # the architecture and its keys renamed, same length
+    path2.write_bytes(raw.replace(b"qwen2", b"llama"))
+    assert load_gguf(str(tmp_path / "q.gguf"), weights="f32").config.arch == "qwen2"
+    with pytest.raises(ModelFileError, match=r"tensor 'blk\.0\.attn_k\.bias' .* is not used by architecture 'llama'"):
+        load_gguf(str(path2), weights="f32")
+
+
+def test_phi3_long_rope_factors_are_refused_by_name(tmp_path):
+    """su/longrope Phi-3 files (rope_factors_long/short) are not implemented: refused, never run unscaled."""
+    model = hf_model(**CASES["phi3"], seed=4)
+    half = np.ones(16, np.float32)
+    path = write_gguf(model, tmp_path / "long.gguf", extra_tensors={"rope_factors_long.weight": half,
+                                                                    "rope_factors_short.weight": half})
+    with pytest.raises(ModelFileError, match=r"tensor 'rope_factors_long\.weight' \(and 1 more"):
+        load_gguf(path, weights="f32")
+
+
+def test_linear_rope_scaling_matches_transformers(tmp_path):
+    """``rope.scaling.type = linear``: every frequency divided by the factor, as HF's linear rope."""
+    rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    model = hf_model(arch="llama", rope=rope, seed=3)
+    path = write_gguf(model, tmp_path / "lin.gguf", extra_kv={"llama.rope.scaling.type": "linear",
+                                                              "llama.rope.scaling.factor": 4.0})
+    ids = np.random.default_rng(7).integers(3, model.config.vocab_size, N).tolist()
+    assert rel_err(ours(Transformer(load_gguf(path, weights="f32")), ids), theirs(model, ids)) <= 1e-3
+
+
+@pytest.mark.parametrize("mode, dtype", [("window", "float16"), ("sinks", "bfloat16"), ("full", "float16")])
+def test_cache_kinds_run_every_architecture(case, mode, dtype):
+    """16-bit caches, a window and sinks (both wider than the 48 positions, so the attention is the full
+    one) on the packed path (compiled layers) and the float32 path: cosine >= 0.999 with transformers."""
+    name, model, f32, q8, ids = case
+    ref = theirs(model, ids)
+    for path in (f32, q8):
+        tf = Transformer(load_gguf(path, weights="f32" if path == f32 else "quant"))
+        caches = tf.new_caches(batch=1, max_chunk=CHUNK, mode=mode, dtype=dtype,
+                               window=None if mode == "full" else 60, sinks=4 if mode == "sinks" else 0)
+        got = np.concatenate([tf.forward(np.array([ids[s:s + CHUNK]]), caches)[0] for s in range(0, N, CHUNK)])
+        cos = (got * ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1))
+        assert cos.min() >= 0.999, (path, cos.min())
