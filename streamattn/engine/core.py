@@ -267,20 +267,7 @@ class Engine:
             n = int(counts[s.slot])
             at = first[s.slot]                                  # logits[at + t]: the slot's token t
             row = logits[s.slot] if only_last else logits[at + n - 1]       # [vocab]: the last real token's
-            if s.draft:
-                try:
-                    ended = self._verify(s, logits[at:at + n])
-                except Exception as e:
-                    if not self.isolate_failures:
-                        raise
-                    traceback.print_exc()
-                    s.fail(f"this request failed in its engine step: {type(e).__name__}: {e}")
-                    self._free(s, "error")
-                    continue
-                if ended:
-                    self._free(s, None)
-                continue
-            if s.prefilling:
+            if s.prefilling:                                    # (a sequence with a draft never is)
                 if s.job.targets is not None:
                     s.score(logits[at:at + n], s.done)
                 s.done += n
@@ -291,7 +278,11 @@ class Engine:
                     self.prompt_cache.store(list(s.job.prompt), caches=self.caches, slot=s.slot)
                     self.metrics.cache_bytes.set(self.prompt_cache.nbytes)
             try:
-                ended = s.advance(row)
+                if s.draft:
+                    ended = self._verify(s, logits[at:at + n])
+                else:
+                    ended = s.advance(row)
+                    self.metrics.generation_tokens.inc()
             except Exception as e:
                 if not self.isolate_failures:
                     raise
@@ -299,7 +290,6 @@ class Engine:
                 s.fail(f"this request failed in its engine step: {type(e).__name__}: {e}")
                 self._free(s, "error")
                 continue
-            self.metrics.generation_tokens.inc()
             if ended:
                 self._free(s, None)
         self.steps += 1
