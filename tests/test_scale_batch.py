@@ -96,3 +96,20 @@ def test_cli_batch_argument_errors(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
     assert main(["batch", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o"), "--batch-size", "0"]) == 2
     assert "--batch-size must be >= 1 (got 0)" in capsys.readouterr().err
+
+
+@need_smollm2
+def test_complete_with_every_request_failing_reports_each(one_thread):
+    """A batch whose every line fails before decoding (here: chat messages a template refuses) returns
+    one error per line and decodes nothing (the engine is never built with zero slots)."""
+    from streamattn.engine.options import ModelOptions
+    from streamattn.scale.batch import complete
+    from streamattn.engine.generate import Generator
+    _, tf, tok = load(smollm2_path(), weights="quant")
+    bad = "x" * 10 + "<|im_end|>"
+    reqs = [parse_line(json.dumps({"id": i, "messages": [{"role": "user", "content": bad}]}), i + 1,
+                       max_tokens=4, sampling=SamplingParams()) for i in range(2)]
+    from unittest import mock
+    with mock.patch.object(tok, "apply_chat", side_effect=ValueError("the template refuses")):
+        res = complete(Generator(tf, tok), reqs, ModelOptions())
+    assert [r["line"] for r in res] == [1, 2] and all("the template refuses" in r["error"] for r in res)

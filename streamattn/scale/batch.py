@@ -53,7 +53,7 @@ def complete(gen, requests: list, opts: ModelOptions) -> list:
         runs.append((r, job))
     texts = [[] for _ in runs]
     last = [None] * len(runs)
-    for ev in gen.stream_jobs([job for _, job in runs]):
+    for ev in (gen.stream_jobs([job for _, job in runs]) if runs else ()):   # every line failed: none
         texts[ev.seq].append(ev.text)
         last[ev.seq] = ev
     for (r, job), t, ev in zip(runs, texts, last):
