@@ -217,7 +217,7 @@ BAD = [
      400, "max_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "temperature": -1}, 400, "temperature"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "n"),
     ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
     ("/v1/completions", {"model": MODEL, "prompt": "hello " * 9000}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
