@@ -424,18 +424,24 @@ def main() -> int:
     p.add_argument("--draft-max", type=int, default=8)
     p.add_argument("--tag", default=datetime.date.today().isoformat())
     p.add_argument("--peer", choices=["llama-server"], help="also run llama.cpp's n-gram speculation (llama-server)")
-    p.add_argument("--peer-bin", default=str(PEER_BIN), help="llama-server binary (default: %(default)s)")
+    p.add_argument("--peer-bin", default=None,
+                   help="llama-server binary (default: the one scripts/install_llamacpp_native.sh reports in "
+                        f"{PEER_STATUS.relative_to(ROOT)}, else {PEER_BIN.relative_to(ROOT)})")
     p.add_argument("--peer-spec", default=PEER_SPEC,
                    help="llama-server's speculation flags; {draft_max} is replaced (default: %(default)s)")
     args = p.parse_args()
     peer = peer_info = None
     if args.peer:
+        status = peer_status()
+        if args.peer_bin is None:
+            args.peer_bin = str(Path(status["bin"]) / "llama-server") if status.get("bin") else str(PEER_BIN)
         if not Path(args.peer_bin).is_file():
             raise SystemExit(f"no llama-server at {args.peer_bin}: run bash scripts/install_llamacpp_native.sh "
                              f"(or give --peer-bin)")
         spec = args.peer_spec.format(draft_max=args.draft_max)
         peer = {"bin": args.peer_bin, "spec": shlex.split(spec)}
-        status = peer_status() if Path(args.peer_bin).resolve() == PEER_BIN.resolve() else {}
+        if not status.get("bin") or Path(args.peer_bin).parent.resolve() != Path(status["bin"]).resolve():
+            status = {}                                    # a binary the install script did not build
         peer_info = {"engine": "llama-server", "bin": args.peer_bin, "spec": spec,
                      "llama_cpp_python": status.get("llama_cpp_python"), "install": status or None}
     rows = []

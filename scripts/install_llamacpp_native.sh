@@ -16,8 +16,8 @@
 # llama-bench once on a small GGUF and reports which CPU variant loaded. If that run dies on a signal
 # (SIGILL: KVM guests that report AMX but do not enable its tile state kill the AMX kernels), the
 # variant's .so is moved to build/bin/disabled/ and the check is repeated with the next best variant; if
-# no variant works, it rebuilds once without the variant mechanism (AVX-512 + VNNI, no AMX) into
-# build-noamx/. Whatever it did is printed and written to .peer/llamacpp-native/status.json.
+# three variants in a row die (not one variant's fault), they are put back and it rebuilds once without
+# the variant mechanism (AVX-512 + VNNI, no AMX) into build-noamx/. Whatever it did is printed and written to .peer/llamacpp-native/status.json.
 # Git-ignored target (/.peer/). Used by benchmarks only, never by the tests.
 set -euo pipefail
 
@@ -127,18 +127,18 @@ check() {  # $1 = bin dir; sets CHECK_RC, CHECK_VARIANT, CHECK_TG
     "$bin/llama-server" --version > "$CHECK_LOG" 2>&1
   fi
   CHECK_RC=$?
-  set -e
   CHECK_VARIANT="$(grep -Eo 'loaded CPU backend from [^ ]+' "$CHECK_LOG" | sed -E 's/.*libggml-cpu-?([A-Za-z0-9_.]*)\.so.*/\1/' | tail -1)"
   [ -n "$CHECK_VARIANT" ] || CHECK_VARIANT="$(grep -q 'loaded CPU backend' "$CHECK_LOG" && echo cpu || echo none)"
   [ "$bin" = "$BUILD/bin" ] || CHECK_VARIANT="avx512-vnni (one static CPU backend, no AMX)"
   CHECK_TG="$(grep -E '\| *tg16 *\|' "$CHECK_LOG" | awk -F'|' '{print $(NF-1)}' | tr -d ' ' | tail -1)"
+  set -e
 }
 
-version_line() { "$1/llama-server" --version 2>&1 | grep -Ei 'version|built with' | tr '\n' ' ' | sed 's/"/\\"/g'; }
+version_line() { "$1/llama-server" --version 2>&1 | grep -Ei 'version|built with' | tr '\n' ' ' | sed 's/"/\\"/g' || true; }
 
 write_status() {  # $1 = bin dir, $2 = how
   local disabled=""
-  [ -d "$1/disabled" ] && disabled="$(cd "$1/disabled" && ls libggml-cpu-*.so 2>/dev/null | sed -E 's/libggml-cpu-(.*)\.so/"\1"/' | paste -sd, -)"
+  [ -d "$1/disabled" ] && disabled="$(cd "$1/disabled" && ls libggml-cpu-*.so 2>/dev/null | sed -E 's/libggml-cpu-(.*)\.so/"\1"/' | paste -sd, - || true)"
   cat > "$STATUS" <<EOF
 {"llama_cpp_python": "$VERSION", "bin": "$1", "version": "$(version_line "$1")", "cpu_variant": "$CHECK_VARIANT",
  "disabled_variants": [${disabled}], "how": "$2", "check_tg16_tok_s_1_thread": "${CHECK_TG}", "build_s": ${BUILD_S:-null}}
@@ -158,6 +158,8 @@ fi
 BIN="$BUILD/bin"
 say "variants built: $(cd "$BIN" && ls libggml-cpu-*.so 2>/dev/null | sed -E 's/libggml-cpu-(.*)\.so/\1/' | paste -sd' ' -)"
 HOW="GGML_BACKEND_DL=ON GGML_CPU_ALL_VARIANTS=ON"
+DISABLED=()
+MAX_DISABLE="${MAX_DISABLE:-3}"
 while :; do
   check "$BIN"
   if [ "$CHECK_RC" -eq 0 ]; then
@@ -169,16 +171,21 @@ while :; do
   [ "$CHECK_RC" -gt 128 ] || die "the check run failed without a signal: not a CPU-variant problem (log: $CHECK_LOG)"
   [ "$BIN" = "$BUILD/bin" ] || die "the no-AMX build dies on signal $((CHECK_RC - 128)) too (log: $CHECK_LOG)"
   so="$BIN/libggml-cpu-$CHECK_VARIANT.so"
-  if [ -n "$CHECK_VARIANT" ] && [ -f "$so" ]; then
+  if [ -n "$CHECK_VARIANT" ] && [ -f "$so" ] && [ "${#DISABLED[@]}" -lt "$MAX_DISABLE" ]; then
     mkdir -p "$BIN/disabled"
     mv "$so" "$BIN/disabled/"
+    DISABLED+=("$CHECK_VARIANT")
     say "FALLBACK: disabled variant '$CHECK_VARIANT' (moved to $BIN/disabled/); retrying with the next best"
     HOW="$HOW; disabled $CHECK_VARIANT after exit $CHECK_RC"
     continue
   fi
-  # no variant left that loads and runs: one build without the variant mechanism, AVX-512 + VNNI, no AMX
+  # $MAX_DISABLE variants in a row die: not one variant's fault. Put them back and build once without the
+  # variant mechanism (AVX-512 + VNNI, no AMX).
+  for v in "${DISABLED[@]}"; do mv "$BIN/disabled/libggml-cpu-$v.so" "$BIN/"; done
+  [ "${#DISABLED[@]}" -eq 0 ] || say "put back the variants disabled in this run: ${DISABLED[*]}"
+  DISABLED=()
   NOAMX="$DEST/build-noamx"
-  say "FALLBACK: no CPU variant runs; rebuilding without GGML_CPU_ALL_VARIANTS (AVX-512, VNNI, no AMX) in $NOAMX"
+  say "FALLBACK: $MAX_DISABLE CPU variants died in a row; rebuilding without GGML_CPU_ALL_VARIANTS (AVX-512, VNNI, no AMX) in $NOAMX"
   if ! have_bins "$NOAMX"; then
     need_tools; fetch_sources
     build "$NOAMX" -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
@@ -186,7 +193,7 @@ while :; do
       -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
   fi
   BIN="$NOAMX/bin"
-  HOW="$HOW; no variant ran: rebuilt with GGML_CPU_ALL_VARIANTS=OFF GGML_AVX512=ON GGML_AVX512_VNNI=ON, no AMX"
+  HOW="$HOW; $MAX_DISABLE variants died in a row: rebuilt with GGML_CPU_ALL_VARIANTS=OFF GGML_AVX512=ON GGML_AVX512_VNNI=ON, no AMX"
 done
 write_status "$BIN" "$HOW"
 say "llama-server: $BIN/llama-server"
