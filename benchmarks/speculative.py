@@ -98,7 +98,6 @@ ORDINARY = {
 # ------------------------------------------------------------------------------------- llama-server
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))      # 127.0.0.1 only, never a proxy
 _VARIANT = re.compile(r"loaded CPU backend from \S*?libggml-cpu-?([A-Za-z0-9_.]*)\.so")
-_BUILD = re.compile(r"^.*\bbuild[:=]\s*(.+)$", re.M)
 
 
 def loaded_variant(log: str):
@@ -108,10 +107,15 @@ def loaded_variant(log: str):
     return (found[-1] or "cpu") if found else None
 
 
-def build_line(log: str):
-    """llama.cpp's ``build: N (commit) with <compiler> for <target>`` line from a log, if any."""
-    m = _BUILD.search(log)
-    return m.group(1).strip() if m else None
+def server_version(binary) -> str:
+    """``llama-server --version`` on one line (``version: 0.5.0-dev (build 0, commit unknown) built with
+    GNU 12.2.0 for Linux x86_64``); '' if it says nothing."""
+    try:
+        r = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return " ".join(ln.strip() for ln in (r.stdout + r.stderr).splitlines()
+                    if re.match(r"\s*(version|built with)\b", ln))
 
 
 def parse_completion(resp: dict) -> dict:
@@ -167,6 +171,16 @@ class LlamaServer:
 
     def log(self) -> str:
         return Path(self._log.name).read_text(errors="replace")
+
+    def cpu_variant(self):
+        """The libggml-cpu-<variant>.so the running server has mapped (/proc/PID/maps; its log at the
+        default verbosity does not say), else what its log says, else None."""
+        try:
+            maps = Path(f"/proc/{self.proc.pid}/maps").read_text()
+        except (OSError, AttributeError):
+            maps = ""
+        found = re.findall(r"libggml-cpu-?([A-Za-z0-9_.]*?)\.so", maps)
+        return (found[-1] or "cpu") if found else loaded_variant(self.log())
 
     def _died(self, what: str):
         rc = self.proc.returncode
@@ -255,14 +269,12 @@ def bench_model(name: str, threads: int, tokens: int, repeats: int, draft_max: i
             gguf = resolve_model(MODELS[name], quiet=True)
             servers = {False: stack.enter_context(LlamaServer(peer["bin"], gguf, threads)),
                        True: stack.enter_context(LlamaServer(peer["bin"], gguf, threads, peer["spec"]))}
-            log = servers[True].log()
+            variant = servers[True].cpu_variant()
             if peer_info is not None:
                 peer_info.setdefault("servers", []).append(
-                    {"model": name, "threads": threads, "gguf": str(gguf), "cpu_variant": loaded_variant(log),
-                     "build": build_line(log), "plain": shlex.join(servers[False].cmd),
-                     "speculative": shlex.join(servers[True].cmd)})
-            print(f"llama-server {name} t{threads}: CPU variant {loaded_variant(log)}, {build_line(log)}",
-                  file=sys.stderr, flush=True)
+                    {"model": name, "threads": threads, "gguf": str(gguf), "cpu_variant": variant,
+                     "plain": shlex.join(servers[False].cmd), "speculative": shlex.join(servers[True].cmd)})
+            print(f"llama-server {name} t{threads}: CPU variant {variant}", file=sys.stderr, flush=True)
         for kind, prompts in (("copy", COPY), ("ordinary", ORDINARY)):
             for pname, prompt in prompts.items():
                 plain, fast, acc, peer_runs = [], [], [], []
@@ -443,13 +455,12 @@ def main() -> int:
         if not status.get("bin") or Path(args.peer_bin).parent.resolve() != Path(status["bin"]).resolve():
             status = {}                                    # a binary the install script did not build
         peer_info = {"engine": "llama-server", "bin": args.peer_bin, "spec": spec,
+                     "build": server_version(args.peer_bin) or None,
                      "llama_cpp_python": status.get("llama_cpp_python"), "install": status or None}
     rows = []
     for m in args.models:
         for t in args.threads:
             rows += bench_model(m, t, args.tokens, args.repeats, args.draft_max, peer, peer_info)
-    if peer_info and peer_info.get("servers"):
-        peer_info["build"] = peer_info["servers"][0]["build"]
     out = write(rows, args.tag, args, peer_info)
     print(out.with_suffix(".md").read_text())
     return 0

@@ -98,10 +98,13 @@ build() {  # $1 = build dir, rest = extra cmake flags
   local t0=$SECONDS
   # shellcheck disable=SC2086
   nice -n "$NICE" cmake --build "$dir" --config Release -j "$JOBS" --target $TARGETS > "$dir.build.log" 2>&1 &
-  local pid=$!
+  local pid=$! next=60
   while kill -0 "$pid" 2>/dev/null; do
-    sleep 60
-    kill -0 "$pid" 2>/dev/null && say "  ... $(( (SECONDS - t0) / 60 )) min: $(grep -Eo '^\[[ 0-9/%]+\]' "$dir.build.log" | tail -1)"
+    sleep 2
+    if [ $(( SECONDS - t0 )) -ge "$next" ] && kill -0 "$pid" 2>/dev/null; then
+      say "  ... $(( (SECONDS - t0) / 60 )) min: $(grep -Eo '^\[[ 0-9/%]+\]' "$dir.build.log" | tail -1 || true)"
+      next=$(( next + 60 ))
+    fi
   done
   wait "$pid" || { tail -40 "$dir.build.log" >&2; die "build failed (log: $dir.build.log)"; }
   BUILD_S=$(( SECONDS - t0 ))
@@ -147,9 +150,12 @@ EOF
 }
 
 # ------------------------------------------------------------------ main
-BUILD_S=""
+BUILD_S=""; PREV_HOW=""
 if have_bins "$BUILD"; then
   say "binaries exist in $BUILD/bin: skipping the build"
+  # keep what the run that built them recorded (build time, fallbacks taken)
+  BUILD_S="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("build_s") or "")' "$STATUS" 2>/dev/null || true)"
+  PREV_HOW="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("how") or "")' "$STATUS" 2>/dev/null || true)"
 else
   need_tools
   fetch_sources
@@ -157,7 +163,7 @@ else
 fi
 BIN="$BUILD/bin"
 say "variants built: $(cd "$BIN" && ls libggml-cpu-*.so 2>/dev/null | sed -E 's/libggml-cpu-(.*)\.so/\1/' | paste -sd' ' -)"
-HOW="GGML_BACKEND_DL=ON GGML_CPU_ALL_VARIANTS=ON"
+HOW="${PREV_HOW:-GGML_BACKEND_DL=ON GGML_CPU_ALL_VARIANTS=ON}"
 DISABLED=()
 MAX_DISABLE="${MAX_DISABLE:-3}"
 while :; do
