@@ -149,7 +149,7 @@ class LlamaServer:
     """One llama-server process on 127.0.0.1: started, health-checked, asked, stopped (also on errors).
 
     ``extra`` holds the speculation flags (none for the plain server). Its log goes to a temporary file
-    that :meth:`log` reads (the loaded CPU variant, the build line, a crash's last words)."""
+    that :meth:`log` reads (a crash's last words, quoted in the error) and :meth:`stop` removes."""
 
     def __init__(self, binary, gguf, threads: int, extra=(), ctx: int = 4096, start_timeout: float = 300.0):
         self.cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "0", "-t", str(threads),
@@ -229,6 +229,7 @@ class LlamaServer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        Path(self._log.name).unlink(missing_ok=True)        # errors above already quoted its tail
 
 
 def peer_status() -> dict:
