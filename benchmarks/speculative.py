@@ -10,20 +10,45 @@ decode time (Generator stats; prefill excluded). The copy-heavy set: rename a va
 function, extract fields from a document into JSON, fix a typo in a paragraph and repeat it, summarise
 with quotations; the ordinary set: short chat questions. Writes
 benchmarks/results/speculative_<tag>.{json,md,png}.
+
+``--peer llama-server`` adds llama.cpp's n-gram speculation on the same prompts in the same run: two
+llama-server processes (built by ``scripts/install_llamacpp_native.sh``; ``--peer-bin`` for another),
+on 127.0.0.1 only, ``-t T -tb T -c 4096 --parallel 1``, one without speculation and one with
+``--peer-spec`` (default ``--spec-type ngram-simple --spec-ngram-simple-size-n 3
+--spec-ngram-simple-size-m <draft-max>``: a 3-token lookup key, the middle of ours (2..4), and drafts of
+at most as many tokens as ours). Each gets the prompt as the very token ids our engine decodes (our
+``Tokenizer.apply_chat`` render, encoded), greedy (temperature 0, top-k 1), ``n_predict`` = ``--tokens``,
+no prompt cache; its decode tok/s is the server's ``timings.predicted_per_second`` (tokens after the
+first / time after the first: the same definition as ours), its acceptance ``draft_n_accepted /
+draft_n``. The tables also say whether llama.cpp's tokens with speculation equal its tokens without
+(``peer same``) and how much of our output its plain run reproduces (``peer ~ ours``, common prefix).
+The servers are stopped at the end and on any error.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import re
+import shlex
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
+PEER_BIN = ROOT / ".peer" / "llamacpp-native" / "build" / "bin" / "llama-server"
+PEER_STATUS = ROOT / ".peer" / "llamacpp-native" / "status.json"
+PEER_SPEC = "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m {draft_max}"
 
 
 def _function() -> str:
@@ -70,6 +95,151 @@ ORDINARY = {
 }
 
 
+# ------------------------------------------------------------------------------------- llama-server
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))      # 127.0.0.1 only, never a proxy
+_VARIANT = re.compile(r"loaded CPU backend from \S*?libggml-cpu-?([A-Za-z0-9_.]*)\.so")
+
+
+def loaded_variant(log: str):
+    """The CPU variant a llama-server log says it loaded (``sapphirerapids``, ``icelake``, ...); None if
+    it names none (a build without GGML_BACKEND_DL)."""
+    found = _VARIANT.findall(log)
+    return (found[-1] or "cpu") if found else None
+
+
+def server_version(binary) -> str:
+    """``llama-server --version`` on one line (``version: 0.5.0-dev (build 0, commit unknown) built with
+    GNU 12.2.0 for Linux x86_64``); '' if it says nothing."""
+    try:
+        r = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return " ".join(ln.strip() for ln in (r.stdout + r.stderr).splitlines()
+                    if re.match(r"\s*(version|built with)\b", ln))
+
+
+def parse_completion(resp: dict) -> dict:
+    """Token ids and timings of one ``/completion`` response (``return_tokens``; greedy)."""
+    t = resp.get("timings")
+    if not isinstance(t, dict) or "predicted_per_second" not in t:
+        raise ValueError(f"llama-server's response has no timings.predicted_per_second: {str(resp)[:300]}")
+    ids = [int(i) for i in resp.get("tokens") or []]
+    drafted, accepted = int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0))
+    return {"ids": ids, "tokens": int(t.get("predicted_n", len(ids))), "decode_tok_s": float(t["predicted_per_second"]),
+            "prompt_tokens": int(t.get("prompt_n", 0)), "prefill_tok_s": float(t.get("prompt_per_second", 0.0)),
+            "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else 0.0}
+
+
+def common_prefix(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """One llama-server process on 127.0.0.1: started, health-checked, asked, stopped (also on errors).
+
+    ``extra`` holds the speculation flags (none for the plain server). Its log goes to a temporary file
+    that :meth:`log` reads (a crash's last words, quoted in the error) and :meth:`stop` removes."""
+
+    def __init__(self, binary, gguf, threads: int, extra=(), ctx: int = 4096, start_timeout: float = 300.0):
+        self.cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "0", "-t", str(threads),
+                    "-tb", str(threads), "-c", str(ctx), "--parallel", "1", "--no-webui", *extra]
+        self.start_timeout = start_timeout
+        self.proc = None
+        self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
+
+    def cpu_variant(self):
+        """The libggml-cpu-<variant>.so the running server has mapped (/proc/PID/maps; its log at the
+        default verbosity does not say), else what its log says, else None."""
+        try:
+            maps = Path(f"/proc/{self.proc.pid}/maps").read_text()
+        except (OSError, AttributeError):
+            maps = ""
+        found = re.findall(r"libggml-cpu-?([A-Za-z0-9_.]*?)\.so", maps)
+        return (found[-1] or "cpu") if found else loaded_variant(self.log())
+
+    def _died(self, what: str):
+        rc = self.proc.returncode
+        why = f"signal {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exit {rc}"
+        tail = "\n    ".join(self.log().splitlines()[-12:])
+        return RuntimeError(f"llama-server {what} ({why}; CPU variant {loaded_variant(self.log())}); "
+                            f"command: {shlex.join(self.cmd)}\n    {tail}")
+
+    def start(self):
+        self.port = _free_port()
+        self.cmd[self.cmd.index("--port") + 1] = str(self.port)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.start_timeout:
+            if self.proc.poll() is not None:
+                raise self._died("exited while starting")
+            try:
+                with _NO_PROXY.open(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"llama-server not healthy after {self.start_timeout:.0f} s: {shlex.join(self.cmd)}")
+
+    def complete(self, ids: list, n_predict: int) -> dict:
+        body = {"prompt": [int(i) for i in ids], "n_predict": int(n_predict), "temperature": 0.0, "top_k": 1,
+                "seed": 0, "cache_prompt": False, "return_tokens": True, "stream": False}
+        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with _NO_PROXY.open(req, timeout=900) as r:
+                return parse_completion(json.loads(r.read()))
+        except (urllib.error.URLError, ConnectionError, OSError) as e:
+            if self.proc.poll() is not None:
+                raise self._died("died during a request") from e
+            raise
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        Path(self._log.name).unlink(missing_ok=True)        # errors above already quoted its tail
+
+
+def peer_status() -> dict:
+    """What scripts/install_llamacpp_native.sh recorded (llama-cpp-python version, CPU variant, fallbacks)."""
+    try:
+        return json.loads(PEER_STATUS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def run_one(gen, prompt: str, tokens: int, spec):
     t0 = time.perf_counter()
     evs = list(gen.stream(prompt, chat=True, max_tokens=tokens, speculative=spec))
@@ -80,7 +250,8 @@ def run_one(gen, prompt: str, tokens: int, spec):
             "wall_s": time.perf_counter() - t0}
 
 
-def bench_model(name: str, threads: int, tokens: int, repeats: int, draft_max: int) -> list:
+def bench_model(name: str, threads: int, tokens: int, repeats: int, draft_max: int, peer=None,
+                peer_info=None) -> list:
     from streamattn.engine.options import ModelOptions
     from streamattn.engine.generate import warm_model
     from streamattn.engine.sequence import Job
@@ -92,10 +263,22 @@ def bench_model(name: str, threads: int, tokens: int, repeats: int, draft_max: i
     gen = opts.generator(tf, tok)
     spec = SpecParams(draft_max=draft_max)
     rows = []
-    with use_threads(threads):
+    with contextlib.ExitStack() as stack, use_threads(threads):
+        servers = None
+        if peer is not None:
+            from streamattn.gguf.hub import resolve_model
+            gguf = resolve_model(MODELS[name], quiet=True)
+            servers = {False: stack.enter_context(LlamaServer(peer["bin"], gguf, threads)),
+                       True: stack.enter_context(LlamaServer(peer["bin"], gguf, threads, peer["spec"]))}
+            variant = servers[True].cpu_variant()
+            if peer_info is not None:
+                peer_info.setdefault("servers", []).append(
+                    {"model": name, "threads": threads, "gguf": str(gguf), "cpu_variant": variant,
+                     "plain": shlex.join(servers[False].cmd), "speculative": shlex.join(servers[True].cmd)})
+            print(f"llama-server {name} t{threads}: CPU variant {variant}", file=sys.stderr, flush=True)
         for kind, prompts in (("copy", COPY), ("ordinary", ORDINARY)):
             for pname, prompt in prompts.items():
-                plain, fast, acc = [], [], []
+                plain, fast, acc, peer_runs = [], [], [], []
                 for r in range(repeats):
                     order = (None, spec) if r % 2 == 0 else (spec, None)
                     got = {}
@@ -109,17 +292,44 @@ def bench_model(name: str, threads: int, tokens: int, repeats: int, draft_max: i
                     list(gen.stream_jobs([Job(prompt=tuple(gen.encode_prompt(prompt, chat=True)), max_tokens=tokens,
                                               speculative=spec)], seqs=seqs))
                     acc.append(seqs[0].accepted / max(seqs[0].drafted, 1))
+                    if servers is not None:
+                        ids = gen.encode_prompt(prompt, chat=True)
+                        for sp in order:
+                            got["peer", sp is not None] = servers[sp is not None].complete(ids, tokens)
+                        peer_runs.append((got["peer", False], got["peer", True]))
                 row = {"model": name, "threads": threads, "kind": kind, "prompt": pname,
                        "tokens": got[False]["tokens"], "plain_tok_s": statistics.median(plain),
                        "spec_tok_s": statistics.median(fast), "acceptance": statistics.median(acc),
                        "steps_plain": got[False]["steps"], "steps_spec": got[True]["steps"]}
                 row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
+                line = (f"{name} t{threads} {kind:8s} {pname:8s} {row['tokens']:4d} tok  plain "
+                        f"{row['plain_tok_s']:6.1f}  spec {row['spec_tok_s']:6.1f} tok/s  x{row['speedup']:.2f}  "
+                        f"accept {row['acceptance']:.2f}  steps {row['steps_plain']} -> {row['steps_spec']}")
+                if servers is not None:
+                    row.update(peer_row(peer_runs, got[False]["ids"]))
+                    row["ours_vs_peer_spec"] = row["spec_tok_s"] / max(row["peer_spec_tok_s"], 1e-9)
+                    line += (f"  | llama-server {row['peer_tokens']:4d} tok plain {row['peer_plain_tok_s']:6.1f}  "
+                             f"spec {row['peer_spec_tok_s']:6.1f}  x{row['peer_speedup']:.2f}  accept "
+                             f"{row['peer_acceptance']:.2f}  same {row['peer_same']}  "
+                             f"~ours {row['peer_match_ours']:.2f}")
                 rows.append(row)
-                print(f"{name} t{threads} {kind:8s} {pname:8s} {row['tokens']:4d} tok  plain "
-                      f"{row['plain_tok_s']:6.1f}  spec {row['spec_tok_s']:6.1f} tok/s  x{row['speedup']:.2f}  "
-                      f"accept {row['acceptance']:.2f}  steps {row['steps_plain']} -> {row['steps_spec']}",
-                      file=sys.stderr, flush=True)
+                print(line, file=sys.stderr, flush=True)
     return rows
+
+
+def peer_row(runs: list, ours_ids: list) -> dict:
+    """The llama-server columns of one prompt's row from its (plain, speculative) runs over repeats."""
+    plain = [p for p, _ in runs]
+    spec = [q for _, q in runs]
+    out = {"peer_tokens": plain[-1]["tokens"],
+           "peer_plain_tok_s": statistics.median(p["decode_tok_s"] for p in plain),
+           "peer_spec_tok_s": statistics.median(q["decode_tok_s"] for q in spec),
+           "peer_acceptance": statistics.median(q["acceptance"] for q in spec),
+           "peer_drafted": spec[-1]["drafted"], "peer_accepted": spec[-1]["accepted"],
+           "peer_same": all(p["ids"] == q["ids"] for p, q in runs),
+           "peer_match_ours": common_prefix(plain[-1]["ids"], ours_ids) / max(len(ours_ids), 1)}
+    out["peer_speedup"] = out["peer_spec_tok_s"] / max(out["peer_plain_tok_s"], 1e-9)
+    return out
 
 
 def summary(rows: list) -> list:
@@ -128,29 +338,71 @@ def summary(rows: list) -> list:
         for kind in ("copy", "ordinary"):
             sel = [r for r in rows if (r["model"], r["threads"], r["kind"]) == (m, t, kind)]
             if sel:
-                out.append({"model": m, "threads": t, "kind": kind,
-                            "median_speedup": statistics.median(r["speedup"] for r in sel),
-                            "median_plain_tok_s": statistics.median(r["plain_tok_s"] for r in sel),
-                            "median_spec_tok_s": statistics.median(r["spec_tok_s"] for r in sel)})
+                s = {"model": m, "threads": t, "kind": kind,
+                     "median_speedup": statistics.median(r["speedup"] for r in sel),
+                     "median_plain_tok_s": statistics.median(r["plain_tok_s"] for r in sel),
+                     "median_spec_tok_s": statistics.median(r["spec_tok_s"] for r in sel)}
+                if all("peer_spec_tok_s" in r for r in sel):
+                    for src in ("peer_speedup", "peer_plain_tok_s", "peer_spec_tok_s", "ours_vs_peer_spec"):
+                        s["median_" + src] = statistics.median(r[src] for r in sel)
+                out.append(s)
     return out
 
 
-def write(rows: list, tag: str, args) -> Path:
+def markdown(rows: list, summ: list, tag: str, draft_max: int, command: str, peer_info=None) -> str:
+    """The .md report: a summary per (model, threads, set) and one row per prompt; llama-server's
+    columns where the run had ``--peer``."""
+    with_peer = bool(rows) and all("peer_spec_tok_s" in r for r in rows)
+    lines = [f"# Speculative decoding (n-gram, draft_max {draft_max}), {tag}", "", f"`{command}`", ""]
+    if with_peer and peer_info:
+        variants = sorted({str(s.get("cpu_variant")) for s in peer_info.get("servers", [])})
+        lines += [f"Peer: llama-server ({peer_info.get('build') or 'build unknown'}; llama-cpp-python "
+                  f"{peer_info.get('llama_cpp_python') or '?'} sources), CPU variant {', '.join(variants) or '?'}, "
+                  f"speculation `{peer_info.get('spec', '')}`; same prompt token ids, greedy, same max tokens; "
+                  f"decode tok/s from its `timings.predicted_per_second`.", ""]
+    head = "| model | threads | set | median speed-up | plain tok/s | speculative tok/s |"
+    rule = "|---|---:|---|---:|---:|---:|"
+    if with_peer:
+        head += " llama-server plain | llama-server n-gram | its speed-up | ours / its (speculative) |"
+        rule += "---:|---:|---:|---:|"
+    lines += [head, rule]
+    for s in summ:
+        line = (f"| {s['model']} | {s['threads']} | {s['kind']} | {s['median_speedup']:.2f}x | "
+                f"{s['median_plain_tok_s']:.1f} | {s['median_spec_tok_s']:.1f} |")
+        if with_peer:
+            line += (f" {s['median_peer_plain_tok_s']:.1f} | {s['median_peer_spec_tok_s']:.1f} | "
+                     f"{s['median_peer_speedup']:.2f}x | {s['median_ours_vs_peer_spec']:.2f}x |")
+        lines.append(line)
+    head = "| model | threads | prompt | tokens | plain | speculative | speed-up | acceptance | steps |"
+    rule = "|---|---:|---|---:|---:|---:|---:|---:|---|"
+    if with_peer:
+        head += (" peer tokens | peer plain | peer n-gram | peer speed-up | peer acceptance | peer same |"
+                 " peer ~ ours |")
+        rule += "---:|---:|---:|---:|---:|---|---:|"
+    lines += ["", head, rule]
+    for r in rows:
+        line = (f"| {r['model']} | {r['threads']} | {r['prompt']} | {r['tokens']} | {r['plain_tok_s']:.1f} | "
+                f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['acceptance']:.2f} | {r['steps_plain']} -> "
+                f"{r['steps_spec']} |")
+        if with_peer:
+            line += (f" {r['peer_tokens']} | {r['peer_plain_tok_s']:.1f} | {r['peer_spec_tok_s']:.1f} | "
+                     f"{r['peer_speedup']:.2f}x | {r['peer_acceptance']:.2f} | {'yes' if r['peer_same'] else 'NO'} | "
+                     f"{r['peer_match_ours']:.2f} |")
+        lines.append(line)
+    if with_peer:
+        lines += ["", "peer same: llama-server's tokens with speculation equal its tokens without (every repeat); "
+                  "peer ~ ours: the share of our tokens that its plain run reproduces as a common prefix."]
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list, tag: str, args, peer_info=None) -> Path:
     out = ROOT / "benchmarks" / "results" / f"speculative_{tag}"
     summ = summary(rows)
-    out.with_suffix(".json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows,
-                                                    "summary": summ}, indent=1) + "\n")
-    lines = [f"# Speculative decoding (n-gram, draft_max {args.draft_max}), {tag}", "",
-             f"`{' '.join(sys.argv)}`", "",
-             "| model | threads | set | median speed-up | plain tok/s | speculative tok/s |", "|---|---:|---|---:|---:|---:|"]
-    lines += [f"| {s['model']} | {s['threads']} | {s['kind']} | {s['median_speedup']:.2f}x | "
-              f"{s['median_plain_tok_s']:.1f} | {s['median_spec_tok_s']:.1f} |" for s in summ]
-    lines += ["", "| model | threads | prompt | tokens | plain | speculative | speed-up | acceptance | steps |",
-              "|---|---:|---|---:|---:|---:|---:|---:|---|"]
-    lines += [f"| {r['model']} | {r['threads']} | {r['prompt']} | {r['tokens']} | {r['plain_tok_s']:.1f} | "
-              f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['acceptance']:.2f} | {r['steps_plain']} -> "
-              f"{r['steps_spec']} |" for r in rows]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    doc = {"command": " ".join(sys.argv), "rows": rows, "summary": summ}
+    if peer_info:
+        doc["peer"] = peer_info
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(rows, summ, tag, args.draft_max, " ".join(sys.argv), peer_info))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -158,8 +410,12 @@ def write(rows: list, tag: str, args) -> Path:
         fig, ax = plt.subplots(figsize=(9, 4.5))
         labels = [f"{r['model']} t{r['threads']}\n{r['prompt']}" for r in rows]
         x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r["plain_tok_s"] for r in rows], 0.4, label="plain")
-        ax.bar([i + 0.2 for i in x], [r["spec_tok_s"] for r in rows], 0.4, label="n-gram speculation")
+        series = [("plain_tok_s", "streamattn plain"), ("spec_tok_s", "streamattn n-gram speculation")]
+        if rows and all("peer_spec_tok_s" in r for r in rows):
+            series += [("peer_plain_tok_s", "llama-server plain"), ("peer_spec_tok_s", "llama-server n-gram")]
+        w = 0.8 / len(series)
+        for j, (key, label) in enumerate(series):
+            ax.bar([i - 0.4 + w * (j + 0.5) for i in x], [r[key] for r in rows], w, label=label)
         ax.set_xticks(list(x), labels, fontsize=6, rotation=90)
         ax.set_ylabel("decode tok/s (same tokens)")
         ax.set_title("Speculative decoding, copy-heavy and ordinary prompts")
@@ -180,12 +436,33 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--draft-max", type=int, default=8)
     p.add_argument("--tag", default=datetime.date.today().isoformat())
+    p.add_argument("--peer", choices=["llama-server"], help="also run llama.cpp's n-gram speculation (llama-server)")
+    p.add_argument("--peer-bin", default=None,
+                   help="llama-server binary (default: the one scripts/install_llamacpp_native.sh reports in "
+                        f"{PEER_STATUS.relative_to(ROOT)}, else {PEER_BIN.relative_to(ROOT)})")
+    p.add_argument("--peer-spec", default=PEER_SPEC,
+                   help="llama-server's speculation flags; {draft_max} is replaced (default: %(default)s)")
     args = p.parse_args()
+    peer = peer_info = None
+    if args.peer:
+        status = peer_status()
+        if args.peer_bin is None:
+            args.peer_bin = str(Path(status["bin"]) / "llama-server") if status.get("bin") else str(PEER_BIN)
+        if not Path(args.peer_bin).is_file():
+            raise SystemExit(f"no llama-server at {args.peer_bin}: run bash scripts/install_llamacpp_native.sh "
+                             f"(or give --peer-bin)")
+        spec = args.peer_spec.format(draft_max=args.draft_max)
+        peer = {"bin": args.peer_bin, "spec": shlex.split(spec)}
+        if not status.get("bin") or Path(args.peer_bin).parent.resolve() != Path(status["bin"]).resolve():
+            status = {}                                    # a binary the install script did not build
+        peer_info = {"engine": "llama-server", "bin": args.peer_bin, "spec": spec,
+                     "build": server_version(args.peer_bin) or None,
+                     "llama_cpp_python": status.get("llama_cpp_python"), "install": status or None}
     rows = []
     for m in args.models:
         for t in args.threads:
-            rows += bench_model(m, t, args.tokens, args.repeats, args.draft_max)
-    out = write(rows, args.tag, args)
+            rows += bench_model(m, t, args.tokens, args.repeats, args.draft_max, peer, peer_info)
+    out = write(rows, args.tag, args, peer_info)
     print(out.with_suffix(".md").read_text())
     return 0
 
