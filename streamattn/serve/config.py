@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CACHE_MODES = ("full", "window", "sinks")
-CACHE_DTYPES = ("float32", "float16", "bfloat16")
-BACKENDS = ("reference", "cpu", "gpu", "auto")
-POSITIONS = ("absolute", "cache")        # = models.transformer.POSITIONS (not imported: config stays light;
-#                                           tests/test_serve_engine.py checks they agree)
-WEIGHTS = ("quant", "f32")               # = gguf.loader.WEIGHT_KINDS (checked there too)
+# the choices of the flags every subcommand shares (a light module: no model code is imported);
+# tests/test_serve_engine.py checks POSITIONS against models.transformer's, WEIGHTS against the loader's
+from streamattn.engine.options import BACKENDS, CACHE_DTYPES, CACHE_MODES, POSITIONS, WEIGHTS
 
 
 @dataclass(frozen=True)
