@@ -244,7 +244,7 @@ def plot(rows: list, path: Path) -> bool:
                     label="memory wall")
         ax.set_xticks(list(x), labels, fontsize=7)
         ax.set_title(title)
-    axes[0, 0].legend(fontsize=8)
+    axes[0, 0].legend(fontsize=8, loc="center right")
     fig.suptitle("streamattn vs llama.cpp (node-llama-cpp), same GGUF, same prompt, greedy; medians")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
