@@ -3,13 +3,13 @@ servers (small Python OpenAI-streaming servers on 127.0.0.1), and one short real
 
 import importlib.util
 import json
-import stat
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests._stand_in import stand_in
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_load.py"
 _spec = importlib.util.spec_from_file_location("serve_load_bench", _PATH)
@@ -46,12 +46,7 @@ FAKE = textwrap.dedent('''\
 
 @pytest.fixture
 def fake_bin(tmp_path):
-    script = tmp_path / "fake_server.py"
-    script.write_text(FAKE)
-    exe = tmp_path / "llama-server"
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
-    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    return exe
+    return stand_in(tmp_path, FAKE)
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -3,18 +3,18 @@ columns, and the server lifecycle against a stand-in llama-server (a small Pytho
 127.0.0.1 that answers /health and /completion the way llama-server does)."""
 
 import importlib.util
-import stat
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from streamattn.bench import llama_server
+from tests._stand_in import stand_in
+
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "speculative.py"
 _spec = importlib.util.spec_from_file_location("speculative_bench", _PATH)
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
-from streamattn.bench import llama_server  # noqa: E402  (the server handling speculative.py and serve_load.py share)
 
 LOG = ("load_backend: loaded CPU backend from /x/build/bin/libggml-cpu-icelake.so\n"
        "main: server is listening on http://127.0.0.1:1\n")
@@ -90,12 +90,7 @@ FAKE = textwrap.dedent('''\
 
 @pytest.fixture
 def fake_bin(tmp_path):
-    script = tmp_path / "fake_server.py"
-    script.write_text(FAKE)
-    exe = tmp_path / "llama-server"
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
-    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    return exe
+    return stand_in(tmp_path, FAKE)
 
 
 def test_server_lifecycle_against_a_stand_in(fake_bin, tmp_path):
