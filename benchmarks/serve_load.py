@@ -160,6 +160,7 @@ def plot(by_engine: dict, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
     for colour, (engine, rows) in zip(("C0", "C1"), by_engine.items()):
         c = [r["concurrency"] for r in rows]
@@ -174,6 +175,7 @@ def plot(by_engine: dict, path):
     b.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="latency")
     for ax in (a, b):
         ax.set_xticks(c, [str(x) for x in c])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     a.legend(fontsize=7)
     b.legend(fontsize=7)
     fig.tight_layout()
@@ -261,8 +263,13 @@ def main(argv=None) -> int:
                 order = list(urls) if turn % 2 == 0 else list(urls)[::-1]
                 turn += 1
                 for engine in order:
-                    r = asyncio.run(level(urls[engine], args.model_id, conc, max(args.requests, conc),
-                                          args.max_tokens))
+                    try:
+                        r = asyncio.run(level(urls[engine], args.model_id, conc, max(args.requests, conc),
+                                              args.max_tokens))
+                    except Exception:
+                        if engine == "llama-server":
+                            srv.raise_if_dead(f"died under {conc} clients")
+                        raise
                     runs[engine][conc].append(r)
                     print(f"{engine:12s} c={conc:3d}  {r['aggregate_tok_s']:7.1f} tok/s  decode "
                           f"{r['decode_tok_s']:7.1f} tok/s  TTFT p50/p99 {r['ttft_p50_s'] * 1e3:7.0f}/"
@@ -272,7 +279,8 @@ def main(argv=None) -> int:
     rows = by_engine["streamattn"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"cmd": " ".join(sys.argv), "max_tokens": args.max_tokens, "parallel": args.parallel,
+    command = "PYTHONPATH=. python benchmarks/serve_load.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    meta = {"cmd": command, "max_tokens": args.max_tokens, "parallel": args.parallel,
             "threads": args.threads, "repeats": args.repeats, "load_avg": os.getloadavg(), "cpus": os.cpu_count(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     doc = {"meta": meta, "rows": rows}

@@ -17,7 +17,7 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 FAKE = textwrap.dedent('''\
-    import json, sys, time
+    import json, os, sys, time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     args = sys.argv[1:]
     if "--version" in args:
@@ -31,6 +31,8 @@ FAKE = textwrap.dedent('''\
             self.wfile.write(b"ok")
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if os.environ.get("FAKE_DIE") and "-m" in args and req["max_tokens"] > 4:   # not in the warm-up
+                print("fake: dying", flush=True); os._exit(3)
             assert self.path == "/v1/completions" and req["stream"] and req["ignore_eos"]
             assert req["temperature"] == 0 and req["cache_prompt"] is False
             self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
@@ -88,9 +90,8 @@ def test_medians_and_the_two_engine_table():
     assert "ratio" not in alone[0] and alone[2] == "| 1 | 60 | 66 | 50 | 16.0 | 20.0 |"
 
 
-def test_a_whole_run_against_stand_ins(fake_bin, tmp_path, monkeypatch, capsys):
-    """Both 'servers' are the stand-in; ours is started the way start_server would (patched: no model)."""
-    started = []
+def _stand_in_start(fake_bin, started):
+    """start_server's stand-in: the fake binary as our server (no model loaded)."""
 
     def fake_start(args):
         port = bench.socket.socket()
@@ -108,13 +109,23 @@ def test_a_whole_run_against_stand_ins(fake_bin, tmp_path, monkeypatch, capsys):
                 bench.time.sleep(0.05)
         raise RuntimeError("stand-in did not start")
 
-    monkeypatch.setattr(bench, "start_server", fake_start)
+    return fake_start
+
+
+def _argv(fake_bin, tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    out = tmp_path / "serve_load_t"
-    assert bench.main(["--start", "--model", str(model), "--peer", "llama-server", "--peer-bin", str(fake_bin),
-                       "--concurrency", "1,4", "--requests", "4", "--max-tokens", "5", "--parallel", "4",
-                       "--threads", "2", "--out", str(out)]) == 0
+    return ["--start", "--model", str(model), "--peer", "llama-server", "--peer-bin", str(fake_bin), "--concurrency",
+            "1,4", "--requests", "4", "--max-tokens", "5", "--parallel", "4", "--threads", "2", "--out",
+            str(tmp_path / "serve_load_t")]
+
+
+def test_a_whole_run_against_stand_ins(fake_bin, tmp_path, monkeypatch, capsys):
+    """Both 'servers' are the stand-in; ours is started the way start_server would (patched: no model)."""
+    started = []
+    monkeypatch.setattr(bench, "start_server", _stand_in_start(fake_bin, started))
+    model, out = tmp_path / "m.gguf", tmp_path / "serve_load_t"
+    assert bench.main(_argv(fake_bin, tmp_path)) == 0
     printed = [ln.split()[0] for ln in capsys.readouterr().out.splitlines() if " c=" in ln]
     assert printed == ["streamattn", "llama-server", "llama-server", "streamattn"]      # alternated
     doc = json.loads(out.with_suffix(".json").read_text())
@@ -124,6 +135,15 @@ def test_a_whole_run_against_stand_ins(fake_bin, tmp_path, monkeypatch, capsys):
     assert "--parallel 4" in cmd and "-t 2 -tb 2" in cmd and f"-m {model}" in cmd and "-c 1044" in cmd
     assert "llama-server" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size > 1000
     assert all(p.poll() is not None for p in started)                  # ours stopped at the end
+
+
+def test_a_llama_server_that_dies_under_load_says_so(fake_bin, tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(bench, "start_server", _stand_in_start(fake_bin, started))
+    monkeypatch.setenv("FAKE_DIE", "1")
+    with pytest.raises(RuntimeError, match="llama-server died under 1 clients .exit 3") as e:
+        bench.main(_argv(fake_bin, tmp_path))
+    assert "fake: dying" in str(e.value) and all(p.poll() is not None for p in started)
 
 
 @pytest.mark.model

@@ -133,6 +133,11 @@ class LlamaServer:
             time.sleep(0.2)
         raise RuntimeError(f"llama-server not healthy after {self.start_timeout:.0f} s: {shlex.join(self.cmd)}")
 
+    def raise_if_dead(self, what: str) -> None:
+        """RuntimeError with the exit status and the log's last lines if the process has exited."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise self._died(what)
+
     def complete(self, ids: list, n_predict: int) -> dict:
         body = {"prompt": [int(i) for i in ids], "n_predict": int(n_predict), "temperature": 0.0, "top_k": 1,
                 "seed": 0, "cache_prompt": False, "return_tokens": True, "stream": False}
