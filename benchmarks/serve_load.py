@@ -102,6 +102,7 @@ def start_server(args):
            "--threads", str(args.threads), "--model-id", args.model_id, "--max-queue", "64"]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += shlex.split(args.ours_args)
     proc = subprocess.Popen(cmd, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
@@ -206,6 +207,8 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least the level)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--ours-args", default="", help="with --start: more flags for `streamattn serve` (e.g. "
+                                                   "\"--cache-dtype float16\", llama-server's K/V type)")
     p.add_argument("--repeats", type=int, default=1, help="rounds over all levels (medians; engines alternate)")
     p.add_argument("--peer", choices=["llama-server"], help="with --start: the same load against llama-server")
     p.add_argument("--peer-bin", default=None, help="llama-server binary (default: the one "
@@ -223,6 +226,10 @@ def parse_args(argv=None):
     for name in ("parallel", "threads", "requests", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    try:
+        shlex.split(args.ours_args)
+    except ValueError as e:
+        p.error(f"--ours-args {args.ours_args!r} is not a shell-quoted argument list ({e})")
     args.peer_status = {}
     if args.peer:
         try:
@@ -280,7 +287,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "PYTHONPATH=. python benchmarks/serve_load.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    meta = {"cmd": command, "max_tokens": args.max_tokens, "parallel": args.parallel,
+    meta = {"cmd": command, "max_tokens": args.max_tokens, "parallel": args.parallel, "ours_args": args.ours_args,
             "threads": args.threads, "repeats": args.repeats, "load_avg": os.getloadavg(), "cpus": os.cpu_count(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     doc = {"meta": meta, "rows": rows}

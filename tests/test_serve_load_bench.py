@@ -59,6 +59,7 @@ def fake_bin(tmp_path):
     (["--start", "--parallel", "0"], "--parallel must be >= 1 (got 0)"),
     (["--start", "--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--start", "--repeats", "0"], "--repeats must be >= 1"),
+    (["--start", "--ours-args", "--cache-dtype 'float16"], "not a shell-quoted argument list"),
     (["--start", "--peer", "llama-server", "--peer-bin", "/nonexistent/llama-server"],
      "scripts/install_llamacpp_native.sh"),
 ])
