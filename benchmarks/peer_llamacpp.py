@@ -74,22 +74,22 @@ def noise_levels(values) -> list:
     bad value."""
     if values is None:
         return [0]
-    if not values:
-        return [50]
     out = []
-    for v in values:
-        if v == "both":
-            levels = [0, 50]
-        else:
-            try:
-                levels = [float(v)]
-            except ValueError:
-                levels = [float("nan")]
-            if not 0 <= levels[0] <= 100:
-                raise ValueError(f"--noise takes duty percents in 0..100 or 'both' (got {v!r})")
-            levels = [int(levels[0]) if levels[0] == int(levels[0]) else levels[0]]
-        out += [x for x in levels if x not in out]
+    for v in values or ["50"]:
+        for duty in ([0, 50] if v == "both" else [_duty(v)]):
+            if duty not in out:
+                out.append(duty)
     return out
+
+
+def _duty(text: str):
+    try:
+        duty = float(text)
+    except ValueError:
+        duty = float("nan")
+    if not 0 <= duty <= 100:
+        raise ValueError(f"--noise takes duty percents in 0..100 or 'both' (got {text!r})")
+    return int(duty) if duty.is_integer() else duty
 
 
 def noise_label(duty) -> str:
