@@ -3,6 +3,7 @@
     bash scripts/install_llamacpp_peer.sh                  # once: llama.cpp into ./.peer/llamacpp
     PYTHONPATH=. python benchmarks/peer_llamacpp.py        # defaults: both models, 1 and 2 threads, 3 repeats
     PYTHONPATH=. python benchmarks/peer_llamacpp.py --ours-args "--prefill-chunk 512 --weights f32"   # the f32 path
+    PYTHONPATH=. python benchmarks/peer_llamacpp.py --noise both   # quiet and beside a 50% busy neighbour
 
 Both engines get the same GGUF file, the same prompt text (benchmarks/data/prompt_rome.txt, ~700 tokens),
 greedy decoding of exactly ``--tokens`` new tokens (ours: ``generate --ignore-eos``; llama.cpp: the

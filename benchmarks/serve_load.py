@@ -18,8 +18,8 @@ date and what it measures with --out, e.g. ``serve_load_2026-12-01_smollm2_t2`` 
 binary scripts/install_llamacpp_native.sh built (``--peer-bin`` for another), the same GGUF file as
 ``--model``, the same slots (``--parallel``), threads (``-t``/``-tb``), clients, prompts and max tokens,
 greedy, ``ignore_eos`` and no prompt cache, through the same OpenAI streaming endpoint; its context
-``-c`` is ``parallel × (max-tokens + 256)`` (llama-server splits it between the slots; the prompts are
-a few tokens). Both servers stay up for the whole run and the engines alternate at every level (the
+``-c`` is ``parallel × (max-tokens + 256)``, room for every slot's request (the prompts are a few
+tokens). Both servers stay up for the whole run and the engines alternate at every level (the
 order flips each time); with ``--repeats`` every figure is the median over the repeats.
 """
 

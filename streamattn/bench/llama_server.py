@@ -68,8 +68,8 @@ def _free_port() -> int:
 class LlamaServer:
     """One llama-server process on 127.0.0.1: started, health-checked, asked, stopped (also on errors).
 
-    ``-t threads -tb threads -c ctx --parallel parallel`` (``ctx``: all slots together, llama-server
-    splits it between them); ``extra``: more flags (speculative.py's speculation flags). Its log goes to
+    ``-t threads -tb threads -c ctx --parallel parallel`` (``ctx``: the context of all slots
+    together); ``extra``: more flags (speculative.py's speculation flags). Its log goes to
     a temporary file that :meth:`log` reads (a crash's last words, quoted in the error) and :meth:`stop`
     removes. ValueError for a threads, ctx or parallel that is not a positive integer."""
 
@@ -133,10 +133,16 @@ class LlamaServer:
             time.sleep(0.2)
         raise RuntimeError(f"llama-server not healthy after {self.start_timeout:.0f} s: {shlex.join(self.cmd)}")
 
-    def raise_if_dead(self, what: str) -> None:
-        """RuntimeError with the exit status and the log's last lines if the process has exited."""
-        if self.proc is not None and self.proc.poll() is not None:
-            raise self._died(what)
+    def raise_if_dead(self, what: str, grace: float = 5.0) -> None:
+        """RuntimeError with the exit status and the log's last lines if the process exits within ``grace``
+        seconds (a request broken by a crash can reach the client before the process has ended)."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            return
+        raise self._died(what)
 
     def complete(self, ids: list, n_predict: int) -> dict:
         body = {"prompt": [int(i) for i in ids], "n_predict": int(n_predict), "temperature": 0.0, "top_k": 1,
