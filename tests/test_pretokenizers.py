@@ -98,6 +98,10 @@ B2U = bytes_to_unicode()
 
 @pytest.fixture(scope="module")
 def vocabulary():
+    return train_vocabulary()
+
+
+def train_vocabulary():
     """(tokens, types, merges): a byte-level BPE trained on TEXT (all 256 bytes, ~700 tokens), the control
     and user-defined tokens, and WORD appended without a merge that builds it."""
     hf = HFTokenizer(models.BPE())
@@ -276,6 +280,10 @@ def test_add_bos_add_eos_and_stop_ids(vocabulary):
 
 @pytest.fixture(scope="module")
 def spm_vocabulary():
+    return train_spm_vocabulary()
+
+
+def train_spm_vocabulary():
     """(tokens, scores, types) of a SentencePiece-style BPE trained on TEXT with spaces as "▁": control
     <unk> <s> </s>, the 256 byte tokens, pieces scored by merge order, and two Phi-3 chat tokens."""
     hf = HFTokenizer(models.BPE())
@@ -347,6 +355,14 @@ def test_spm_phi3_chat_tokens_swallow_the_newline(spm_vocabulary):
     assert tok.encode("<|user|>\nHi", add_bos=False) == [user] + spm_reference("Hi", spm_vocabulary, prefix=True)
     plain = Tokenizer.from_metadata(spm_metadata(spm_vocabulary))     # not phi3: the newline stays
     assert plain.encode("<|user|>\nHi", add_bos=False) != tok.encode("<|user|>\nHi", add_bos=False)
+
+
+def test_spm_space_prefix_chat_content_with_a_control_token_refused(spm_vocabulary):
+    tok = Tokenizer.from_metadata(spm_metadata(spm_vocabulary, **{"general.architecture": "phi3"}))
+    assert tok.apply_chat([{"role": "user", "content": "Hi"}]) == "<|im_start|>user\nHi<|im_end|>\n" \
+        "<|im_start|>assistant\n"                                           # no template: ChatML text
+    with pytest.raises(ValueError, match=r"messages\[0\].content contains the control token '<\|end\|>'"):
+        tok.apply_chat([{"role": "user", "content": "a<|end|>b"}])
 
 
 def test_spm_refusals(spm_vocabulary):

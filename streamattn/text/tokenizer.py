@@ -136,6 +136,7 @@ class Tokenizer:
     stop_ids: frozenset = frozenset()
     add_eos: bool = False
     pre: str | None = None      # tokenizer.ggml.pre of a gpt2 file (a key of PRE_TOKENIZERS)
+    space_prefix: bool = False  # SentencePiece add_space_prefix: "▁" before every piece of text
 
     @classmethod
     def from_metadata(cls, md: dict) -> "Tokenizer":
@@ -182,7 +183,8 @@ class Tokenizer:
         return cls(hf=hf, family=family, bos_id=_token_id(md, "bos_token_id", len(tokens), 1 if family == "llama" else 0),
                    eos_id=eos, add_bos=_flag(md, "add_bos_token", add_bos_default),
                    special_ids=special, token_bytes=tb, chat_template=md.get("tokenizer.chat_template"),
-                   stop_ids=frozenset(stops), add_eos=_flag(md, "add_eos_token", False), pre=pre)
+                   stop_ids=frozenset(stops), add_eos=_flag(md, "add_eos_token", False), pre=pre,
+                   space_prefix=family == "llama" and _flag(md, "add_space_prefix", True))
 
     @property
     def vocab_size(self) -> int:
@@ -273,6 +275,11 @@ class Tokenizer:
         found = [(i, t) for i, t in found if t]
         if not found:
             return ChatText(text)
+        if self.space_prefix:     # each piece would get its own "▁" (see encode): not the text's tokens
+            i, t = found[0]
+            raise ValueError(f"messages[{i}].content contains the control token {t!r}; keeping it as plain text "
+                             "is not implemented for a tokenizer that prefixes a space to each piece of text "
+                             "(tokenizer.ggml.add_space_prefix); remove it")
         mark = "\ue000" + secrets.token_hex(8)       # unguessable: no content can forge a mark
         marked = [{**m, "content": f"{mark}{i}\ue001"} if isinstance(m["content"], str) else m
                   for i, m in enumerate(messages)]
