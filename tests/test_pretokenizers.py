@@ -47,6 +47,9 @@ FACTS = {
                "pre_tokenizer": {"type": "Sequence", "pretokenizers": [DIGITS, BYTE_LEVEL]}},
     "starcoder": {"normalizer": None, "ignore_merges": False,
                   "pre_tokenizer": {"type": "Sequence", "pretokenizers": [DIGITS, BYTE_LEVEL]}},
+    # smallcloudai/Refact-1_6-base tokenizer.json
+    "refact": {"normalizer": None, "ignore_merges": False,
+               "pre_tokenizer": {"type": "Sequence", "pretokenizers": [DIGITS, BYTE_LEVEL]}},
     # meta-llama/Llama-3.2-1B-Instruct tokenizer.json (model.ignore_merges: true)
     "llama-bpe": {"normalizer": None, "ignore_merges": True,
                   "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split(CL100K), BYTE_LEVEL_NO_REGEX]}},
@@ -55,6 +58,11 @@ FACTS = {
         "type": "Sequence", "pretokenizers": [split(
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
             r"\s+(?!\S)|\s+"), BYTE_LEVEL_NO_REGEX]}},
+    # Qwen/Qwen3.5-9B-Instruct tokenizer.json: no normalizer, combining marks (\p{M}) kept with letters
+    "qwen35": {"normalizer": None, "ignore_merges": False, "pre_tokenizer": {
+        "type": "Sequence", "pretokenizers": [split(
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+            r"\s*[\r\n]+|\s+(?!\S)|\s+"), BYTE_LEVEL_NO_REGEX]}},
     # mistralai/Mistral-Nemo-Instruct-2407 tokenizer.json (tekken; llama.cpp sets ignore_merges for it)
     "tekken": {"normalizer": None, "ignore_merges": True, "pre_tokenizer": {
         "type": "Sequence", "pretokenizers": [split(

@@ -70,6 +70,8 @@ _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p
 _UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
 _TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _O200K = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -82,8 +84,11 @@ PRE_TOKENIZERS = {
     "gpt-2": PreTokenizer("openai-community/gpt2"),
     "smollm": PreTokenizer("HuggingFaceTB/SmolLM2-135M-Instruct", digits=True),
     "starcoder": PreTokenizer("bigcode/starcoder2-3b", digits=True),
+    "refact": PreTokenizer("smallcloudai/Refact-1_6-base", digits=True),
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
     "qwen2": PreTokenizer("Qwen/Qwen2.5-0.5B-Instruct (Qwen3 too)", split=_QWEN2, nfc=True),
+    "qwen35": PreTokenizer("Qwen/Qwen3.5-9B-Instruct (no NFC: combining marks kept by the regex)",
+                           split=_QWEN35),
     "tekken": PreTokenizer("mistralai/Mistral-Nemo-Instruct-2407", split=_TEKKEN, ignore_merges=True,
                            add_bos=True),
     "dbrx": PreTokenizer("databricks/dbrx-instruct, microsoft/phi-4", split=_CL100K, merge_check=True),
