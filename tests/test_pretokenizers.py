@@ -274,6 +274,14 @@ def test_keys_not_implemented_or_malformed_refused(vocabulary, key, value, match
         Tokenizer.from_metadata(metadata(vocabulary, "gpt-2", **{key: value}))
 
 
+def test_bos_required_where_it_is_added(vocabulary):
+    md = metadata(vocabulary, "llama-bpe")
+    del md["tokenizer.ggml.bos_token_id"]
+    with pytest.raises(ValueError, match=r"pre='llama-bpe' adds a BOS token .* no tokenizer.ggml.bos_token_id"):
+        Tokenizer.from_metadata(md)
+    assert not Tokenizer.from_metadata({**md, "tokenizer.ggml.add_bos_token": False}).add_bos
+
+
 def test_add_bos_add_eos_and_stop_ids(vocabulary):
     tok = Tokenizer.from_metadata(metadata(vocabulary, "llama-bpe", **{
         "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": True,

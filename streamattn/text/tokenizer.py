@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import numbers
 import re
 import secrets
 from dataclasses import dataclass
@@ -178,6 +179,10 @@ class Tokenizer:
             add_bos_default = True
         else:
             raise ValueError(f"tokenizer.ggml.model={family!r} is not supported (expected 'gpt2' or 'llama')")
+        add_bos = _flag(md, "add_bos_token", add_bos_default)
+        if add_bos and family == "gpt2" and "tokenizer.ggml.bos_token_id" not in md:
+            raise ValueError(f"tokenizer.ggml.pre={pre!r} adds a BOS token (tokenizer.ggml.add_bos_token absent or "
+                             "true) but the file has no tokenizer.ggml.bos_token_id")
         special = frozenset(i for i, t in enumerate(types) if t == CONTROL)
         eos = _token_id(md, "eos_token_id", len(tokens), 2 if family == "llama" else 0)
         stops = {eos} | {_token_id(md, k, len(tokens), eos) for k in ("eot_token_id", "eom_token_id")}
@@ -186,7 +191,7 @@ class Tokenizer:
             if i is not None:
                 stops.add(i)
         return cls(hf=hf, family=family, bos_id=_token_id(md, "bos_token_id", len(tokens), 1 if family == "llama" else 0),
-                   eos_id=eos, add_bos=_flag(md, "add_bos_token", add_bos_default),
+                   eos_id=eos, add_bos=add_bos,
                    special_ids=special, token_bytes=tb, chat_template=md.get("tokenizer.chat_template"),
                    stop_ids=frozenset(stops), add_eos=_flag(md, "add_eos_token", False), pre=pre,
                    space_prefix=family == "llama" and _flag(md, "add_space_prefix", True))
@@ -346,16 +351,16 @@ def _check_keys(md: dict) -> None:
 def _flag(md: dict, key: str, default: bool) -> bool:
     """The boolean ``tokenizer.ggml.<key>``, ``default`` when absent."""
     v = md.get("tokenizer.ggml." + key, default)
-    if not isinstance(v, bool):
+    if type(v).__name__ not in ("bool", "bool_"):          # Python's or numpy's
         raise ValueError(f"metadata key 'tokenizer.ggml.{key}' must be a boolean (got {type(v).__name__} "
                          f"{str(v)[:40]!r})")
-    return v
+    return bool(v)
 
 
 def _token_id(md: dict, key: str, n_tokens: int, default: int) -> int:
     """The token id ``tokenizer.ggml.<key>`` in 0..n_tokens-1, ``default`` when absent."""
     v = md.get("tokenizer.ggml." + key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n_tokens:
+    if type(v).__name__ in ("bool", "bool_") or not isinstance(v, numbers.Integral) or not 0 <= v < n_tokens:
         raise ValueError(f"metadata key 'tokenizer.ggml.{key}' must be a token id in 0..{n_tokens - 1} (got "
                          f"{type(v).__name__} {str(v)[:40]!r})")
     return int(v)
