@@ -327,7 +327,7 @@ def spm_reference(text, v, *, prefix):
     ``prefix``; then the adjacent pair whose union has the best score merges first; bytes fall back."""
     tokens, scores, types = v
     vocab = {t: i for i, t in enumerate(tokens) if types[i] == 1}
-    control = [t for t, ty in zip(tokens, types) if ty == 3]
+    control = [t for t, ty in zip(tokens, types) if ty in (2, 3)]
     ids = []
     for piece in regex.split("(" + "|".join(map(regex.escape, control)) + ")", text):
         if piece in control:
@@ -362,6 +362,14 @@ def test_spm_add_space_prefix(spm_vocabulary, prefix):
         assert ids == spm_reference(text, spm_vocabulary, prefix=prefix), text
         if "<" not in text:                   # (a space prefixed after a control token stays in the text)
             assert tok.decode(tok.encode(text)) == text
+
+
+def test_spm_special_tokens(spm_vocabulary):
+    tok = Tokenizer.from_metadata(spm_metadata(spm_vocabulary))
+    ids = tok.encode("a<unk>b</s>", add_bos=False)                    # <unk> (type 2) as HF/llama.cpp map it
+    assert ids == spm_reference("a", spm_vocabulary, prefix=True) + [0] + \
+        spm_reference("b", spm_vocabulary, prefix=True) + [2]
+    assert tok.decode(ids) == "a b" and tok.token_bytes[0] == b"" and {0, 1, 2} <= tok.special_ids
 
 
 def test_spm_phi3_chat_tokens_swallow_the_newline(spm_vocabulary):

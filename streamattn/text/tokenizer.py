@@ -12,8 +12,8 @@ Two GGUF tokenizer families (``tokenizer.ggml.model``):
   piece's score). Spaces become "▁"; ``tokenizer.ggml.add_space_prefix`` (default true, as llama.cpp's)
   prepends one to every text piece (Llama-2, Mistral, Phi-3), false for Gemma.
 
-Control tokens (type 3) are special: their strings in a raw prompt map to their ids, and decoding drops
-them. User-defined tokens (type 4, Qwen3's ``<think>``) are matched in the text the same way but kept in
+Control and unknown tokens (types 3, 2) are special: their strings in a raw prompt map to their ids, and
+decoding drops them. User-defined tokens (type 4, Qwen3's ``<think>``) are matched in the text the same way but kept in
 decoded text. ``tokenizer.ggml.*`` keys this module does not implement are refused by name.
 
 Chat templates: the GGUF's ``tokenizer.chat_template`` is rendered with jinja2 (sandboxed as HF does, and
@@ -183,7 +183,7 @@ class Tokenizer:
         if add_bos and family == "gpt2" and "tokenizer.ggml.bos_token_id" not in md:
             raise ValueError(f"tokenizer.ggml.pre={pre!r} adds a BOS token (tokenizer.ggml.add_bos_token absent or "
                              "true) but the file has no tokenizer.ggml.bos_token_id")
-        special = frozenset(i for i, t in enumerate(types) if t == CONTROL)
+        special = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN))
         eos = _token_id(md, "eos_token_id", len(tokens), 2 if family == "llama" else 0)
         stops = {eos} | {_token_id(md, k, len(tokens), eos) for k in ("eot_token_id", "eom_token_id")}
         for name in ("<|im_end|>", "<end_of_turn>", "<|endoftext|>", "<eos>"):
@@ -367,11 +367,11 @@ def _token_id(md: dict, key: str, n_tokens: int, default: int) -> int:
 
 
 def _add_tokens(hf: HFTokenizer, tokens, types, *, rstrip=frozenset()) -> None:
-    """Add the control (special) and user-defined (plain) tokens to ``hf``: matched in the raw text before
-    any normalization, as llama.cpp's partition of the text on them does; ``rstrip``: the ones that
-    swallow the whitespace after them."""
-    added = [AddedToken(t, special=ty == CONTROL, normalized=False, rstrip=t in rstrip)
-             for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)]
+    """Add the control and unknown (special) and user-defined (plain) tokens to ``hf``: matched in the raw
+    text before any normalization, as llama.cpp's partition of the text on them does (and HF's added
+    tokens); ``rstrip``: the ones that swallow the whitespace after them."""
+    added = [AddedToken(t, special=ty != USER_DEFINED, normalized=False, rstrip=t in rstrip)
+             for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN, USER_DEFINED)]
     hf.add_tokens([a for a in added if not a.special])
     hf.add_special_tokens([a for a in added if a.special])
 
@@ -405,7 +405,7 @@ def _build_bpe(tokens, types, md, rules: PreTokenizer):
     hf.decoder = decoders.ByteLevel()
     _add_tokens(hf, tokens, types)
     # user-defined tokens are stored as their text, not in the byte alphabet (the converter decodes them)
-    tb = [b"" if ty == CONTROL else t.encode("utf-8") if ty == USER_DEFINED
+    tb = [b"" if ty in (CONTROL, UNKNOWN) else t.encode("utf-8") if ty == USER_DEFINED
           else bytes(_BYTE_DECODER.get(ch, 0) for ch in t) for t, ty in zip(tokens, types)]
     return hf, tb
 
@@ -457,11 +457,12 @@ def _build_spm(tokens, types, md):
     hf.decoder = decoders.Sequence(decode)
     rstrip = frozenset()
     if md.get("general.architecture") == "phi3":
-        rstrip = frozenset(t for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)) - _PHI3_NOT_RSTRIP
+        rstrip = frozenset(t for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN, USER_DEFINED)) \
+            - _PHI3_NOT_RSTRIP
     _add_tokens(hf, tokens, types, rstrip=rstrip)
     tb = []
     for t, ty in zip(tokens, types):
-        if ty == CONTROL or ty == UNUSED:
+        if ty in (CONTROL, UNKNOWN, UNUSED):
             tb.append(b"")
         elif ty == BYTE:
             tb.append(bytes([int(t[3:-1], 16)]))
