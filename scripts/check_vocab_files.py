@@ -38,7 +38,8 @@ def main():
                if tok.encode(t, add_bos=False, add_eos=False) != [int(v) for v in o.split()]]
         wrong += len(bad)
         n = min(len(texts), len(outs))
-        print(f"{what}: {n - len(bad)}/{n} texts give the same ids" + (f"; first other: {bad[0][:40]!r}" if bad else ""))
+        other = f"; first other: {bad[0][:40]!r}" if bad else ""
+        print(f"{what}: {n - len(bad)}/{n} texts give the same ids{other}")
     sys.exit(1 if wrong else 0)
 
 

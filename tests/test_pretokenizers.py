@@ -10,7 +10,7 @@ import json
 import unicodedata
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer, models, normalizers, pre_tokenizers, trainers
 
 from streamattn.text.tokenizer import PRE_TOKENIZERS, Tokenizer
 
@@ -290,6 +290,8 @@ def test_add_bos_add_eos_and_stop_ids(vocabulary):
     assert ids[0] != 0 and ids[-1] == 2 and tok.encode("hi", add_eos=False) == ids[:-1]
     assert tok.encode("hi", add_bos=True)[0] == 0
     assert {1, 2} <= tok.stop_ids
+    end = Tokenizer.from_metadata(spm_metadata(train_spm_vocabulary()))
+    assert end.hf.token_to_id("<|end|>") in end.stop_ids          # Phi-3's end of turn, by its text
 
 
 # ---- SentencePiece (tokenizer.ggml.model == "llama") ----------------------------------------------------

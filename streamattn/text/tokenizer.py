@@ -96,6 +96,11 @@ PRE_TOKENIZERS = {
     "gpt-4o": PreTokenizer("Xenova/gpt-4o, microsoft/Phi-4-mini-instruct", split=_O200K, merge_check=True),
 }
 
+# End-of-turn tokens found by their text, as llama.cpp's src/llama-vocab.cpp does (its end-of-generation
+# list) for files that name only EOS: ChatML, Gemma, Llama-3 (eot, eom, end_of_text), Phi-3, DeepSeek.
+_STOP_NAMES = ("<|im_end|>", "<end_of_turn>", "<|endoftext|>", "<eos>", "<|eot_id|>", "<|eom_id|>",
+               "<|end_of_text|>", "<|end|>", "<｜end▁of▁sentence｜>")
+
 # tokenizer.ggml.* keys that change nothing here (ids of tokens the engine does not insert itself; the
 # chat templates are read elsewhere) or that are read below. Any other tokenizer.ggml key is refused.
 _KEYS_READ = {"model", "pre", "tokens", "token_type", "scores", "merges", "bos_token_id", "eos_token_id",
@@ -186,12 +191,12 @@ class Tokenizer:
         special = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN))
         eos = _token_id(md, "eos_token_id", len(tokens), 2 if family == "llama" else 0)
         stops = {eos} | {_token_id(md, k, len(tokens), eos) for k in ("eot_token_id", "eom_token_id")}
-        for name in ("<|im_end|>", "<end_of_turn>", "<|endoftext|>", "<eos>"):
+        for name in _STOP_NAMES:
             i = hf.token_to_id(name)
             if i is not None:
                 stops.add(i)
-        return cls(hf=hf, family=family, bos_id=_token_id(md, "bos_token_id", len(tokens), 1 if family == "llama" else 0),
-                   eos_id=eos, add_bos=add_bos,
+        bos = _token_id(md, "bos_token_id", len(tokens), 1 if family == "llama" else 0)
+        return cls(hf=hf, family=family, bos_id=bos, eos_id=eos, add_bos=add_bos,
                    special_ids=special, token_bytes=tb, chat_template=md.get("tokenizer.chat_template"),
                    stop_ids=frozenset(stops), add_eos=_flag(md, "add_eos_token", False), pre=pre,
                    space_prefix=family == "llama" and _flag(md, "add_space_prefix", True))
