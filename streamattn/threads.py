@@ -195,7 +195,7 @@ class ThreadChooser:
     ...     pass
     """
 
-    def __init__(self, *, first: int = 3, keep: int = 5, probe_every: int = 32, clock=time.perf_counter):
+    def __init__(self, *, first: int = 2, keep: int = 5, probe_every: int = 32, clock=time.perf_counter):
         for name, v, least in (("first", first, 1), ("keep", keep, 1), ("probe_every", probe_every, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name} must be an integer >= {least} (got {v!r})")

@@ -31,6 +31,7 @@ import contextlib
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,17 @@ from streamattn.threads import ThreadChooser
 #: (``EngineConfig.adapt_threads``); larger ones (prompt chunks) always on the count set: their parallel
 #: regions are long, so a worker that misses a time slice costs them little (docs/DESIGN.md §20).
 ADAPT_ROWS = 16
+_CHOOSERS = weakref.WeakKeyDictionary()          # model -> its ThreadChooser
+
+
+def _chooser(model) -> ThreadChooser:
+    """The model's :class:`~streamattn.threads.ThreadChooser`, shared by its engines (a Generator makes one
+    per call), so that what a process measured outlives each call; a fresh one for a model that takes no
+    weak reference."""
+    try:
+        return _CHOOSERS.setdefault(model, ThreadChooser())
+    except TypeError:
+        return ThreadChooser()
 
 
 class QueueFull(Exception):
@@ -168,7 +180,7 @@ class Engine:
         self.prompt_cache = PromptCache(int(config.prompt_cache_mb * 2**20),
                                         lambda: model.new_caches(batch=1, **kw))
         self.steps = 0
-        self.threads = ThreadChooser()                  # 1 thread or the count set, per kind of step
+        self.threads = _chooser(model)                  # 1 thread or the count set, per kind of step
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
