@@ -1,7 +1,7 @@
 """Is decode with a 2-thread ceiling ever slower than with 1 thread? 1 thread, 2 fixed, 2 adaptive, alternated.
 
     PYTHONPATH=. python benchmarks/threads_adaptive.py [--model smollm2-135m] [--repeats 5] [--tokens 64]
-        [--neighbour 0.5] [--out benchmarks/results/threads_adaptive_<date>.json]
+        [--neighbour 0.5] [--variants "1 thread" "2 adaptive"] [--out benchmarks/results/threads_adaptive_<date>.json]
 
 One process, one loaded model, the ~700-token prompt of benchmarks/data/prompt_rome.txt, greedy; per
 variant and repeat one ``Generator.stream`` of --tokens tokens. Variants, in an order that flips every
@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--neighbour", type=float, default=0.0, help="duty cycle of a busy neighbour process (0: none)")
+    ap.add_argument("--variants", nargs="+", default=[v[0] for v in VARIANTS], choices=[v[0] for v in VARIANTS])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" /
                     f"threads_adaptive_{datetime.date.today()}.json")
     args = ap.parse_args(argv)
@@ -76,10 +77,11 @@ def main(argv=None) -> int:
     neighbour = None
     if args.neighbour > 0:
         neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR.format(busy=0.010 * args.neighbour)])
+    variants = [v for v in VARIANTS if v[0] in args.variants]
     runs, load0 = [], os.getloadavg()
     try:
         for rep in range(args.repeats):
-            for name, n, adapt in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
+            for name, n, adapt in (variants if rep % 2 == 0 else variants[::-1]):
                 set_threads(n)
                 gen.config = replace(gen.config, adapt_threads=adapt)
                 on.clear()
@@ -94,8 +96,8 @@ def main(argv=None) -> int:
         if neighbour is not None:
             neighbour.kill()
             neighbour.wait()
-    med = {name: statistics.median(r["decode_tok_s"] for r in runs if r["variant"] == name) for name, _, _ in VARIANTS}
-    base = med["1 thread"]
+    med = {name: statistics.median(r["decode_tok_s"] for r in runs if r["variant"] == name) for name, _, _ in variants}
+    base = med.get("1 thread", float("nan"))
     lines = ["| variant | decode tok/s (median) | × 1 thread |", "|---|---:|---:|"]
     lines += [f"| {name} | {v:.1f} | {v / base:.2f} |" for name, v in med.items()]
     print(f"{len(ids)}-token prompt, {args.tokens} tokens, neighbour duty {args.neighbour}, load {load0[0]:.1f} -> "
