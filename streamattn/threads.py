@@ -1,4 +1,6 @@
-"""CPU threads: how idle pool workers wait (set once, at import) and the thread counts of the two pools.
+"""CPU threads: how idle pool workers wait (set once, at import), the thread counts of the two pools, and
+:class:`ThreadChooser`, which runs each kind of engine step on one thread or on the caller's count,
+whichever it measured faster lately (so that a second thread never makes decoding slower).
 
 Importing streamattn applies :data:`RUNTIME_ENV` as defaults, before numpy loads OpenBLAS and before
 Numba's first parallel launch loads GNU libgomp (Numba's 'omp' threading layer on Linux; both runtimes
@@ -15,11 +17,14 @@ Why a short spin rather than a long one or none: docs/DESIGN.md §15; the measur
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import glob
 import os
+import statistics
 import sys
+import time
 
 #: Environment defaults applied at import (``os.environ.setdefault``: an exported value wins).
 RUNTIME_ENV = {
@@ -163,3 +168,110 @@ def threads(n: int):
         numba.set_num_threads(old_numba)
         if old_blas is not None:
             _openblas()(old_blas)
+
+
+class ThreadChooser:
+    """Runs each kind of step on one thread or on the caller's Numba thread count (the ceiling), whichever
+    its recent steps of that kind took less time on.
+
+    Why: every parallel region of a step is a fork/join, ~30 layers x several a decode step, and on a host
+    whose vCPUs are shared a descheduled worker costs a time slice at each join: there two threads decoded
+    slower than one (docs/DESIGN.md §22; docs/PERF.md). Results do not depend on the thread count (the
+    kernels split work, never a reduction), so the choice changes speed only, never a token.
+
+    How: the first ``first`` steps of a kind alternate the two counts; afterwards each step runs on the
+    count whose median over its last ``keep`` steps is lower, and after ``probe_every`` steps on it one
+    step runs on the other count (a probe). A probe faster than the chosen count's median is followed by
+    another at once, so a change of the host (a neighbour starting or stopping) is followed within a few
+    steps; a slower one doubles the wait before the next (up to 8 x ``probe_every``), so a count that
+    keeps losing costs little.
+    A kind is whatever the caller names (the engine: its step's real rows, by powers of two); the
+    counts are tracked per ceiling. With a ceiling of 1 there is nothing to choose.
+
+    Examples
+    --------
+    >>> chooser = ThreadChooser()
+    >>> with chooser.step(kind=1) as n:          # runs the block on n threads, timed
+    ...     pass
+    """
+
+    def __init__(self, *, first: int = 2, keep: int = 5, probe_every: int = 32, clock=time.perf_counter):
+        for name, v, least in (("first", first, 1), ("keep", keep, 1), ("probe_every", probe_every, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{name} must be an integer >= {least} (got {v!r})")
+        if first > keep:
+            raise ValueError(f"first must be at most keep={keep} (got {first!r})")
+        self.first, self.keep, self.probe_every, self.clock = first, keep, probe_every, clock
+        self._kinds = {}                 # (kind, ceiling) -> _Kind
+
+    def choose(self, kind, ceiling: int) -> int:
+        """The thread count the next step of ``kind`` runs on under ``ceiling`` (1 or ``ceiling``)."""
+        return 1 if ceiling <= 1 else self._kind(kind, ceiling).next()
+
+    def record(self, kind, ceiling: int, count: int, seconds: float) -> None:
+        """A step of ``kind`` under ``ceiling`` took ``seconds`` on ``count`` threads."""
+        if ceiling > 1 and count in (1, ceiling):
+            self._kind(kind, ceiling).record(count, seconds)
+
+    def chosen(self, kind, ceiling: int) -> int:
+        """The count steps of ``kind`` run on between probes now (``ceiling`` before any is measured)."""
+        k = self._kinds.get((kind, ceiling))
+        return ceiling if k is None else k.best
+
+    @contextlib.contextmanager
+    def step(self, kind):
+        """Context manager: the block runs on :meth:`choose`'s count (yielded) and is timed into
+        :meth:`record`; the caller's thread count is back after it (an exception records nothing)."""
+        import numba
+        ceiling = numba.get_num_threads()
+        count = self.choose(kind, ceiling)
+        if count != ceiling:
+            numba.set_num_threads(count)
+        t0 = self.clock()
+        try:
+            yield count
+        finally:
+            if count != ceiling:
+                numba.set_num_threads(ceiling)
+        self.record(kind, ceiling, count, self.clock() - t0)
+
+    def _kind(self, kind, ceiling):
+        k = self._kinds.get((kind, ceiling))
+        if k is None:
+            k = self._kinds[kind, ceiling] = _Kind(ceiling, self.first, self.keep, self.probe_every)
+        return k
+
+
+class _Kind:
+    """One kind of step's recent times on 1 thread and on the ceiling, and the count chosen from them."""
+
+    def __init__(self, ceiling, first, keep, probe_every):
+        self.counts = (ceiling, 1)
+        self.first, self.probe_every = first, probe_every
+        self.times = {c: collections.deque(maxlen=keep) for c in self.counts}    # count -> recent seconds
+        self.best = ceiling
+        self.since = 0                   # steps on the chosen count since the last probe
+        self.wait = probe_every          # chosen steps before the next probe
+        self.chase = False               # the last probe beat the chosen count: probe again now
+
+    def _warm(self) -> bool:
+        return all(len(t) >= self.first for t in self.times.values())
+
+    def next(self) -> int:
+        if not self._warm():             # alternate, the ceiling first
+            return min(self.counts, key=lambda c: len(self.times[c]))
+        if self.chase or self.since >= self.wait:
+            return self.counts[1] if self.best == self.counts[0] else self.counts[0]
+        return self.best
+
+    def record(self, count, seconds):
+        warm = self._warm()              # before this step: it was chosen, or a probe, or warm-up
+        self.times[count].append(seconds)
+        if warm and count != self.best:
+            self.since = 0
+            self.chase = seconds < statistics.median(self.times[self.best])
+            self.wait = self.probe_every if self.chase else min(2 * self.wait, 8 * self.probe_every)
+        elif warm:
+            self.since += 1
+        if self._warm():
+            self.best = min(self.counts, key=lambda c: statistics.median(self.times[c]))

@@ -87,6 +87,54 @@ def test_compiled_layers_give_the_array_layers_bits(tmp_path, monkeypatch, arch,
     assert_same(got, want)
 
 
+def run_ragged(tf, compile_layers, chunks, *, batch, **cache_kw):
+    """Logits of each sequence's real tokens over ragged chunks (tokens [B, T], counts [B]), and the caches
+    after (padding positions have no defined logits)."""
+    tf.compile_layers = compile_layers
+    caches = tf.new_caches(batch=batch, max_chunk=max(len(t[0]) for t, _ in chunks), **cache_kw)
+    out = []
+    for tokens, counts in chunks:
+        logits = tf.forward(np.array(tokens), caches, counts=np.array(counts))
+        out += [logits[b, :n] for b, n in enumerate(counts)]
+    return out, caches
+
+
+RAGGED = [([[5, 9, 3, 17, 4, 8], [1, 2, 3, 0, 0, 0], [0] * 6], [6, 3, 0]),    # a prompt beside a shorter one
+          ([[7, 0, 0], [11, 12, 13], [4, 5, 6]], [1, 3, 3]),                   # decoding beside prompts
+          ([[2], [3], [0]], [1, 1, 0]),                                        # an idle slot
+          ([[6, 0], [8, 9], [10, 0]], [1, 2, 1])]                              # a draft being verified
+
+
+@pytest.mark.parametrize("arch,dtype,mode", [("llama", "float32", "full"), ("llama", "float16", "window"),
+                                             ("gemma3", "bfloat16", "sinks")])
+def test_ragged_steps_run_compiled_with_the_array_layers_bits(tmp_path, monkeypatch, arch, dtype, mode):
+    """A step whose rows are partly padding (a server's prompt chunk beside decoding sequences) runs every
+    layer compiled, and each real token gets the array layers' bits; so do the caches."""
+    tf = tiny(tmp_path, arch)
+    kw = dict(dtype=dtype, mode=mode, window=None if mode == "full" else 5, sinks=2 if mode == "sinks" else 0)
+    spy = Spy(monkeypatch)
+    want = run_ragged(tf, False, RAGGED, batch=3, **kw)
+    assert spy.done == 0
+    got = run_ragged(tf, True, RAGGED, batch=3, **kw)
+    assert spy.done == len(RAGGED) * tf.config.n_layers
+    assert_same(got, want)
+
+
+def test_ragged_steps_leave_the_padding_rows_alone(tmp_path):
+    """Only real rows go through a ragged step's matmuls: a padding row's residual stays its embedding
+    (the layers add 0 to it), so its logits are the head's on that embedding alone."""
+    from streamattn.models.array_ops import embed_rows, norm_linear
+    tf = tiny(tmp_path, "llama")
+    tokens, counts = RAGGED[0]
+    logits = tf.forward(np.array(tokens), tf.new_caches(batch=3, max_chunk=6), counts=np.array(counts))
+    pad = norm_linear(np, embed_rows(np, tf.embed, np.array([0])), tf.output_norm, tf.config.norm_eps, tf.output,
+                      tf.matmuls)[0]                                     # [vocab]: token 0's embedding alone
+    for b, t in ((1, 3), (1, 5), (2, 0), (2, 5)):
+        np.testing.assert_array_equal(logits[b, t], pad)
+    assert not np.array_equal(logits[1, 0], norm_linear(np, embed_rows(np, tf.embed, np.array([1])), tf.output_norm,
+                                                         tf.config.norm_eps, tf.output, tf.matmuls)[0])
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_two_threads_give_the_same_bits(tmp_path, monkeypatch, dtype):
     """A 40-token prompt: its heads, staging and attention rows go through the parallel builds."""
@@ -219,15 +267,17 @@ def test_refuses_exactly_where_the_cache_would(window, sinks, max_chunk):
         if window and rng.random() < 0.3 and cache.lengths.min() > 1:
             cache.truncate(0, 1)
         for T in (1, 2, 3, 5, 40):
-            trial = clone(cache)
-            try:
-                trial.append_trusted(np.ones((2, 1, T, 4)), np.ones((2, 1, T, 4)))
-                grew = trial.slots != cache.slots
-                refused = grew or bool((T > trial.answerable()).any())
-            except ValueError:
-                refused = True
-            assert compiled._refuses(compiled.bind_cache(cache), T) == refused, (T, cache.lengths, cache.held_from)
-            seen.add(refused)
+            for counts in (np.array([T, T]), rng.integers(0, T + 1, 2)):     # every row real; ragged
+                trial = clone(cache)
+                try:
+                    trial.append_trusted(np.ones((2, 1, T, 4)), np.ones((2, 1, T, 4)), counts)
+                    grew = trial.slots != cache.slots
+                    refused = grew or bool((counts > trial.answerable()).any())
+                except ValueError:
+                    refused = True
+                assert compiled._refuses(compiled.bind_cache(cache), counts) == refused, \
+                    (counts, cache.lengths, cache.held_from)
+                seen.add(refused)
     assert seen == {True, False}
 
 

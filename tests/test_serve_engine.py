@@ -78,6 +78,26 @@ def test_batched_engine_equals_each_request_alone(tiny, mode):
     assert eng.running == 0 and all(int(c.lengths.max()) == 0 for c in eng.caches)   # slots freed, rows reset
 
 
+def test_steps_on_one_thread_or_two_give_the_same_tokens(tiny):
+    """With two threads as the ceiling the engine runs its steps on 1 or 2 threads (here alternated over
+    the first steps of each kind: the chooser's warm-up), and every request's tokens stay those of it
+    alone on one thread."""
+    import numba
+    from streamattn.threads import ThreadChooser, threads
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
+    eng = make_engine(tiny)
+    eng.threads, used = ThreadChooser(first=5, keep=5), []
+    choose = eng.threads.choose
+    eng.threads.choose = lambda kind, ceiling: used.append(choose(kind, ceiling)) or used[-1]
+    jobs = [job(p, n=n) for p, n in zip(prompts(3, 5, 12, 2), (16, 9, 12))]
+    with threads(2):
+        seqs = drain(eng, [submit(eng, j) for j in jobs])
+    assert used.count(1) >= 5 and used.count(2) >= 5
+    for j, s in zip(jobs, seqs):
+        assert s.generated == alone(tiny, j)
+
+
 def test_cache_positions_reach_the_model(tiny):
     """--positions cache on a sinks cache: each request equals the Generator with cache positions, and
     (the ring having slid) differs from absolute positions somewhere, so the setting is not ignored."""

@@ -59,3 +59,73 @@ def test_set_threads_validates():
     with pytest.raises(ValueError, match="threads must be an integer >= 1"):
         set_threads(0)
     assert runtime_report()["env"]["OPENBLAS_THREAD_TIMEOUT"] == os.environ.get("OPENBLAS_THREAD_TIMEOUT")
+
+
+class Host:
+    """A host whose steps take ``cost[count]`` seconds on ``count`` threads (changed at will)."""
+
+    def __init__(self, cost):
+        self.cost = dict(cost)
+
+    def run(self, chooser, kind, ceiling):
+        count = chooser.choose(kind, ceiling)
+        chooser.record(kind, ceiling, count, self.cost[count])
+        return count
+
+
+def test_the_chooser_alternates_then_keeps_the_faster_count_and_probes_the_other():
+    from streamattn.threads import ThreadChooser
+    chooser, host = ThreadChooser(first=3, keep=5, probe_every=8), Host({1: 5e-3, 2: 8e-3})   # 2 threads slower
+    ran = [host.run(chooser, "decode", 2) for _ in range(6 + 200)]
+    assert ran[:6] == [2, 1, 2, 1, 2, 1]                                  # warm-up: alternated, the ceiling first
+    assert chooser.chosen("decode", 2) == 1
+    probes = [i for i, n in enumerate(ran[6:]) if n == 2]                 # after 8, 16, 32, 64, 64 chosen steps
+    assert probes == [8, 8 + 1 + 16, 25 + 1 + 32, 58 + 1 + 64, 123 + 1 + 64]
+    assert chooser.chosen("prefill", 2) == 2                               # kinds are learnt apart
+    assert [host.run(chooser, "x", 1) for _ in range(5)] == [1] * 5        # a ceiling of 1: nothing to choose
+
+
+def test_the_chooser_follows_a_host_that_changes_within_a_few_steps():
+    """Once the other count wins a probe it is probed again at once: three wins of five samples flip the
+    choice, whatever the wait before that probe had grown to."""
+    from streamattn.threads import ThreadChooser
+    chooser, host = ThreadChooser(first=3, keep=5, probe_every=8), Host({1: 5e-3, 2: 8e-3})
+    for _ in range(100):
+        host.run(chooser, 1, 2)
+    assert chooser.chosen(1, 2) == 1
+    for cost, other in (({1: 5e-3, 2: 3e-3}, 2), ({1: 5e-3, 2: 9e-3}, 1)):    # a neighbour leaves, comes back
+        host.cost = cost
+        ran = [host.run(chooser, 1, 2) for _ in range(8 * 8 + 4)]
+        first = ran.index(other)                                  # the first probe after the change
+        assert ran[first:first + 3] == [other] * 3 and chooser.chosen(1, 2) == other
+
+
+def test_the_chooser_sets_the_count_for_its_block_and_puts_the_callers_back():
+    import numba
+    from streamattn.threads import ThreadChooser
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
+    chooser, before = ThreadChooser(first=1, keep=1), numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        seen = []
+        for _ in range(4):
+            with chooser.step("k") as n:
+                seen.append((n, numba.get_num_threads()))
+            assert numba.get_num_threads() == 2
+        assert seen[:2] == [(2, 2), (1, 1)]
+        with pytest.raises(ZeroDivisionError):
+            with chooser.step("k"):
+                1 / 0
+        assert numba.get_num_threads() == 2
+    finally:
+        numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kw,msg", [({"first": 0}, "first must be an integer >= 1"),
+                                    ({"keep": 2, "first": 3}, "first must be at most keep=2"),
+                                    ({"probe_every": True}, "probe_every must be an integer >= 1")])
+def test_the_chooser_validates(kw, msg):
+    from streamattn.threads import ThreadChooser
+    with pytest.raises(ValueError, match=msg):
+        ThreadChooser(**kw)

@@ -27,9 +27,11 @@ step's start (1.), so a cancelled sequence never runs another step.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +40,24 @@ from streamattn import state
 from streamattn.arrays import to_host
 from streamattn.engine.prompt_cache import PromptCache
 from streamattn.engine.sequence import Sequence
+from streamattn.threads import ThreadChooser
+
+
+#: Steps of at most this many real rows run on 1 thread or on the count set, whichever measured faster
+#: (``EngineConfig.adapt_threads``); larger ones (prompt chunks) always on the count set: their parallel
+#: regions are long, so a worker that misses a time slice costs them little (docs/DESIGN.md §22).
+ADAPT_ROWS = 16
+_CHOOSERS = weakref.WeakKeyDictionary()          # model -> its ThreadChooser
+
+
+def _chooser(model) -> ThreadChooser:
+    """The model's :class:`~streamattn.threads.ThreadChooser`, shared by its engines (a Generator makes one
+    per call), so that what a process measured outlives each call; a fresh one for a model that takes no
+    weak reference."""
+    try:
+        return _CHOOSERS.setdefault(model, ThreadChooser())
+    except TypeError:
+        return ThreadChooser()
 
 
 class QueueFull(Exception):
@@ -67,6 +87,10 @@ class EngineConfig:
         Memory for the prompt cache (0 = off).
     threads : int or None
         CPU threads of the engine's own thread (:meth:`Engine.start`); None leaves them as they are.
+    adapt_threads : bool
+        The thread count is a ceiling: each kind of decode step (its real rows, by powers of two, up to
+        :data:`ADAPT_ROWS`) runs on one thread or on the count set, whichever recent steps measured faster
+        (:class:`~streamattn.threads.ThreadChooser`; the same tokens either way). False: always the count set.
     """
 
     slots: int = 1
@@ -80,6 +104,7 @@ class EngineConfig:
     max_queue: int = 64
     prompt_cache_mb: float = 0.0
     threads: int | None = None
+    adapt_threads: bool = True
 
     def __post_init__(self):
         for name, least in (("slots", 1), ("prefill_chunk", 1), ("max_queue", 0)):
@@ -88,6 +113,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= {least} (got {v!r})")
         if self.positions not in ("absolute", "cache"):
             raise ValueError(f"positions must be 'absolute' or 'cache' (got {self.positions!r})")
+        if not isinstance(self.adapt_threads, bool):
+            raise ValueError(f"adapt_threads must be True or False (got {self.adapt_threads!r})")
 
     @property
     def cache_kwargs(self) -> dict:
@@ -153,6 +180,7 @@ class Engine:
         self.prompt_cache = PromptCache(int(config.prompt_cache_mb * 2**20),
                                         lambda: model.new_caches(batch=1, **kw))
         self.steps = 0
+        self.threads = _chooser(model)                  # 1 thread or the count set, per kind of step
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -250,11 +278,15 @@ class Engine:
             rows += [s.slot] * len(want)
             cols += list(want)
         only_last = len(rows) == len(active) and len(active) == B
+        real = int(counts.sum())                                           # kind: real rows, by powers of 2
+        adapt = self.cfg.adapt_threads and real <= ADAPT_ROWS
         try:
-            logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
-                                                last_only=only_last, positions=self.cfg.positions,
-                                                logits_at=None if only_last else (np.array(rows), np.array(cols))),
-                             copy=False)                                   # [B, vocab] or [N, vocab]
+            with self.threads.step(1 << max(real - 1, 0).bit_length()) if adapt else contextlib.nullcontext():
+                logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
+                                                    last_only=only_last, positions=self.cfg.positions,
+                                                    logits_at=None if only_last else (np.array(rows),
+                                                                                      np.array(cols))),
+                                 copy=False)                               # [B, vocab] or [N, vocab]
         except Exception as e:                                             # shared by the batch
             if not self.isolate_failures:
                 raise

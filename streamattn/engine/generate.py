@@ -270,11 +270,11 @@ class Generator:
 
 def warm_model(model, kind: str) -> float:
     """Run ``model`` (a CPU :class:`~streamattn.models.transformer.Transformer`) once on throwaway caches:
-    a chunk of ``model.plan.rows`` tokens (its kernel plan), one token, then a chunk with a padded row,
-    so that every kernel a prefill, a decode step and a ragged batch call (the packed matmul drivers of
-    each weight kind, the fused norm and activation quantizers, attention for storage ``kind``) is
-    compiled or loaded from Numba's cache now, outside any timing, as llama.cpp's warm-up decode does.
-    Seconds taken.
+    a chunk of ``model.plan.rows`` tokens (its kernel plan), one token, then a chunk with a padded row
+    through the array layers, so that every kernel a prefill, a decode step and the array layers call
+    (the packed matmul drivers of each weight kind, the fused norm and activation quantizers, attention
+    for storage ``kind``) is compiled or loaded from Numba's cache now, outside any timing, as
+    llama.cpp's warm-up decode does. Seconds taken.
 
     LLVM's library pages, which only loading needs, are handed back before and after each of the two
     kinds of loading (:func:`streamattn.memory.release_compiler_pages`): the compiled layers, then the
@@ -288,8 +288,9 @@ def warm_model(model, kind: str) -> float:
     model.forward(np.zeros((1, rows), np.int64), caches, last_only=True)
     model.forward(np.zeros((1, 1), np.int64), caches, last_only=True)
     release_compiler_pages()          # the compiled layers are loaded: LLVM's pages can go (memory.py), so
-    # that they do not add to those the array layers' kernels touch next: a padded row goes through those,
-    # as ragged batches do (dispatch._append_attend; servers take them)
-    model.forward(np.zeros((1, 2), np.int64), caches, counts=np.array([1]), last_only=True)
+    # that they do not add to those the array layers' kernels touch next: a padded row through the array
+    # layers (a hook keeps a call there), as sinks at cache positions and hooks run (dispatch._append_attend)
+    model.forward(np.zeros((1, 2), np.int64), caches, counts=np.array([1]), last_only=True,
+                  attn_hook=lambda *a: None)
     release_compiler_pages()
     return time.perf_counter() - t0

@@ -178,8 +178,8 @@ def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int = 256, chat:
     g.add_argument("--cache-dtype", default="float32", choices=CACHE_DTYPES)
     g.add_argument("--prefill-chunk", type=int, default=prefill_chunk, help="prompt tokens per forward call")
     g.add_argument("--threads", type=int, default=1,
-                   help="CPU threads for matmuls and attention (default 1: fastest for one sequence on a "
-                        "busy 2-core host, see streamattn/threads.py)")
+                   help="CPU threads for matmuls and attention, at most (default 1); decode steps run on "
+                        "one thread where that measured faster (streamattn/threads.py ThreadChooser)")
     if chat:
         g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
         g.add_argument("--system", default=None, help="system message for --chat")

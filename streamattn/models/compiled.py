@@ -12,6 +12,10 @@ arrays (:class:`Kv`), and the step's RoPE rows and thread choice (:class:`Step`)
 ``(qs, scale, minv, rows, tag)``: the packed planes, the real row count, and a tag whose Numba type
 names the drivers (:func:`_tag`), so one compiled layer serves every model with the same block kinds.
 
+A ragged step (``counts``: some rows padding, as when a prompt chunk shares the step with decoding
+sequences) runs compiled too: the cache writes and attends each sequence's counts[b] tokens, and the
+matmuls take only the real rows (:func:`_matmul`), so a step costs its real rows, not B*T.
+
 A chunk the cache refuses (past max_len or max_chunk, not answerable after a rewind, not finite as
 stored) the compiled layer leaves undone, with the residual and the cache as they were (:func:`run_layer`;
 a causal ring it grows first), and the forward runs that layer as array code, which raises its error.
@@ -49,9 +53,11 @@ Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu")
 #: finite check, and the storage (``kind``: cpu.KIND, 0 float32, 1 float16, 2 bfloat16).
 Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len "
                       "check expbits kind")
-#: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread, and
-#: int64 [1] set to 1 by a layer whose chunk the cache refused (:func:`run_layer`).
-Step = namedtuple("Step", "cos sin B serial status")
+#: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread,
+#: int64 [1] set to 1 by a layer whose chunk the cache refused (:func:`run_layer`), the real tokens of each
+#: sequence (counts: int64 [B], each in 0..T), and which rows of x [B*T] they are (real: int64 [n],
+#: ascending; all B*T of them when every row is real). The matmuls see only the real rows.
+Step = namedtuple("Step", "cos sin B serial status counts real")
 Weights = namedtuple("Weights", [f.name for f in dataclasses.fields(LayerWeights)])
 
 _KINDS, _GROUPS, _LANES, _ROWS = ("q4", "q8"), (32, 16), (16, 8), (1, 2, 4, 8)
@@ -78,11 +84,14 @@ def _untag(tag_type) -> tuple:
 
 def _matmul(w_type):
     """The compiled ``x @ W.T`` (any driver mode) of a weight tuple of Numba type ``w_type``: the
-    drivers ``Matmuls`` calls, with its placeholder arrays, then the padding rows cut."""
+    drivers ``Matmuls`` calls, with its placeholder arrays, then the padding rows cut. On a ragged step
+    only the step's real rows go through the drivers (gathered, then scattered back; the other rows of
+    the result are 0 and never read): a row's result depends on that row alone (batch invariance,
+    :mod:`streamattn.quant.matmul`), so the real rows get the bits they get with every row computed."""
     serial, parallel = qmatmul.qdrivers(*_untag(w_type.types[4]))
 
     @njit
-    def run(mode, x, nw, eps, w, one_thread):
+    def drive(mode, x, nw, eps, w, one_thread):
         e = x[:0]                    # placeholders of the types Matmuls passes (the driver makes its own)
         if one_thread:
             out = serial(mode=mode, x=x, nw=nw, eps=eps, xq=e.view(np.int8), xd=e, xs=e, xc=e.view(np.int32),
@@ -91,6 +100,20 @@ def _matmul(w_type):
             out = parallel(mode=mode, x=x, nw=nw, eps=eps, xq=e.view(np.int8), xd=e, xs=e, xc=e.view(np.int32),
                            qs=w[0], scale=w[1], minv=w[2], out=e)
         return out if out.shape[1] == w[3] else np.ascontiguousarray(out[:, :w[3]])
+
+    @njit
+    def run(mode, x, nw, eps, w, step):
+        real = step.real
+        if real.shape[0] == x.shape[0]:
+            return drive(mode, x, nw, eps, w, step.serial)
+        xr = np.empty((real.shape[0], x.shape[1]), np.float32)          # [n, K]: the real rows
+        for i in range(real.shape[0]):
+            xr[i] = x[real[i]]
+        o = drive(mode, xr, nw, eps, w, step.serial)                     # [n, N]
+        out = np.zeros((x.shape[0], o.shape[1]), np.float32)            # [B*T, N]
+        for i in range(real.shape[0]):
+            out[real[i]] = o[i]
+        return out
     return run
 
 
@@ -99,7 +122,7 @@ def _norm_linear(x, norm_w, w, at):
     run = _matmul(w)
 
     def impl(x, norm_w, w, at):
-        return run(np.int64(NORM), x, norm_w, at[0].eps, w, at[2].serial)
+        return run(np.int64(NORM), x, norm_w, at[0].eps, w, at[2])
     return impl
 
 
@@ -108,7 +131,7 @@ def _linear(x, w, at):
     run = _matmul(w)
 
     def impl(x, w, at):
-        return run(np.int64(PLAIN), x, _EMPTY1, 0.0, w, at[2].serial)
+        return run(np.int64(PLAIN), x, _EMPTY1, 0.0, w, at[2])
     return impl
 
 
@@ -117,7 +140,7 @@ def _glu_linear(gu, w, at):
     run = _matmul(w)
 
     def impl(gu, w, at):
-        return run(np.int64(GELU if at[0].gelu else SILU), gu, _EMPTY1, 0.0, w, at[2].serial)
+        return run(np.int64(GELU if at[0].gelu else SILU), gu, _EMPTY1, 0.0, w, at[2])
     return impl
 
 
@@ -205,12 +228,14 @@ stored_16_parallel, heads_to_rows_parallel = (njit(parallel=True, cache=True)(f)
 
 
 @njit(cache=True)
-def _refuses(kv, T):
-    """Whether the array layer would grow the cache or refuse a chunk of T tokens per sequence before
-    writing (max_chunk, max_len), or refuse it after (a window ring that could not answer its queries)."""
-    if kv.window > 0 and T > kv.max_chunk:
-        return True
+def _refuses(kv, counts):
+    """Whether the array layer would grow the cache or refuse a chunk of counts[b] tokens for sequence b
+    (int64 [B], each in 0..T) before writing (max_chunk, max_len), or refuse it after (a window ring that
+    could not answer its queries)."""
     for b in range(kv.lengths.shape[0]):
+        T = counts[b]
+        if kv.window > 0 and T > kv.max_chunk:
+            return True
         L = kv.lengths[b] + T
         if kv.window == 0 and (L > kv.kst.shape[2] or (kv.max_len > 0 and L > kv.max_len)):
             return True
@@ -235,7 +260,7 @@ def _attend(q, k, v, at):
             ks, vs = stored_16(k, kv.kind), stored_16(v, kv.kind)
         else:
             ks, vs = stored_16_parallel(k, kv.kind), stored_16_parallel(v, kv.kind)
-        counts = np.full(B, T, np.int64)
+        counts = step.counts
         if write_rows(kv.kst, kv.vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks, kv.ring,
                       kv.window > 0, kv.check, kv.expbits) >= 0:
             step.status[0] = 1                       # not finite as stored: nothing written (see run_layer)
@@ -260,7 +285,7 @@ def run_layer(x, w, at):
     x is put back. (No exception leaves the layer: Numba does not free the arrays a raising function
     holds, ~2 MB a layer in a prefill chunk.)"""
     kv, step = at[1], at[2]
-    if _refuses(kv, x.shape[0] // step.B):
+    if _refuses(kv, step.counts):
         return False
     step.status[0] = 0
     saved = x.copy() if kv.check else x[:0]
@@ -379,7 +404,7 @@ class CompiledLayers:
         if kv.window:
             return False
         old = cache.k, cache.v
-        if not self._grow(cache, x.shape[0] // step.B):
+        if not self._grow(cache, step.counts):
             return False
         if run_layer(x, w, (self.cfg, self.kv(cache), step)):
             return True
@@ -388,10 +413,11 @@ class CompiledLayers:
         return False
 
     @staticmethod
-    def _grow(cache, T: int) -> bool:
-        """Grow a causal cache for T more tokens here (as the array layer would, by doubling) rather than
-        hand the layer back; False where that is not the reason or the cache cannot (a head() view)."""
-        need = int(cache.lengths.max()) + T
+    def _grow(cache, counts) -> bool:
+        """Grow a causal cache for counts[b] more tokens of each sequence b here (as the array layer would,
+        by doubling) rather than hand the layer back; False where that is not the reason or the cache
+        cannot (a head() view)."""
+        need = int((cache.lengths + counts).max())
         if need <= cache.slots or (cache.spec.max_len is not None and need > cache.spec.max_len) \
                 or cache.view_of is not None:
             return False

@@ -202,10 +202,11 @@ class Transformer:
         c = self.config
         return c.rope_base if c.layer_windows[i] is None else c.rope_base_local
 
-    def _compiled_layers(self, backend, counts, hook, positions, caches):
+    def _compiled_layers(self, backend, counts_ok, hook, positions, caches):
         """The compiled layers (:mod:`streamattn.models.compiled`) where this call may use them — CPU
-        arrays, the CPU backend, every row real, no hook, no query rotated for sinks — else None."""
-        if not (self.compile_layers and self.xp is np and backend in ("cpu", "auto") and counts is None
+        arrays, the CPU backend, counts [B] each in 0..T, no hook, no query rotated for sinks — else None
+        (the array layers then raise what is wrong)."""
+        if not (self.compile_layers and self.xp is np and backend in ("cpu", "auto") and counts_ok
                 and hook is None and (positions == "absolute" or not any(k.spec.sinks for k in caches))):
             return None
         if self._compiled is None:
@@ -262,10 +263,13 @@ class Transformer:
             x = x * np.float32(c.embed_scale)
         attn_counts = None if counts is None or (cnt == T).all() else cnt    # None: every row real (one-call path)
         ops = ArrayOps(self, caches, tables, pos, backend, attn_counts, attn_hook, positions)
-        fast = self._compiled_layers(backend, attn_counts, attn_hook, positions, caches)
+        counts_ok = (counts is None or np.asarray(counts).dtype.kind in "iu") and cnt.shape == (B,) \
+            and cnt.min() >= 0 and cnt.max() <= T
+        fast = self._compiled_layers(backend, counts_ok, attn_hook, positions, caches)
         if fast is not None:                          # the compiled layers' RoPE rows, per base: [B*T, hd]
             serial, status = not many_threads(), np.zeros(1, np.int64)
-            steps = {base: fast.step(cos.reshape(B * T, -1), sin.reshape(B * T, -1), B, serial, status)
+            real = np.flatnonzero(np.arange(T)[None, :] < cnt[:, None])   # [n] real rows of [B*T]
+            steps = {base: fast.step(cos.reshape(B * T, -1), sin.reshape(B * T, -1), B, serial, status, cnt, real)
                      for base, (cos, sin) in tables.items()}
             x2 = x.reshape(B * T, c.d_model)
         for i, lw in enumerate(self.layers):

@@ -9,9 +9,9 @@ weight row is one exact integer dot product, turned to float and added with one 
 A packed weight's rows come in interleaved groups of :data:`~streamattn.quant.kernels.LANES`
 (one vector lane per row). Groups are the outer loop (split over threads); for each, the activation
 rows go in groups of ``rows`` (:class:`KernelPlan`) through a kernel that unpacks each weight block once
-for the whole group, then the remainder one by one, through the kernel that also prefetches the weights
-:data:`PREFETCH_BYTES` ahead. A group's weights are read from memory once and stay in L1/L2 for every
-activation row of the call (prefill chunks and decode batches).
+for the whole group, then the remainder in groups of 4 and 2 and one by one; the kernel that reads a
+group's weights first also prefetches them :data:`PREFETCH_BYTES` ahead. A group's weights are read from
+memory once and stay in L1/L2 for every activation row of the call (prefill chunks and decode batches).
 
 Batch invariance: an output element ``out[b, r]`` is always the same function of row ``r`` and
 activation row ``b`` alone — the blocks in column order into one float accumulator, whatever group
@@ -117,14 +117,19 @@ def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LAN
     """Serial and group-parallel drivers ``run(mode, x, nw, eps, xq, xd, xs, xc, qs, scale, minv, out)
     -> out``: unless ``mode`` is GIVEN, first quantize ``x`` (see :data:`GIVEN`; norm weight ``nw``,
     ``eps``) into new activations and a new ``out`` (the arguments are then placeholders); then loop over
-    the weight's interleaved groups g: activation rows in groups of R, then one by one, out[b, lanes g +
-    n] = dot(qs, scale, minv, g, xq, xd, xs, xc, b). ``vnni``: which integer dot product
-    (:func:`~streamattn.quant.kernels.make_qdot`; the same results).
+    the weight's interleaved groups g: activation rows in groups of R, then the rest in groups of 4 and 2
+    (where smaller than R) and one by one, out[b, lanes g + n] = dot(qs, scale, minv, g, xq, xd, xs, xc,
+    b). ``vnni``: which integer dot product (:func:`~streamattn.quant.kernels.make_qdot`; the same
+    results). The kernel that reads a group's weights first prefetches them (:data:`PREFETCH_BYTES`; the
+    R-row kernel's later passes find them in cache), as a decode batch of R rows reads them once.
 
     One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
     decode step streams megabytes of weights, and the Python of a call made of several (numpy buffers,
     two dispatches, lookups) ran with its data evicted (docs/DESIGN.md §16; measured: docs/PERF.md)."""
     dot_r = make_qdot(kind, group, R, lanes, vnni)
+    dot_rp = make_qdot(kind, group, R, lanes, vnni, PREFETCH_BYTES)       # a group's first R rows
+    dot_4 = make_qdot(kind, group, min(R, 4), lanes, vnni, PREFETCH_BYTES)
+    dot_2 = make_qdot(kind, group, min(R, 2), lanes, vnni, PREFETCH_BYTES)
     dot_1 = make_qdot(kind, group, 1, lanes, vnni, PREFETCH_BYTES)
 
     def loops(rows):
@@ -155,9 +160,18 @@ def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LAN
             M = xq.shape[0]
             full = M - M % R
             for g in rows(qs.shape[0]):
-                for b in range(0, full, R):
+                if full > 0:                   # the first pass over the group's weights reads memory
+                    dot_rp(qs, scale, minv, g, xq, xd, xs, xc, 0, out)
+                for b in range(R, full, R):
                     dot_r(qs, scale, minv, g, xq, xd, xs, xc, b, out)
-                for b in range(full, M):
+                b = full                       # the rest (< R rows): 4, 2, then 1 at a time
+                if R > 4 and M - b >= 4:
+                    dot_4(qs, scale, minv, g, xq, xd, xs, xc, b, out)
+                    b += 4
+                if R > 2 and M - b >= 2:
+                    dot_2(qs, scale, minv, g, xq, xd, xs, xc, b, out)
+                    b += 2
+                for b in range(b, M):
                     dot_1(qs, scale, minv, g, xq, xd, xs, xc, b, out)
             return out
         return run
