@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="packed kernels need x8
 SHAPES = [(576, 576), (960, 576), (3072, 576), (576, 1536), (1024, 640), (256, 640), (640, 1024),
           (4096, 640), (640, 2048)]
 
-#: One type per kernel variant that the new types brought ("q8m": bytes with mins, as Q5_K; "nl": IQ4 levels,
+#: One type per kernel variant that the new types brought ("q5": nibbles and fifth bits, as Q5_K; "nl": IQ4 levels,
 #: as IQ4_XS; "q4" at 16 columns, as Q3_K): each compiles its drivers for every lane width and route.
 NEW_KERNELS = ["Q5_1", "IQ4_NL", "Q2_K"]
 

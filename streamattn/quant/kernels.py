@@ -149,11 +149,12 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
     the exact integer sum S of the block's products, made of ``group / 4`` byte dot products of a
     weight vector (lane n: four consecutive bytes of row n) with four bytes of the activation row
     broadcast to every lane; then ``acc = fma(float(S), scale * xd, acc)`` and, for the kinds with mins
-    ("q4", "q8m"), ``accm = fma(minv, xs, accm)``; the result is ``acc + accm``, written as one vector.
-    "q8"/"q8m" weights are stored as unsigned bytes ``w + 128`` (``vpdpbusd`` multiplies unsigned by
-    signed bytes), so S starts from ``xc`` (-128 times the activations' sum over the block); "nl"
-    nibbles are looked up (``vpshufb``) as the same biased bytes; "q4" nibbles are unsigned as they are
-    (at group 16, a 32-column block's low nibbles make one group, its high nibbles the next). Without
+    ("q4", "q5"), ``accm = fma(minv, xs, accm)``; the result is ``acc + accm``, written as one vector.
+    "q8" weights are stored as unsigned bytes ``w + 128`` (``vpdpbusd`` multiplies unsigned by signed
+    bytes), so S starts from ``xc`` (-128 times the activations' sum over the block); "nl" nibbles are
+    looked up (``vpshufb``) as the same biased bytes; "q4" nibbles are unsigned as they are (at group
+    16, a 32-column block's low nibbles make one group, its high nibbles the next), and "q5" ones with
+    their fifth bits OR-ed in (:func:`q5_steps`). Without
     ``vnni`` the biased bytes are turned back to signed, and x takes w's sign (``|w|`` times
     ``sign(w) x``, as ``vpmaddubsw`` needs).
 
@@ -165,11 +166,11 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
     """
     G = lanes
     VG, VGI, VB = ir.VectorType(F32, G), ir.VectorType(I32, G), ir.VectorType(I8, 4 * G)
-    nibbles, mins, biased = kind in ("q4", "nl"), kind in ("q4", "q8m"), kind != "q4"
+    nibbles, mins, biased = kind in ("q4", "nl", "q5"), kind in ("q4", "q5"), kind in ("q8", "nl")
     bcols = 32 if nibbles else group                       # columns of one loaded block
     sub = bcols // group                                   # scale groups per block (nibbles at 16: 2)
     steps = bcols // 4
-    wbytes = (16 if nibbles else group) * G                # weight bytes of one block of the G rows
+    wbytes = (20 if kind == "q5" else 16 if nibbles else group) * G     # weight bytes of a block of G rows
     ahead_blocks = -(-prefetch // wbytes)
 
     @intrinsic
@@ -203,6 +204,8 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                     ws = q4_steps(builder, qa, g0, wcol, G)
                     if kind == "nl":
                         ws = nl_values(builder, ws, G)
+                    elif kind == "q5":
+                        ws = q5_steps(builder, ws, _load(builder, qa, g0, builder.add(wcol, _i64(16 * G)), VB))
                 else:
                     ws = [_load(builder, qa, g0, builder.add(wcol, _i64(4 * G * s)), VB) for s in range(steps)]
                 if biased and not vnni:                # back to signed w; |w| <= 128 for vpmaddubsw
@@ -243,6 +246,23 @@ def q4_steps(builder, qa, g, wcol, G):
     raw = [_load(builder, qa, g, builder.add(wcol, _i64(4 * G * t)), VB) for t in range(4)]
     return ([builder.and_(v, ir.Constant(VB, [15] * (4 * G))) for v in raw]
             + [builder.lshr(v, ir.Constant(VB, [4] * (4 * G))) for v in raw])
+
+
+def q5_steps(builder, ws, bits):
+    """The "q5" kind's step vectors: the nibble steps ws (:func:`q4_steps`) with their fifth bits from
+    ``bits`` (<4G x i8>, lane n: row n's four bit bytes; byte p, bit t: element 4t + p), moved to bit 4."""
+    VB = bits.type
+    sixteen = ir.Constant(VB, [16] * VB.count)
+    out = []
+    for t, v in enumerate(ws):
+        if t < 4:
+            h = builder.shl(bits, ir.Constant(VB, [4 - t] * VB.count))
+        elif t > 4:
+            h = builder.lshr(bits, ir.Constant(VB, [t - 4] * VB.count))
+        else:
+            h = bits
+        out.append(builder.or_(v, builder.and_(h, sixteen)))
+    return out
 
 
 def nl_values(builder, ws, G):

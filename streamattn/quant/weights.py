@@ -17,7 +17,8 @@ Q8_0, Q5_0  ``"q8"``    the values as bytes ``q + 128`` (Q5_0: the 5-bit values 
                         32-block
 Q6_K        ``"q8"``    the same (the 6-bit values minus 32), ``scale`` per 16 columns (d * the int8
                         sub-block scale); ``group`` 16
-Q5_1, Q5_K  ``"q8m"``   the 5-bit values 0..31 as bytes ``q + 128``, ``scale`` and ``minv`` per 32 columns
+Q5_1, Q5_K  ``"q5"``    the 5-bit values' low nibbles in the Q4_1 order, then 4 bytes of their fifth bits
+                        per 32-block (byte p, bit t: element 4t + p); ``scale``, ``minv`` per 32-block
                         (Q5_K: d * sc, -dmin * m, as Q4_K)
 IQ4_NL,     ``"nl"``    the file's nibble bytes (the Q4_1 order), each an index into the 16 levels
 IQ4_XS                  :data:`IQ4_VALUES`; ``scale`` per 32-block (IQ4_XS: d * (its 6-bit scale - 32))
@@ -29,12 +30,12 @@ BF16        ``"f16"``,
 **Interleaved groups of rows.** The "q4"/"q8" planes hold rows in groups of ``lanes`` (16 on AVX-512,
 8 on AVX2: :data:`streamattn.quant.kernels.LANES`; the last group padded with zero rows),
 one plane row per group. Within a group, block b's bytes come as ``steps`` vectors of ``4 * lanes``
-bytes, lane n of vector s holding four consecutive bytes of row n: for "q8"/"q8m", its values 4s ..
-4s + 3 of the block (``steps`` = group / 4); for "q4"/"nl", its file bytes 4s .. 4s + 3 of a 32-column
-block (``steps`` = 4, whatever the group), whose low nibbles are the block's elements 4s .. 4s + 3 and
-high nibbles 16 + 4s ..: so a vector is one
+bytes, lane n of vector s holding four consecutive bytes of row n: for "q8", its values 4s .. 4s + 3
+of the block (``steps`` = group / 4); for "q4"/"nl"/"q5", its nibble bytes 4s .. 4s + 3 of a 32-column
+block (``steps`` = 4, whatever the group; "q5": a fifth vector, its bit bytes), whose low nibbles are
+the block's elements 4s .. 4s + 3 and high nibbles 16 + 4s ..: so a vector is one
 load and each lane is one weight row of the kernels' byte dot products. ``scale`` and ``minv`` are
-``[groups, blocks * lanes]``, block b's ``lanes`` values in a row. The q8/q8m bytes are ``q + 128``
+``[groups, blocks * lanes]``, block b's ``lanes`` values in a row. The q8 bytes are ``q + 128``
 because ``vpdpbusd`` multiplies unsigned by signed bytes (the kernels take 128 times the activations'
 sum back out, exactly); the "nl" kernel looks its nibbles up as the same biased bytes.
 
@@ -45,9 +46,10 @@ decode step reads 13% fewer bytes (SmolLM2: 111 -> 96 MB).
 
 Every repacking is exact: :meth:`QWeight.dequantize` equals ``gguf.quants.dequantize`` of the file's
 bytes. Bytes per weight: Q4_0/Q4_1 0.625 (0.5 + two float16 per 32; Q4_K 0.75 where its products need
-float32), Q8_0 and Q5_0 1.0625, Q6_K 1.125 or 1.25, Q5_1 1.125, Q5_K 1.125 or 1.25 (the 5- and 6-bit
-values are held as bytes, which the integer dot product reads directly), Q2_K and Q3_K 0.75 or 1.0 (two
-planes per 16 columns), IQ4_NL 0.5625, IQ4_XS 0.5625 or 0.625 (docs/DESIGN.md, "More GGUF types").
+float32), Q8_0 and Q5_0 1.0625, Q6_K 1.125 or 1.25 (the 5- and 6-bit values are held as bytes, which
+the integer dot product reads directly), Q5_1 0.75 and Q5_K 0.75 or 0.875 (nibbles and a bit plane),
+Q2_K and Q3_K 0.75 or 1.0 (two planes per 16 columns), IQ4_NL 0.5625, IQ4_XS 0.5625 or 0.625
+(docs/DESIGN.md, "More GGUF types").
 Any other GGUF type raises :class:`UnsupportedWeightType`, naming the tensor and its type.
 """
 
@@ -62,10 +64,11 @@ from streamattn.memory import trim_heap
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q3_K",
                    "Q2_K", "IQ4_NL", "IQ4_XS")
 #: The kinds the integer kernels run (:mod:`streamattn.quant.kernels`), then the float storages.
-INT_KINDS = ("q4", "q8", "q8m", "nl")
+INT_KINDS = ("q4", "q8", "q5", "nl")
 KINDS = (*INT_KINDS, "f32", "f16", "bf16")
-#: The nibble kinds: 16 bytes per 32 columns (the Q4_1 order), "nl" indexing :data:`IQ4_VALUES`.
-NIBBLE_KINDS = ("q4", "nl")
+#: The nibble kinds: 16 bytes per 32 columns (the Q4_1 order), "nl" indexing :data:`IQ4_VALUES`, "q5"
+#: followed by 4 bytes of fifth bits.
+NIBBLE_KINDS = ("q4", "nl", "q5")
 #: IQ4_NL's and IQ4_XS's 16 non-linear levels (ggml-common.h ``kvalues_iq4nl``; gguf-py's
 #: ``IQ4_NL.kvalues``): a nibble q stands for ``IQ4_VALUES[q]`` times the block's scale.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -81,15 +84,15 @@ class QWeight:
 
     Attributes
     ----------
-    kind : {"q4", "q8", "q8m", "nl", "f32", "f16", "bf16"}
+    kind : {"q4", "q8", "q5", "nl", "f32", "f16", "bf16"}
     shape : (rows, cols)
     qs : array
-        "q4"/"nl": uint8 [groups, cols/2 * lanes]; "q8"/"q8m": uint8 [groups, cols * lanes] (values + 128),
-        all interleaved (see the module docstring); "f32": float32, "f16"/"bf16": uint16 [rows, cols].
+        "q4"/"nl": uint8 [groups, cols/2 * lanes]; "q5": [groups, cols/32 * 20 * lanes]; "q8": uint8
+        [groups, cols * lanes] (values + 128), all interleaved (see the module docstring); "f32": float32, "f16"/"bf16": uint16 [rows, cols].
     scale : [groups, cols/group * lanes] or None
         float32, or float16 bits as uint16 where float16 is exact (see the module docstring);
         :meth:`floats` gives float32 either way.
-    minv : [groups, cols/group * lanes] or None   ("q4", "q8m"; stored as ``scale``)
+    minv : [groups, cols/group * lanes] or None   ("q4", "q5"; stored as ``scale``)
     group : int
         Columns per scale (32, or 16 for Q6_K, Q2_K, Q3_K).
     source : str
@@ -141,13 +144,14 @@ class QWeight:
 
     def _planes(self, ids):
         """Rows ``ids`` (1-D) of the planes, row-major: values [n, cols] (q4/nl: the file's nibble bytes
-        [n, cols/2]; q8/q8m: signed), scale and minv as float32 [n, blocks] (or None)."""
+        [n, cols/2]; q5: 20 bytes per 32 columns; q8: signed), scale and minv as float32 [n, blocks] (or
+        None)."""
         if not self.lanes:
             return self.qs[ids], None, None
         g, n = ids // self.lanes, ids % self.lanes
         steps = _steps(self.kind, self.group)
         qs = self.qs.reshape(self.qs.shape[0], -1, steps, self.lanes, 4)[g, :, :, n, :].reshape(len(ids), -1)
-        if self.kind in ("q8", "q8m"):
+        if self.kind == "q8":
             qs = (qs ^ 0x80).view(np.int8)                # stored q + 128 (the module docstring)
 
         def plane(p):
@@ -176,8 +180,13 @@ def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
         return qs.view(np.float16).astype(np.float32)
     if w.kind == "bf16":
         return (qs.astype(np.uint32) << 16).view(np.float32)
-    if w.kind in ("q8", "q8m"):
+    if w.kind == "q8":
         q = qs.reshape(n, -1, w.group).astype(np.float32)
+    elif w.kind == "q5":
+        b = qs.reshape(n, -1, 20)                                                  # 16 nibble bytes, 4 of bits
+        hi = (b[..., 16:, None] >> np.arange(8, dtype=np.uint8)) & 1               # [n, K/32, p, t]: element 4t + p
+        q = (np.concatenate([b[..., :16] & 15, b[..., :16] >> 4], -1)
+             | (hi.transpose(0, 1, 3, 2).reshape(n, -1, 32) << 4)).astype(np.float32)
     else:
         b = qs.reshape(n, -1, 16)
         q = np.concatenate([b & 15, b >> 4], axis=-1)                              # [n, K/32, 32]
@@ -187,9 +196,9 @@ def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
 
 
 def _steps(kind: str, group: int) -> int:
-    """Four-byte vectors per block of one row: nibble kinds 16 bytes (32 columns, whatever the group),
-    byte kinds ``group`` value bytes."""
-    return 4 if kind in NIBBLE_KINDS else group // 4
+    """Four-byte vectors per block of one row: nibble kinds 16 bytes (32 columns, whatever the group;
+    "q5" 4 more, its fifth bits), "q8" ``group`` value bytes."""
+    return 5 if kind == "q5" else 4 if kind in NIBBLE_KINDS else group // 4
 
 
 def block_cols(kind: str, group: int) -> int:
@@ -199,7 +208,8 @@ def block_cols(kind: str, group: int) -> int:
 
 
 def interleave(w: QWeight, lanes: int) -> QWeight:
-    """A row-major integer-kind QWeight (qs: q4/nl the nibble bytes [N, K/2], q8/q8m signed int8 [N, K], either
+    """A row-major integer-kind QWeight (qs: q4/nl the nibble bytes [N, K/2], q5 [N, K/32 * 20], q8 signed
+    int8 [N, K], either
     also as [N, blocks, bytes] with any strides, e.g. a view of the file's blocks; float32 scale/minv
     [N, blocks]) in groups of ``lanes`` rows, the layout of the module docstring. One new copy of the
     values (the file's Q8_0 bytes are read in place: Gemma-3's 167 MB embedding was copied three times)."""
@@ -214,7 +224,7 @@ def interleave(w: QWeight, lanes: int) -> QWeight:
     if n % lanes:                                      # the last group's rows, then zero rows
         qs[full] = 0
         qs[full, :, :, :n % lanes] = src[full * lanes:].transpose(1, 2, 0, 3)
-    if w.kind in ("q8", "q8m"):
+    if w.kind == "q8":
         qs ^= 0x80                                     # int8 q -> q + 128 (two's complement), in place
 
     def plane(p):
@@ -405,14 +415,22 @@ def _nibbles(q):
     return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1)
 
 
+def _five_bit(q):
+    """Values 0..31 [n, blocks, 32] as "q5" row bytes [n, blocks * 20]: the low nibbles in the Q4_1 order,
+    then 4 bytes whose byte p, bit t is the fifth bit of element 4t + p (so the kernel's step t, which
+    holds elements 4t .. 4t + 3 in its four bytes, takes bit t of each: one shift and one mask)."""
+    n, nb = q.shape[:2]
+    hi = (q >> 4).reshape(n, nb, 8, 4).astype(np.uint8)                           # [n, nb, t, p]
+    bits = (hi << np.arange(8, dtype=np.uint8)[:, None]).sum(2, dtype=np.uint8)   # [n, nb, 4]
+    return np.concatenate([_nibbles(q & 15).reshape(n, nb, 16), bits], -1).reshape(n, -1)
+
+
 def _q5_1(b, shape):
-    n = shape[0]
     qh = np.ascontiguousarray(b[..., 4:8]).view("<u4")                             # [n, nb, 1]
     j = np.arange(32, dtype=np.uint32)
     lo = np.concatenate([b[..., 8:24] & 15, b[..., 8:24] >> 4], -1)                # [n, nb, 32]
     q = lo | (((qh >> j) & 1) << 4).astype(np.uint8)                               # 0..31
-    return QWeight("q8m", shape, q.view(np.int8).reshape(n, -1), _f16(b[..., 0:2]), _f16(b[..., 2:4]),
-                   source="Q5_1")
+    return QWeight("q5", shape, _five_bit(q), _f16(b[..., 0:2]), _f16(b[..., 2:4]), source="Q5_1")
 
 
 def _q5_k(b, shape):
@@ -423,7 +441,7 @@ def _q5_k(b, shape):
     ql = b[..., 48:176].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]   # [n, ns, 4, 2, 32]
     hi = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1                        # [n, ns, 8, 32]: bit j: sub-block j
     q = (ql.reshape(n, -1, 8, 32) & 15) | (hi << 4)                                # [n, ns, 8, 32], 0..31
-    return QWeight("q8m", shape, q.view(np.int8).reshape(n, -1), (d * sc).reshape(n, -1).astype(np.float32),
+    return QWeight("q5", shape, _five_bit(q.reshape(n, -1, 32)), (d * sc).reshape(n, -1).astype(np.float32),
                    (-(dmin * mn)).reshape(n, -1).astype(np.float32), source="Q5_K")
 
 
