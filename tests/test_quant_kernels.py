@@ -24,7 +24,7 @@ SHAPES = [(576, 576), (960, 576), (3072, 576), (576, 1536), (1024, 640), (256, 6
           (4096, 640), (640, 2048)]
 
 #: One type per kernel variant that the new types brought ("q5": nibbles and fifth bits, as Q5_K; "nl": IQ4 levels,
-#: as IQ4_XS; "q4" at 16 columns, as Q3_K): each compiles its drivers for every lane width and route.
+#: as IQ4_XS; "q4s": int8 sub-block scales, as Q3_K): each compiles its drivers for every lane width and route.
 NEW_KERNELS = ["Q5_1", "IQ4_NL", "Q2_K"]
 
 
@@ -262,6 +262,25 @@ def test_float16_scale_planes_give_the_bits_of_float32_ones(type_name):
     for m in (1, 2, 11):
         np.testing.assert_array_equal(qmatmul(x[:m], w16, parallel=False), qmatmul(x[:m], w32, parallel=False),
                                       err_msg=f"M={m}")
+
+
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K"])
+def test_int8_sub_block_scales_give_the_bits_of_float_planes(type_name):
+    """A "q4s" weight (super-block floats times the int8 sub-block scales and mins in its blocks) and a
+    "q4" weight at group 16 whose planes hold those products: the same bits, 1 row and groups of rows."""
+    data, _ = gguf_bytes(type_name, 21, 512, seed=8)
+    w = pack("t", type_name, data, (21, 512))
+    qs, scale, minv = w.row_major()
+    b = qs.reshape(21, -1, 20)
+    ints = b[..., 16:].view(np.int8).astype(np.float32)                         # [rows, K/32, 4]
+    sc = np.repeat(scale, 16, 1) * ints[..., :2].reshape(21, -1)
+    mn = np.repeat(minv, 16, 1) * ints[..., 2:].reshape(21, -1)
+    w16 = interleave(QWeight("q4", w.shape, np.ascontiguousarray(b[..., :16]).reshape(21, -1), sc, mn, 16), LANES)
+    assert w.kind == "q4s" and w16.scale.size == 16 * w.scale.size
+    np.testing.assert_array_equal(w16.dequantize(), w.dequantize())
+    x = np.random.default_rng(3).standard_normal((9, 512)).astype(np.float32)
+    for m in (1, 9):
+        np.testing.assert_array_equal(qmatmul(x[:m], w16, parallel=False), qmatmul(x[:m], w, parallel=False))
 
 
 def test_compact_keeps_float32_where_float16_is_not_exact():

@@ -54,7 +54,7 @@ def test_packed_logits_match_the_float32_reference(tmp_path, type_name):
 
 def test_compiled_layer_runs_the_new_kinds_with_the_array_layers_bits(tmp_path):
     """One model holding each new kernel variant (q/k/v Q5_K: nibbles and fifth bits; output IQ4_XS: IQ4 levels;
-    gate/up Q2_K and down Q3_K: nibbles with 16-column scales) through the compiled layers: the bits of the
+    gate/up Q2_K and down Q3_K: nibbles with int8 16-column scales) through the compiled layers: the bits of the
     array layers, prompt chunk and decode steps."""
     quant = {"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q5_K", "attn_output": "IQ4_XS", "ffn_gate": "Q2_K",
              "ffn_up": "Q2_K", "ffn_down": "Q3_K"}
@@ -65,7 +65,7 @@ def test_compiled_layer_runs_the_new_kinds_with_the_array_layers_bits(tmp_path):
     got = logits(tf)
     assert tf._compiled is not None and all(w is not None for w in tf._compiled.weights)
     kinds = {(getattr(lw, f).kind, getattr(lw, f).group) for lw in tf.layers for f in ("wqkv", "wo", "wgu", "wdown")}
-    assert kinds == {("q5", 32), ("nl", 32), ("q4", 16)}
+    assert kinds == {("q5", 32), ("nl", 32), ("q4s", 16)}
     np.testing.assert_array_equal(got, want)
 
 

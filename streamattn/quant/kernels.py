@@ -153,8 +153,9 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
     "q8" weights are stored as unsigned bytes ``w + 128`` (``vpdpbusd`` multiplies unsigned by signed
     bytes), so S starts from ``xc`` (-128 times the activations' sum over the block); "nl" nibbles are
     looked up (``vpshufb``) as the same biased bytes; "q4" nibbles are unsigned as they are (at group
-    16, a 32-column block's low nibbles make one group, its high nibbles the next), and "q5" ones with
-    their fifth bits OR-ed in (:func:`q5_steps`). Without
+    16, a 32-column block's low nibbles make one group, its high nibbles the next; "q4s" has those two
+    groups' scales and mins as bytes in the block, :func:`q4s_scales`), and "q5" ones with their fifth
+    bits OR-ed in (:func:`q5_steps`). Without
     ``vnni`` the biased bytes are turned back to signed, and x takes w's sign (``|w|`` times
     ``sign(w) x``, as ``vpmaddubsw`` needs).
 
@@ -166,11 +167,11 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
     """
     G = lanes
     VG, VGI, VB = ir.VectorType(F32, G), ir.VectorType(I32, G), ir.VectorType(I8, 4 * G)
-    nibbles, mins, biased = kind in ("q4", "nl", "q5"), kind in ("q4", "q5"), kind in ("q8", "nl")
+    nibbles, mins, biased = kind in ("q4", "nl", "q5", "q4s"), kind in ("q4", "q5", "q4s"), kind in ("q8", "nl")
     bcols = 32 if nibbles else group                       # columns of one loaded block
     sub = bcols // group                                   # scale groups per block (nibbles at 16: 2)
     steps = bcols // 4
-    wbytes = (20 if kind == "q5" else 16 if nibbles else group) * G     # weight bytes of a block of G rows
+    wbytes = (20 if kind in ("q5", "q4s") else 16 if nibbles else group) * G    # bytes of a block of G rows
     ahead_blocks = -(-prefetch // wbytes)
 
     @intrinsic
@@ -197,7 +198,7 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                     for t in range(0, wbytes, 64):
                         _prefetch(builder, addr(builder, qa, g0, builder.add(wcol, _i64(prefetch + t)), I8))
                     ahead = builder.mul(builder.add(b, _i64(ahead_blocks)), _i64(G * sub))
-                    for p in ((sa, ma) if mins else (sa,)):
+                    for p in ((sa, ma) if mins else (sa,)) if kind != "q4s" else ():    # q4s: 4 B / 256 columns
                         _prefetch(builder, addr(builder, p, g0, ahead, I8))
                 signs = None
                 if nibbles:
@@ -212,11 +213,17 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                     signs = [builder.xor(v, ir.Constant(VB, [-128] * (4 * G))) for v in ws]
                     ws = [builder.call(llvm_fn(builder, f"llvm.abs.v{4 * G}i8", VB, [VB, I1]),
                                        [v, ir.Constant(I1, 0)]) for v in signs]
+                if kind == "q4s":
+                    sub_scales = q4s_scales(builder, sa, ma, g0, b, _load(builder, qa, g0, builder.add(
+                        wcol, _i64(16 * G)), VB))
                 for h in range(sub):
                     c = b if sub == 1 else builder.add(builder.mul(b, _i64(sub)), _i64(h))    # scale group
-                    cG = builder.mul(c, _i64(G))
-                    sv = _load_floats(builder, sa, g0, cG, G)
-                    mv = _load_floats(builder, ma, g0, cG, G) if mins else None
+                    if kind == "q4s":
+                        sv, mv = sub_scales[h]
+                    else:
+                        cG = builder.mul(c, _i64(G))
+                        sv = _load_floats(builder, sa, g0, cG, G)
+                        mv = _load_floats(builder, ma, g0, cG, G) if mins else None
                     for j in range(R):
                         r = rows[j]
                         if biased and vnni:            # S of the biased bytes minus 128 sum(x)
@@ -246,6 +253,23 @@ def q4_steps(builder, qa, g, wcol, G):
     raw = [_load(builder, qa, g, builder.add(wcol, _i64(4 * G * t)), VB) for t in range(4)]
     return ([builder.and_(v, ir.Constant(VB, [15] * (4 * G))) for v in raw]
             + [builder.lshr(v, ir.Constant(VB, [4] * (4 * G))) for v in raw])
+
+
+def q4s_scales(builder, sa, ma, g, b, ints):
+    """The "q4s" kind's two (scale, min) pairs of block b, each <G x float>: the super-block's float
+    ``scale`` and ``minv`` (one per 256 columns, 8 blocks) times the block's int8 sub-block scales and
+    mins (``ints``, lane n: row n's bytes scale 0, scale 1, min 0, min 1). The float32 products gguf's
+    dequantizer computes, so the same floats as "q4" planes at group 16 holding them."""
+    G = ints.type.count // 4
+    VI = ir.VectorType(I32, G)
+    words = builder.bitcast(ints, VI)
+    at = builder.mul(builder.udiv(b, _i64(8)), _i64(G))
+    d, dm = _load_floats(builder, sa, g, at, G), _load_floats(builder, ma, g, at, G)
+
+    def byte(j):                                   # byte j of each lane, sign-extended, as float
+        v = builder.ashr(builder.shl(words, ir.Constant(VI, [24 - 8 * j] * G)), ir.Constant(VI, [24] * G))
+        return builder.sitofp(v, ir.VectorType(F32, G))
+    return [(builder.fmul(d, byte(h)), builder.fmul(dm, byte(2 + h))) for h in range(2)]
 
 
 def q5_steps(builder, ws, bits):

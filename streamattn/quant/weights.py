@@ -11,8 +11,11 @@ Q4_0, Q4_1  ``"q4"``    the file's nibble bytes, unchanged (byte j of a 32-block
                         (Q4_0: minv = -8 * scale)
 Q4_K        ``"q4"``    the same: each super-block's 6-bit sub-block scales and mins are multiplied
                         out (d * sc, -dmin * m) and its nibbles re-paired into the Q4_1 order
-Q2_K, Q3_K  ``"q4"``    the same at ``group`` 16 (a scale and a min per 16 columns): Q2_K's 2-bit values
-                        (d * sc, -dmin * m); Q3_K's 3-bit values plus 4 (d * sc, and minv = -4 * d * sc)
+Q2_K, Q3_K  ``"q4s"``   nibbles as "q4" at ``group`` 16, each 32-block's 16 bytes followed by its two
+                        16-column groups' int8 scales, then mins; ``scale``, ``minv`` per super-block
+                        (256 columns): value = scale * sc * q + minv * m. Q2_K: its 2-bit values, d and
+                        -dmin; Q3_K: its 3-bit values plus 4, d and -4 d, the min bytes = the scales'
+                        (the kernels may also take a "q4" weight at group 16, its planes per 16 columns)
 Q8_0, Q5_0  ``"q8"``    the values as bytes ``q + 128`` (Q5_0: the 5-bit values minus 16), ``scale`` per
                         32-block
 Q6_K        ``"q8"``    the same (the 6-bit values minus 32), ``scale`` per 16 columns (d * the int8
@@ -32,7 +35,7 @@ BF16        ``"f16"``,
 one plane row per group. Within a group, block b's bytes come as ``steps`` vectors of ``4 * lanes``
 bytes, lane n of vector s holding four consecutive bytes of row n: for "q8", its values 4s .. 4s + 3
 of the block (``steps`` = group / 4); for "q4"/"nl"/"q5", its nibble bytes 4s .. 4s + 3 of a 32-column
-block (``steps`` = 4, whatever the group; "q5": a fifth vector, its bit bytes), whose low nibbles are
+block (``steps`` = 4, whatever the group; "q5"/"q4s": a fifth vector, the bit or scale bytes), whose low nibbles are
 the block's elements 4s .. 4s + 3 and high nibbles 16 + 4s ..: so a vector is one
 load and each lane is one weight row of the kernels' byte dot products. ``scale`` and ``minv`` are
 ``[groups, blocks * lanes]``, block b's ``lanes`` values in a row. The q8 bytes are ``q + 128``
@@ -48,7 +51,7 @@ Every repacking is exact: :meth:`QWeight.dequantize` equals ``gguf.quants.dequan
 bytes. Bytes per weight: Q4_0/Q4_1 0.625 (0.5 + two float16 per 32; Q4_K 0.75 where its products need
 float32), Q8_0 and Q5_0 1.0625, Q6_K 1.125 or 1.25 (the 5- and 6-bit values are held as bytes, which
 the integer dot product reads directly), Q5_1 0.75 and Q5_K 0.75 or 0.875 (nibbles and a bit plane),
-Q2_K and Q3_K 0.75 or 1.0 (two planes per 16 columns), IQ4_NL 0.5625, IQ4_XS 0.5625 or 0.625
+Q2_K and Q3_K 0.64 (int8 sub-block scales and mins), IQ4_NL 0.5625, IQ4_XS 0.5625 or 0.625
 (docs/DESIGN.md, "More GGUF types").
 Any other GGUF type raises :class:`UnsupportedWeightType`, naming the tensor and its type.
 """
@@ -64,11 +67,11 @@ from streamattn.memory import trim_heap
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q3_K",
                    "Q2_K", "IQ4_NL", "IQ4_XS")
 #: The kinds the integer kernels run (:mod:`streamattn.quant.kernels`), then the float storages.
-INT_KINDS = ("q4", "q8", "q5", "nl")
+INT_KINDS = ("q4", "q8", "q5", "nl", "q4s")
 KINDS = (*INT_KINDS, "f32", "f16", "bf16")
 #: The nibble kinds: 16 bytes per 32 columns (the Q4_1 order), "nl" indexing :data:`IQ4_VALUES`, "q5"
-#: followed by 4 bytes of fifth bits.
-NIBBLE_KINDS = ("q4", "nl", "q5")
+#: followed by 4 bytes of fifth bits, "q4s" by 4 bytes of sub-block scales and mins.
+NIBBLE_KINDS = ("q4", "nl", "q5", "q4s")
 #: IQ4_NL's and IQ4_XS's 16 non-linear levels (ggml-common.h ``kvalues_iq4nl``; gguf-py's
 #: ``IQ4_NL.kvalues``): a nibble q stands for ``IQ4_VALUES[q]`` times the block's scale.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -84,15 +87,15 @@ class QWeight:
 
     Attributes
     ----------
-    kind : {"q4", "q8", "q5", "nl", "f32", "f16", "bf16"}
+    kind : {"q4", "q8", "q5", "nl", "q4s", "f32", "f16", "bf16"}
     shape : (rows, cols)
     qs : array
-        "q4"/"nl": uint8 [groups, cols/2 * lanes]; "q5": [groups, cols/32 * 20 * lanes]; "q8": uint8
+        "q4"/"nl": uint8 [groups, cols/2 * lanes]; "q5"/"q4s": [groups, cols/32 * 20 * lanes]; "q8": uint8
         [groups, cols * lanes] (values + 128), all interleaved (see the module docstring); "f32": float32, "f16"/"bf16": uint16 [rows, cols].
-    scale : [groups, cols/group * lanes] or None
+    scale : [groups, cols/group * lanes] ("q4s": cols/256) or None
         float32, or float16 bits as uint16 where float16 is exact (see the module docstring);
         :meth:`floats` gives float32 either way.
-    minv : [groups, cols/group * lanes] or None   ("q4", "q5"; stored as ``scale``)
+    minv : as ``scale``, or None   ("q4", "q5", "q4s")
     group : int
         Columns per scale (32, or 16 for Q6_K, Q2_K, Q3_K).
     source : str
@@ -144,8 +147,8 @@ class QWeight:
 
     def _planes(self, ids):
         """Rows ``ids`` (1-D) of the planes, row-major: values [n, cols] (q4/nl: the file's nibble bytes
-        [n, cols/2]; q5: 20 bytes per 32 columns; q8: signed), scale and minv as float32 [n, blocks] (or
-        None)."""
+        [n, cols/2]; q5/q4s: 20 bytes per 32 columns; q8: signed), scale and minv as float32 [n, blocks]
+        (or None)."""
         if not self.lanes:
             return self.qs[ids], None, None
         g, n = ids // self.lanes, ids % self.lanes
@@ -182,6 +185,13 @@ def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
         return (qs.astype(np.uint32) << 16).view(np.float32)
     if w.kind == "q8":
         q = qs.reshape(n, -1, w.group).astype(np.float32)
+    elif w.kind == "q4s":
+        b = qs.reshape(n, -1, 20)
+        ints = b[..., 16:].view(np.int8).astype(np.float32)                        # [n, K/32, 4]
+        sup = lambda p: np.repeat(p, 16, axis=1)[..., None]                        # noqa: E731  per 256 -> per 16
+        scale = (sup(scale) * ints[..., 0:2].reshape(n, -1, 1)).reshape(n, -1)    # the kernel's products
+        minv = (sup(minv) * ints[..., 2:4].reshape(n, -1, 1)).reshape(n, -1)
+        q = np.concatenate([b[..., :16] & 15, b[..., :16] >> 4], -1).astype(np.float32).reshape(n, -1, 16)
     elif w.kind == "q5":
         b = qs.reshape(n, -1, 20)                                                  # 16 nibble bytes, 4 of bits
         hi = (b[..., 16:, None] >> np.arange(8, dtype=np.uint8)) & 1               # [n, K/32, p, t]: element 4t + p
@@ -198,7 +208,7 @@ def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
 def _steps(kind: str, group: int) -> int:
     """Four-byte vectors per block of one row: nibble kinds 16 bytes (32 columns, whatever the group;
     "q5" 4 more, its fifth bits), "q8" ``group`` value bytes."""
-    return 5 if kind == "q5" else 4 if kind in NIBBLE_KINDS else group // 4
+    return 5 if kind in ("q5", "q4s") else 4 if kind in NIBBLE_KINDS else group // 4
 
 
 def block_cols(kind: str, group: int) -> int:
@@ -208,7 +218,7 @@ def block_cols(kind: str, group: int) -> int:
 
 
 def interleave(w: QWeight, lanes: int) -> QWeight:
-    """A row-major integer-kind QWeight (qs: q4/nl the nibble bytes [N, K/2], q5 [N, K/32 * 20], q8 signed
+    """A row-major integer-kind QWeight (qs: q4/nl the nibble bytes [N, K/2], q5/q4s [N, K/32 * 20], q8 signed
     int8 [N, K], either
     also as [N, blocks, bytes] with any strides, e.g. a view of the file's blocks; float32 scale/minv
     [N, blocks]) in groups of ``lanes`` rows, the layout of the module docstring. One new copy of the
@@ -452,13 +462,20 @@ def _two_bit(qs):
     return ((qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(n, -1, 256)
 
 
+def _with_sub_scales(q, sc, mn):
+    """"q4s" row bytes [n, K/32 * 20]: values 0..15 [n, K/32, 32] as nibbles (the Q4_1 order), each block
+    followed by its two 16-column groups' int8 scales, then mins (sc, mn: [n, K/16])."""
+    n = q.shape[0]
+    ints = np.concatenate([sc.reshape(n, -1, 2), mn.reshape(n, -1, 2)], -1).astype(np.int8).view(np.uint8)
+    return np.concatenate([_nibbles(q).reshape(n, -1, 16), ints], -1).reshape(n, -1)
+
+
 def _q2_k(b, shape):
     n = shape[0]
     s = b[..., 0:16]                                                               # [n, ns, 16]: 4-bit scale, min
-    d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
     q = _two_bit(b[..., 16:80]).reshape(n, -1, 32)                                 # [n, K/32, 32]
-    return QWeight("q4", shape, _nibbles(q), (d * (s & 15)).reshape(n, -1).astype(np.float32),
-                   (-(dmin * (s >> 4))).reshape(n, -1).astype(np.float32), group=16, source="Q2_K")
+    d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])                             # [n, ns]
+    return QWeight("q4s", shape, _with_sub_scales(q, s & 15, s >> 4), d, -dmin, group=16, source="Q2_K")
 
 
 def _q3_k(b, shape):
@@ -466,12 +483,13 @@ def _q3_k(b, shape):
     s = b[..., 96:108]                                                             # 16 6-bit scales, packed
     lo = np.concatenate([s[..., 0:8] & 15, s[..., 0:8] >> 4], -1)                  # [n, ns, 16]
     hi = ((s[..., 8:12][..., None, :] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(n, -1, 16)
-    sc = (lo | (hi << 4)).astype(np.float32) - 32                                  # -32..31
-    dl = _f16(b[..., 108:110])[..., None] * sc                                              # [n, ns, 16]
+    sc = (lo | (hi << 4)).astype(np.int16) - 32                                    # -32..31
     hm = (b[..., 0:32][..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n, ns, 8, 32]
     q = _two_bit(b[..., 32:96]) + 4 * hm.reshape(n, -1, 256)                       # 0..7 = the value + 4
-    return QWeight("q4", shape, _nibbles(q.reshape(n, -1, 32)), dl.reshape(n, -1).astype(np.float32),
-                   (-4 * dl).reshape(n, -1).astype(np.float32), group=16, source="Q3_K")
+    d = _f16(b[..., 108:110])                                                      # [n, ns]
+    # value = d sc (q + 4) - 4 d sc: the min's super-block factor is -4 d (exact), its bytes sc
+    return QWeight("q4s", shape, _with_sub_scales(q.reshape(n, -1, 32), sc, sc), d, -4 * d, group=16,
+                   source="Q3_K")
 
 
 def _iq4_nl(b, shape):
