@@ -140,13 +140,12 @@ def _prefetch(builder, ptr):
 def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: bool = LANES_VNNI,
               prefetch: int = 0):
     """Intrinsic dot(qs, scale, minv, g, xq, xd, xs, xc, m, out) -> None: ``out[m + j, lanes g + n]`` for
-    n < lanes and j < R: weight rows lanes g .. lanes g + lanes - 1 (interleaved group g of a packed "q4"
-    or "q8" weight: :mod:`streamattn.quant.weights`) times quantized activation rows m .. m + R - 1
-    (:mod:`streamattn.quant.activations`, row-major).
+    n < lanes and j < R: weight rows lanes g .. lanes g + lanes - 1 (interleaved group g of a packed
+    weight of an integer kind: :mod:`streamattn.quant.weights`) times quantized activation rows
+    m .. m + R - 1 (:mod:`streamattn.quant.activations`, row-major).
 
     One vector lane per weight row. Per block of ``group`` columns (32; 16 for Q6_K, Q2_K, Q3_K) and
-    activation row:
-    the exact integer sum S of the block's products, made of ``group / 4`` byte dot products of a
+    activation row: the exact integer sum S of the block's products, made of ``group / 4`` byte dot products of a
     weight vector (lane n: four consecutive bytes of row n) with four bytes of the activation row
     broadcast to every lane; then ``acc = fma(float(S), scale * xd, acc)`` and, for the kinds with mins
     ("q4", "q5"), ``accm = fma(minv, xs, accm)``; the result is ``acc + accm``, written as one vector.
@@ -155,9 +154,8 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
     looked up (``vpshufb``) as the same biased bytes; "q4" nibbles are unsigned as they are (at group
     16, a 32-column block's low nibbles make one group, its high nibbles the next; "q4s" has those two
     groups' scales and mins as bytes in the block, :func:`q4s_scales`), and "q5" ones with their fifth
-    bits OR-ed in (:func:`q5_steps`). Without
-    ``vnni`` the biased bytes are turned back to signed, and x takes w's sign (``|w|`` times
-    ``sign(w) x``, as ``vpmaddubsw`` needs).
+    bits OR-ed in (:func:`q5_steps`). Without ``vnni`` the biased bytes are turned back to signed, and
+    x takes w's sign (``|w|`` times ``sign(w) x``, as ``vpmaddubsw`` needs).
 
     Bit-identity (batch and thread invariance): every output element takes exactly these operations
     in block order whatever R, the lane width or the integer route is (S is an exact integer however
@@ -198,7 +196,8 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                     for t in range(0, wbytes, 64):
                         _prefetch(builder, addr(builder, qa, g0, builder.add(wcol, _i64(prefetch + t)), I8))
                     ahead = builder.mul(builder.add(b, _i64(ahead_blocks)), _i64(G * sub))
-                    for p in ((sa, ma) if mins else (sa,)) if kind != "q4s" else ():    # q4s: 4 B / 256 columns
+                    planes = () if kind == "q4s" else (sa, ma) if mins else (sa,)    # q4s: 4 B / 256 columns
+                    for p in planes:
                         _prefetch(builder, addr(builder, p, g0, ahead, I8))
                 signs = None
                 if nibbles:

@@ -91,7 +91,8 @@ class QWeight:
     shape : (rows, cols)
     qs : array
         "q4"/"nl": uint8 [groups, cols/2 * lanes]; "q5"/"q4s": [groups, cols/32 * 20 * lanes]; "q8": uint8
-        [groups, cols * lanes] (values + 128), all interleaved (see the module docstring); "f32": float32, "f16"/"bf16": uint16 [rows, cols].
+        [groups, cols * lanes] (values + 128), all interleaved (see the module docstring); "f32": float32,
+        "f16"/"bf16": uint16 [rows, cols].
     scale : [groups, cols/group * lanes] ("q4s": cols/256) or None
         float32, or float16 bits as uint16 where float16 is exact (see the module docstring);
         :meth:`floats` gives float32 either way.
