@@ -73,13 +73,14 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
                     n_kv_heads: int = 1, head_dim: int = 16, d_ff: int = 48, vocab: int = 64,
                     window: int = 4, seed: int = 0, nan_tensor: str | None = None, override: dict | None = None,
                     quant: dict | None = None, tokens: list | None = None, extra_tensors: dict | None = None,
-                    rope_freqs: bool = False):
+                    rope_freqs: bool = False, matrix_scale: float = 0.3):
     """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors): gemma3,
     llama, qwen2 (q/k/v biases), qwen3 (q/k norms) or phi3 (fused attn_qkv and ffn_up); ``rope_freqs``: with a ``rope_freqs.weight`` of
-    divisors in [1, 8] (llama3 RoPE scaling, llama only).
+    divisors in [1, 8] (llama3 RoPE scaling, llama only). Matrices are N(0, ``matrix_scale``²).
 
     ``quant`` maps tensor names' last part (e.g. ``"ffn_down"``) to a GGUF type that gguf-py quantizes
-    (``"Q4_1"``, ``"Q8_0"``, ...): those tensors are stored quantized (columns: a multiple of 32).
+    (``"Q4_1"``, ``"Q8_0"``, ...): those tensors are stored quantized (columns: a multiple of 32); or to
+    one of :data:`RANDOM_BLOCKS` (K-quants, IQ4): random blocks of about the same spread.
 
     ``override`` maps metadata keys (e.g. ``"gemma3.block_count"``) to a value written instead of the
     default, with its own GGUF type inferred (a str stays a string: "a number stored as a string").
@@ -119,13 +120,15 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
-    def t(name, *shape, scale=0.3, offset=0.0):
+    def t(name, *shape, scale=matrix_scale, offset=0.0):
         a = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
         if name == nan_tensor:
             a.flat[0] = np.nan
         qtype = (quant or {}).get(name.split(".")[-2])
         if qtype is None:
             w.add_tensor(name, a)
+        elif qtype in RANDOM_BLOCKS:                    # gguf-py cannot quantize to it: random blocks
+            w.add_tensor(name, random_blocks(qtype, *shape, rng, std=scale), raw_dtype=gguf.GGMLQuantizationType[qtype])
         else:
             qt = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
@@ -169,3 +172,28 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+#: GGUF types gguf-py cannot quantize: (block columns, block bytes, offset of the float16 scales, their
+#: count). Random bytes are valid blocks of these; only the float16 scales are set, to finite values.
+RANDOM_BLOCKS = {"Q4_K": (256, 144, 0, 2), "Q6_K": (256, 210, 208, 1), "Q5_K": (256, 176, 0, 2),
+                 "Q3_K": (256, 110, 108, 1), "Q2_K": (256, 84, 80, 2), "IQ4_NL": (32, 18, 0, 1),
+                 "IQ4_XS": (256, 136, 0, 1)}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng, std: float | None = None) -> np.ndarray:
+    """uint8 [rows, bytes per row] of random blocks of ``type_name`` (:data:`RANDOM_BLOCKS`), float16 scales
+    uniform in [0.001, 0.021]; ``std``: all scaled by one factor so the values' root mean square is about
+    ``std`` (a value is linear in a block's float16 scales)."""
+    import gguf
+    bc, size, at, count = RANDOM_BLOCKS[type_name]
+    blocks = rng.integers(0, 256, (rows, cols // bc, size), dtype=np.uint8)
+    d = rng.random((rows, cols // bc, count)) * 0.02 + 0.001
+
+    def put(d):
+        blocks[..., at:at + 2 * count] = d.astype(np.float16).view(np.uint8).reshape(rows, cols // bc, 2 * count)
+        return blocks.reshape(rows, -1)
+    if std is not None:
+        v = gguf.quants.dequantize(put(d), gguf.GGMLQuantizationType[type_name])
+        d = d * std / np.sqrt(np.mean(v.astype(np.float64) ** 2))
+    return put(d)

@@ -304,7 +304,7 @@ def test_16_bit_staging_is_numpys(dtype):
 
 
 def test_tags_name_every_driver_spec():
-    specs = list(itertools.product(("q4", "q8"), (32, 16), (16, 8), (1, 2, 4, 8), (False, True)))
+    specs = list(itertools.product(compiled._KINDS, (32, 16), (16, 8), (1, 2, 4, 8), (False, True)))
     types_ = {numba.typeof(compiled._tag(*s)) for s in specs}
     assert len(types_) == len(specs)
     for s in specs:

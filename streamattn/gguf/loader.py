@@ -27,7 +27,7 @@ from streamattn.gguf.reader import GGUFFile
 from streamattn.models.architectures import ARCHITECTURES
 from streamattn.models.config import Architecture, ModelConfig
 from streamattn.quant.arrange import fuse, into_one_buffer
-from streamattn.quant.weights import UnsupportedWeightType, pack
+from streamattn.quant.weights import UnsupportedWeightType, check_type, pack
 
 
 @dataclass
@@ -162,6 +162,13 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
                if t.name in used]
     file_map = reader.data
     del reader
+    if weights == "quant":                    # a matrix type without a kernel: refused before any is packed
+        for name, qtype, shape, _ in tensors:
+            if len(shape) == 2 and qtype.name not in ("F32", "F16", "BF16"):
+                try:
+                    check_type(name, qtype.name)
+                except UnsupportedWeightType as e:
+                    raise ModelFileError(f"{path}: {e}") from e
     out = {}
     total = len(tensors)
     for i, (name, qtype, shape, data) in enumerate(tensors):

@@ -17,7 +17,7 @@ from streamattn.dispatch import append_attend   # attend() without re-checking w
 from streamattn.models.heads_kernel import heads_rope_cpu
 from streamattn.models.rope import rope, rope_tables  # noqa: F401  (rope_tables: heads_rope's doctest)
 from streamattn.quant import matmul as qmatmul
-from streamattn.quant.weights import QWeight
+from streamattn.quant.weights import INT_KINDS, QWeight
 
 
 def linear(xp, x, w, mm):
@@ -33,7 +33,7 @@ def linear(xp, x, w, mm):
 
 
 def _int_kernel(w) -> bool:
-    return isinstance(w, QWeight) and w.kind in ("q4", "q8")
+    return isinstance(w, QWeight) and w.kind in INT_KINDS
 
 
 def norm_linear(xp, x, norm_w, eps, w, mm):

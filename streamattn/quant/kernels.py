@@ -140,19 +140,22 @@ def _prefetch(builder, ptr):
 def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: bool = LANES_VNNI,
               prefetch: int = 0):
     """Intrinsic dot(qs, scale, minv, g, xq, xd, xs, xc, m, out) -> None: ``out[m + j, lanes g + n]`` for
-    n < lanes and j < R: weight rows lanes g .. lanes g + lanes - 1 (interleaved group g of a packed "q4"
-    or "q8" weight: :mod:`streamattn.quant.weights`) times quantized activation rows m .. m + R - 1
-    (:mod:`streamattn.quant.activations`, row-major).
+    n < lanes and j < R: weight rows lanes g .. lanes g + lanes - 1 (interleaved group g of a packed
+    weight of an integer kind: :mod:`streamattn.quant.weights`) times quantized activation rows
+    m .. m + R - 1 (:mod:`streamattn.quant.activations`, row-major).
 
-    One vector lane per weight row. Per block of ``group`` columns (32; 16 for Q6_K) and activation row:
-    the exact integer sum S of the block's products, made of ``group / 4`` byte dot products of a
+    One vector lane per weight row. Per block of ``group`` columns (32; 16 for Q6_K, Q2_K, Q3_K) and
+    activation row: the exact integer sum S of the block's products, made of ``group / 4`` byte dot products of a
     weight vector (lane n: four consecutive bytes of row n) with four bytes of the activation row
-    broadcast to every lane; then ``acc = fma(float(S), scale * xd, acc)`` and, for "q4",
-    ``accm = fma(minv, xs, accm)``; the result is ``acc + accm``, written as one vector. "q8" weights
-    are stored as unsigned bytes ``w + 128`` (``vpdpbusd`` multiplies unsigned by signed bytes), so S
-    starts from ``xc`` (-128 times the activations' sum over the block); "q4" nibbles are unsigned as
-    they are. Without ``vnni`` the q8 bytes are turned back to signed, and x takes w's sign (``|w|``
-    times ``sign(w) x``, as ``vpmaddubsw`` needs).
+    broadcast to every lane; then ``acc = fma(float(S), scale * xd, acc)`` and, for the kinds with mins
+    ("q4", "q5"), ``accm = fma(minv, xs, accm)``; the result is ``acc + accm``, written as one vector.
+    "q8" weights are stored as unsigned bytes ``w + 128`` (``vpdpbusd`` multiplies unsigned by signed
+    bytes), so S starts from ``xc`` (-128 times the activations' sum over the block); "nl" nibbles are
+    looked up (``vpshufb``) as the same biased bytes; "q4" nibbles are unsigned as they are (at group
+    16, a 32-column block's low nibbles make one group, its high nibbles the next; "q4s" has those two
+    groups' scales and mins as bytes in the block, :func:`q4s_scales`), and "q5" ones with their fifth
+    bits OR-ed in (:func:`q5_steps`). Without ``vnni`` the biased bytes are turned back to signed, and
+    x takes w's sign (``|w|`` times ``sign(w) x``, as ``vpmaddubsw`` needs).
 
     Bit-identity (batch and thread invariance): every output element takes exactly these operations
     in block order whatever R, the lane width or the integer route is (S is an exact integer however
@@ -162,8 +165,11 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
     """
     G = lanes
     VG, VGI, VB = ir.VectorType(F32, G), ir.VectorType(I32, G), ir.VectorType(I8, 4 * G)
-    steps = group // 4
-    wbytes = (16 if kind == "q4" else group) * G            # weight bytes of one block of the G rows
+    nibbles, mins, biased = kind in ("q4", "nl", "q5", "q4s"), kind in ("q4", "q5", "q4s"), kind in ("q8", "nl")
+    bcols = 32 if nibbles else group                       # columns of one loaded block
+    sub = bcols // group                                   # scale groups per block (nibbles at 16: 2)
+    steps = bcols // 4
+    wbytes = (20 if kind in ("q5", "q4s") else 16 if nibbles else group) * G    # bytes of a block of G rows
     ahead_blocks = -(-prefetch // wbytes)
 
     @intrinsic
@@ -181,43 +187,57 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
             rows = [builder.add(m0, _i64(j)) for j in range(R)]
             zero = ir.Constant(VG, [0.0] * G)
             accs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
-            accms = [cgutils.alloca_once_value(builder, zero) for _ in range(R)] if kind == "q4" else []
-            nblk = builder.udiv(xa.cols, _i64(group))
+            accms = [cgutils.alloca_once_value(builder, zero) for _ in range(R)] if mins else []
+            nblk = builder.udiv(xa.cols, _i64(bcols))
             with cgutils.for_range(builder, nblk) as loop:
                 b = loop.index
                 wcol = builder.mul(b, _i64(wbytes))
                 if prefetch:
                     for t in range(0, wbytes, 64):
                         _prefetch(builder, addr(builder, qa, g0, builder.add(wcol, _i64(prefetch + t)), I8))
-                    ahead = builder.mul(builder.add(b, _i64(ahead_blocks)), _i64(G))
-                    for p in ((sa, ma) if kind == "q4" else (sa,)):
+                    ahead = builder.mul(builder.add(b, _i64(ahead_blocks)), _i64(G * sub))
+                    planes = () if kind == "q4s" else (sa, ma) if mins else (sa,)    # q4s: 4 B / 256 columns
+                    for p in planes:
                         _prefetch(builder, addr(builder, p, g0, ahead, I8))
                 signs = None
-                if kind == "q4":
+                if nibbles:
                     ws = q4_steps(builder, qa, g0, wcol, G)
+                    if kind == "nl":
+                        ws = nl_values(builder, ws, G)
+                    elif kind == "q5":
+                        ws = q5_steps(builder, ws, _load(builder, qa, g0, builder.add(wcol, _i64(16 * G)), VB))
                 else:
                     ws = [_load(builder, qa, g0, builder.add(wcol, _i64(4 * G * s)), VB) for s in range(steps)]
-                    if not vnni:                       # back to signed w; |w| <= 128 for vpmaddubsw
-                        signs = [builder.xor(v, ir.Constant(VB, [-128] * (4 * G))) for v in ws]
-                        ws = [builder.call(llvm_fn(builder, f"llvm.abs.v{4 * G}i8", VB, [VB, I1]),
-                                           [v, ir.Constant(I1, 0)]) for v in signs]
-                bG = builder.mul(b, _i64(G))
-                sv = _load_floats(builder, sa, g0, bG, G)
-                mv = _load_floats(builder, ma, g0, bG, G) if kind == "q4" else None
-                for j in range(R):
-                    r = rows[j]
-                    if kind == "q8" and vnni:          # S of the biased bytes minus 128 sum(x)
-                        iacc = _splat_int(builder, q8_correction(builder, ca, r, b, group), G)
+                if biased and not vnni:                # back to signed w; |w| <= 128 for vpmaddubsw
+                    signs = [builder.xor(v, ir.Constant(VB, [-128] * (4 * G))) for v in ws]
+                    ws = [builder.call(llvm_fn(builder, f"llvm.abs.v{4 * G}i8", VB, [VB, I1]),
+                                       [v, ir.Constant(I1, 0)]) for v in signs]
+                if kind == "q4s":
+                    sub_scales = q4s_scales(builder, sa, ma, g0, b, _load(builder, qa, g0, builder.add(
+                        wcol, _i64(16 * G)), VB))
+                for h in range(sub):
+                    c = b if sub == 1 else builder.add(builder.mul(b, _i64(sub)), _i64(h))    # scale group
+                    if kind == "q4s":
+                        sv, mv = sub_scales[h]
                     else:
-                        iacc = ir.Constant(VGI, [0] * G)
-                    for s in range(steps):
-                        xv = builder.bitcast(_splat_int(builder, _load(builder, xa, r, builder.add(
-                            builder.mul(b, _i64(group)), _i64(4 * s)), I32), G), VB)
-                        if signs is not None:
-                            xv = builder.select(builder.icmp_signed("<", signs[s], ir.Constant(VB, [0] * (4 * G))),
-                                                builder.sub(ir.Constant(VB, [0] * (4 * G)), xv), xv)
-                        iacc = _int_dot(builder, iacc, ws[s], xv, G, vnni)
-                    block_epilogue(builder, iacc, sv, mv, da, ua, r, b, group, accs[j], accms[j] if accms else None)
+                        cG = builder.mul(c, _i64(G))
+                        sv = _load_floats(builder, sa, g0, cG, G)
+                        mv = _load_floats(builder, ma, g0, cG, G) if mins else None
+                    for j in range(R):
+                        r = rows[j]
+                        if biased and vnni:            # S of the biased bytes minus 128 sum(x)
+                            iacc = _splat_int(builder, q8_correction(builder, ca, r, c, group), G)
+                        else:
+                            iacc = ir.Constant(VGI, [0] * G)
+                        for s in range(h * steps // sub, (h + 1) * steps // sub):
+                            xv = builder.bitcast(_splat_int(builder, _load(builder, xa, r, builder.add(
+                                builder.mul(b, _i64(bcols)), _i64(4 * s)), I32), G), VB)
+                            if signs is not None:
+                                xv = builder.select(builder.icmp_signed("<", signs[s], ir.Constant(VB, [0] * (4 * G))),
+                                                    builder.sub(ir.Constant(VB, [0] * (4 * G)), xv), xv)
+                            iacc = _int_dot(builder, iacc, ws[s], xv, G, vnni)
+                        block_epilogue(builder, iacc, sv, mv, da, ua, r, c, group, accs[j],
+                                       accms[j] if accms else None, ca)
             for j in range(R):
                 store_outputs(builder, oa, rows[j], g0, accs[j], accms[j] if accms else None)
             return context.get_dummy_value()
@@ -234,6 +254,53 @@ def q4_steps(builder, qa, g, wcol, G):
             + [builder.lshr(v, ir.Constant(VB, [4] * (4 * G))) for v in raw])
 
 
+def q4s_scales(builder, sa, ma, g, b, ints):
+    """The "q4s" kind's two (scale, min) pairs of block b, each <G x float>: the super-block's float
+    ``scale`` and ``minv`` (one per 256 columns, 8 blocks) times the block's int8 sub-block scales and
+    mins (``ints``, lane n: row n's bytes scale 0, scale 1, min 0, min 1). The float32 products gguf's
+    dequantizer computes, so the same floats as "q4" planes at group 16 holding them."""
+    G = ints.type.count // 4
+    VI = ir.VectorType(I32, G)
+    words = builder.bitcast(ints, VI)
+    at = builder.mul(builder.udiv(b, _i64(8)), _i64(G))
+    d, dm = _load_floats(builder, sa, g, at, G), _load_floats(builder, ma, g, at, G)
+
+    def byte(j):                                   # byte j of each lane, sign-extended, as float
+        v = builder.ashr(builder.shl(words, ir.Constant(VI, [24 - 8 * j] * G)), ir.Constant(VI, [24] * G))
+        return builder.sitofp(v, ir.VectorType(F32, G))
+    return [(builder.fmul(d, byte(h)), builder.fmul(dm, byte(2 + h))) for h in range(2)]
+
+
+def q5_steps(builder, ws, bits):
+    """The "q5" kind's step vectors: the nibble steps ws (:func:`q4_steps`) with their fifth bits from
+    ``bits`` (<4G x i8>, lane n: row n's four bit bytes; byte p, bit t: element 4t + p), moved to bit 4."""
+    VB = bits.type
+    sixteen = ir.Constant(VB, [16] * VB.count)
+    out = []
+    for t, v in enumerate(ws):
+        if t < 4:
+            h = builder.shl(bits, ir.Constant(VB, [4 - t] * VB.count))
+        elif t > 4:
+            h = builder.lshr(bits, ir.Constant(VB, [t - 4] * VB.count))
+        else:
+            h = bits
+        out.append(builder.or_(v, builder.and_(h, sixteen)))
+    return out
+
+
+def nl_values(builder, ws, G):
+    """The "nl" kind's step vectors: nibble indices (:func:`q4_steps`) looked up in IQ4's 16 levels
+    (:data:`streamattn.quant.weights.IQ4_VALUES`), as bytes ``value + 128`` like the "q8" kind's;
+    ``vpshufb`` looks up within each 16-byte lane, so the table is repeated in every lane."""
+    from streamattn.quant.weights import IQ4_VALUES
+    VB = ir.VectorType(I8, 4 * G)
+    biased = [((v + 128) & 255) - 256 * (((v + 128) & 255) > 127) for v in IQ4_VALUES]   # as signed i8
+    table = ir.Constant(VB, biased * (4 * G // 16))
+    name = "llvm.x86.avx512.pshuf.b.512" if G == 16 else "llvm.x86.avx2.pshuf.b"
+    fn = llvm_fn(builder, name, VB, [VB, VB])
+    return [builder.call(fn, [table, v]) for v in ws]
+
+
 def q8_correction(builder, ca, r, b, group):
     """i32: -128 times activation row r's sum over block b (``xc`` holds it per 16 columns)."""
     if group == 16:
@@ -242,10 +309,12 @@ def q8_correction(builder, ca, r, b, group):
     return builder.add(_load(builder, ca, r, b2, I32), _load(builder, ca, r, builder.add(b2, _i64(1)), I32))
 
 
-def block_epilogue(builder, iacc, sv, mv, da, ua, r, b, group, acc, accm):
+def block_epilogue(builder, iacc, sv, mv, da, ua, r, b, group, acc, accm, ca=None):
     """One block of activation row r into its accumulators (see :func:`make_qdot`): ``acc = fma(float(S),
-    scale * xd, acc)`` (iacc: the exact sums S, <G x i32>; sv: the G rows' scales), and for "q4" (mv:
-    their mins) ``accm = fma(minv, xs, accm)``. Every kernel ends a block with exactly this."""
+    scale * xd, acc)`` (iacc: the exact sums S, <G x i32>; sv: the G rows' scales), and for the kinds with
+    mins (mv: theirs) ``accm = fma(minv, xs, accm)``, xs the activations' sum over the block (at 16
+    columns: ``float(xc) * (xd * -1/128)`` from ``ca``, the same product rounded once). Every kernel ends
+    a block with exactly this."""
     G = iacc.type.count
     VG = ir.VectorType(F32, G)
     fma = llvm_fn(builder, f"llvm.fmuladd.v{G}f32", VG, [VG, VG, VG])
@@ -253,8 +322,12 @@ def block_epilogue(builder, iacc, sv, mv, da, ua, r, b, group, acc, accm):
     sp = builder.fmul(sv, _splat(builder, _load(builder, da, r, xdb, F32), G))
     builder.store(builder.call(fma, [builder.sitofp(iacc, VG), sp, builder.load(acc)]), acc)
     if mv is not None:
-        builder.store(builder.call(fma, [mv, _splat(builder, _load(builder, ua, r, b, F32), G),
-                                         builder.load(accm)]), accm)
+        if group == 32:
+            xs = _load(builder, ua, r, b, F32)
+        else:                                      # -128 sum(xq) per 16 columns, exact in float32
+            xs = builder.fmul(builder.sitofp(_load(builder, ca, r, b, I32), F32),
+                              builder.fmul(_load(builder, da, r, xdb, F32), ir.Constant(F32, -1.0 / 128)))
+        builder.store(builder.call(fma, [mv, _splat(builder, xs, G), builder.load(accm)]), accm)
 
 
 def store_outputs(builder, oa, r, g, acc, accm):

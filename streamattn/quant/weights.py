@@ -11,10 +11,20 @@ Q4_0, Q4_1  ``"q4"``    the file's nibble bytes, unchanged (byte j of a 32-block
                         (Q4_0: minv = -8 * scale)
 Q4_K        ``"q4"``    the same: each super-block's 6-bit sub-block scales and mins are multiplied
                         out (d * sc, -dmin * m) and its nibbles re-paired into the Q4_1 order
+Q2_K, Q3_K  ``"q4s"``   nibbles as "q4" at ``group`` 16, each 32-block's 16 bytes followed by its two
+                        16-column groups' int8 scales, then mins; ``scale``, ``minv`` per super-block
+                        (256 columns): value = scale * sc * q + minv * m. Q2_K: its 2-bit values, d and
+                        -dmin; Q3_K: its 3-bit values plus 4, d and -4 d, the min bytes = the scales'
+                        (the kernels may also take a "q4" weight at group 16, its planes per 16 columns)
 Q8_0, Q5_0  ``"q8"``    the values as bytes ``q + 128`` (Q5_0: the 5-bit values minus 16), ``scale`` per
                         32-block
 Q6_K        ``"q8"``    the same (the 6-bit values minus 32), ``scale`` per 16 columns (d * the int8
                         sub-block scale); ``group`` 16
+Q5_1, Q5_K  ``"q5"``    the 5-bit values' low nibbles in the Q4_1 order, then 4 bytes of their fifth bits
+                        per 32-block (byte p, bit t: element 4t + p); ``scale``, ``minv`` per 32-block
+                        (Q5_K: d * sc, -dmin * m, as Q4_K)
+IQ4_NL,     ``"nl"``    the file's nibble bytes (the Q4_1 order), each an index into the 16 levels
+IQ4_XS                  :data:`IQ4_VALUES`; ``scale`` per 32-block (IQ4_XS: d * (its 6-bit scale - 32))
 F32, F16,   ``"f32"``,  ``qs`` the values as stored (float32, or the 16-bit patterns as uint16), row-major
 BF16        ``"f16"``,
             ``"bf16"``
@@ -24,12 +34,13 @@ BF16        ``"f16"``,
 8 on AVX2: :data:`streamattn.quant.kernels.LANES`; the last group padded with zero rows),
 one plane row per group. Within a group, block b's bytes come as ``steps`` vectors of ``4 * lanes``
 bytes, lane n of vector s holding four consecutive bytes of row n: for "q8", its values 4s .. 4s + 3
-of the block (``steps`` = group / 4); for "q4", its file bytes 4s .. 4s + 3 (``steps`` = 4), whose
-low nibbles are the block's elements 4s .. 4s + 3 and high nibbles 16 + 4s ..: so a vector is one
+of the block (``steps`` = group / 4); for "q4"/"nl"/"q5", its nibble bytes 4s .. 4s + 3 of a 32-column
+block (``steps`` = 4, whatever the group; "q5"/"q4s": a fifth vector, the bit or scale bytes), whose low nibbles are
+the block's elements 4s .. 4s + 3 and high nibbles 16 + 4s ..: so a vector is one
 load and each lane is one weight row of the kernels' byte dot products. ``scale`` and ``minv`` are
 ``[groups, blocks * lanes]``, block b's ``lanes`` values in a row. The q8 bytes are ``q + 128``
 because ``vpdpbusd`` multiplies unsigned by signed bytes (the kernels take 128 times the activations'
-sum back out, exactly).
+sum back out, exactly); the "nl" kernel looks its nibbles up as the same biased bytes.
 
 Scale and min planes are stored as float16 bits (uint16) wherever float16 holds every value exactly
 (the file's own float16 scales: Q4_0, Q4_1, Q8_0, Q5_0; the products of Q4_K and Q6_K where they fit),
@@ -38,8 +49,10 @@ decode step reads 13% fewer bytes (SmolLM2: 111 -> 96 MB).
 
 Every repacking is exact: :meth:`QWeight.dequantize` equals ``gguf.quants.dequantize`` of the file's
 bytes. Bytes per weight: Q4_0/Q4_1 0.625 (0.5 + two float16 per 32; Q4_K 0.75 where its products need
-float32), Q8_0 and Q5_0 1.0625, Q6_K 1.125 or 1.25 (the 5- and 6-bit values are held as bytes, which the
-integer dot product reads directly).
+float32), Q8_0 and Q5_0 1.0625, Q6_K 1.125 or 1.25 (the 5- and 6-bit values are held as bytes, which
+the integer dot product reads directly), Q5_1 0.75 and Q5_K 0.75 or 0.875 (nibbles and a bit plane),
+Q2_K and Q3_K 0.64 (int8 sub-block scales and mins), IQ4_NL 0.5625, IQ4_XS 0.5625 or 0.625
+(docs/DESIGN.md, "More GGUF types").
 Any other GGUF type raises :class:`UnsupportedWeightType`, naming the tensor and its type.
 """
 
@@ -51,8 +64,17 @@ import numpy as np
 
 from streamattn.memory import trim_heap
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
-KINDS = ("q4", "q8", "f32", "f16", "bf16")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q3_K",
+                   "Q2_K", "IQ4_NL", "IQ4_XS")
+#: The kinds the integer kernels run (:mod:`streamattn.quant.kernels`), then the float storages.
+INT_KINDS = ("q4", "q8", "q5", "nl", "q4s")
+KINDS = (*INT_KINDS, "f32", "f16", "bf16")
+#: The nibble kinds: 16 bytes per 32 columns (the Q4_1 order), "nl" indexing :data:`IQ4_VALUES`, "q5"
+#: followed by 4 bytes of fifth bits, "q4s" by 4 bytes of sub-block scales and mins.
+NIBBLE_KINDS = ("q4", "nl", "q5", "q4s")
+#: IQ4_NL's and IQ4_XS's 16 non-linear levels (ggml-common.h ``kvalues_iq4nl``; gguf-py's
+#: ``IQ4_NL.kvalues``): a nibble q stands for ``IQ4_VALUES[q]`` times the block's scale.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 class UnsupportedWeightType(ValueError):
@@ -65,21 +87,22 @@ class QWeight:
 
     Attributes
     ----------
-    kind : {"q4", "q8", "f32", "f16", "bf16"}
+    kind : {"q4", "q8", "q5", "nl", "q4s", "f32", "f16", "bf16"}
     shape : (rows, cols)
     qs : array
-        "q4": uint8 [groups, cols/2 * lanes]; "q8": uint8 [groups, cols * lanes] (values + 128), both
-        interleaved (see the module docstring); "f32": float32, "f16"/"bf16": uint16 [rows, cols].
-    scale : [groups, cols/group * lanes] or None
+        "q4"/"nl": uint8 [groups, cols/2 * lanes]; "q5"/"q4s": [groups, cols/32 * 20 * lanes]; "q8": uint8
+        [groups, cols * lanes] (values + 128), all interleaved (see the module docstring); "f32": float32,
+        "f16"/"bf16": uint16 [rows, cols].
+    scale : [groups, cols/group * lanes] ("q4s": cols/256) or None
         float32, or float16 bits as uint16 where float16 is exact (see the module docstring);
         :meth:`floats` gives float32 either way.
-    minv : [groups, cols/32 * lanes] or None   ("q4" only; stored as ``scale``)
+    minv : as ``scale``, or None   ("q4", "q5", "q4s")
     group : int
-        Columns per scale (32, or 16 for Q6_K).
+        Columns per scale (32, or 16 for Q6_K, Q2_K, Q3_K).
     source : str
         The GGUF type the planes came from.
     lanes : int
-        Rows per interleaved group ("q4"/"q8"; 0 for the row-major float kinds).
+        Rows per interleaved group (the integer kinds; 0 for the row-major float kinds).
     """
 
     kind: str
@@ -101,7 +124,7 @@ class QWeight:
 
     def finite(self) -> bool:
         """Whether every value is finite (scales and mins; float kinds: the values)."""
-        if self.kind in ("q4", "q8"):
+        if self.kind in INT_KINDS:
             return all(np.isfinite(floats(p)).all() for p in (self.scale, self.minv) if p is not None)
         return bool(np.isfinite(self.dequantize()).all())
 
@@ -124,8 +147,9 @@ class QWeight:
         return self._planes(np.arange(self.shape[0]))
 
     def _planes(self, ids):
-        """Rows ``ids`` (1-D) of the planes, row-major: values [n, cols] (q4: the file's nibble bytes
-        [n, cols/2]; q8: signed), scale and minv as float32 [n, blocks] (or None)."""
+        """Rows ``ids`` (1-D) of the planes, row-major: values [n, cols] (q4/nl: the file's nibble bytes
+        [n, cols/2]; q5/q4s: 20 bytes per 32 columns; q8: signed), scale and minv as float32 [n, blocks]
+        (or None)."""
         if not self.lanes:
             return self.qs[ids], None, None
         g, n = ids // self.lanes, ids % self.lanes
@@ -161,20 +185,42 @@ def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
     if w.kind == "bf16":
         return (qs.astype(np.uint32) << 16).view(np.float32)
     if w.kind == "q8":
-        v = qs.reshape(n, -1, w.group).astype(np.float32) * scale[:, :, None]
-        return v.reshape(n, -1)
-    b = qs.reshape(n, -1, 16)
-    q = np.concatenate([b & 15, b >> 4], axis=-1).astype(np.float32)             # [n, K/32, 32]
-    return (q * scale[:, :, None] + minv[:, :, None]).reshape(n, -1)
+        q = qs.reshape(n, -1, w.group).astype(np.float32)
+    elif w.kind == "q4s":
+        b = qs.reshape(n, -1, 20)
+        ints = b[..., 16:].view(np.int8).astype(np.float32)                        # [n, K/32, 4]
+        sup = lambda p: np.repeat(p, 16, axis=1)[..., None]                        # noqa: E731  per 256 -> per 16
+        scale = (sup(scale) * ints[..., 0:2].reshape(n, -1, 1)).reshape(n, -1)    # the kernel's products
+        minv = (sup(minv) * ints[..., 2:4].reshape(n, -1, 1)).reshape(n, -1)
+        q = np.concatenate([b[..., :16] & 15, b[..., :16] >> 4], -1).astype(np.float32).reshape(n, -1, 16)
+    elif w.kind == "q5":
+        b = qs.reshape(n, -1, 20)                                                  # 16 nibble bytes, 4 of bits
+        hi = (b[..., 16:, None] >> np.arange(8, dtype=np.uint8)) & 1               # [n, K/32, p, t]: element 4t + p
+        q = (np.concatenate([b[..., :16] & 15, b[..., :16] >> 4], -1)
+             | (hi.transpose(0, 1, 3, 2).reshape(n, -1, 32) << 4)).astype(np.float32)
+    else:
+        b = qs.reshape(n, -1, 16)
+        q = np.concatenate([b & 15, b >> 4], axis=-1)                              # [n, K/32, 32]
+        q = (np.array(IQ4_VALUES, np.float32)[q] if w.kind == "nl" else q.astype(np.float32)).reshape(n, -1, w.group)
+    v = q * scale[:, :, None]
+    return (v if minv is None else v + minv[:, :, None]).reshape(n, -1)
 
 
 def _steps(kind: str, group: int) -> int:
-    """Four-byte vectors per block of one row: "q4" 16 nibble bytes, "q8" ``group`` value bytes."""
-    return 4 if kind == "q4" else group // 4
+    """Four-byte vectors per block of one row: nibble kinds 16 bytes (32 columns, whatever the group;
+    "q5" 4 more, its fifth bits), "q8" ``group`` value bytes."""
+    return 5 if kind in ("q5", "q4s") else 4 if kind in NIBBLE_KINDS else group // 4
+
+
+def block_cols(kind: str, group: int) -> int:
+    """Columns per block of the interleaved layout: 32 for the nibble kinds (one or two scale groups),
+    else the scale group."""
+    return 32 if kind in NIBBLE_KINDS else group
 
 
 def interleave(w: QWeight, lanes: int) -> QWeight:
-    """A row-major "q4"/"q8" QWeight (qs: q4 the nibble bytes [N, K/2], q8 signed int8 [N, K], either
+    """A row-major integer-kind QWeight (qs: q4/nl the nibble bytes [N, K/2], q5/q4s [N, K/32 * 20], q8 signed
+    int8 [N, K], either
     also as [N, blocks, bytes] with any strides, e.g. a view of the file's blocks; float32 scale/minv
     [N, blocks]) in groups of ``lanes`` rows, the layout of the module docstring. One new copy of the
     values (the file's Q8_0 bytes are read in place: Gemma-3's 167 MB embedding was copied three times)."""
@@ -182,7 +228,7 @@ def interleave(w: QWeight, lanes: int) -> QWeight:
         raise ValueError(f"lanes must be 8 or 16, the kernels' vector widths (got {lanes!r})")
     n, k = w.shape
     groups, full = -(-n // lanes), n // lanes
-    nb, steps = k // w.group, _steps(w.kind, w.group)
+    nb, steps = k // block_cols(w.kind, w.group), _steps(w.kind, w.group)
     src = w.qs.view(np.uint8).reshape(n, nb, steps, 4)
     qs = np.empty((groups, nb, steps, lanes, 4), np.uint8)
     qs[:full] = src[:full * lanes].reshape(full, lanes, nb, steps, 4).transpose(0, 2, 3, 1, 4)
@@ -269,6 +315,15 @@ def _f16(b) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
 
 
+def check_type(name: str, type_name: str) -> None:
+    """Raise :class:`UnsupportedWeightType` naming tensor ``name`` and the supported types unless
+    ``type_name`` is one of :data:`SUPPORTED_TYPES` (what :func:`pack` takes)."""
+    if type_name not in SUPPORTED_TYPES:
+        raise UnsupportedWeightType(f"tensor {name!r} has GGUF type {type_name}, which has no packed kernel "
+                                    f"(supported: {', '.join(SUPPORTED_TYPES)}); load with weights='f32' "
+                                    "to dequantize every tensor to float32 instead")
+
+
 def pack(name: str, type_name: str, data: np.ndarray, shape: tuple, lanes: int | None = None) -> QWeight:
     """Split one GGUF tensor's blocks into a :class:`QWeight`.
 
@@ -291,11 +346,8 @@ def pack(name: str, type_name: str, data: np.ndarray, shape: tuple, lanes: int |
         A type outside :data:`SUPPORTED_TYPES`, or columns not a multiple of the block size.
     """
     n, k = shape
-    if type_name not in SUPPORTED_TYPES:
-        raise UnsupportedWeightType(f"tensor {name!r} has GGUF type {type_name}, which has no packed kernel "
-                                    f"(supported: {', '.join(SUPPORTED_TYPES)}); load with weights='f32' "
-                                    "to dequantize every tensor to float32 instead")
-    block = 256 if type_name.endswith("_K") else 32 if type_name.startswith("Q") else 16
+    check_type(name, type_name)
+    block = 256 if type_name.endswith("_K") or type_name == "IQ4_XS" else 32 if "Q" in type_name else 16
     if k % block:
         raise UnsupportedWeightType(f"tensor {name!r} ({type_name}) has {k} columns, not a multiple of "
                                     f"{block} as the packed kernels need")
@@ -333,12 +385,18 @@ def _q5_0(b, shape):
     return QWeight("q8", shape, q.reshape(n, -1), _f16(b[..., 0:2]), source="Q5_0")
 
 
+def _k_scales_mins(s):
+    """The eight 6-bit sub-block scales and mins of a Q4_K/Q5_K super-block: s uint8 [..., 12] ->
+    two uint8 [..., 8] (ggml's get_scale_min_k4)."""
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc, mn
+
+
 def _q4_k(b, shape):
     n = shape[0]
     d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]          # [n, ns, 1]
-    s = b[..., 4:16].astype(np.uint8)                                              # [n, ns, 12]
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    sc, mn = _k_scales_mins(b[..., 4:16].astype(np.uint8))                         # [n, ns, 8] each
     q = b[..., 16:144].reshape(n, -1, 4, 2, 16)                                    # [n, ns, group, half, 16]
     lo, hi = q[..., 0, :], q[..., 1, :]                                            # bytes j and j + 16
     even = (lo & 15) | ((hi & 15) << 4)                                            # sub-block 2g: low nibbles
@@ -362,4 +420,92 @@ def _q6_k(b, shape):
                    group=16, source="Q6_K")
 
 
-_PACKERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+def _nibbles(q):
+    """Values 0..15 [n, blocks, 32] as the Q4_1 order's bytes [n, blocks * 16]: element j low, j + 16 high."""
+    q = q.astype(np.uint8)
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1)
+
+
+def _five_bit(q):
+    """Values 0..31 [n, blocks, 32] as "q5" row bytes [n, blocks * 20]: the low nibbles in the Q4_1 order,
+    then 4 bytes whose byte p, bit t is the fifth bit of element 4t + p (so the kernel's step t, which
+    holds elements 4t .. 4t + 3 in its four bytes, takes bit t of each: one shift and one mask)."""
+    n, nb = q.shape[:2]
+    hi = (q >> 4).reshape(n, nb, 8, 4).astype(np.uint8)                           # [n, nb, t, p]
+    bits = (hi << np.arange(8, dtype=np.uint8)[:, None]).sum(2, dtype=np.uint8)   # [n, nb, 4]
+    return np.concatenate([_nibbles(q & 15).reshape(n, nb, 16), bits], -1).reshape(n, -1)
+
+
+def _q5_1(b, shape):
+    qh = np.ascontiguousarray(b[..., 4:8]).view("<u4")                             # [n, nb, 1]
+    j = np.arange(32, dtype=np.uint32)
+    lo = np.concatenate([b[..., 8:24] & 15, b[..., 8:24] >> 4], -1)                # [n, nb, 32]
+    q = lo | (((qh >> j) & 1) << 4).astype(np.uint8)                               # 0..31
+    return QWeight("q5", shape, _five_bit(q), _f16(b[..., 0:2]), _f16(b[..., 2:4]), source="Q5_1")
+
+
+def _q5_k(b, shape):
+    n = shape[0]
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]          # [n, ns, 1]
+    sc, mn = _k_scales_mins(b[..., 4:16].astype(np.uint8))                         # [n, ns, 8]
+    qh = b[..., 16:48][..., None, :]                                               # [n, ns, 1, 32]
+    ql = b[..., 48:176].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]   # [n, ns, 4, 2, 32]
+    hi = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1                        # [n, ns, 8, 32]: bit j: sub-block j
+    q = (ql.reshape(n, -1, 8, 32) & 15) | (hi << 4)                                # [n, ns, 8, 32], 0..31
+    return QWeight("q5", shape, _five_bit(q.reshape(n, -1, 32)), (d * sc).reshape(n, -1).astype(np.float32),
+                   (-(dmin * mn)).reshape(n, -1).astype(np.float32), source="Q5_K")
+
+
+def _two_bit(qs):
+    """Q2_K/Q3_K's 2-bit fields: qs uint8 [n, ns, 64] -> [n, ns, 256], element 128 h + 32 s + l from
+    bits 2s..2s+1 of byte 32 h + l."""
+    n = qs.shape[0]
+    return ((qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(n, -1, 256)
+
+
+def _with_sub_scales(q, sc, mn):
+    """"q4s" row bytes [n, K/32 * 20]: values 0..15 [n, K/32, 32] as nibbles (the Q4_1 order), each block
+    followed by its two 16-column groups' int8 scales, then mins (sc, mn: [n, K/16])."""
+    n = q.shape[0]
+    ints = np.concatenate([sc.reshape(n, -1, 2), mn.reshape(n, -1, 2)], -1).astype(np.int8).view(np.uint8)
+    return np.concatenate([_nibbles(q).reshape(n, -1, 16), ints], -1).reshape(n, -1)
+
+
+def _q2_k(b, shape):
+    n = shape[0]
+    s = b[..., 0:16]                                                               # [n, ns, 16]: 4-bit scale, min
+    q = _two_bit(b[..., 16:80]).reshape(n, -1, 32)                                 # [n, K/32, 32]
+    d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])                             # [n, ns]
+    return QWeight("q4s", shape, _with_sub_scales(q, s & 15, s >> 4), d, -dmin, group=16, source="Q2_K")
+
+
+def _q3_k(b, shape):
+    n = shape[0]
+    s = b[..., 96:108]                                                             # 16 6-bit scales, packed
+    lo = np.concatenate([s[..., 0:8] & 15, s[..., 0:8] >> 4], -1)                  # [n, ns, 16]
+    hi = ((s[..., 8:12][..., None, :] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(n, -1, 16)
+    sc = (lo | (hi << 4)).astype(np.int16) - 32                                    # -32..31
+    hm = (b[..., 0:32][..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n, ns, 8, 32]
+    q = _two_bit(b[..., 32:96]) + 4 * hm.reshape(n, -1, 256)                       # 0..7 = the value + 4
+    d = _f16(b[..., 108:110])                                                      # [n, ns]
+    # value = d sc (q + 4) - 4 d sc: the min's super-block factor is -4 d (exact), its bytes sc
+    return QWeight("q4s", shape, _with_sub_scales(q.reshape(n, -1, 32), sc, sc), d, -4 * d, group=16,
+                   source="Q3_K")
+
+
+def _iq4_nl(b, shape):
+    return QWeight("nl", shape, b[..., 2:18], _f16(b[..., 0:2]), source="IQ4_NL")
+
+
+def _iq4_xs(b, shape):
+    n = shape[0]
+    d = _f16(b[..., 0:2])[..., None]                                               # [n, ns, 1]
+    sh = np.ascontiguousarray(b[..., 2:4]).view("<u2")                             # [n, ns, 1]
+    sl = np.concatenate([b[..., 4:8, None] & 15, b[..., 4:8, None] >> 4], -1).reshape(n, -1, 8)
+    ls = sl | (((sh >> (2 * np.arange(8, dtype=np.uint16))) & 3) << 4).astype(np.uint8)      # 0..63
+    return QWeight("nl", shape, b[..., 8:136], (d * (ls.astype(np.float32) - 32)).reshape(n, -1),
+                   source="IQ4_XS")
+
+
+_PACKERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k,
+            "Q5_1": _q5_1, "Q5_K": _q5_k, "Q2_K": _q2_k, "Q3_K": _q3_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
