@@ -11,6 +11,8 @@ from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
 from streamattn import CacheSpec, KVCache, attend, snapshot, state
 from streamattn.storage import dequantize, quantize
+import gpu_oracle as go
+from gpu_fixtures import runner  # noqa: F401  (fixture)
 from oracle import as_stored
 from test_oracle import stream   # every output against the oracle over the values as stored
 
@@ -205,3 +207,59 @@ def test_fork_and_rewind_keep_the_stored_bytes(dtype):
     assert _same_state(cache, straight)
     state.fork(cache, 0, 1)
     assert np.array_equal(cache.k[1], cache.k[0]) and np.array_equal(cache.v[1], cache.v[0])
+
+
+# -- kernels/*.cu over quantized rows: the CPU emulation of the same text, against the oracle ---------------
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("T,window,sinks", [(1, 0, 0), (1, 5, 2), (3, 5, 2)])
+def test_cuda_kernels_emulated(runner, dtype, T, window, sinks):
+    """decode (split-K 1 and 3 + merge) and prefill over q8_0 / q4_0 rows, ragged, GQA 6/2, a wrapped ring:
+    within float32 tolerance of the oracle over gguf-py's dequantized values."""
+    rng = np.random.default_rng(T + window)
+    c = go.case(rng, batch=3, q_heads=6, kv_heads=2, head_dim=64, lengths=[29, 3, 19], counts=[T, 1, 0], T=T,
+                window=window, sinks=sinks, dtype=dtype)
+    for splits in ((1, 3) if T == 1 else (None,)):
+        out, lse = runner.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=window, sinks=sinks,
+                                 scale=c["scale"], splits=splits)
+        assert runner.launches[-1 if splits in (1, None) else -2] == \
+            f"{'decode' if T == 1 else 'prefill'}_{dtype[:2]}_hd64"
+        assert go.rel_err(out, c["ref_out"]) <= go.TOL["float32"] and go.lse_err(lse, c["ref_lse"]) <= 1e-4
+
+
+# -- a model's caches: the engine's prompt cache and the Generator on quantized K/V ----------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from _model_util import write_tiny_gguf
+    from streamattn.gguf.loader import load_gguf
+    from streamattn.models.transformer import Transformer
+    from streamattn.text.tokenizer import Tokenizer
+    m = load_gguf(write_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", arch="llama", vocab=64))
+    return Transformer(m), Tokenizer.from_metadata(m.metadata)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("cache", [dict(cache="full"), dict(cache="sinks", window=6, sinks=2)])
+def test_prompt_cache_and_generator_on_quantized_caches(tiny, cache):
+    """q8_0 K / q4_0 V through the engine: the second request reuses 30 prompt tokens of the first (fork +
+    rewind of the quantized rows), and both generate exactly what a Generator with the same storage does."""
+    from streamattn.engine.core import Engine, EngineConfig
+    from streamattn.engine.generate import Generator
+    from streamattn.engine.sequence import Job, Sequence
+    rng = np.random.default_rng(9)
+    shared = list(rng.integers(3, 64, 30))
+    jobs = [Job(prompt=tuple(int(t) for t in shared + list(rng.integers(3, 64, n))), max_tokens=5, ignore_eos=True)
+            for n in (3, 4)]
+    kw = dict(window=cache.get("window"), sinks=cache.get("sinks", 0), cache_dtype="q8_0", cache_dtype_v="q4_0")
+    eng = Engine(*tiny, EngineConfig(cache=cache["cache"], prefill_chunk=8, prompt_cache_mb=8, **kw))
+    assert eng.caches[0].spec.dtype == "q8_0" and eng.caches[0].spec.v_dtype == "q4_0"
+    gen = Generator(*tiny, cache=cache["cache"], prefill_chunk=8, **kw)
+    for j, reused in zip(jobs, (0, 30)):
+        s = Sequence(job=j, emit=lambda ev: None, tok=eng.tok)
+        eng.submit(s)
+        while not s.finished:
+            eng.step()
+        assert s.cached == reused
+        alone = [ev.token_id for ev in gen.stream(list(j.prompt), max_tokens=5, ignore_eos=True)]
+        assert s.generated == alone
