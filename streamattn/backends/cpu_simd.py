@@ -106,6 +106,32 @@ def _load_quantized(builder, ary, row, col, kind: int):
     return builder.fmul(x, _splat(builder, d))
 
 
+def load32(builder, ary, row, col, kind: int):
+    """ary[row, col:col + 32] (col a multiple of 32) as two <16 x float>, the same values as two
+    :func:`load16` calls; a quantized block is read once (one scale, one 32- or 16-byte load)."""
+    if kind < 3:
+        return load16(builder, ary, row, col, kind), load16(builder, ary, row, builder.add(col, const(16)), kind)
+    nbytes = 34 if kind == 3 else 18
+    base = builder.add(builder.mul(row, ary.row_stride), builder.mul(builder.udiv(col, const(32)), const(nbytes)))
+    at = lambda off, ty: builder.bitcast(builder.gep(ary.data, [off], source_etype=ir.IntType(8)),  # noqa: E731
+                                         ty.as_pointer())
+    d = _splat(builder, builder.fpext(builder.bitcast(builder.load(at(base, I16), align=1, typ=I16),
+                                                      ir.HalfType()), F32))
+    vi = ir.VectorType(I32, W)
+    if kind == 3:
+        v8 = ir.VectorType(ir.IntType(8), 2 * W)
+        q = builder.load(at(builder.add(base, const(2)), v8), align=1, typ=v8)
+        halves = [builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(I32, W), list(range(h * W, h * W + W))))
+                  for h in (0, 1)]
+        xs = [builder.sitofp(x, VF) for x in halves]
+    else:
+        v8 = ir.VectorType(ir.IntType(8), W)
+        q = builder.zext(builder.load(at(builder.add(base, const(2)), v8), align=1, typ=v8), vi)
+        nibs = [builder.and_(q, ir.Constant(vi, [15] * W)), builder.lshr(q, ir.Constant(vi, [4] * W))]
+        xs = [builder.sitofp(builder.sub(x, ir.Constant(vi, [8] * W)), VF) for x in nibs]
+    return builder.fmul(xs[0], d), builder.fmul(xs[1], d)
+
+
 def _splat_int(builder, x):
     """<16 x i32> of the scalar i32 x."""
     vi = ir.VectorType(I32, W)
@@ -231,19 +257,34 @@ def _make_qk(R: int):
             builder.store(zero, a)
         rows = [builder.add(r0v, const(g)) for g in range(R)]
         keys = [builder.add(jv, const(t)) for t in range(KB)]
-        with cgutils.for_range(builder, builder.udiv(D, const(W))) as loop:
-            col = builder.mul(loop.index, const(W))
-            qs = [load16(builder, qa, rows[g], col, 0) for g in range(R)]
+
+        def chunks(chunk0, n, load):
+            """Chunks chunk0 .. chunk0 + n - 1 of 16 columns: ``load(key row, col)`` gives their n vectors
+            of a key; FMAs go in column order into each dot product's lanes, whatever n is."""
+            col = builder.mul(chunk0, const(W))
+            qs = [[load16(builder, qa, rows[g], builder.add(col, const(W * c)), 0) for g in range(R)]
+                  for c in range(n)]
             for t in range(KB):
                 if _prefetches(R, kind):
                     # the lines of the KB contiguous rows in memory order (chunk t of "row" jv, KB chunks
                     # per step), not in the order the loads take them (row t's chunk at col)
-                    prefetch_line(builder, ka, jv, builder.mul(builder.add(builder.mul(loop.index, const(KB)),
-                                                                       const(t)), const(W)))
-                kv = load16(builder, ka, keys[t], col, kind)
-                for g in range(R):
-                    a = accs[g * KB + t]
-                    builder.store(fmuladd(builder, qs[g], kv, builder.load(a)), a)
+                    for c in range(n):
+                        prefetch_line(builder, ka, jv, builder.mul(builder.add(builder.mul(
+                            builder.add(chunk0, const(c)), const(KB)), const(t)), const(W)))
+                kvs = load(keys[t], col)
+                for c in range(n):
+                    for g in range(R):
+                        a = accs[g * KB + t]
+                        builder.store(fmuladd(builder, qs[c][g], kvs[c], builder.load(a)), a)
+        if kind < 3:
+            with cgutils.for_range(builder, builder.udiv(D, const(W))) as loop:
+                chunks(loop.index, 1, lambda key, col: [load16(builder, ka, key, col, kind)])
+        else:                           # quantized: a block (two chunks) per load, then a half block
+            with cgutils.for_range(builder, builder.udiv(D, const(2 * W))) as loop:
+                chunks(builder.mul(loop.index, const(2)), 2, lambda key, col: load32(builder, ka, key, col, kind))
+            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(D, const(2 * W)), const(0))):
+                chunks(builder.sub(builder.udiv(D, const(W)), const(1)), 1,
+                       lambda key, col: [load16(builder, ka, key, col, kind)])
         total, lane_of = _transpose_sum(builder, [builder.load(a) for a in accs])
         for g in range(R):                      # this row's KB sums, in key order, as one store
             pick = ir.Constant(ir.VectorType(I32, KB), [lane_of[g * KB + t] for t in range(KB)])
@@ -280,7 +321,10 @@ def _make_pv(R: int):
                 if _prefetches(R, kind):
                     for c in range(CG):
                         prefetch_line(builder, va, key, cols[c])
-                xs = [load16(builder, va, key, cols[c], kind) for c in range(CG)]
+                if kind >= 3 and CG % 2 == 0:      # quantized: one load per block (cols[0] starts one)
+                    xs = [x for c in range(0, CG, 2) for x in load32(builder, va, key, cols[c], kind)]
+                else:
+                    xs = [load16(builder, va, key, cols[c], kind) for c in range(CG)]
                 for g in range(R):
                     w = _splat(builder, builder.load(addr(builder, pa, rows[g], key, F32), typ=F32))
                     for c in range(CG):
