@@ -15,8 +15,8 @@ template <int KIND, int HD>
 __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
     const float* __restrict__ q,       // [batch, q_heads, HD] (the one query row)
     const float* __restrict__ q_sink,  // [batch, q_heads, HD] the query as scored against sink keys
-    const void* __restrict__ k,        // [batch, kv_heads, slots, HD] storage KIND
-    const void* __restrict__ v,        // [batch, kv_heads, slots, HD] storage KIND
+    const void* __restrict__ k,        // [batch, kv_heads, slots, HD] storage KIND (quantized: row bytes)
+    const void* __restrict__ v,        // [batch, kv_heads, slots, HD] storage KIND (quantized: row bytes)
     const int* __restrict__ lengths,   // [batch] tokens seen, newest already written
     const int* __restrict__ counts,    // [batch] 1 = real query row, 0 = padding
     float* __restrict__ part_out,      // [batch, q_heads, splits, HD]
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
         // The trip count is the same for every thread of the block, so the shuffles below never diverge;
         // a row-group past `hi` computes on zeros and skips the update.
         for (int step = lo; step < hi; step += SA_UNROLL * R::GROUPS) {
-            uint4 kraw[SA_UNROLL][R::VPT], vraw[SA_UNROLL][R::VPT];
+            SaRaw kraw[SA_UNROLL][R::VPT], vraw[SA_UNROLL][R::VPT];
             bool ok[SA_UNROLL];
 #pragma unroll
             for (int u = 0; u < SA_UNROLL; ++u) {  // issue every load of this step first
@@ -82,8 +82,8 @@ __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
 #pragma unroll
                 for (int j = 0; j < R::VPT; ++j) {
                     const long long elem = row + (j * R::TPR + lane) * R::E;
-                    kraw[u][j] = ok[u] ? sa_load16<KIND>(k, elem) : make_uint4(0u, 0u, 0u, 0u);
-                    vraw[u][j] = ok[u] ? sa_load16<KIND>(v, elem) : make_uint4(0u, 0u, 0u, 0u);
+                    kraw[u][j] = ok[u] ? sa_load16<KIND, HD>(k, elem) : SaRaw{make_uint4(0u, 0u, 0u, 0u), 0.0f};
+                    vraw[u][j] = ok[u] ? sa_load16<KIND, HD>(v, elem) : SaRaw{make_uint4(0u, 0u, 0u, 0u), 0.0f};
                 }
             }
 #pragma unroll

@@ -71,8 +71,8 @@ __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
                 if (i < hi) {
                     const int pos = sa_key_pos(keys, i);
                     const long long elem = (head_base + sa_slot(pos, window, sinks, slots)) * HD + vec * R::E;
-                    sa_unpack<KIND>(sa_load16<KIND>(k, elem), kf);
-                    sa_unpack<KIND>(sa_load16<KIND>(v, elem), vf);
+                    sa_unpack<KIND>(sa_load16<KIND, HD>(k, elem), kf);
+                    sa_unpack<KIND>(sa_load16<KIND, HD>(v, elem), vf);
                     if (vec == 0) s_pos[key] = pos;
                 } else {
 #pragma unroll

@@ -4,8 +4,12 @@
 // instruction and bfloat16 by a shift. The CPU emulation harness (tests/cuda_emu/) defines
 // STREAMATTN_EMULATION and supplies the few CUDA builtins used here; everything else is the same text.
 //
-// Storage kinds (template parameter KIND): 0 = float32, 1 = float16, 2 = bfloat16 (uint16 bits).
-// Cache layout: k, v: [batch, kv_heads, slots, head_dim], C-contiguous. Arithmetic in float32.
+// Storage kinds (template parameter KIND): 0 = float32, 1 = float16, 2 = bfloat16 (uint16 bits),
+// 3 = q8_0, 4 = q4_0 (each row HD / 32 GGUF blocks: a float16 scale d, then 32 int8 q (34 bytes) or 16
+// bytes of nibbles, value j in byte j's low nibble and j + 16 in its high one (18 bytes); value q * d or
+// (q - 8) * d, read in place, one scale per half block of 16 values: streamattn/storage.py).
+// Cache layout: k, v: [batch, kv_heads, slots, head_dim] (quantized: [.., slots, HD / 32 * block bytes]),
+// C-contiguous. Arithmetic in float32.
 #ifndef STREAMATTN_COMMON_CUH
 #define STREAMATTN_COMMON_CUH
 
@@ -31,26 +35,43 @@ __device__ __forceinline__ float sa_half_to_float(unsigned short h) {
 
 __device__ __forceinline__ float sa_neg_inf() { return __uint_as_float(0xff800000u); }
 
-// Bytes of one stored element, per storage kind.
-template <int KIND> struct SaKind { static constexpr int BYTES = (KIND == 0) ? 4 : 2; };
+// Per storage kind: bytes of one stored element (float kinds), values per vector load, block bytes.
+template <int KIND> struct SaKind {
+    static constexpr bool QUANT = KIND >= 3;
+    static constexpr int BYTES = (KIND == 0) ? 4 : 2;
+    static constexpr int E = QUANT ? 16 : 16 / BYTES;      // a 16-byte vector, or half a quantized block
+    static constexpr int BLOCK = KIND == 3 ? 34 : 18;      // bytes per 32 values (quantized kinds)
+};
+
+// One vector as loaded: 16 bytes (float kinds: the elements; q8_0: 16 int8; q4_0: 16 nibbles, one a
+// byte) and, for quantized kinds, the scale of its block.
+struct SaRaw { uint4 u; float d; };
 
 // How a block's threads cover one key row with 16-byte vectors.
 template <int KIND, int HD> struct SaRow {
-    static constexpr int E = 16 / SaKind<KIND>::BYTES;     // elements per 16-byte vector (4 or 8)
+    static constexpr int E = SaKind<KIND>::E;              // elements per vector (4, 8, or 16 quantized)
     static constexpr int VECS = HD / E;                    // vectors per row
     static constexpr int TPR = VECS < 32 ? VECS : 32;      // threads per row (a row never spans warps)
     static constexpr int VPT = VECS / TPR;                 // vectors per thread (1, or 2 for f32 hd256)
     static constexpr int EPT = VPT * E;                    // elements per thread
     static constexpr int GROUPS = SA_THREADS / TPR;        // rows a block works on at once
     static_assert(HD % E == 0 && VECS % TPR == 0, "head_dim must be a multiple of the vector width");
+    static_assert(!SaKind<KIND>::QUANT || HD % 32 == 0, "quantized rows hold whole blocks of 32");
 };
 
-// Unpack one 16-byte vector of storage KIND into float lanes out[0 .. E).
-template <int KIND> __device__ __forceinline__ void sa_unpack(const uint4 u, float* out) {
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+// Unpack one vector of storage KIND into float lanes out[0 .. E).
+template <int KIND> __device__ __forceinline__ void sa_unpack(const SaRaw r, float* out) {
+    const unsigned w[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        if (KIND == 0) {
+        if (KIND >= 3) {  // four values a word: int8 (q8_0) or a nibble in 0..15 (q4_0), times the scale
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int byte = (int)((w[i] >> (8 * j)) & 0xffu);
+                const int q = KIND == 3 ? (byte ^ 0x80) - 0x80 : byte - 8;
+                out[4 * i + j] = (float)q * r.d;
+            }
+        } else if (KIND == 0) {
             out[i] = __uint_as_float(w[i]);
         } else if (KIND == 1) {
             out[2 * i] = sa_half_to_float((unsigned short)(w[i] & 0xffffu));
@@ -62,9 +83,30 @@ template <int KIND> __device__ __forceinline__ void sa_unpack(const uint4 u, flo
     }
 }
 
-template <int KIND> __device__ __forceinline__ uint4 sa_load16(const void* base, long long elem) {
-    return *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(base) +
-                                           elem * SaKind<KIND>::BYTES);
+// The vector of values elem .. elem + E of a [.., HD] cache (elem a multiple of E). Quantized rows are
+// HD / 32 blocks; a block is only 2-byte aligned (34 and 18 bytes), so its half is read as 16-bit words.
+template <int KIND, int HD> __device__ __forceinline__ SaRaw sa_load16(const void* base, long long elem) {
+    SaRaw r;
+    if (SaKind<KIND>::QUANT) {
+        const int c = (int)(elem % HD);
+        const unsigned short* s = reinterpret_cast<const unsigned short*>(
+            reinterpret_cast<const char*>(base) + (elem / HD) * (HD / 32 * SaKind<KIND>::BLOCK) +
+            (c / 32) * SaKind<KIND>::BLOCK);
+        r.d = sa_half_to_float(s[0]);
+        const unsigned short* qs = s + 1 + (KIND == 3 ? (c % 32) / 2 : 0);  // q8_0: this half's 16 bytes
+        const int shift = KIND == 4 && c % 32 >= 16 ? 4 : 0;                 // q4_0: high nibbles for 16..31
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[i] = (unsigned)qs[2 * i] | ((unsigned)qs[2 * i + 1] << 16);
+            if (KIND == 4) w[i] = (w[i] >> shift) & 0x0f0f0f0fu;
+        }
+        r.u = make_uint4(w[0], w[1], w[2], w[3]);
+        return r;
+    }
+    r.u = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(base) + elem * SaKind<KIND>::BYTES);
+    r.d = 0.0f;
+    return r;
 }
 
 // The key positions a launch row may see, as one list of n indices i: positions [0, n_sink) (sinks),

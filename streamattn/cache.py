@@ -39,9 +39,9 @@ import dataclasses
 import numpy as np
 
 from .arrays import check_sequence_index, to_host
-from .spec import CacheSpec
+from .spec import QUANTIZED, CacheSpec
 from .storage import (EXPONENT_BITS, bits, check_stored_finite, non_finite_error, ring_slots, slot_positions,
-                      storage_zeros, to_storage, widen_bf16, write_rows)
+                      storage_zeros, to_storage, widen, write_rows)
 
 _INITIAL_CAUSAL_SLOTS = 256
 
@@ -58,7 +58,8 @@ class KVCache:
 
     Attributes
     ----------
-    k, v : [batch, kv_heads, slots, head_dim] storage arrays (bf16 as uint16 bits)
+    k, v : [batch, kv_heads, slots, head_dim] storage arrays (bf16 as uint16 bits; q8_0 / q4_0 as uint8
+        [batch, kv_heads, slots, row bytes] of GGUF blocks, ``spec.k_width`` / ``spec.v_width``)
     lengths : int64 [batch], tokens seen per sequence (its next absolute position); host memory
     last_counts : int64 [batch], tokens per sequence in the most recent append (the queries to attend)
     held_from : int64 [batch], oldest ring position (>= n_s) whose K/V the ring still holds; host memory.
@@ -92,9 +93,9 @@ class KVCache:
         slots = spec.slots
         if slots is None:
             slots = min(_INITIAL_CAUSAL_SLOTS, spec.max_len or _INITIAL_CAUSAL_SLOTS)
-        shape = (spec.batch, spec.kv_heads, slots, spec.head_dim)
-        self.k = storage_zeros(self.xp, shape, spec.storage_dtype)  # [batch, kv_heads, slots, head_dim]
-        self.v = storage_zeros(self.xp, shape, spec.storage_dtype)  # [batch, kv_heads, slots, head_dim]
+        shape = (spec.batch, spec.kv_heads, slots)
+        self.k = storage_zeros(self.xp, shape + (spec.k_width,), spec.storage_dtype)  # [batch, kv_heads, slots, k_width]
+        self.v = storage_zeros(self.xp, shape + (spec.v_width,), spec.storage_dtype_v)  # [batch, kv_heads, slots, v_width]
         self.lengths = np.zeros(spec.batch, dtype=np.int64)      # [batch]
         self.last_counts = np.zeros(spec.batch, dtype=np.int64)  # [batch]
         self.held_from = np.full(spec.batch, spec.sinks, dtype=np.int64)  # [batch]
@@ -153,15 +154,18 @@ class KVCache:
         xp, spec = self.xp, self.spec
         ks, vs = self.stage(k, v, counts)
         if xp is np:                              # one compiled call: check as stored, write, count
+            mixed = spec.dtype_v is not None or spec.dtype in QUANTIZED  # no one exponent pattern for both
+            if mixed and spec.check_finite:
+                check_stored_finite(ks, vs, counts, spec.dtype, xp, spec.v_dtype)
             bad = write_rows(bits(self.k), bits(self.v), bits(ks), bits(vs), self.lengths,
                              np.ascontiguousarray(counts, np.int64), self.last_counts, self.held_from,
-                             spec.sinks, self.ring, spec.window is not None, spec.check_finite,
-                             EXPONENT_BITS[spec.dtype])
+                             spec.sinks, self.ring, spec.window is not None, spec.check_finite and not mixed,
+                             EXPONENT_BITS.get(spec.dtype, 0))
             if bad >= 0:
                 raise non_finite_error("kv"[bad % 2], bad // 2, spec.dtype)
             return
         if spec.check_finite:
-            check_stored_finite(ks, vs, counts, spec.dtype, xp)
+            check_stored_finite(ks, vs, counts, spec.dtype, xp, spec.v_dtype)
         for b in range(spec.batch):
             c = int(counts[b])
             if c == 0:
@@ -184,17 +188,17 @@ class KVCache:
         """A validated chunk cast to the storage (ks, vs), with room made for it: a causal cache grows,
         after refusing a chunk that is not finite as stored (so a refused chunk changes nothing)."""
         xp, spec = self.xp, self.spec
-        if k.dtype == spec.storage_dtype and v.dtype == spec.storage_dtype:      # no cast: no overflow
-            ks, vs = k, v                                # (not bf16: its storage dtype is no float)
+        if k.dtype == spec.storage_dtype and v.dtype == spec.storage_dtype_v:    # no cast: no overflow
+            ks, vs = k, v                                # (not bf16 or q*: their storage dtype is no float)
         else:
             with np.errstate(over="ignore"):      # an overflow to inf is caught just below, by name
-                ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, head_dim]
-                vs = to_storage(v, spec.dtype, xp)
+                ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, k_width]
+                vs = to_storage(v, spec.v_dtype, xp)  # [batch, kv_heads, T, v_width]
         if spec.window is None:
             need = int(self.lengths[0] + counts[0]) if spec.batch == 1 else int((self.lengths + counts).max())
             if need > self.slots:
                 if spec.check_finite:             # refuse before growing: a refused chunk changes nothing
-                    check_stored_finite(ks, vs, counts, spec.dtype, xp)
+                    check_stored_finite(ks, vs, counts, spec.dtype, xp, spec.v_dtype)
                 self._grow(need)
         return ks, vs
 
@@ -350,9 +354,9 @@ class KVCache:
         p = pos[order]
         order = order[(p >= 0) & ((p < self.spec.sinks) | (p >= self.held_from[b]))]  # lost to a rewind: not held
         out = []
-        for store in (self.k, self.v):
-            rows = to_host(store[b][:, self.xp.asarray(order)], copy=False)  # [kv_heads, n, head_dim]
-            out.append(widen_bf16(rows) if self.spec.dtype == "bfloat16" else rows.astype(np.float32))
+        for store, dt in ((self.k, self.spec.dtype), (self.v, self.spec.v_dtype)):
+            rows = to_host(store[b][:, self.xp.asarray(order)], copy=False)  # [kv_heads, n, width]
+            out.append(widen(rows, dt, self.spec.head_dim))                  # [kv_heads, n, head_dim]
         return out[0], out[1], pos[order].astype(np.int64)
 
     # -- whole state and one sequence: copy, restore, rewrite (streamattn.state, streamattn.snapshot, the
@@ -363,7 +367,7 @@ class KVCache:
         Returns
         -------
         dict with
-            k, v : [n, kv_heads, U, head_dim] storage dtype, slots 0 .. U-1 with U = min(slots, max length)
+            k, v : [n, kv_heads, U, width] storage dtype, slots 0 .. U-1 with U = min(slots, max length)
                 (every slot at or past U is zero)
             lengths, last_counts, held_from : int64 [n]
         """
@@ -379,17 +383,19 @@ class KVCache:
 
         The caller vouches that the counters fit the spec (streamattn.snapshot checks a file's before).
         """
-        shape = (spec.batch, spec.kv_heads, slots, spec.head_dim)
+        kinds = {"k": (spec.storage_dtype, spec.k_width), "v": (spec.storage_dtype_v, spec.v_width)}
         for n in ("k", "v"):
             a = state[n]
-            if a.dtype != spec.storage_dtype or a.shape[:2] + a.shape[3:] != shape[:2] + shape[3:] \
+            dt, width = kinds[n]
+            if a.dtype != dt or a.shape[:2] + a.shape[3:] != (spec.batch, spec.kv_heads, width) \
                     or a.shape[2] > slots:
-                raise ValueError(f"state[{n!r}] must be {spec.storage_dtype} [{spec.batch}, {spec.kv_heads}, "
-                                 f"<={slots}, {spec.head_dim}] (got {a.dtype} {tuple(a.shape)})")
+                raise ValueError(f"state[{n!r}] must be {dt} [{spec.batch}, {spec.kv_heads}, "
+                                 f"<={slots}, {width}] (got {a.dtype} {tuple(a.shape)})")
         cache = cls(spec, device=device)
         for n in ("k", "v"):   # a window cache is allocated in full already; a causal one may need more
             store = getattr(cache, n)
-            store = store if store.shape == shape else storage_zeros(cache.xp, shape, spec.storage_dtype)
+            shape = (spec.batch, spec.kv_heads, slots, kinds[n][1])
+            store = store if store.shape == shape else storage_zeros(cache.xp, shape, kinds[n][0])
             store[:, :, :state[n].shape[2]] = cache.xp.asarray(state[n])
             setattr(cache, n, store)
         cache.lengths, cache.last_counts, cache.held_from = (
@@ -414,7 +420,7 @@ class KVCache:
 
         Parameters
         ----------
-        k, v : [kv_heads, n, head_dim] in the storage dtype, host or this cache's device; slot order
+        k, v : [kv_heads, n, width] in the storage dtype, host or this cache's device; slot order
             (as another cache with this spec stores them), n <= min(capacity, length)
         length, last_count : tokens seen and queries of the last append (0 <= last_count <= length)
         held_from : oldest ring position still held; default ``max(n_s, length - R)`` (appends alone) for a
@@ -425,14 +431,13 @@ class KVCache:
         """
         b = check_sequence_index("b", b, self.spec.batch)
         s = self.spec
-        want = (s.kv_heads, s.head_dim)
-        for name, x in (("k", k), ("v", v)):
-            if x.ndim != 3 or (x.shape[0], x.shape[2]) != want or x.dtype != s.storage_dtype:
-                raise ValueError(f"{name} must be {s.storage_dtype} [{s.kv_heads}, n, {s.head_dim}] "
+        for name, x, dt, width in (("k", k, s.storage_dtype, s.k_width), ("v", v, s.storage_dtype_v, s.v_width)):
+            if x.ndim != 3 or (x.shape[0], x.shape[2]) != (s.kv_heads, width) or x.dtype != dt:
+                raise ValueError(f"{name} must be {dt} [{s.kv_heads}, n, {width}] "
                                  f"(got {x.dtype} {tuple(x.shape)})")
         n = k.shape[1]
         cap = self.slots if s.window is not None else (s.max_len or max(n, length))
-        if v.shape != k.shape or not 0 <= last_count <= length or n > min(cap, length):
+        if v.shape[1] != k.shape[1] or not 0 <= last_count <= length or n > min(cap, length):
             raise ValueError(f"write_sequence: k {tuple(k.shape)} / v {tuple(v.shape)}, length={length}, "
                              f"last_count={last_count} are inconsistent (n <= min(slots={cap}, length))")
         if held_from is None:

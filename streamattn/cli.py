@@ -68,10 +68,12 @@ def _warm_kernels(args, model=None) -> None:
         if not compiled.layers_cached() and compiled.bind_weights(model.layers[0]) is not None:
             print("compiling the decoder layer (once after an install; Numba caches it) ...", file=sys.stderr,
                   flush=True)
-    warmup.warm(args.cache_dtype)
+    kind = getattr(args, "cache_dtype_k", None) or args.cache_dtype
+    kind_v = getattr(args, "cache_dtype_v", None) or args.cache_dtype
+    warmup.warm(kind, kind_v)
     if model is not None:
         from streamattn.engine.generate import warm_model
-        warm_model(model, args.cache_dtype)
+        warm_model(model, kind, kind_v)
 
 
 # ---------------------------------------------------------------------------------------- shared

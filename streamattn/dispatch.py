@@ -8,7 +8,8 @@ import numpy as np
 
 from . import backends
 from .cache import KVCache
-from .storage import EXPONENT_BITS, bits, non_finite_error
+from .spec import QUANTIZED
+from .storage import EXPONENT_BITS, bits, check_stored_finite, non_finite_error
 from .threads import many_threads
 
 
@@ -130,11 +131,16 @@ def _append_attend_cpu(q, k, v, cache: KVCache, scale: float):
         cache.check_room(counts)
     ks, vs = cache.stage(k, v, counts)
     kst, vst = bits(cache.k), bits(cache.v)
-    ka, va = (cache.k, cache.v) if spec.dtype == "float32" else (kst, vst)
+    ka = cache.k if spec.dtype == "float32" else kst
+    va = cache.v if spec.v_dtype == "float32" else vst
+    mixed = spec.dtype_v is not None or spec.dtype in QUANTIZED   # checked here: no one exponent pattern
+    if mixed and spec.check_finite:
+        check_stored_finite(ks, vs, counts, spec.dtype, np, spec.v_dtype)
     cpu = _cpu()
     bad, out, lse, finite = cpu.write_attend(q, scale, kst, vst, bits(ks), bits(vs), ka, va, cache.lengths, counts,
-                                             cache.last_counts, cache.held_from, cache.ring, spec.check_finite,
-                                             EXPONENT_BITS[spec.dtype], cpu.KIND[spec.dtype], not many_threads())
+                                             cache.last_counts, cache.held_from, cache.ring,
+                                             spec.check_finite and not mixed, EXPONENT_BITS.get(spec.dtype, 0),
+                                             cpu.KIND[spec.dtype], cpu.KIND[spec.v_dtype], not many_threads())
     if bad >= 0:
         raise non_finite_error("kv"[bad % 2], bad // 2, spec.dtype)
     return (out, lse) if finite else _poison_non_finite(out, lse, counts, np)
@@ -164,7 +170,8 @@ def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, *, edge: bool = Fa
     rule of :func:`attend`)."""
     spec = cache.spec
     args = (cache.k, cache.v, cache.lengths, counts)
-    kw = dict(window=spec.window or 0, sinks=spec.sinks, scale=scale, kind=spec.dtype, q_sink=q_sink)
+    kw = dict(window=spec.window or 0, sinks=spec.sinks, scale=scale, kind=spec.dtype, q_sink=q_sink,
+              kind_v=spec.v_dtype)
     out, lse = fn(q, *args, **kw)
 
     def float32_edge(out, lse, real, bad):

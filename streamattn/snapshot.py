@@ -4,18 +4,23 @@ What is saved is a cache's whole state (spec, K/V, lengths, last_counts, held_fr
 for one cache or a model's list of per-layer caches, as ``KVCache.export_state`` gives it; loading builds
 caches with ``KVCache.from_state`` and writes single sequences with ``KVCache.write_sequence``.
 
-File format ``streamattn-kv``, version 1
+File format ``streamattn-kv``, version 2
 -----------------------------------------
 An uncompressed ``.npz`` (a zip of ``.npy`` members; read with ``allow_pickle=False``):
 
     meta                         uint8 [n], UTF-8 JSON:
-                                 {"format": "streamattn-kv", "version": 1, "layout": "cache" | "layers",
+                                 {"format": "streamattn-kv", "version": 2, "layout": "cache" | "layers",
                                   "layers": [{"spec": {CacheSpec fields}, "slots": S, "used": U}, ...],
                                   "sha256": "<hex digest of the payload>"}
-    layer{i}.k, layer{i}.v       [batch, kv_heads, U, head_dim], storage dtype: slots 0 .. U-1
+    layer{i}.k, layer{i}.v       [batch, kv_heads, U, width], storage dtype: slots 0 .. U-1 (width: head_dim,
+                                 or a quantized row's bytes; K and V each by its own dtype)
     layer{i}.lengths             int64 [batch]
     layer{i}.last_counts         int64 [batch]
     layer{i}.held_from           int64 [batch]
+
+Version 2 added the spec's ``dtype_v`` and the quantized dtypes q8_0 / q4_0 (uint8 members of GGUF
+blocks, stored as written: a restore never re-quantizes). Version 1 files (float storage, one dtype for K
+and V, no ``dtype_v`` key) still load; what they hold reads the same.
 
 ``U = min(S, max(lengths))``. Slots at or past U hold zeros (a slot that holds no current position is
 zero: appends never write there, rewinds and resets zero what they drop), so a load allocates S zeroed
@@ -51,7 +56,9 @@ from .cache import KVCache
 from .spec import POLICY_FIELDS, CacheSpec
 
 FORMAT = "streamattn-kv"
-VERSION = 1
+VERSION = 2
+_READS = (1, 2)                    # versions this module loads (1: before quantized and split K/V dtypes)
+_V1_DTYPES = ("float32", "float16", "bfloat16")
 _FIELDS = ("k", "v", "lengths", "last_counts", "held_from")
 
 
@@ -329,8 +336,8 @@ def _parse(raw: bytes, max_bytes: int):
         raise _Bad(f"its meta is not valid JSON: corrupted ({type(e).__name__}: {e})") from e
     if fmt != FORMAT:
         raise _Bad(f"format {fmt!r} is not {FORMAT!r}: not a streamattn KV state file")
-    if version != VERSION:
-        raise _Bad(f"format version {version!r} is not supported: this streamattn reads version {VERSION}; "
+    if version not in _READS:
+        raise _Bad(f"format version {version!r} is not supported: this streamattn reads versions {_READS}; "
                    "load it with the streamattn that wrote it and save it again")
     digest = _digest(meta, members)
     if digest != meta.get("sha256"):
@@ -346,10 +353,13 @@ def _parse(raw: bytes, max_bytes: int):
         try:
             if not isinstance(m, dict) or not isinstance(m.get("spec"), dict):
                 raise ValueError(f"layer record must hold a spec dict (got {str(m)[:80]})")
+            if version == 1 and ("dtype_v" in m["spec"] or m["spec"].get("dtype") not in _V1_DTYPES):
+                raise ValueError(f"a version 1 spec holds float storage of one dtype (got {m['spec']})")
             s = CacheSpec(**m["spec"])
             slots, used = _int(m.get("slots"), "slots"), _int(m.get("used"), "used")
             alloc = s.slots if s.window is not None else max(slots, 1)   # what load and restore allocate
-            total += 2 * s.batch * s.kv_heads * alloc * s.head_dim * s.storage_dtype.itemsize
+            total += s.batch * s.kv_heads * alloc * (s.k_width * s.storage_dtype.itemsize
+                                                     + s.v_width * s.storage_dtype_v.itemsize)
             if total > max_bytes:
                 raise _Bad(f"layer {i}: the file's specs ask for {total} bytes of K/V storage, more than "
                            f"max_bytes={max_bytes}; refused before allocating")
@@ -366,9 +376,9 @@ def _check_layer(m: dict, a: dict) -> dict:
     for n in _FIELDS[2:]:
         if a[n].dtype != np.int64 or a[n].shape != (s.batch,):
             raise ValueError(f"{n} must be int64 [{s.batch}] (got {a[n].dtype} {a[n].shape})")
-    for n in ("k", "v"):
-        if a[n].dtype != s.storage_dtype or a[n].shape != (s.batch, s.kv_heads, used, s.head_dim):
-            raise ValueError(f"{n} must be {s.storage_dtype} {(s.batch, s.kv_heads, used, s.head_dim)} "
+    for n, dt, width in (("k", s.storage_dtype, s.k_width), ("v", s.storage_dtype_v, s.v_width)):
+        if a[n].dtype != dt or a[n].shape != (s.batch, s.kv_heads, used, width):
+            raise ValueError(f"{n} must be {dt} {(s.batch, s.kv_heads, used, width)} "
                              f"(got {a[n].dtype} {a[n].shape})")
     if L.min() < 0 or (s.window is None and L.max() > slots) or (a["last_counts"] < 0).any() \
             or (a["last_counts"] > L).any():

@@ -20,13 +20,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0")
+QUANTIZED = ("q8_0", "q4_0")   # block-quantized storage: uint8 rows of GGUF blocks (streamattn.storage)
 POLICY_FIELDS = ("check_finite",)  # CacheSpec fields that are input policy, not state: never compared
 
 # Storage dtype of each spec dtype. bfloat16 is kept as its raw uint16 bits so that Numba (which has no
 # bfloat16) and CuPy (likewise) read the same bytes; widening is a 16-bit shift.
+# q8_0 and q4_0 rows are uint8 runs of GGUF blocks (BLOCK_BYTES each, one per 32 values along head_dim).
 STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-           "bfloat16": np.dtype(np.uint16)}
+           "bfloat16": np.dtype(np.uint16), "q8_0": np.dtype(np.uint8), "q4_0": np.dtype(np.uint8)}
+QBLOCK = 32                                  # values per block, as GGUF's Q8_0 and Q4_0
+BLOCK_BYTES = {"q8_0": 2 + 32, "q4_0": 2 + 16}  # float16 scale, then 32 int8 or 32 packed 4-bit values
+
+
+def row_width(dtype: str, head_dim: int) -> int:
+    """Storage elements of one K or V row: head_dim, or the bytes of ceil(head_dim / 32) blocks for a
+    quantized dtype (a head_dim that is no multiple of 32 fills its last block with zeros)."""
+    if dtype in QUANTIZED:
+        return -(-head_dim // QBLOCK) * BLOCK_BYTES[dtype]
+    return head_dim
 
 
 # Upper bounds of the integer fields: far above any real model, low enough that no product of them
@@ -51,8 +63,12 @@ class CacheSpec:
     ----------
     batch, kv_heads, head_dim : int
         Storage is ``[batch, kv_heads, slots, head_dim]`` for K and for V.
-    dtype : {"float32", "float16", "bfloat16"}
-        Storage dtype; attention arithmetic is float32 whatever the storage.
+    dtype : {"float32", "float16", "bfloat16", "q8_0", "q4_0"}
+        Storage dtype of K (and of V unless ``dtype_v`` is given); attention arithmetic is float32 whatever
+        the storage. ``q8_0`` / ``q4_0`` keep each row as GGUF's Q8_0 / Q4_0 blocks of 32 values along
+        head_dim with a float16 scale (byte for byte), quantized once when written.
+    dtype_v : str or None
+        Storage dtype of V when it differs from K's (same choices); None: ``dtype``.
     window : int or None
         ``None`` for full causal attention, else n_c >= 1 keys, the current one included.
     sinks : int
@@ -81,6 +97,7 @@ class CacheSpec:
     max_chunk: int = 1
     max_len: int | None = None
     check_finite: bool = True
+    dtype_v: str | None = None
 
     def __post_init__(self):
         for name in ("batch", "kv_heads", "head_dim", "max_chunk", "window", "sinks", "max_len"):
@@ -97,6 +114,11 @@ class CacheSpec:
         _positive_int("max_chunk", self.max_chunk, minimum=1)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES} (got {self.dtype!r})")
+        if self.dtype_v is not None and self.dtype_v not in DTYPES:
+            raise ValueError(f"dtype_v must be one of {DTYPES} or None for dtype's (got {self.dtype_v!r})")
+        if self.dtype_v == self.dtype:
+            object.__setattr__(self, "dtype_v", None)   # one spelling per cache: specs compare equal
+
         if self.window is not None:
             _positive_int("window", self.window, minimum=1,
                           hint="; use window=None for full causal attention")
@@ -126,4 +148,25 @@ class CacheSpec:
 
     @property
     def storage_dtype(self) -> np.dtype:
+        """numpy dtype of K's storage (uint8 for a quantized dtype)."""
         return STORAGE[self.dtype]
+
+    @property
+    def v_dtype(self) -> str:
+        """V's storage dtype name (``dtype_v`` or ``dtype``)."""
+        return self.dtype if self.dtype_v is None else self.dtype_v
+
+    @property
+    def storage_dtype_v(self) -> np.dtype:
+        """numpy dtype of V's storage."""
+        return STORAGE[self.v_dtype]
+
+    @property
+    def k_width(self) -> int:
+        """Storage elements per K row (:func:`row_width`)."""
+        return row_width(self.dtype, self.head_dim)
+
+    @property
+    def v_width(self) -> int:
+        """Storage elements per V row (:func:`row_width`)."""
+        return row_width(self.v_dtype, self.head_dim)

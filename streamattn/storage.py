@@ -6,8 +6,14 @@ compute is explained in streamattn/cache.py and docs/DESIGN.md.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from .spec import BLOCK_BYTES, QBLOCK, QUANTIZED, row_width
 
 STORAGE_ALIGN = 64  # bytes: one cache line, one AVX-512 vector
 
@@ -72,8 +78,141 @@ def widen_bf16(bits, xp=np):
     return (bits.astype(xp.uint32) << 16).view(xp.float32)
 
 
+# -- block quantization: GGUF's Q8_0 and Q4_0, one row of head_dim values at a time ------------------------
+#
+# A row of D values is ceil(D / 32) blocks; a block is its float16 scale d (2 bytes, little-endian) and then
+#   q8_0: 32 int8 q, value = q * d, d = max|x| / 127, q = round-half-away(x / d)
+#   q4_0: 16 bytes, byte j = q[j] | q[j + 16] << 4, value = (q - 8) * d, d = x_m / -8 where x_m is the
+#         first value of largest magnitude, q = min(15, trunc(x / d + 8.5))
+# as ggml's quantize_row_q8_0_ref / quantize_row_q4_0_ref (and gguf-py's quants.py) compute them in float32:
+# the reciprocal 1/d is taken of the float32 d, before d is rounded to float16. Values past D (the last
+# block of a head_dim that is no multiple of 32) are zeros. A block holding NaN or inf gets a NaN scale
+# (bits 0x7E00) and zero quants, so every value read from it is NaN, never a silent number; a finite block
+# whose scale overflows float16 (max|x| past 8.3e6 for q8_0) keeps its inf scale: both are refused by
+# a check_finite cache (:func:`check_quantized_finite`).
+
+@njit(cache=True)
+def _roundf(x):
+    """C's roundf (half away from zero) in float32, as gguf-py's np_roundf writes it."""
+    a = abs(x)
+    f = np.float32(math.floor(a))
+    b = f + np.float32(math.floor(np.float32(2.0) * (a - f)))
+    return -b if x < 0 else b
+
+
+@intrinsic
+def f32_to_f16(typingctx, x):
+    """float32 -> float16 bits (uint16) by LLVM's fptrunc: round to nearest even, overflow to inf, as
+    numpy's astype(float16) rounds."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@njit(cache=True)
+def quantize_rows(x, out, q4):
+    """Quantize float32 rows x [n, D] into out uint8 [n, row bytes] (q8_0, or q4_0 when ``q4``).
+    Returns the number of blocks whose scale is not finite (NaN or inf input, or an overflow)."""
+    n, D = x.shape
+    nb = out.shape[1] // (18 if q4 else 34)
+    blk = np.zeros(32, np.float32)
+    bad = 0
+    for r in range(n):
+        for b in range(nb):
+            o = b * (18 if q4 else 34)
+            m = min(32, D - 32 * b)
+            finite = True
+            amax = np.float32(0.0)
+            xm = np.float32(0.0)
+            for i in range(32):
+                v = x[r, 32 * b + i] if i < m else np.float32(0.0)
+                blk[i] = v
+                if not math.isfinite(v):
+                    finite = False
+                elif abs(v) > amax:
+                    amax, xm = abs(v), v
+            if not finite:
+                out[r, o] = 0x00                 # scale 0x7E00: float16 quiet NaN
+                out[r, o + 1] = 0x7E
+                for i in range(2, 18 if q4 else 34):
+                    out[r, o + i] = 0x88 if q4 else 0
+                bad += 1
+                continue
+            d = xm / np.float32(-8.0) if q4 else amax / np.float32(127.0)
+            inv = np.float32(0.0) if d == 0 else np.float32(1.0) / d
+            h = f32_to_f16(d)
+            out[r, o] = h & 0xFF
+            out[r, o + 1] = h >> 8
+            if h & 0x7C00 == 0x7C00:
+                bad += 1
+            if q4:
+                for j in range(16):
+                    lo = min(15, int(blk[j] * inv + np.float32(8.5)))
+                    hi = min(15, int(blk[j + 16] * inv + np.float32(8.5)))
+                    out[r, o + 2 + j] = lo | (hi << 4)
+            else:
+                for i in range(32):
+                    out[r, o + 2 + i] = np.uint8(np.int64(_roundf(blk[i] * inv)) & 0xFF)
+    return bad
+
+
+def quantize(x, dtype: str):
+    """float rows ``x`` [..., D] -> uint8 [..., row bytes] of ``dtype`` "q8_0" or "q4_0" blocks (numpy).
+
+    Returns (blocks, bad): bad counts the blocks whose float16 scale is NaN or inf (NaN or inf input, or
+    a scale past 65504). Byte-compatible with gguf.quants.quantize of the rows zero-padded to a multiple of 32.
+
+    >>> q, bad = quantize(np.linspace(-1, 1, 64, dtype=np.float32), "q8_0")
+    >>> q.shape, bad
+    ((68,), 0)
+    """
+    x = np.asarray(x)
+    D = x.shape[-1]
+    flat = np.ascontiguousarray(x.reshape(-1, D), np.float32)
+    out = np.empty((flat.shape[0], row_width(dtype, D)), np.uint8)
+    bad = quantize_rows(flat, out, dtype == "q4_0")
+    return out.reshape(x.shape[:-1] + (out.shape[1],)), int(bad)
+
+
+def dequantize(a, dtype: str, head_dim: int, xp=np):
+    """uint8 rows [..., row bytes] of q8_0 / q4_0 blocks -> float32 [..., head_dim]: the values a kernel reads."""
+    nb = a.shape[-1] // BLOCK_BYTES[dtype]
+    blocks = a.reshape(a.shape[:-1] + (nb, BLOCK_BYTES[dtype]))
+    d = xp.ascontiguousarray(blocks[..., :2]).view(xp.float16).astype(xp.float32)       # [..., nb, 1]
+    if dtype == "q8_0":
+        q = xp.ascontiguousarray(blocks[..., 2:]).view(xp.int8).astype(xp.float32)      # [..., nb, 32]
+    else:
+        qs = blocks[..., 2:]
+        q = xp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(xp.float32) - 8.0    # [..., nb, 32]
+    return (d * q).reshape(a.shape[:-1] + (nb * QBLOCK,))[..., :head_dim]
+
+
+def widen(a, dtype: str, head_dim: int, xp=np):
+    """Storage rows of ``dtype`` -> float32 [..., head_dim]: what every kernel computes with."""
+    if dtype in QUANTIZED:
+        return dequantize(a, dtype, head_dim, xp)
+    return widen_bf16(a, xp) if dtype == "bfloat16" else a.astype(xp.float32)
+
+
+def quantized_bad_rows(a, dtype: str, xp=np):
+    """bool [...] over rows [..., row bytes]: rows holding a block whose scale is NaN or inf."""
+    nb = a.shape[-1] // BLOCK_BYTES[dtype]
+    blocks = a.reshape(a.shape[:-1] + (nb, BLOCK_BYTES[dtype]))
+    scale = blocks[..., 0].astype(xp.uint16) | (blocks[..., 1].astype(xp.uint16) << 8)
+    return ((scale & 0x7C00) == 0x7C00).any(axis=-1)
+
+
 def to_storage(x, dtype: str, xp):
-    """Cast a float array to the spec's storage (bf16: round-to-nearest-even raw bits)."""
+    """Cast a float array [..., head_dim] to the spec's storage (bf16: round-to-nearest-even raw bits;
+    q8_0 / q4_0: uint8 rows of blocks, :func:`quantize`; on a device through the host)."""
+    if dtype in QUANTIZED:
+        if xp is np:
+            return quantize(x, dtype)[0]
+        from .arrays import to_host
+        return xp.asarray(quantize(to_host(x, copy=False), dtype)[0])
     if dtype == "bfloat16":
         if x.dtype.name == "bfloat16":  # ml_dtypes input: already bf16
             return x.view(xp.uint16)
@@ -83,27 +222,29 @@ def to_storage(x, dtype: str, xp):
     return x.astype(dtype, copy=False)
 
 
-def check_stored_finite(ks, vs, counts, dtype: str, xp) -> None:
+def check_stored_finite(ks, vs, counts, dtype: str, xp, dtype_v: str | None = None) -> None:
     """Refuse a chunk whose real rows (``counts[b]`` per sequence) are NaN or inf *as stored*: run after
-    the cast, so a float32 1e5 that overflows a float16 cache is refused too. ks, vs: [batch, kv_heads, T, d].
+    the cast, so a float32 1e5 that overflows a float16 cache is refused too. ks, vs: [batch, kv_heads, T, d]
+    (quantized: [.., row bytes], checked by their scales). ``dtype_v``: V's dtype when it differs from K's.
     One pass over the whole chunk first: when it is all finite (the usual case), no per-sequence look."""
-    for name, x in (("k", ks), ("v", vs)):
-        if bool(xp.isfinite(widen_bf16(x, xp) if dtype == "bfloat16" else x).all()):
+    def finite(x, dt):
+        if dt in QUANTIZED:
+            return ~quantized_bad_rows(x, dt, xp)
+        return xp.isfinite(widen_bf16(x, xp) if dt == "bfloat16" else x)
+    for name, x, dt in (("k", ks, dtype), ("v", vs, dtype_v or dtype)):
+        if bool(finite(x, dt).all()):
             continue
         for b in range(x.shape[0]):
             rows = x[b, :, :int(counts[b])]
-            if not rows.size:
-                continue
-            wide = widen_bf16(rows, xp) if dtype == "bfloat16" else rows
-            if not bool(xp.isfinite(wide).all()):
-                raise non_finite_error(name, b, dtype)
+            if rows.size and not bool(finite(rows, dt).all()):
+                raise non_finite_error(name, b, dt)
 
 
 def non_finite_error(name: str, b: int, dtype: str) -> ValueError:
     """The refusal of a chunk whose ``name`` ("k" or "v") rows of sequence ``b`` are NaN or inf as stored."""
     return ValueError(f"{name} holds NaN or inf for sequence {b}; the cache is unchanged (checked as stored in "
-                      f"{dtype}: float16 overflows past 65504; pass check_finite=False in the spec to skip this "
-                      "check)")
+                      f"{dtype}: float16 overflows past 65504, a q8_0 block's scale past max|x| = 8.3e6; pass "
+                      "check_finite=False in the spec to skip this check)")
 
 
 #: Exponent bits of each storage, as unsigned integers: a value is NaN or inf iff all of them are set.
@@ -111,8 +252,22 @@ EXPONENT_BITS = {"float32": 0x7F800000, "float16": 0x7C00, "bfloat16": 0x7F80}
 
 
 def bits(x):
-    """The storage bits of x as unsigned integers of its width (float32 -> uint32; 16-bit -> uint16)."""
-    return x.view(np.uint32 if x.dtype.itemsize == 4 else np.uint16)
+    """The storage bits of x as unsigned integers of its width (float32 -> uint32; 16-bit -> uint16;
+    quantized uint8 rows as they are)."""
+    return x.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[x.dtype.itemsize])
+
+
+@njit(cache=True)
+def _first_not_finite(x, counts, expbits):
+    """The first sequence b whose real rows of x [B, H, T, D] (bits) hold a NaN or inf, or -1."""
+    B, H, T, D = x.shape
+    for b in range(B):
+        for h in range(H):
+            for t in range(counts[b]):
+                for d in range(D):
+                    if x[b, h, t, d] & expbits == expbits:
+                        return b
+    return -1
 
 
 @njit(cache=True)
@@ -123,16 +278,14 @@ def write_rows(kst, vst, ks, vs, lengths, counts, last_counts, held_from, sinks,
     for a window cache). With ``check``, first looks for a NaN or inf (all ``expbits`` set) among the
     real rows, k before v, and returns ``2 b + (0 for k, 1 for v)`` of the first without writing anything;
     else returns -1. One compiled call where the Python path took ~15 array operations per layer."""
-    B, H, T, D = ks.shape
+    B, H = ks.shape[:2]
     if check:
-        for which in range(2):
-            x = ks if which == 0 else vs
-            for b in range(B):
-                for h in range(H):
-                    for t in range(counts[b]):
-                        for d in range(D):
-                            if x[b, h, t, d] & expbits == expbits:
-                                return 2 * b + which
+        bad = _first_not_finite(ks, counts, expbits)
+        if bad >= 0:
+            return 2 * bad
+        bad = _first_not_finite(vs, counts, expbits)
+        if bad >= 0:
+            return 2 * bad + 1
     for b in range(B):
         L = lengths[b]
         for t in range(counts[b]):

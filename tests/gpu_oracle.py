@@ -40,8 +40,10 @@ def slot_of(j: int, *, window: int, sinks: int, slots: int) -> int:
 def fill_cache(k_hist, v_hist, lengths, *, window, sinks, slots):
     """Ring contents after writing positions 0..lengths[b]-1 in order: k, v [batch, kv_heads, slots, d]."""
     batch, kv_heads, _, d = k_hist.shape
-    # Never-written slots hold NaN (bf16 bits 0x7fc0): a kernel that reads one poisons its output.
-    k = np.full((batch, kv_heads, slots, d), 0x7FC0 if k_hist.dtype == np.uint16 else np.nan, k_hist.dtype)
+    # Never-written slots hold NaN (bf16 bits 0x7fc0; quantized rows 0xff bytes: NaN scales): a kernel that
+    # reads one poisons its output.
+    poison = {np.dtype(np.uint16): 0x7FC0, np.dtype(np.uint8): 0xFF}.get(k_hist.dtype, np.nan)
+    k = np.full((batch, kv_heads, slots, d), poison, k_hist.dtype)
     v = k.copy()
     for b in range(batch):
         for j in range(lengths[b]):
@@ -55,6 +57,12 @@ def storage(a, dtype: str):
     if dtype == "bfloat16":
         stored = np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
         return stored.view(np.uint16), stored.astype(np.float64)
+    if dtype in ("q8_0", "q4_0"):   # gguf-py's blocks and their values (head_dim a multiple of 32 here)
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize, quantize
+        qt = GGMLQuantizationType[dtype.upper()]
+        stored = quantize(np.asarray(a, np.float32), qt)
+        return stored, dequantize(stored, qt).astype(np.float64)
     stored = np.asarray(a).astype(dtype)
     return stored, stored.astype(np.float64)
 

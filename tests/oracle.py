@@ -6,9 +6,12 @@ import numpy as np
 
 from streamattn.reference import TOLERANCE, attention
 
-# max |out - oracle| / max |oracle| (streamattn.reference.TOLERANCE says what it measures).
-TOL = TOLERANCE
-LSE_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}  # absolute, natural log
+# max |out - oracle| / max |oracle| (streamattn.reference.TOLERANCE says what it measures). Quantized
+# storage is checked against the oracle over the dequantized stored values (as_stored), so only the
+# kernels' float32 arithmetic is measured: the float32 tolerances.
+TOL = {**TOLERANCE, "q8_0": TOLERANCE["float32"], "q4_0": TOLERANCE["float32"]}
+LSE_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2, "q8_0": 1e-4, "q4_0": 1e-4}  # absolute, natural log
+_GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
 def as_stored(x, dtype: str):
@@ -17,6 +20,14 @@ def as_stored(x, dtype: str):
     arithmetic from storage rounding, so it can be checked at the float32 tolerance at any head_dim."""
     if dtype == "float32":
         return np.asarray(x, np.float32)
+    if dtype in _GGUF_TYPES:   # gguf-py's own quantizer and dequantizer, rows zero-padded to blocks of 32
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize, quantize
+        qt = GGMLQuantizationType[_GGUF_TYPES[dtype]]
+        x = np.asarray(x, np.float32)
+        d = x.shape[-1]
+        pad = np.zeros(x.shape[:-1] + (-d % 32,), np.float32)
+        return dequantize(quantize(np.concatenate([x, pad], axis=-1), qt), qt)[..., :d]
     import ml_dtypes
     store = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
     return np.asarray(x, np.float32).astype(store).astype(np.float32)
@@ -25,11 +36,16 @@ def as_stored(x, dtype: str):
 class History:
     """Every K/V row ever appended, per sequence, in temporal order: what full attention sees."""
 
-    def __init__(self, batch: int):
+    def __init__(self, batch: int, spec=None):
         self.k = [[] for _ in range(batch)]   # per sequence: list of [kv_heads, t, d]
         self.v = [[] for _ in range(batch)]
+        # a quantized cache's rows are kept as stored (gguf-py's round trip): see TOL
+        self.stored = [dt if spec is not None and dt in _GGUF_TYPES else "float32"
+                       for dt in ((spec.dtype, spec.v_dtype) if spec is not None else ("float32",) * 2)]
 
     def append(self, k, v, counts):
+        if self.stored != ["float32", "float32"]:
+            k, v = as_stored(k, self.stored[0]), as_stored(v, self.stored[1])
         for b, c in enumerate(counts):
             if c:
                 self.k[b].append(np.asarray(k[b, :, :c], np.float64))

@@ -20,7 +20,7 @@ def chunk(rng, B, heads, T, d=16):
     return rng.standard_normal((B, heads, T, d)).astype(np.float32)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("mode", SPECS)
 def test_same_answers_and_state_as_append_then_attend(mode, dtype):
     """Two caches fed the same chunks, one through each path: outputs and storage equal bit for bit,

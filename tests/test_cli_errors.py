@@ -116,7 +116,7 @@ def test_cold_kernel_cache_is_announced_and_warmed_before_timing(monkeypatch, ca
     from streamattn.backends import warmup
     calls = []
     monkeypatch.setattr(warmup, "kernels_cached", lambda: False)
-    monkeypatch.setattr(warmup, "warm", lambda kind: calls.append(kind))
+    monkeypatch.setattr(warmup, "warm", lambda kind, kind_v=None: calls.append(kind))
     args = cli.build_parser().parse_args(["generate", "x", "--cache-dtype", "float16"])
     cli._warm_kernels(args)
     assert calls == ["float16"] and "compiling attention kernels" in capsys.readouterr().err

@@ -14,7 +14,7 @@ BACKENDS = ["cpu", "reference"]
 def stream(spec, q_heads, steps, backend, *, seed=0, chunks=None, ragged=False, scale=None):
     """Append ``steps`` chunks (sizes from ``chunks`` or 1), checking every output against the oracle."""
     rng = np.random.default_rng(seed)
-    cache, hist = KVCache(spec), History(spec.batch)
+    cache, hist = KVCache(spec), History(spec.batch, spec)   # (quantized storage: the values as stored)
     for step in range(steps):
         T = int(chunks[step % len(chunks)]) if chunks else 1
         shape = (spec.batch, spec.kv_heads, T, spec.head_dim)

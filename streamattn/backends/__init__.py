@@ -1,6 +1,7 @@
 """Backends: one signature, picked by name.
 
-Every backend is ``fn(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None) -> (out, lse)`` over the
+Every backend is ``fn(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None) -> (out,
+lse)`` over the
 ring storage of one layer (see ``streamattn.backends.cpu.attend`` for the argument contract).
 """
 
@@ -9,18 +10,20 @@ from __future__ import annotations
 import numpy as np
 
 from ..arrays import to_host
-from ..storage import slot_positions, widen_bf16
+from ..storage import slot_positions, widen
 from .. import reference
 
 BACKENDS = ("reference", "cpu", "gpu")
 
 
-def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None):
-    """The float64 oracle applied to what the ring holds (slots decoded to positions)."""
+def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None):
+    """The float64 oracle applied to what the ring holds (slots decoded to positions; quantized rows
+    dequantized: the values the kernels read)."""
     q, k, v = (to_host(a, copy=False) for a in (q, k, v))
     qs = q if q_sink is None else to_host(q_sink, copy=False)
-    wide = (lambda a: widen_bf16(a)) if kind == "bfloat16" else (lambda a: a.astype(np.float64))
     B, Hq, T, D = q.shape
+    kind_v = kind if kind_v is None else kind_v
+    wide = lambda a, dt: widen(a, dt, D).astype(np.float64)  # noqa: E731
     out = np.zeros((B, Hq, T, D), np.float64)
     lse = np.full((B, Hq, T), -np.inf, np.float64)
     for b in range(B):
@@ -31,7 +34,7 @@ def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q
         held = np.nonzero(pos >= 0)[0]
         q_pos = np.arange(lengths[b] - c, lengths[b])
         out[b, :, :c], lse[b, :, :c] = reference.attention(
-            q[b, :, :c], wide(k[b][:, held]), wide(v[b][:, held]), q_pos,
+            q[b, :, :c], wide(k[b][:, held], kind), wide(v[b][:, held], kind_v), q_pos,
             window=window or None, sinks=sinks, scale=scale, k_pos=pos[held], q_sink=qs[b, :, :c])
     return out.astype(q.dtype), lse.astype(np.float32)
 
@@ -53,7 +56,7 @@ def get(name: str, device: str):
         return cpu.attend
     from . import gpu
 
-    def gpu_attend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None):
+    def gpu_attend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None):
         return gpu.attend(q, k, v, lengths, counts, window=window, sinks=sinks, scale=scale,
-                          q_sink=q_sink)  # dtype from k
+                          q_sink=q_sink, kind=kind, kind_v=kind_v)
     return gpu_attend

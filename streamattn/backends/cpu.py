@@ -68,20 +68,23 @@ def _pages_kernels(items):
     pair (:func:`attend_all`): the parallel launch cost 3-10 us a decode call (docs/PERF.md). Numba keys
     a cached closure on its cells, so the two never share a cache entry."""
 
-    def attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, part_out, part_lse):
+    def attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, part_out,
+                     part_lse):
         """Partial attention per (sequence, kv head, page, block of query rows).
 
         q: [B, Hq, T, D] float32, already multiplied by the scale
         qs: [B, Hq, T, D] float32, scaled: the queries scored against the sink keys (q itself unless the
             model rotates its queries at cache positions for them, see docs/DESIGN.md §13)
-        k, v: [B, Hkv, S, D] float32, or uint16 bits of float16/bfloat16 (``kind`` 1/2)
+        k, v: [B, Hkv, S, D] float32, or uint16 bits of float16/bfloat16 (``kind`` 1/2), or [B, Hkv, S, row
+            bytes] uint8 q8_0/q4_0 blocks (kind 3/4), read in place; ``kind`` is K's, ``kind_v`` V's
         lengths, counts: int64 [B]; query t < counts[b] sits at position lengths[b] - counts[b] + t
         window: n_c, or 0 for causal; sinks: n_s
         npages: pages per sequence in this call (sink pages first, then main pages in position order)
         nblocks: blocks of ROW_BLOCK query rows (r = g * counts[b] + t) per (sequence, kv head)
         part_out: [B, Hq, T, npages, D] float32, part_lse: [B, Hq, T, npages] float32 (outputs)
         """
-        B, Hkv, S, D = k.shape
+        B, Hkv, S = k.shape[:3]
+        D = q.shape[3]
         Hq = q.shape[1]
         G = Hq // Hkv
         vector = D % 16 == 0  # the cpu_simd kernels; plain loops otherwise
@@ -129,7 +132,7 @@ def _pages_kernels(items):
             tacc = np.empty((rows, D), np.float32)           # [rows, D] this tile's weighted sum of V
             alpha = np.empty(rows, np.float32)               # [rows] rescale of the running sums
             sc = np.empty((rows, SUB + 16), np.float32)      # [rows, tile + pad] scores, then probabilities
-            kpad = np.zeros((16, D), k.dtype)                # [16, D] a tile's last keys, zero-padded
+            kpad = np.zeros((16, k.shape[3]), k.dtype)       # [16, D] a tile's last keys, zero-padded
             stail = np.empty((rows, 16), np.float32)         # [rows, 16] their scores
             lo_all = qlo.min()                               # keys outside [lo_all, hi_all) are no row's
             hi_all = min(z, qpos.max() + 1)
@@ -178,9 +181,9 @@ def _pages_kernels(items):
                     vt = v[b, h, slot:slot + n]                     # [n, D] storage
                     tacc[:] = 0.0
                     if vector:
-                        tile_accumulate(tacc, sc, vt, n, kind)
+                        tile_accumulate(tacc, sc, vt, n, kind_v)
                     else:
-                        accumulate(tacc, sc, vt, n, rows, kind)
+                        accumulate(tacc, sc, vt, n, rows, kind_v)
                     for r in range(rows):
                         ar = acc[r]
                         tr = tacc[r]
@@ -246,7 +249,7 @@ def _grid(lengths, counts, window, sinks, group):
 
 
 @njit(cache=True)
-def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, serial):
+def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, kind_v, serial):
     """:func:`attend_pages` then :func:`_merge_splits`, with their buffers: one call from Python instead
     of two calls and four allocations (~3 us less per decode call). Arguments as for attend_pages;
     ``serial``: take the serial pair (one thread set: :func:`streamattn.threads.many_threads`); returns
@@ -258,21 +261,23 @@ def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, serial):
     out = np.empty((B, Hq, T, D), np.float32)                   # [B, Hq, T, D]
     lse = np.empty((B, Hq, T), np.float32)                      # [B, Hq, T]
     if not serial:
-        attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, part_out, part_lse)
+        attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, part_out, part_lse)
         _merge_splits(part_out, part_lse, out, lse)
     else:
-        _attend_pages_serial(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, part_out, part_lse)
+        _attend_pages_serial(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, part_out,
+                             part_lse)
         _merge_splits_serial(part_out, part_lse, out, lse)
     return out, lse
 
 
 @njit(cache=True)
 def write_attend(q, scale, kst, vst, ks, vs, ka, va, lengths, counts, last_counts, held_from, ring, check,
-                 expbits, kind, serial):
+                 expbits, kind, kind_v, serial):
     """Append then attend for a causal cache without sinks, one call from Python (the model's decode and
     prefill chunks): :func:`streamattn.storage.write_rows` of the chunk (kst, vst: the storage as bits;
     ks, vs: the chunk as stored, as bits; refused whole if not finite), then :func:`attend_all` of
-    ``q * scale`` (q: float32 [B, Hq, T, D]) over ka, va (the storage as the kernels read it). The same
+    ``q * scale`` (q: float32 [B, Hq, T, D]) over ka, va (the storage as the kernels read it; ``kind``,
+    ``kind_v`` as :func:`attend_pages`; quantized rows arrive quantized and checked, ``check`` False). The same
     calls and bits as ``KVCache.append`` then :func:`attend`, without the Python between them (~1 ms a
     SmolLM2 decode step in the model, where that Python runs with its data evicted: docs/PERF.md).
     Returns (bad, out, lse, finite): bad >= 0 names the refused rows (nothing written; out, lse empty);
@@ -281,8 +286,11 @@ def write_attend(q, scale, kst, vst, ks, vs, ka, va, lengths, counts, last_count
     if bad >= 0:
         return bad, np.empty((0, 0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), True
     qs = q * np.float32(scale)
-    out, lse = attend_all(qs, qs, ka, va, lengths, counts, 0, 0, kind, serial)
+    out, lse = attend_all(qs, qs, ka, va, lengths, counts, 0, 0, kind, kind_v, serial)
     return bad, out, lse, bool(np.isfinite(lse).all())
+
+
+_VIEW = {"float32": np.float32, "float16": np.uint16, "bfloat16": np.uint16, "q8_0": np.uint8, "q4_0": np.uint8}
 
 
 def count_pages(lengths, counts, window: int, sinks: int) -> int:
@@ -290,20 +298,23 @@ def count_pages(lengths, counts, window: int, sinks: int) -> int:
     return _grid(np.asarray(lengths, np.int64), np.asarray(counts, np.int64), window, sinks, 1)[0]
 
 
-def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, kind: str, q_sink=None):
+def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, kind: str, q_sink=None,
+           kind_v: str | None = None):
     """Attention of the newest ``counts[b]`` tokens of each sequence over a ring KV cache.
 
     Parameters
     ----------
     q : [batch, q_heads, T, head_dim] float array
-    k, v : [batch, kv_heads, slots, head_dim] storage arrays (float32, float16, or uint16 bf16 bits)
+    k, v : [batch, kv_heads, slots, head_dim] storage arrays (float32, float16, or uint16 bf16 bits; uint8
+        [batch, kv_heads, slots, row bytes] of q8_0 / q4_0 blocks)
     lengths, counts : int [batch]; query t < counts[b] is at position lengths[b] - counts[b] + t
     window : n_c, or 0 for full causal; sinks : n_s
     scale : multiplier of q.k
-    kind : storage dtype name, "float32" | "float16" | "bfloat16"
+    kind : K's storage dtype name, "float32" | "float16" | "bfloat16" | "q8_0" | "q4_0"
     q_sink : [batch, q_heads, T, head_dim] float array, optional
         The queries scored against the sink keys (positions < sinks); default q. A model that assigns
         positions within the cache passes q rotated at the query's cache position here.
+    kind_v : V's storage dtype name; default ``kind``
 
     Returns
     -------
@@ -313,11 +324,12 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
     qs = np.ascontiguousarray(q, dtype=np.float32) * np.float32(scale)       # [B, Hq, T, D]
     qss = qs if q_sink is None else np.ascontiguousarray(q_sink, dtype=np.float32) * np.float32(scale)
     k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)   # (the cache's own storage: no copy)
-    kb = k.view(np.float32 if kind == "float32" else np.uint16)
-    vb = v.view(kb.dtype)
+    kind_v = kind if kind_v is None else kind_v
+    kb, vb = (x.view(_VIEW[kd]) for x, kd in ((k, kind), (v, kind_v)))
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     counts = np.ascontiguousarray(counts, dtype=np.int64)
-    out, lse = attend_all(qs, qss, kb, vb, lengths, counts, window, sinks, KIND[kind], not many_threads())
+    out, lse = attend_all(qs, qss, kb, vb, lengths, counts, window, sinks, KIND[kind], KIND[kind_v],
+                          not many_threads())
     return out.astype(q.dtype, copy=False), lse
 
 

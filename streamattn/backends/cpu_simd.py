@@ -15,7 +15,10 @@ float max reduction did not vectorise at all. Here the code generators emit LLVM
   skipped, not propagated: a NaN score still makes its exp, and the output, NaN).
 - ``f16_to_f32``, ``bf16_to_f32``, ``pow2``: scalar bit conversions Numba lacks.
 
-kind: 0 float32 storage, 1 float16 bits, 2 bfloat16 bits (uint16); 16-bit rows are widened as loaded.
+kind: 0 float32 storage, 1 float16 bits, 2 bfloat16 bits (uint16), 3 q8_0 and 4 q4_0 blocks (uint8 rows,
+streamattn.storage); 16-bit rows are widened as loaded, quantized ones read in place: a chunk of 16
+values is one 16-byte load (q8_0) or half of one block's nibbles (q4_0), widened to <16 x float> in
+registers and multiplied by the block's float16 scale (exact: an int8 times a float16 fits a float32).
 Every vector kernel needs head_dim % 16 == 0; the backend keeps a plain-Numba path for other sizes.
 
 Four-row kernels, and single-row kernels over 16-bit storage, prefetch every line they load
@@ -80,8 +83,67 @@ def addr(builder, ary, row, col, elem):
     return builder.bitcast(builder.gep(ary.data, [off], source_etype=ir.IntType(8)), elem.as_pointer())
 
 
+def _load_quantized(builder, ary, row, col, kind: int):
+    """Values col .. col + 16 (col a multiple of 16) of a row of q8_0 (kind 3) or q4_0 (kind 4) blocks."""
+    nbytes = 34 if kind == 3 else 18
+    block = builder.udiv(col, const(32))
+    half = builder.urem(builder.udiv(col, const(16)), const(2))               # 0 or 1 within the block
+    base = builder.add(builder.mul(row, ary.row_stride), builder.mul(block, const(nbytes)))
+    at = lambda off, ty: builder.bitcast(builder.gep(ary.data, [off], source_etype=ir.IntType(8)),  # noqa: E731
+                                         ty.as_pointer())
+    d = builder.fpext(builder.bitcast(builder.load(at(base, I16), align=1, typ=I16), ir.HalfType()), F32)
+    v8 = ir.VectorType(ir.IntType(8), W)
+    vi = ir.VectorType(I32, W)
+    if kind == 3:
+        q = builder.load(at(builder.add(base, builder.add(const(2), builder.mul(half, const(16)))), v8),
+                         align=1, typ=v8)
+        x = builder.sitofp(q, VF)
+    else:
+        q = builder.zext(builder.load(at(builder.add(base, const(2)), v8), align=1, typ=v8), vi)
+        shift = builder.trunc(builder.mul(half, const(4)), I32)
+        nib = builder.and_(builder.lshr(q, _splat_int(builder, shift)), ir.Constant(vi, [15] * W))
+        x = builder.sitofp(builder.sub(nib, ir.Constant(vi, [8] * W)), VF)
+    return builder.fmul(x, _splat(builder, d))
+
+
+def load32(builder, ary, row, col, kind: int):
+    """ary[row, col:col + 32] (col a multiple of 32) as two <16 x float>, the same values as two
+    :func:`load16` calls; a quantized block is read once (one scale, one 32- or 16-byte load)."""
+    if kind < 3:
+        return load16(builder, ary, row, col, kind), load16(builder, ary, row, builder.add(col, const(16)), kind)
+    nbytes = 34 if kind == 3 else 18
+    base = builder.add(builder.mul(row, ary.row_stride), builder.mul(builder.udiv(col, const(32)), const(nbytes)))
+    at = lambda off, ty: builder.bitcast(builder.gep(ary.data, [off], source_etype=ir.IntType(8)),  # noqa: E731
+                                         ty.as_pointer())
+    d = _splat(builder, builder.fpext(builder.bitcast(builder.load(at(base, I16), align=1, typ=I16),
+                                                      ir.HalfType()), F32))
+    vi = ir.VectorType(I32, W)
+    if kind == 3:
+        v8 = ir.VectorType(ir.IntType(8), 2 * W)
+        q = builder.load(at(builder.add(base, const(2)), v8), align=1, typ=v8)
+        halves = [builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(I32, W), list(range(h * W, h * W + W))))
+                  for h in (0, 1)]
+        xs = [builder.sitofp(x, VF) for x in halves]
+    else:
+        v8 = ir.VectorType(ir.IntType(8), W)
+        q = builder.zext(builder.load(at(builder.add(base, const(2)), v8), align=1, typ=v8), vi)
+        nibs = [builder.and_(q, ir.Constant(vi, [15] * W)), builder.lshr(q, ir.Constant(vi, [4] * W))]
+        xs = [builder.sitofp(builder.sub(x, ir.Constant(vi, [8] * W)), VF) for x in nibs]
+    return builder.fmul(xs[0], d), builder.fmul(xs[1], d)
+
+
+def _splat_int(builder, x):
+    """<16 x i32> of the scalar i32 x."""
+    vi = ir.VectorType(I32, W)
+    v = builder.insert_element(ir.Constant(vi, ir.Undefined), x, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vi, ir.Undefined), ir.Constant(vi, [0] * W))
+
+
 def load16(builder, ary, row, col, kind: int):
-    """ary[row, col:col + 16] as <16 x float>, widening float16 (kind 1) or bfloat16 (kind 2) bits."""
+    """ary[row, col:col + 16] as <16 x float>, widening float16 (kind 1) or bfloat16 (kind 2) bits, or
+    reading q8_0 (3) / q4_0 (4) blocks in place."""
+    if kind >= 3:
+        return _load_quantized(builder, ary, row, col, kind)
     if kind == 0:
         return builder.load(addr(builder, ary, row, col, VF), align=4, typ=VF)
     vi = ir.VectorType(I16, W)
@@ -94,7 +156,7 @@ def load16(builder, ary, row, col, kind: int):
 
 def _prefetches(R: int, kind: int) -> bool:
     """Whether the kernel of R query rows over ``kind`` storage issues software prefetches."""
-    return R >= PREFETCH_MIN_ROWS or kind != 0
+    return R >= PREFETCH_MIN_ROWS or kind in (1, 2)
 
 
 def prefetch_line(builder, ary, row, col):
@@ -145,15 +207,17 @@ def c_arrays(*tys) -> bool:
 
 def _by_storage(builder, storage_ty, kind, emit):
     """Emit the kernel body for the storage: float32 arrays once (kind 0); uint16 arrays twice, for
-    float16 (kind == 1 at run time) and bfloat16 (otherwise), behind one branch."""
+    float16 (kind == 1 at run time) and bfloat16 (otherwise), behind one branch; uint8 arrays twice, for
+    q8_0 (kind == 3) and q4_0 (otherwise)."""
     if storage_ty.dtype == types.float32:
         emit(0)
         return
-    with builder.if_else(builder.icmp_signed("==", kind, ir.Constant(kind.type, 1))) as (f16, bf16):
-        with f16:
-            emit(1)
-        with bf16:
-            emit(2)
+    first, second = (3, 4) if storage_ty.dtype == types.uint8 else (1, 2)
+    with builder.if_else(builder.icmp_signed("==", kind, ir.Constant(kind.type, first))) as (a, b):
+        with a:
+            emit(first)
+        with b:
+            emit(second)
 
 
 def _kernel(body, arrays, storage):
@@ -178,34 +242,49 @@ def _make_qk(R: int):
     """Intrinsic qk(qf, r0, kt, j, sc, kind): sc[r0 + g, j + t] = qf[r0 + g] . kt[j + t] for g < R,
     t < 16 // R.
 
-    qf: [rows, D] float32, kt: [n, D] storage (float32, or uint16 bits of ``kind`` 1/2),
-    sc: [rows, >= j + 16 // R] float32, D % 16 == 0.
+    qf: [rows, D] float32, kt: [n, D] storage (float32, or uint16 bits of ``kind`` 1/2, or [n, row bytes]
+    uint8 blocks of kind 3/4), sc: [rows, >= j + 16 // R] float32, D % 16 == 0.
     """
     KB = W // R                                     # keys per call: R * KB = 16 dot products
 
     def body(context, builder, sig, args, kind):
         qa, ka, sa = (Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
         r0v, jv = args[1], args[3]
-        D = ka.cols
+        D = qa.cols                                 # (a quantized kt's rows are bytes, not values)
         zero = ir.Constant(VF, [0.0] * W)
         accs = [cgutils.alloca_once(builder, VF) for _ in range(R * KB)]  # dot g*KB+t, lane-wise
         for a in accs:
             builder.store(zero, a)
         rows = [builder.add(r0v, const(g)) for g in range(R)]
         keys = [builder.add(jv, const(t)) for t in range(KB)]
-        with cgutils.for_range(builder, builder.udiv(D, const(W))) as loop:
-            col = builder.mul(loop.index, const(W))
-            qs = [load16(builder, qa, rows[g], col, 0) for g in range(R)]
+
+        def chunks(chunk0, n, load):
+            """Chunks chunk0 .. chunk0 + n - 1 of 16 columns: ``load(key row, col)`` gives their n vectors
+            of a key; FMAs go in column order into each dot product's lanes, whatever n is."""
+            col = builder.mul(chunk0, const(W))
+            qs = [[load16(builder, qa, rows[g], builder.add(col, const(W * c)), 0) for g in range(R)]
+                  for c in range(n)]
             for t in range(KB):
                 if _prefetches(R, kind):
                     # the lines of the KB contiguous rows in memory order (chunk t of "row" jv, KB chunks
                     # per step), not in the order the loads take them (row t's chunk at col)
-                    prefetch_line(builder, ka, jv, builder.mul(builder.add(builder.mul(loop.index, const(KB)),
-                                                                       const(t)), const(W)))
-                kv = load16(builder, ka, keys[t], col, kind)
-                for g in range(R):
-                    a = accs[g * KB + t]
-                    builder.store(fmuladd(builder, qs[g], kv, builder.load(a)), a)
+                    for c in range(n):
+                        prefetch_line(builder, ka, jv, builder.mul(builder.add(builder.mul(
+                            builder.add(chunk0, const(c)), const(KB)), const(t)), const(W)))
+                kvs = load(keys[t], col)
+                for c in range(n):
+                    for g in range(R):
+                        a = accs[g * KB + t]
+                        builder.store(fmuladd(builder, qs[c][g], kvs[c], builder.load(a)), a)
+        if kind < 3:
+            with cgutils.for_range(builder, builder.udiv(D, const(W))) as loop:
+                chunks(loop.index, 1, lambda key, col: [load16(builder, ka, key, col, kind)])
+        else:                           # quantized: a block (two chunks) per load, then a half block
+            with cgutils.for_range(builder, builder.udiv(D, const(2 * W))) as loop:
+                chunks(builder.mul(loop.index, const(2)), 2, lambda key, col: load32(builder, ka, key, col, kind))
+            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(D, const(2 * W)), const(0))):
+                chunks(builder.sub(builder.udiv(D, const(W)), const(1)), 1,
+                       lambda key, col: [load16(builder, ka, key, col, kind)])
         total, lane_of = _transpose_sum(builder, [builder.load(a) for a in accs])
         for g in range(R):                      # this row's KB sums, in key order, as one store
             pick = ir.Constant(ir.VectorType(I32, KB), [lane_of[g * KB + t] for t in range(KB)])
@@ -217,7 +296,8 @@ def _make_qk(R: int):
 def _make_pv(R: int):
     """Intrinsic pv(acc, r0, p, vt, n, kind): acc[r0 + g] += sum_{j < n} p[r0 + g, j] * vt[j] for g < R.
 
-    acc: [rows, D] float32, p: [rows, >= n] float32, vt: [>= n, D] storage, D % 16 == 0. Columns go in
+    acc: [rows, D] float32, p: [rows, >= n] float32, vt: [>= n, D] storage (quantized: [>= n, row bytes]),
+    D % 16 == 0. Columns go in
     groups of CG vectors (4, or 2 for four rows; then single vectors for the rest), each group one pass
     over the n keys with its accumulators in registers. Even and odd keys go to two accumulator sets,
     added at the end: more FMA chains in flight (one row: 2.0 -> ~1 ns per key), and one summation order
@@ -230,7 +310,7 @@ def _make_pv(R: int):
     def body(context, builder, sig, args, kind):
         aa, pa, va = (Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
         r0v, nv = args[1], args[4]
-        D = va.cols
+        D = aa.cols
         rows = [builder.add(r0v, const(g)) for g in range(R)]
         wide_end = builder.mul(builder.udiv(D, const(G4 * W)), const(G4 * W))
         for CG, start, count in ((G4, const(0), builder.udiv(D, const(G4 * W))),
@@ -241,7 +321,10 @@ def _make_pv(R: int):
                 if _prefetches(R, kind):
                     for c in range(CG):
                         prefetch_line(builder, va, key, cols[c])
-                xs = [load16(builder, va, key, cols[c], kind) for c in range(CG)]
+                if kind >= 3 and CG % 2 == 0:      # quantized: one load per block (cols[0] starts one)
+                    xs = [x for c in range(0, CG, 2) for x in load32(builder, va, key, cols[c], kind)]
+                else:
+                    xs = [load16(builder, va, key, cols[c], kind) for c in range(CG)]
                 for g in range(R):
                     w = _splat(builder, builder.load(addr(builder, pa, rows[g], key, F32), typ=F32))
                     for c in range(CG):

@@ -19,7 +19,7 @@ from .cpu_simd import I32, PV, QK, VF, W, const, bf16_to_f32, f16_to_f32
 # Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
 # masked scores are -inf on purpose.
 FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
-KIND = {"float32": 0, "float16": 1, "bfloat16": 2}
+KIND = {"float32": 0, "float16": 1, "bfloat16": 2, "q8_0": 3, "q4_0": 4}
 _QK1, _QK2, _QK4 = QK[1], QK[2], QK[4]   # module globals: Numba cannot index the dicts in a kernel
 _PV1, _PV2, _PV4 = PV[1], PV[2], PV[4]
 
@@ -114,6 +114,31 @@ def _wide_impl(x, kind):
     return lambda x, kind: f16_to_f32(x) if kind == 1 else bf16_to_f32(x)
 
 
+def _at(row, i, kind):
+    """Value i of one storage row as float32: :func:`_wide` of row[i], or read from its q8_0 (kind 3) or
+    q4_0 (kind 4) block for a uint8 row (the plain-loop path of head_dims that are no multiple of 16)."""
+
+
+@overload(_at)
+def _at_impl(row, i, kind):
+    if row.dtype != types.uint8:
+        return lambda row, i, kind: _wide(row[i], kind)
+
+    def impl(row, i, kind):
+        b, j = i // 32, i % 32
+        if kind == 3:
+            o = 34 * b
+            q = np.int32(row[o + 2 + j])
+            q = q - 256 if q > 127 else q
+        else:
+            o = 18 * b
+            byte = np.int32(row[o + 2 + j % 16])
+            q = (byte & 15 if j < 16 else byte >> 4) - 8
+        d = f16_to_f32(np.uint16(np.int64(row[o]) | (np.int64(row[o + 1]) << 8)))
+        return np.float32(q) * d
+    return impl
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def exp_tile(x, n16, mx):
     """x[:n16] <- exp(x[:n16] - mx) in place (n16 a multiple of 16); vectorisable (libm's exp is scalar).
@@ -150,7 +175,7 @@ def scores(qr, kt, n, out, kind):
         a = np.float32(0.0)
         kj = kt[j]
         for i in range(D):
-            a += qr[i] * _wide(kj[i], kind)
+            a += qr[i] * _at(kj, i, kind)
         out[j] = a
 
 
@@ -174,17 +199,17 @@ def accumulate(acc, p, vt, n, rows, kind):
             p0, p1, p2, p3 = pr[j], pr[j + 1], pr[j + 2], pr[j + 3]
             p4, p5, p6, p7 = pr[j + 4], pr[j + 5], pr[j + 6], pr[j + 7]
             for i in range(D):
-                a[i] += ((p0 * _wide(v0[i], kind) + p1 * _wide(v1[i], kind)) +
-                         (p2 * _wide(v2[i], kind) + p3 * _wide(v3[i], kind))) + \
-                        ((p4 * _wide(v4[i], kind) + p5 * _wide(v5[i], kind)) +
-                         (p6 * _wide(v6[i], kind) + p7 * _wide(v7[i], kind)))
+                a[i] += ((p0 * _at(v0, i, kind) + p1 * _at(v1, i, kind)) +
+                         (p2 * _at(v2, i, kind) + p3 * _at(v3, i, kind))) + \
+                        ((p4 * _at(v4, i, kind) + p5 * _at(v5, i, kind)) +
+                         (p6 * _at(v6, i, kind) + p7 * _at(v7, i, kind)))
     for j in range(n4, n):
         vj = vt[j]
         for r in range(rows):
             a = acc[r]
             pj = p[r, j]
             for i in range(D):
-                a[i] += pj * _wide(vj[i], kind)
+                a[i] += pj * _at(vj, i, kind)
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -67,7 +67,7 @@ def _launch(name: str, grid, block, args) -> None:
 
 
 def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, splits: int | None = None,
-           q_sink=None):
+           q_sink=None, kind: str | None = None, kind_v: str | None = None):
     """Attention of a chunk of queries against a ring KV cache on the GPU ("write, then attend").
 
     Parameters
@@ -75,7 +75,8 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
     q : cupy.ndarray [batch, q_heads, T, head_dim], float32 or float16
         Query row t < counts[b] sits at position lengths[b] - counts[b] + t; other rows are padding.
     k, v : cupy.ndarray [batch, kv_heads, slots, head_dim], C-contiguous
-        float32, float16, or bfloat16 as uint16 bits. head_dim in {64, 128, 256};
+        float32, float16, bfloat16 as uint16 bits, or uint8 rows of q8_0 / q4_0 blocks (told apart by the
+        row's bytes). head_dim in {64, 128, 256};
         q_heads = group x kv_heads (GQA/MQA). The newest chunk is already written.
     lengths : array [batch] of int
         Tokens each sequence has seen, the chunk included. A numpy array is preferred: its values
@@ -93,6 +94,9 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
     q_sink : cupy.ndarray like q, optional
         The queries scored against the sink keys (positions < sinks) instead of q; a model that assigns
         positions within the cache passes q rotated at the query's cache position. Default q.
+    kind, kind_v : str, optional
+        The storage dtype names of K and V (the dispatcher passes them); they must be the same: the
+        kernels read K and V of one kind. None: taken from k.
 
     Returns
     -------
@@ -106,6 +110,9 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
     ...                   scale=128 ** -0.5)  # doctest: +SKIP
     """
     cupy = _cupy()
+    if kind is not None and kind_v is not None and kind != kind_v:
+        raise ValueError(f"the gpu backend reads K and V of one storage dtype (got K {kind}, V {kind_v}); "
+                         "use one --cache-dtype, or the cpu backend")
     for name, arr in (("q", q), ("k", k), ("v", v)) + ((("q_sink", q_sink),) if q_sink is not None else ()):
         if not isinstance(arr, cupy.ndarray):
             raise TypeError(f"{name} must be a cupy.ndarray on the device (got {type(arr).__name__})")

@@ -34,12 +34,14 @@ def validate(q, k, v, lengths, counts, *, window: int, sinks: int) -> None:
         raise ValueError(f"k and v must both be [batch, kv_heads, slots, head_dim] "
                          f"(got {tuple(k.shape)} and {tuple(v.shape)})")
     if k.dtype != v.dtype:
-        raise TypeError(f"k and v must share one storage dtype (got {k.dtype} and {v.dtype})")
-    storage_tag(k.dtype)
+        raise TypeError(f"k and v must share one storage dtype (got {k.dtype} and {v.dtype}); the gpu "
+                        "backend has no kernels for K and V stored apart")
     if q.dtype.name not in ("float32", "float16"):
         raise TypeError(f"q dtype must be float32 or float16 (got {q.dtype})")
     batch, q_heads, _, head_dim = q.shape
     kv_batch, kv_heads, slots, kv_dim = k.shape
+    if storage_tag(k.dtype, kv_dim, head_dim) in ("q8", "q4"):
+        kv_dim = head_dim                   # a row of blocks for head_dim values (storage_tag checked it)
     if kv_batch != batch or kv_dim != head_dim:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
     if head_dim not in HEAD_DIMS:
@@ -112,7 +114,7 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
     batch, q_heads, rows, head_dim = q.shape
     kv_heads, slots = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    tag = storage_tag(k.dtype)
+    tag = storage_tag(k.dtype, k.shape[3], head_dim)
     if k.dtype.name == "bfloat16":  # ml_dtypes on the host: the kernels read raw bits
         k, v = k.view(np.uint16), v.view(np.uint16)
     qf = xp.ascontiguousarray(q, dtype=xp.float32)  # [batch, q_heads, T, head_dim]; q is tiny

@@ -13,7 +13,8 @@ prefill  ``sa_prefill<KIND, HD>``         ``prefill_bf16_hd64``
 merge    ``sa_merge<HD>``                 ``merge_hd256``
 ======== ================================ =========================
 
-KIND is the K/V storage dtype: 0 float32, 1 float16, 2 bfloat16 (uint16 bits); HD is head_dim.
+KIND is the K/V storage dtype: 0 float32, 1 float16, 2 bfloat16 (uint16 bits), 3 q8_0 and 4 q4_0 (uint8
+rows of GGUF blocks, tags ``q8`` / ``q4``, e.g. ``decode_q8_hd64``); HD is head_dim.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import re
 from pathlib import Path
 
 HEAD_DIMS = (64, 128, 256)
-KV_KINDS = {"f32": 0, "f16": 1, "bf16": 2}  # storage dtype tag -> KIND template argument
+KV_KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}  # storage dtype tag -> KIND template argument
+QUANT_BLOCK_BYTES = {"q8": 34, "q4": 18}  # bytes per 32 values (streamattn.spec.BLOCK_BYTES)
 SOURCES = {"decode": "decode.cu", "prefill": "prefill.cu", "merge": "merge.cu"}
 # Options for every NVRTC compile (backend and compile check alike); the arch is added per device.
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -95,12 +97,20 @@ def source(kind: str) -> str:
     return expand_includes((folder / SOURCES[kind]).read_text(), folder)
 
 
-def storage_tag(dtype) -> str:
-    """``"f32"``, ``"f16"`` or ``"bf16"`` for a K/V storage dtype (bf16 as uint16 bits or ml_dtypes)."""
+def storage_tag(dtype, width: int | None = None, head_dim: int | None = None) -> str:
+    """``"f32"``, ``"f16"`` or ``"bf16"`` for a K/V storage dtype (bf16 as uint16 bits or ml_dtypes); for
+    uint8 rows of quantized blocks, ``"q8"`` or ``"q4"`` by the row's ``width`` in bytes for ``head_dim``."""
     name = getattr(dtype, "name", str(dtype))
+    if name == "uint8" and head_dim is not None:
+        for tag, block in QUANT_BLOCK_BYTES.items():
+            if head_dim % 32 == 0 and width == head_dim // 32 * block:
+                return tag
+        raise ValueError(f"uint8 k/v rows of {width} bytes are neither q8_0 nor q4_0 blocks for head_dim "
+                         f"{head_dim} (expected {head_dim // 32 * 34} or {head_dim // 32 * 18})")
     tag = {"float32": "f32", "float16": "f16", "uint16": "bf16", "bfloat16": "bf16"}.get(name)
     if tag is None:
-        raise TypeError(f"k/v dtype must be float32, float16 or bfloat16 stored as uint16 (got {name})")
+        raise TypeError(f"k/v dtype must be float32, float16, bfloat16 stored as uint16, or uint8 q8_0/q4_0 "
+                        f"blocks (got {name})")
     return tag
 
 

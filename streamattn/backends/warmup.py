@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..spec import STORAGE, row_width
 from . import cpu
 
 
@@ -24,11 +25,13 @@ def kernels_cached() -> bool:
         return True
 
 
-def warm(kind: str) -> float:
-    """Compile (or load from the cache) the kernels for storage ``kind`` now, outside any timing; seconds taken."""
+def warm(kind: str, kind_v: str | None = None) -> float:
+    """Compile (or load from the cache) the kernels for K storage ``kind`` and V storage ``kind_v`` (default
+    ``kind``) now, outside any timing; seconds taken."""
     t0 = time.perf_counter()
-    store = np.zeros((1, 1, 1, 16), np.float32 if kind == "float32" else np.uint16 if kind == "bfloat16"
-                     else np.float16)
+    kind_v = kind if kind_v is None else kind_v
+    k, v = (np.zeros((1, 1, 1, row_width(kd, 16)), STORAGE[kd]) for kd in (kind, kind_v))
     one = np.ones(1, np.int64)
-    cpu.attend(np.zeros((1, 1, 1, 16), np.float32), store, store, one, one, window=0, sinks=0, scale=1.0, kind=kind)
+    cpu.attend(np.zeros((1, 1, 1, 16), np.float32), k, v, one, one, window=0, sinks=0, scale=1.0, kind=kind,
+               kind_v=kind_v)
     return time.perf_counter() - t0

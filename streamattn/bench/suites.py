@@ -53,8 +53,9 @@ class Point:
     def bytes_read(self) -> int:
         """K and V bytes the call's queries must read: each visible key row once."""
         keys = self.L if self.mode == "causal" else self.L + self.T - 1
-        itemsize = 4 if self.dtype == "float32" else 2
-        return 2 * self.batch * self.kv_heads * keys * self.head_dim * itemsize
+        s = self.spec()                            # a row's bytes: head_dim values, or quantized blocks
+        row = s.k_width * s.storage_dtype.itemsize + s.v_width * s.storage_dtype_v.itemsize
+        return self.batch * self.kv_heads * keys * row
 
     @property
     def new_tokens(self) -> int:

@@ -75,7 +75,10 @@ class EngineConfig:
     cache : {"full", "window", "sinks"}
     window, sinks : int or None, int
         Window n_c (keys incl. the current one) and sink tokens, for "window" / "sinks".
-    cache_dtype : {"float32", "float16", "bfloat16"}
+    cache_dtype : {"float32", "float16", "bfloat16", "q8_0", "q4_0"}
+        K's storage (and V's unless ``cache_dtype_v``).
+    cache_dtype_v : str or None
+        V's storage where it differs from ``cache_dtype``.
     backend : {"reference", "cpu", "gpu", "auto"}
     prefill_chunk : int
         Prompt tokens per sequence per step, and the caches' ``max_chunk``.
@@ -98,6 +101,7 @@ class EngineConfig:
     window: int | None = None
     sinks: int = 0
     cache_dtype: str = "float32"
+    cache_dtype_v: str | None = None
     backend: str = "cpu"
     prefill_chunk: int = 64
     positions: str = "absolute"
@@ -120,7 +124,7 @@ class EngineConfig:
     def cache_kwargs(self) -> dict:
         """Keyword arguments of ``Transformer.new_caches`` (without ``batch``)."""
         return dict(mode=self.cache, window=self.window, sinks=self.sinks if self.cache == "sinks" else 0,
-                    max_chunk=self.prefill_chunk, dtype=self.cache_dtype)
+                    max_chunk=self.prefill_chunk, dtype=self.cache_dtype, dtype_v=self.cache_dtype_v)
 
 
 class _Uncounted:

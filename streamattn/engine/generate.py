@@ -75,7 +75,10 @@ class Generator:
         Attention backend ("reference" | "cpu" | "gpu" | "auto").
     prefill_chunk : int
         Prompt tokens per forward call during prefill (and the caches' ``max_chunk``).
-    cache_dtype : {"float32", "float16", "bfloat16"}
+    cache_dtype : {"float32", "float16", "bfloat16", "q8_0", "q4_0"}
+        K's storage (and V's unless ``cache_dtype_v``).
+    cache_dtype_v : str or None
+        V's storage where it differs from ``cache_dtype``.
     positions : {"absolute", "cache"}
         RoPE positions: in the text, or within the cache (StreamingLLM; matters for "sinks" only).
 
@@ -85,13 +88,14 @@ class Generator:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, cache: str = "full",
                  window: int | None = None, sinks: int = 0, backend: str = "cpu", prefill_chunk: int = 64,
-                 cache_dtype: str = "float32", positions: str = "absolute"):
+                 cache_dtype: str = "float32", positions: str = "absolute", cache_dtype_v: str | None = None):
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1 (got {prefill_chunk!r})")
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
         self.model, self.tok = model, tokenizer
         self.config = EngineConfig(cache=cache, window=window, sinks=sinks, cache_dtype=cache_dtype,
+                                   cache_dtype_v=cache_dtype_v,
                                    backend=backend, prefill_chunk=prefill_chunk, positions=positions)
         model.new_caches(batch=1, **self.config.cache_kwargs)          # validate the cache settings now
         self.stats = GenerationStats()
@@ -268,7 +272,7 @@ class Generator:
         return "".join(ev.text for ev in self.stream(prompt, **kw))
 
 
-def warm_model(model, kind: str) -> float:
+def warm_model(model, kind: str, kind_v: str | None = None) -> float:
     """Run ``model`` (a CPU :class:`~streamattn.models.transformer.Transformer`) once on throwaway caches:
     a chunk of ``model.plan.rows`` tokens (its kernel plan), one token, then a chunk with a padded row
     through the array layers, so that every kernel a prefill, a decode step and the array layers call
@@ -284,7 +288,7 @@ def warm_model(model, kind: str) -> float:
     t0 = time.perf_counter()
     release_compiler_pages()          # those touched by what loaded before (the CLI's attention warm-up)
     rows = model.plan.rows
-    caches = model.new_caches(batch=1, max_chunk=rows, dtype=kind)
+    caches = model.new_caches(batch=1, max_chunk=rows, dtype=kind, dtype_v=kind_v)
     model.forward(np.zeros((1, rows), np.int64), caches, last_only=True)
     model.forward(np.zeros((1, 1), np.int64), caches, last_only=True)
     release_compiler_pages()          # the compiled layers are loaded: LLVM's pages can go (memory.py), so

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 BACKENDS = ("reference", "cpu", "gpu", "auto")
 CACHE_MODES = ("full", "window", "sinks")
-CACHE_DTYPES = ("float32", "float16", "bfloat16")
+CACHE_DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0")
 POSITIONS = ("absolute", "cache")
 WEIGHTS = ("quant", "f32")
 MAX_PREFILL_CHUNK = 8192
@@ -36,7 +36,10 @@ class ModelOptions:
     positions : {"absolute", "cache"}
         RoPE positions in the text, or within the cache (StreamingLLM; sinks caches only differ).
     backend : {"reference", "cpu", "gpu", "auto"}
-    cache_dtype : {"float32", "float16", "bfloat16"}
+    cache_dtype : {"float32", "float16", "bfloat16", "q8_0", "q4_0"}
+        Storage of K and V (q8_0 / q4_0: GGUF's blocks of 32 with a float16 scale, read in place).
+    cache_dtype_k, cache_dtype_v : str or None
+        K's and V's storage where they differ from ``cache_dtype`` (None: ``cache_dtype``).
     prefill_chunk : int
         Prompt tokens per forward call (and the caches' ``max_chunk``), 1..8192.
     threads : int
@@ -60,6 +63,8 @@ class ModelOptions:
     positions: str = "absolute"
     backend: str = "cpu"
     cache_dtype: str = "float32"
+    cache_dtype_k: str | None = None
+    cache_dtype_v: str | None = None
     prefill_chunk: int = 256
     threads: int = 1
     chat: bool = False
@@ -80,6 +85,8 @@ class ModelOptions:
                                      ("--backend", self.backend, BACKENDS),
                                      ("--cache-dtype", self.cache_dtype, CACHE_DTYPES)):
             need(value in choices, flag, value, "one of " + ", ".join(choices))
+        for flag, value in (("--cache-dtype-k", self.cache_dtype_k), ("--cache-dtype-v", self.cache_dtype_v)):
+            need(value is None or value in CACHE_DTYPES, flag, value, "one of " + ", ".join(CACHE_DTYPES))
         need(is_int(self.prefill_chunk) and 1 <= self.prefill_chunk <= MAX_PREFILL_CHUNK, "--prefill-chunk",
              self.prefill_chunk, f"in 1..{MAX_PREFILL_CHUNK}")
         need(is_int(self.threads) and self.threads >= 1, "--threads", self.threads, ">= 1")
@@ -104,9 +111,20 @@ class ModelOptions:
         """From parsed flags of :func:`add_arguments` (``chat``/``system`` where the parser has them)."""
         return cls(model=args.model, weights=args.weights, cache=args.cache, window=args.window, sinks=args.sinks,
                    positions=args.positions, backend=args.backend, cache_dtype=args.cache_dtype,
+                   cache_dtype_k=getattr(args, "cache_dtype_k", None), cache_dtype_v=getattr(args, "cache_dtype_v", None),
                    prefill_chunk=args.prefill_chunk, threads=args.threads, chat=getattr(args, "chat", False),
                    system=getattr(args, "system", None), speculative=getattr(args, "speculative", None),
                    draft_max=getattr(args, "draft_max", 8))
+
+    @property
+    def k_dtype(self) -> str:
+        """K's storage in force: ``cache_dtype_k`` or ``cache_dtype``."""
+        return self.cache_dtype_k or self.cache_dtype
+
+    @property
+    def v_dtype(self) -> str:
+        """V's storage in force: ``cache_dtype_v`` or ``cache_dtype``."""
+        return self.cache_dtype_v or self.cache_dtype
 
     @property
     def window_n(self) -> int | None:
@@ -152,8 +170,8 @@ class ModelOptions:
         """A :class:`~streamattn.engine.generate.Generator` over ``model`` with these cache settings."""
         from streamattn.engine.generate import Generator
         return Generator(model, tokenizer, cache=self.cache, window=self.window_n, sinks=self.sinks_n,
-                         backend=self.backend, prefill_chunk=self.prefill_chunk, cache_dtype=self.cache_dtype,
-                         positions=self.positions)
+                         backend=self.backend, prefill_chunk=self.prefill_chunk, cache_dtype=self.k_dtype,
+                         cache_dtype_v=self.v_dtype, positions=self.positions)
 
 
 def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int = 256, chat: bool = True) -> None:
@@ -175,7 +193,10 @@ def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int = 256, chat:
     g.add_argument("--positions", choices=POSITIONS, default="absolute",
                    help="RoPE positions in the text, or within the cache (StreamingLLM; --cache sinks only)")
     g.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
-    g.add_argument("--cache-dtype", default="float32", choices=CACHE_DTYPES)
+    g.add_argument("--cache-dtype", default="float32", choices=CACHE_DTYPES,
+                   help="K/V cache storage (q8_0, q4_0: GGUF blocks of 32 values with a float16 scale)")
+    g.add_argument("--cache-dtype-k", default=None, choices=CACHE_DTYPES, help="K's storage, if not --cache-dtype")
+    g.add_argument("--cache-dtype-v", default=None, choices=CACHE_DTYPES, help="V's storage, if not --cache-dtype")
     g.add_argument("--prefill-chunk", type=int, default=prefill_chunk, help="prompt tokens per forward call")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for matmuls and attention, at most (default 1); decode steps run on "

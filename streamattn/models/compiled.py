@@ -42,6 +42,7 @@ from streamattn.models.heads_kernel import heads_rope_alloc, heads_rope_rows_par
 from streamattn.models.layer import LayerWeights
 from streamattn.quant import activations, kernels, matmul as qmatmul
 from streamattn.quant.matmul import GELU, NORM, PLAIN, SILU
+from streamattn.spec import QUANTIZED
 from streamattn.storage import EXPONENT_BITS, bits, write_rows
 
 
@@ -266,7 +267,7 @@ def _attend(q, k, v, at):
             step.status[0] = 1                       # not finite as stored: nothing written (see run_layer)
             return np.full((B * T, q.shape[1] * D), np.nan, np.float32)
         qs = q * np.float32(cfg.scale)
-        out, lse = cpu.attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind,
+        out, lse = cpu.attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind, kv.kind,
                                    step.serial)
         return heads_to_rows(out, lse) if one else heads_to_rows_parallel(out, lse)
     return impl
@@ -396,8 +397,8 @@ class CompiledLayers:
         if not all(map(operator.is_, src, self.sources[i])):
             self.sources[i], self.weights[i] = src, bind_weights(self.layers[i], self.plan)
         w = self.weights[i]
-        if w is None or cache.xp is not np:
-            return False
+        if w is None or cache.xp is not np or cache.spec.dtype in QUANTIZED or cache.spec.dtype_v is not None:
+            return False                             # (quantized or mixed K/V storage: the array layer)
         kv = self.kv(cache)
         if run_layer(x, w, (self.cfg, kv, step)):
             return True

@@ -34,7 +34,10 @@ class ServeConfig:
     prefill_chunk : int
         Prompt tokens per sequence per engine step (and the caches' ``max_chunk``): a long prompt stalls
         the running streams by at most one chunk per step.
-    cache_dtype : {"float32", "float16", "bfloat16"}
+    cache_dtype : {"float32", "float16", "bfloat16", "q8_0", "q4_0"}
+        K's storage (and V's unless ``cache_dtype_v``).
+    cache_dtype_v : str or None
+        V's storage where it differs from ``cache_dtype``.
     positions : {"absolute", "cache"}
         RoPE positions: in the text, or within the cache (StreamingLLM; sinks caches only differ,
         docs/DESIGN.md §13).
@@ -66,6 +69,7 @@ class ServeConfig:
     backend: str = "cpu"
     prefill_chunk: int = 32
     cache_dtype: str = "float32"
+    cache_dtype_v: str | None = None
     positions: str = "absolute"
     weights: str = "quant"
     model_id: str | None = None
@@ -99,6 +103,8 @@ class ServeConfig:
         need(self.backend in BACKENDS, "backend", f"one of {BACKENDS}")
         need(is_int(self.prefill_chunk) and self.prefill_chunk >= 1, "prefill_chunk", "an integer >= 1")
         need(self.cache_dtype in CACHE_DTYPES, "cache_dtype", f"one of {CACHE_DTYPES}")
+        need(self.cache_dtype_v is None or self.cache_dtype_v in CACHE_DTYPES, "cache_dtype_v",
+             f"None or one of {CACHE_DTYPES}")
         need(self.positions in POSITIONS, "positions", f"one of {POSITIONS}")
         need(self.weights in WEIGHTS, "weights", f"one of {WEIGHTS}")
         need(self.speculative in (None, "ngram"), "speculative", "None or 'ngram'")
@@ -121,6 +127,7 @@ class ServeConfig:
         window = self.window if self.window is not None or self.cache == "full" else 256
         return EngineConfig(slots=self.parallel, cache=self.cache, window=window,
                             sinks=self.sinks if self.cache == "sinks" else 0, cache_dtype=self.cache_dtype,
+                            cache_dtype_v=self.cache_dtype_v,
                             backend=self.backend, prefill_chunk=self.prefill_chunk, positions=self.positions,
                             max_queue=self.max_queue, prompt_cache_mb=self.prompt_cache_mb, threads=self.threads)
 

@@ -1,0 +1,279 @@
+"""Quantized K/V storage (q8_0, q4_0): the blocks are gguf-py's, byte for byte, and every backend is exact
+(float32 tolerance) against the float64 oracle over the values the cache stores."""
+
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+
+from streamattn import CacheSpec, KVCache, attend, snapshot, state
+from streamattn.storage import dequantize, quantize
+import gpu_oracle as go
+from gpu_fixtures import runner  # noqa: F401  (fixture)
+from oracle import as_stored
+from test_oracle import stream   # every output against the oracle over the values as stored
+
+GGUF = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
+QUANT = ["q8_0", "q4_0"]
+
+
+def rows(rng, n, d):
+    """Rows of mixed magnitudes, with the cases rounding is decided on: zeros, exact halves of the step,
+    a repeated largest magnitude of both signs (Q4_0 keeps the first), one huge outlier."""
+    x = (rng.standard_normal((n, d)) * rng.uniform(1e-3, 50, (n, 1))).astype(np.float32)
+    x[0] = 0
+    x[1, :32] = np.arange(32, dtype=np.float32) * 0.5 - 8          # q8_0 and q4_0 land on .5 ties
+    x[2, :32] = 1.0
+    x[2, 7], x[2, 9] = -3.0, 3.0
+    x[3, 5] = 1e4
+    return x
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
+def test_quantizer_gives_gguf_bytes(dtype, d):
+    """The same bytes as gguf.quants.quantize (rows zero-padded to a multiple of 32 where d is not one),
+    and dequantize reads them back as gguf.quants.dequantize does."""
+    x = rows(np.random.default_rng(d), 40, d)
+    padded = np.concatenate([x, np.zeros((40, -d % 32), np.float32)], axis=1)
+    ours, bad = quantize(x, dtype)
+    want = gguf_quantize(padded, GGUF[dtype])
+    assert bad == 0
+    assert ours.dtype == np.uint8 and np.array_equal(ours, want)
+    assert np.array_equal(dequantize(ours, dtype, d), gguf_dequantize(want, GGUF[dtype])[:, :d])
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_quantizer_marks_non_finite_blocks(dtype):
+    """NaN or inf in a block gives it a NaN scale (every value read from it NaN); a q8_0 block past
+    float16's range keeps an inf scale; both are counted, and the other blocks are the usual bytes."""
+    x = np.ones((3, 64), np.float32)
+    x[0, 3], x[1, 40] = np.nan, np.inf
+    q, bad = quantize(x, dtype)
+    assert bad == 2
+    values = dequantize(q, dtype, 64)
+    assert np.isnan(values[0, :32]).all() and np.isnan(values[1, 32:]).all()
+    assert np.array_equal(q[2], gguf_quantize(x[2:], GGUF[dtype])[0])
+    assert np.array_equal(q[0, q.shape[1] // 2:], q[2, q.shape[1] // 2:])
+    if dtype == "q8_0":
+        assert quantize(np.full((1, 32), 1e7, np.float32), dtype)[1] == 1
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("window,sinks", [(None, 0), (1, 0), (19, 0), (5, 2)])
+def test_decode_every_mode(backend, dtype, window, sinks):
+    spec = CacheSpec(batch=2, kv_heads=3, head_dim=64, dtype=dtype, window=window, sinks=sinks)
+    steps = 3 * (spec.slots or 20) + 7  # >= 3 full wraps of the ring
+    stream(spec, 9, steps, backend, seed=zlib.crc32(f"{dtype}/{window}/{sinks}".encode()) % 1000)  # not hash()
+
+
+@pytest.mark.parametrize("dtype,dtype_v", [("q8_0", "q4_0"), ("float16", "q8_0"), ("q4_0", "float32")])
+@pytest.mark.parametrize("window,sinks,C", [(None, 0, 4), (7, 0, 5), (5, 2, 5)])
+def test_chunks_and_mixed_k_v_storage(dtype, dtype_v, window, sinks, C):
+    """K and V stored apart, each read by its own kind; chunks of every size 1..C, write then attend."""
+    spec = CacheSpec(batch=2, kv_heads=1, head_dim=64, dtype=dtype, dtype_v=dtype_v, window=window, sinks=sinks,
+                     max_chunk=C)
+    chunks = list(range(1, C + 1)) + list(range(C, 0, -1))
+    stream(spec, 4, 4 * C + 3, "cpu", chunks=chunks, seed=C)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_ragged_batch_gqa_mqa(dtype):
+    for kv_heads, q_heads in [(3, 9), (1, 4), (2, 2)]:
+        spec = CacheSpec(batch=3, kv_heads=kv_heads, head_dim=64, dtype=dtype, window=11, sinks=2, max_chunk=4)
+        stream(spec, q_heads, 20, "cpu", chunks=[1, 4, 3, 2], ragged=True, seed=kv_heads)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256, 40])
+def test_head_dims(dtype, head_dim):
+    """Vector kernels (head_dim % 16 == 0, a last block half full at 80) and the plain loops (40), over
+    more than one page of keys (the split-K merge) in chunks up to 64."""
+    spec = CacheSpec(batch=1, kv_heads=2, head_dim=head_dim, dtype=dtype, window=99, max_chunk=64)
+    stream(spec, 6, 6, "cpu", chunks=[64, 1, 37], seed=head_dim)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_non_finite_input(dtype):
+    """A check_finite cache refuses a chunk holding NaN (unchanged); without the check the rows that see
+    it come back NaN, as the oracle over the stored (NaN) block answers."""
+    x = np.ones((1, 1, 1, 64), np.float32)
+    bad = x.copy()
+    bad[0, 0, 0, 7] = np.nan
+    cache = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=64, dtype=dtype))
+    cache.append(x, x)
+    before = cache.k.copy(), cache.v.copy(), cache.lengths.copy()
+    with pytest.raises(ValueError, match="k holds NaN or inf for sequence 0"):
+        cache.append(bad, x)
+    with pytest.raises(ValueError, match="v holds NaN or inf for sequence 0"):
+        cache.append(x, bad)
+    assert all(np.array_equal(a, b) for a, b in zip(before, (cache.k, cache.v, cache.lengths)))
+    loose = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=64, dtype=dtype, check_finite=False))
+    loose.append(bad, bad)
+    out, lse = attend(x, loose, backend="cpu")
+    assert np.isnan(out).all() and np.isnan(lse).all()          # a NaN key: the whole row
+    loose.reset()
+    loose.append(x, bad)
+    out, lse = attend(x, loose, backend="cpu")
+    assert np.isnan(out[..., :32]).all() and np.isfinite(out[..., 32:]).all()   # a NaN value: its block
+
+
+def test_cache_bytes_and_temporal_view():
+    """q8_0 rows take 34 bytes per 32 values (float16: 64), q4_0 18; temporal_view reads the stored values."""
+    x = np.random.default_rng(1).standard_normal((1, 2, 5, 64)).astype(np.float32)
+    sizes = {}
+    for dtype in ("float16", "q8_0", "q4_0"):
+        cache = KVCache(CacheSpec(batch=1, kv_heads=2, head_dim=64, dtype=dtype, window=8, max_chunk=5))
+        cache.append(x, x)
+        sizes[dtype] = cache.nbytes
+        k, v, pos = cache.temporal_view(0)
+        assert np.array_equal(k, as_stored(x[0], dtype)) and np.array_equal(v, k) and pos.tolist() == [0, 1, 2, 3, 4]
+    assert sizes["q8_0"] * 64 == sizes["float16"] * 34 and sizes["q4_0"] * 34 == sizes["q8_0"] * 18
+
+
+def test_spec_names_bad_dtypes():
+    with pytest.raises(ValueError, match="dtype_v must be one of"):
+        CacheSpec(batch=1, kv_heads=1, head_dim=64, dtype_v="q5_0")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        CacheSpec(batch=1, kv_heads=1, head_dim=64, dtype="int8")
+    assert CacheSpec(batch=1, kv_heads=1, head_dim=64, dtype="q8_0", dtype_v="q8_0").dtype_v is None
+
+
+def _fill(cache, rng, steps, T=1):
+    for _ in range(steps):
+        x = rng.standard_normal((cache.spec.batch, cache.spec.kv_heads, T, cache.spec.head_dim)).astype(np.float32)
+        cache.append(x, 2 * x)
+
+
+def _same_state(a, b):
+    return all(np.array_equal(x, y) for x, y in zip((a.k, a.v, a.lengths, a.last_counts, a.held_from),
+                                                     (b.k, b.v, b.lengths, b.last_counts, b.held_from)))
+
+
+def test_snapshot_round_trip_is_bit_exact(tmp_path):
+    """Whole caches (a layer list of mixed storage) and one sequence: the bytes as written, no re-quantizing."""
+    rng = np.random.default_rng(3)
+    caches = [KVCache(CacheSpec(batch=2, kv_heads=2, head_dim=80, dtype="q8_0", dtype_v="q4_0", window=6,
+                                sinks=1, max_chunk=2)),
+              KVCache(CacheSpec(batch=2, kv_heads=2, head_dim=80, dtype="q4_0"))]
+    for c in caches:
+        _fill(c, rng, 11)
+    snapshot.save(tmp_path / "kv.npz", caches)
+    loaded = snapshot.load(tmp_path / "kv.npz")
+    assert [c.spec for c in loaded] == [c.spec for c in caches]
+    assert all(_same_state(a, b) for a, b in zip(loaded, caches))
+    snapshot.save_sequence(tmp_path / "seq.npz", caches, 1)
+    fresh = [KVCache(c.spec) for c in caches]
+    snapshot.load_sequence(tmp_path / "seq.npz", fresh, 0)
+    for a, b in zip(fresh, caches):
+        assert np.array_equal(a.k[0, :, :b.k.shape[2]], b.k[1]) and np.array_equal(a.v[0, :, :b.v.shape[2]], b.v[1])
+    with pytest.raises(snapshot.StateFileError, match="dtype_v='q4_0' in the file, None requested"):
+        snapshot.restore([KVCache(CacheSpec(batch=2, kv_heads=2, head_dim=80, dtype="q8_0", window=6, sinks=1,
+                                            max_chunk=2)), KVCache(caches[1].spec)], tmp_path / "kv.npz")
+
+
+def test_version_1_file_still_loads():
+    """tests/data/kv_v1_sinks_float16.npz was written by the version-1 code (main 962f8fc) from these
+    appends; it loads as the same cache, bit for bit."""
+    rng = np.random.default_rng(28)
+    want = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, dtype="float16", window=4, sinks=1, max_chunk=2))
+    for t in range(7):
+        x = rng.standard_normal((2, 1, 1, 16)).astype(np.float32)
+        want.append(x, -x, counts=[1, t % 2])
+    got = snapshot.load(Path(__file__).parent / "data" / "kv_v1_sinks_float16.npz")
+    assert got.spec == want.spec and _same_state(got, want)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_fork_and_rewind_keep_the_stored_bytes(dtype):
+    """A fork copies the blocks; a rewind then the same appends gives the bytes of a straight run (each
+    token quantized once, the same way)."""
+    spec = CacheSpec(batch=2, kv_heads=1, head_dim=64, dtype=dtype, window=8, max_chunk=3)
+    rng = np.random.default_rng(5)
+    chunks = [rng.standard_normal((2, 1, 1, 64)).astype(np.float32) for _ in range(6)]
+    straight, cache = KVCache(spec), KVCache(spec)
+    for x in chunks:
+        straight.append(x, x)
+    for x in chunks[:4] + [np.zeros_like(x)] * 2:
+        cache.append(x, x)
+    state.rewind(cache, 0, 2)
+    state.rewind(cache, 1, 2)
+    for x in chunks[4:]:
+        cache.append(x, x)
+    assert _same_state(cache, straight)
+    state.fork(cache, 0, 1)
+    assert np.array_equal(cache.k[1], cache.k[0]) and np.array_equal(cache.v[1], cache.v[0])
+
+
+# -- kernels/*.cu over quantized rows: the CPU emulation of the same text, against the oracle ---------------
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("T,window,sinks", [(1, 0, 0), (1, 5, 2), (3, 5, 2)])
+def test_cuda_kernels_emulated(runner, dtype, T, window, sinks):
+    """decode (split-K 1 and 3 + merge) and prefill over q8_0 / q4_0 rows, ragged, GQA 6/2, a wrapped ring:
+    within float32 tolerance of the oracle over gguf-py's dequantized values."""
+    rng = np.random.default_rng(T + window)
+    c = go.case(rng, batch=3, q_heads=6, kv_heads=2, head_dim=64, lengths=[29, 3, 19], counts=[T, 1, 0], T=T,
+                window=window, sinks=sinks, dtype=dtype)
+    for splits in ((1, 3) if T == 1 else (None,)):
+        out, lse = runner.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=window, sinks=sinks,
+                                 scale=c["scale"], splits=splits)
+        assert runner.launches[-1 if splits in (1, None) else -2] == \
+            f"{'decode' if T == 1 else 'prefill'}_{dtype[:2]}_hd64"
+        assert go.rel_err(out, c["ref_out"]) <= go.TOL["float32"] and go.lse_err(lse, c["ref_lse"]) <= 1e-4
+
+
+# -- a model's caches: the engine's prompt cache and the Generator on quantized K/V ----------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from _model_util import write_tiny_gguf
+    from streamattn.gguf.loader import load_gguf
+    from streamattn.models.transformer import Transformer
+    from streamattn.text.tokenizer import Tokenizer
+    m = load_gguf(write_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", arch="llama", vocab=64))
+    return Transformer(m), Tokenizer.from_metadata(m.metadata)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("cache", [dict(cache="full"), dict(cache="sinks", window=6, sinks=2)])
+def test_prompt_cache_and_generator_on_quantized_caches(tiny, cache):
+    """q8_0 K / q4_0 V through the engine: the second request reuses 30 prompt tokens of the first (fork +
+    rewind of the quantized rows), and both generate exactly what a Generator with the same storage does."""
+    from streamattn.engine.core import Engine, EngineConfig
+    from streamattn.engine.generate import Generator
+    from streamattn.engine.sequence import Job, Sequence
+    rng = np.random.default_rng(9)
+    shared = list(rng.integers(3, 64, 30))
+    jobs = [Job(prompt=tuple(int(t) for t in shared + list(rng.integers(3, 64, n))), max_tokens=5, ignore_eos=True)
+            for n in (3, 4)]
+    kw = dict(window=cache.get("window"), sinks=cache.get("sinks", 0), cache_dtype="q8_0", cache_dtype_v="q4_0")
+    eng = Engine(*tiny, EngineConfig(cache=cache["cache"], prefill_chunk=8, prompt_cache_mb=8, **kw))
+    assert eng.caches[0].spec.dtype == "q8_0" and eng.caches[0].spec.v_dtype == "q4_0"
+    gen = Generator(*tiny, cache=cache["cache"], prefill_chunk=8, **kw)
+    for j, reused in zip(jobs, (0, 30)):
+        s = Sequence(job=j, emit=lambda ev: None, tok=eng.tok)
+        eng.submit(s)
+        while not s.finished:
+            eng.step()
+        assert s.cached == reused
+        alone = [ev.token_id for ev in gen.stream(list(j.prompt), max_tokens=5, ignore_eos=True)]
+        assert s.generated == alone
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_a_row_does_not_depend_on_its_group(dtype, head_dim):
+    """The 1-, 2- and 4-row kernels read a block the same way: query row 0's bits are the same whether
+    its GQA group has 1..5 rows (batch invariance, docs/DESIGN.md §5), at 80 through the half-block tail."""
+    rng = np.random.default_rng(head_dim)
+    cache = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=head_dim, dtype=dtype, max_chunk=64))
+    x = rng.standard_normal((1, 1, 600, head_dim)).astype(np.float32)
+    cache.append(x[:, :, :599], x[:, :, 1:])
+    q = rng.standard_normal((1, 5, 1, head_dim)).astype(np.float32)
+    rows = [attend(q[:, :g], cache, backend="cpu", counts=np.array([1]))[0][0, 0] for g in range(1, 6)]
+    assert all(np.array_equal(r, rows[0]) for r in rows[1:])
