@@ -1,6 +1,7 @@
 """Backends: one signature, picked by name.
 
-Every backend is ``fn(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None) -> (out, lse)`` over the
+Every backend is ``fn(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, softcap=None) ->
+(out, lse)`` over the
 ring storage of one layer (see ``streamattn.backends.cpu.attend`` for the argument contract).
 """
 
@@ -15,7 +16,7 @@ from .. import reference
 BACKENDS = ("reference", "cpu", "gpu")
 
 
-def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None):
+def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, softcap=None):
     """The float64 oracle applied to what the ring holds (slots decoded to positions)."""
     q, k, v = (to_host(a, copy=False) for a in (q, k, v))
     qs = q if q_sink is None else to_host(q_sink, copy=False)
@@ -32,7 +33,7 @@ def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q
         q_pos = np.arange(lengths[b] - c, lengths[b])
         out[b, :, :c], lse[b, :, :c] = reference.attention(
             q[b, :, :c], wide(k[b][:, held]), wide(v[b][:, held]), q_pos,
-            window=window or None, sinks=sinks, scale=scale, k_pos=pos[held], q_sink=qs[b, :, :c])
+            window=window or None, sinks=sinks, scale=scale, k_pos=pos[held], q_sink=qs[b, :, :c], softcap=softcap)
     return out.astype(q.dtype), lse.astype(np.float32)
 
 
@@ -53,7 +54,7 @@ def get(name: str, device: str):
         return cpu.attend
     from . import gpu
 
-    def gpu_attend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None):
+    def gpu_attend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, softcap=None):
         return gpu.attend(q, k, v, lengths, counts, window=window, sinks=sinks, scale=scale,
-                          q_sink=q_sink)  # dtype from k
+                          q_sink=q_sink, softcap=softcap)  # dtype from k
     return gpu_attend

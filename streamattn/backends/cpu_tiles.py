@@ -8,6 +8,8 @@ fallbacks for other sizes.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -136,6 +138,14 @@ def tile_sum(x, n16):
     tree. Trailing zero blocks leave it unchanged, so a tile's sum does not depend on where the call's
     keys end (batch invariance). No 'reassoc', so LLVM keeps this order."""
     return lane_sum(x, n16)                     # as one vector (lane_sum): the order above
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def soft_cap(x, n, cap):
+    """x[:n] <- cap * tanh(x[:n] / cap) in place (float32 x, cap): attention logit soft-capping, in
+    float32 with libm's tanhf. Applied to scores before the mask, so masked keys stay -inf."""
+    for j in range(n):
+        x[j] = cap * np.float32(math.tanh(x[j] / cap))
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -67,7 +67,7 @@ def _launch(name: str, grid, block, args) -> None:
 
 
 def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, splits: int | None = None,
-           q_sink=None):
+           q_sink=None, softcap: float | None = None):
     """Attention of a chunk of queries against a ring KV cache on the GPU ("write, then attend").
 
     Parameters
@@ -93,6 +93,9 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
     q_sink : cupy.ndarray like q, optional
         The queries scored against the sink keys (positions < sinks) instead of q; a model that assigns
         positions within the cache passes q rotated at the query's cache position. Default q.
+    softcap : float, optional
+        Attention logit soft-capping: each scaled score s becomes softcap * tanh(s / softcap) before the
+        softmax (the ``_softcap`` kernel variants); None (default): none.
 
     Returns
     -------
@@ -111,4 +114,4 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
             raise TypeError(f"{name} must be a cupy.ndarray on the device (got {type(arr).__name__})")
     return gpu_plan.attend_with(cupy, _launch, q, k, v, lengths, counts, window=window, sinks=sinks,
                                 scale=scale, sm_count=sm_count(cupy.cuda.Device().id), splits=splits,
-                                q_sink=q_sink)
+                                q_sink=q_sink, softcap=softcap)
