@@ -165,7 +165,7 @@ def _pages_kernels(items):
                     for r in range(rows):
                         sr = sc[r]
                         if softcap is not None:
-                            soft_cap(sr, n, softcap)
+                            soft_cap(sr, n16, softcap)           # (past n: masked below)
                         # keys pos..pos+n-1 visible to row r: qlo[r] <= j <= qpos[r]
                         hi = min(n, qpos[r] - pos + 1)
                         jlo = min(max(qlo[r] - pos, 0), n)
