@@ -9,9 +9,12 @@
 // Sink keys (the first n_sink of the key list) are scored with q_sink, the rest with q: a model that
 // assigns positions within the cache rotates q_sink at the query's cache position (q_sink == q otherwise).
 // Two passes over the key range, sinks first, one online softmax across both: exact, as any split is.
+// SOFTCAP (Gemma-2's attention logit soft-capping): each score s, in log2 units, becomes
+// c * tanh(s / c) with c = softcap_log2 (the cap times log2 e: the same map as on natural-log scores),
+// before the online softmax; the false instantiation has no trace of it.
 #include "streamattn_common.cuh"
 
-template <int KIND, int HD>
+template <int KIND, int HD, bool SOFTCAP = false>
 __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
     const float* __restrict__ q,       // [batch, q_heads, HD] (the one query row)
     const float* __restrict__ q_sink,  // [batch, q_heads, HD] the query as scored against sink keys
@@ -21,7 +24,8 @@ __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
     const int* __restrict__ counts,    // [batch] 1 = real query row, 0 = padding
     float* __restrict__ part_out,      // [batch, q_heads, splits, HD]
     float* __restrict__ part_lse,      // [batch, q_heads, splits]
-    int q_heads, int kv_heads, int slots, int window, int sinks, int splits, float scale_log2) {
+    int q_heads, int kv_heads, int slots, int window, int sinks, int splits, float scale_log2,
+    float softcap_log2) {  // the soft cap in log2 units (read only when SOFTCAP)
     using R = SaRow<KIND, HD>;
     constexpr int G = SA_MAX_GROUP;
     const int tid = threadIdx.x;
@@ -34,6 +38,7 @@ __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
     const int h0 = kvh * group + (blockIdx.y % chunks) * G;  // first query head of this block
     const int nh = min(G, kvh * group + group - h0);
     const int b = blockIdx.z;
+    const float inv_cap = SOFTCAP ? 1.0f / softcap_log2 : 0.0f;
 
     const int length = lengths[b];
     SaKeys keys = sa_keys(length, length - 1, window, sinks);
@@ -101,6 +106,7 @@ __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
                     for (int e = 0; e < R::EPT; ++e) s += qr[h][e] * kf[e];
 #pragma unroll
                     for (int off = R::TPR / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                    if constexpr (SOFTCAP) s = sa_soft_cap(s, softcap_log2, inv_cap);
                     if (ok[u]) {
                         const float m_new = fmaxf(m[h], s);
                         const float c = exp2f(m[h] - m_new);  // 0 on the first key (m = -inf)

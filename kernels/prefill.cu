@@ -7,6 +7,7 @@
 // owns output elements d = lane + 32 e. Masks per (query, key) come from positions (sa_visible).
 // Sink keys (the first n_sink of the key list) are scored with q_sink, the rest with q (see decode.cu):
 // two passes over the tiles, s_q reloaded between them, one online softmax across both.
+// SOFTCAP: each visible score soft-capped before the softmax, as in decode.cu.
 #include "streamattn_common.cuh"
 
 template <int HD> struct SaPrefillShape {
@@ -17,7 +18,7 @@ template <int HD> struct SaPrefillShape {
     static constexpr int DPL = HD / 32;              // output elements per lane
 };
 
-template <int KIND, int HD>
+template <int KIND, int HD, bool SOFTCAP = false>
 __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
     const float* __restrict__ q,       // [batch, q_heads, T, HD]
     const float* __restrict__ q_sink,  // [batch, q_heads, T, HD] the queries as scored against sink keys
@@ -27,7 +28,8 @@ __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
     const int* __restrict__ counts,    // [batch] real rows of the chunk (<= T)
     float* __restrict__ out,           // [batch, q_heads, T, HD]
     float* __restrict__ lse,           // [batch, q_heads, T]
-    int q_heads, int kv_heads, int slots, int T, int window, int sinks, float scale_log2) {
+    int q_heads, int kv_heads, int slots, int T, int window, int sinks, float scale_log2,
+    float softcap_log2) {  // the soft cap in log2 units (read only when SOFTCAP)
     using S = SaPrefillShape<HD>;
     using R = SaRow<KIND, HD>;
     __shared__ float s_k[S::KT][HD + 1];  // +1: lane j reads row j, so pad to spread the banks
@@ -44,6 +46,7 @@ __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
     const int first_q = length - count;  // position of query row t is first_q + t
     SaKeys keys = sa_keys(length, first_q, window, sinks);
     if (count < 1) keys.n = 0;
+    const float inv_cap = SOFTCAP ? 1.0f / softcap_log2 : 0.0f;
 
     float m[S::RPW], l[S::RPW], acc[S::RPW][S::DPL];
 #pragma unroll
@@ -96,6 +99,7 @@ __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
                     s = 0.0f;
 #pragma unroll 8
                     for (int d = 0; d < HD; ++d) s += s_q[r][d] * s_k[lane][d];
+                    if constexpr (SOFTCAP) s = sa_soft_cap(s, softcap_log2, inv_cap);
                 }
                 const float m_new = fmaxf(m[rr], sa_warp_max(s));
                 if (m_new == sa_neg_inf()) continue;  // nothing visible yet (uniform after the reduction)

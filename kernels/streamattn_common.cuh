@@ -143,6 +143,20 @@ __device__ __forceinline__ bool sa_visible(int pos, int qpos, int window, int si
     return pos <= qpos && (window == 0 || pos < sinks || pos > qpos - window);
 }
 
+// Attention logit soft-capping: c * tanh(s / c), given c and inv_c = 1 / c. With s and c both in log2
+// units (times log2 e) this is the natural-log map times log2 e, since c * tanh(s / c) is homogeneous of
+// degree one in (s, c). tanh(t) for t = |s| / c: below 1/8 its Taylor series to t^7 (next term < 2e-10),
+// else (1 - e) / (1 + e) with e = exp(-2t) by exp2f (few ulp relative: 1 - e >= 0.22 there), signed.
+// Few registers and no call: tanhf, expm1f or an IEEE division in the decode loop made the decode
+// kernels spill 4-16 bytes on sm_80 (their slow paths are calls); inv_c is computed once, before it.
+__device__ __forceinline__ float sa_soft_cap(float s, float c, float inv_c) {
+    const float t = fabsf(s * inv_c), t2 = t * t;
+    const float series = t * (1.0f + t2 * (-1.0f / 3.0f + t2 * (2.0f / 15.0f + t2 * (-17.0f / 315.0f))));
+    const float e = exp2f(-2.0f * 1.4426950408889634f * t);
+    const float tanh_t = t < 0.125f ? series : __fdividef(1.0f - e, 1.0f + e);  // 1 + e in (1, 2]
+    return copysignf(c * tanh_t, s);
+}
+
 template <typename T> __device__ __forceinline__ T sa_warp_sum(T x) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);

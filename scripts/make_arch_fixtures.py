@@ -41,6 +41,9 @@ CASES = {
     "qwen2": dict(arch="qwen2", tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
     "qwen3": dict(arch="qwen3", head_dim=32, tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
     "phi3": dict(arch="phi3", sliding_window=16, pad_token_id=0),
+    # alternating sliding (window 8) / global; caps that bind on these scores and logits
+    "gemma2": dict(arch="gemma2", layers=4, ffn=64, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                   tied=True, attn_logit_softcapping=1.5, final_logit_softcapping=12.0),
     "gemma3": dict(arch="gemma3", layers=6, ffn=64, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                    rope={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}),

@@ -260,7 +260,8 @@ def _inspect_run(args) -> int:
           f"window = last {n_window} positions")
     print("layer head  sink   window  top positions (pos:weight token)")
     for i in layers:
-        r = inspect_attention(captured[i], gen.caches[i], b=0, scale=tf.config.attn_scale)  # core introspection
+        r = inspect_attention(captured[i], gen.caches[i], b=0, scale=tf.config.attn_scale,
+                              softcap=tf.config.attn_softcap)                   # core introspection
         w, pos = r.weights[:, -1], r.positions                                  # [H, n], [n]
         for h in range(w.shape[0]):
             sink = w[h][pos < max(args.sink_tokens, gen.caches[i].spec.sinks)].sum()

@@ -14,7 +14,7 @@ from .threads import many_threads
 
 
 def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = None, counts=None,
-           q_sink=None):
+           q_sink=None, softcap: float | None = None):
     """Attention of the tokens just appended to ``cache`` over everything each may see.
 
     Write, then attend: append the chunk's K/V first, then call this with the chunk's queries.
@@ -34,6 +34,9 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
         The queries scored against the sink keys instead of q (sinks caches; ignored otherwise). A model
         that positions keys within the cache passes q rotated at its cache position here (see
         docs/DESIGN.md §13); default q, i.e. absolute positions throughout.
+    softcap : float, optional
+        Attention logit soft-capping (Gemma-2): each scaled score s becomes softcap * tanh(s / softcap)
+        before the mask and the softmax. None (default): none. Must be a finite number > 0.
 
     Returns
     -------
@@ -74,6 +77,9 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.number))
                               or not np.isfinite(float(scale))):
         raise ValueError(f"scale must be a finite number (got {scale!r})")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.number))
+                                or not np.isfinite(float(softcap)) or softcap <= 0):
+        raise ValueError(f"softcap must be a finite number > 0, or None for no soft-capping (got {softcap!r})")
     T = q.shape[2]
     if q_sink is not None and (tuple(q_sink.shape) != tuple(q.shape) or type(q_sink) is not type(q)):
         raise ValueError(f"q_sink must be an array like q, shape {tuple(q.shape)} "
@@ -97,13 +103,15 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
                          "one chunk may have lost keys to the ring")
     _check_answerable(cache, counts)
     return _run(fn, q, cache, 1.0 / float(np.sqrt(spec.head_dim)) if scale is None else float(scale), counts,
-                q_sink, edge=True)
+                q_sink, None if softcap is None else float(softcap), edge=True)
 
 
-def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts=None, q_sink=None):
+def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts=None, q_sink=None,
+                  softcap: float | None = None):
     """``cache.append(k, v, counts)`` then ``attend(q, cache, ...)`` for the model, which built q, k, v
     itself: float [batch, heads, T, head_dim] arrays of the cache's shape and device, scale a finite
-    float, counts None or int [batch], q_sink None or like q (see :func:`attend` for the arguments).
+    float, counts None or int [batch], q_sink None or like q, softcap None or a finite float > 0 (see
+    :func:`attend` for the arguments).
 
     Skips the checks that cannot fail for such a caller (types, shapes, dtypes, scale, counts against
     the lengths just appended) and keeps those that can: what ``KVCache.append_trusted`` keeps (counts
@@ -114,14 +122,15 @@ def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts
     spec = cache.spec
     if (counts is None and spec.window is None and spec.sinks == 0 and cache.device == "cpu"
             and backend in ("cpu", "auto") and q.dtype == np.float32 and q.flags.c_contiguous):
-        return _append_attend_cpu(q, k, v, cache, scale)
+        return _append_attend_cpu(q, k, v, cache, scale, softcap)
     cache.append_trusted(k, v, counts)
     counts = cache.last_counts if counts is None else counts
     _check_answerable(cache, counts)
-    return _run(backends.get(backend, cache.device), q, cache, scale, counts, q_sink if spec.sinks else None)
+    return _run(backends.get(backend, cache.device), q, cache, scale, counts, q_sink if spec.sinks else None,
+                softcap)
 
 
-def _append_attend_cpu(q, k, v, cache: KVCache, scale: float):
+def _append_attend_cpu(q, k, v, cache: KVCache, scale: float, softcap):
     """:func:`append_attend` for a causal CPU cache without sinks, every row real: the cache's own
     staging (cast, refuse before growing, grow), then one compiled call for the write and the attention
     (:func:`streamattn.backends.cpu.write_attend`: the same kernels, the same bits)."""
@@ -140,7 +149,8 @@ def _append_attend_cpu(q, k, v, cache: KVCache, scale: float):
     bad, out, lse, finite = cpu.write_attend(q, scale, kst, vst, bits(ks), bits(vs), ka, va, cache.lengths, counts,
                                              cache.last_counts, cache.held_from, cache.ring,
                                              spec.check_finite and not mixed, EXPONENT_BITS.get(spec.dtype, 0),
-                                             cpu.KIND[spec.dtype], cpu.KIND[spec.v_dtype], not many_threads())
+                                             cpu.KIND[spec.dtype], cpu.KIND[spec.v_dtype],
+                                             None if softcap is None else np.float32(softcap), not many_threads())
     if bad >= 0:
         raise non_finite_error("kv"[bad % 2], bad // 2, spec.dtype)
     return (out, lse) if finite else _poison_non_finite(out, lse, counts, np)
@@ -165,13 +175,13 @@ def _check_answerable(cache: KVCache, counts) -> None:
                          f"{int(cache.held_from[b])} on; append new tokens and attend those")
 
 
-def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, *, edge: bool = False):
+def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, softcap, *, edge: bool = False):
     """The backend call on validated arguments, then the NaN rule (and with ``edge``, the float32 edge
     rule of :func:`attend`)."""
     spec = cache.spec
     args = (cache.k, cache.v, cache.lengths, counts)
     kw = dict(window=spec.window or 0, sinks=spec.sinks, scale=scale, kind=spec.dtype, q_sink=q_sink,
-              kind_v=spec.v_dtype)
+              kind_v=spec.v_dtype, softcap=softcap)
     out, lse = fn(q, *args, **kw)
 
     def float32_edge(out, lse, real, bad):

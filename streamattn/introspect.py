@@ -44,7 +44,8 @@ class AttentionReport:
         return [(int(self.positions[i]), float(w[i])) for i in idx]
 
 
-def inspect_attention(q, cache: KVCache, *, b: int = 0, scale: float | None = None) -> AttentionReport:
+def inspect_attention(q, cache: KVCache, *, b: int = 0, scale: float | None = None,
+                      softcap: float | None = None) -> AttentionReport:
     """Attention report for sequence ``b``'s most recently appended tokens.
 
     Parameters
@@ -53,6 +54,8 @@ def inspect_attention(q, cache: KVCache, *, b: int = 0, scale: float | None = No
     cache : KVCache
     b : int, which sequence
     scale : float, optional (default 1/sqrt(head_dim))
+    softcap : float, optional
+        The model's attention soft cap (gemma2: scores s -> softcap * tanh(s / softcap)); None: none.
 
     Examples
     --------
@@ -78,7 +81,10 @@ def inspect_attention(q, cache: KVCache, *, b: int = 0, scale: float | None = No
     L = int(cache.lengths[b])
     q_pos = np.arange(L - c, L)
     mask = visible(q_pos, pos, window=spec.window, sinks=spec.sinks)          # [T, n]
-    s = np.where(mask, qb @ k.swapaxes(-1, -2) * scale, -np.inf)                # [q_heads, T, n]
+    s = qb @ k.swapaxes(-1, -2) * scale                                         # [q_heads, T, n]
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    s = np.where(mask, s, -np.inf)
     w = np.exp(s - s.max(axis=-1, keepdims=True))
     w /= w.sum(axis=-1, keepdims=True)
     is_sink = pos < spec.sinks                                                  # [n]

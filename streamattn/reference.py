@@ -28,8 +28,11 @@ def visible(q_pos, k_pos, *, window: int | None, sinks: int = 0):
 
 
 def attention(q, k, v, q_pos, *, window: int | None = None, sinks: int = 0, scale: float | None = None,
-              k_pos=None, q_sink=None):
-    """softmax(q K^T scale + mask) V in float64, with its log-sum-exp.
+              k_pos=None, q_sink=None, softcap: float | None = None):
+    """softmax(cap(q K^T scale) + mask) V in float64, with its log-sum-exp.
+
+    cap(s) = softcap * tanh(s / softcap) with ``softcap`` (Gemma-2's attention logit soft-capping), the
+    identity without it.
 
     Parameters
     ----------
@@ -39,6 +42,8 @@ def attention(q, k, v, q_pos, *, window: int | None = None, sinks: int = 0, scal
     k_pos : int [n_k], absolute positions of the keys (default 0..n_k-1: the whole history)
     q_sink : [heads_q, n_q, d], optional
         Queries scored against the sink keys (k_pos < sinks, with a window) instead of q.
+    softcap : float, optional
+        The soft cap of the scaled scores (None: none).
 
     Returns
     -------
@@ -61,7 +66,10 @@ def attention(q, k, v, q_pos, *, window: int | None = None, sinks: int = 0, scal
     if q_sink is not None and window is not None:
         is_sink = np.asarray(k_pos) < sinks                            # [n_k]
         qk = np.where(is_sink, np.asarray(q_sink, dtype=np.float64) @ k.swapaxes(-1, -2), qk)
-    s = np.where(visible(q_pos, k_pos, window=window, sinks=sinks), qk * scale, -np.inf)
+    s = qk * scale
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    s = np.where(visible(q_pos, k_pos, window=window, sinks=sinks), s, -np.inf)
     lse = np.logaddexp.reduce(s, axis=-1)                              # [heads_q, n_q]
     return np.exp(s - lse[..., None]) @ v, lse
 

@@ -16,7 +16,8 @@ import numpy as np
 #: HF model classes and GGUF architectures of the families built here.
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-            "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+            "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+            "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 
 def hf_model(arch: str, *, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -42,7 +43,7 @@ def hf_model(arch: str, *, seed: int = 0, hidden: int = 128, layers: int = 2, he
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_((arch != "gemma3") + 0.1 * torch.randn(p.shape, generator=g))
+                p.copy_((arch not in ("gemma2", "gemma3")) + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
@@ -100,6 +101,10 @@ def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None =
         assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
         rope = rope["full_attention"]
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":             # what the converter's Gemma2Model writes
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
     if arch == "phi3":                                   # the converter writes 0 for none
@@ -124,7 +129,7 @@ def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None =
         a = p.detach().numpy().astype(np.float32)
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             a = llama_permute(a, cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             a = a + 1                # the converter stores Gemma's norms as 1 + w
         tensors[name] = a
     if rope.get("rope_type") == "llama3":

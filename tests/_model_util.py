@@ -75,7 +75,8 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
                     quant: dict | None = None, tokens: list | None = None, extra_tensors: dict | None = None,
                     rope_freqs: bool = False, matrix_scale: float = 0.3):
     """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors): gemma3,
-    llama, qwen2 (q/k/v biases), qwen3 (q/k norms) or phi3 (fused attn_qkv and ffn_up); ``rope_freqs``: with a ``rope_freqs.weight`` of
+    gemma2 (soft caps 1 and 2, which bind on its scores and logits), llama, qwen2 (q/k/v biases), qwen3
+    (q/k norms) or phi3 (fused attn_qkv and ffn_up); ``rope_freqs``: with a ``rope_freqs.weight`` of
     divisors in [1, 8] (llama3 RoPE scaling, llama only). Matrices are N(0, ``matrix_scale``²).
 
     ``quant`` maps tensor names' last part (e.g. ``"ffn_down"``) to a GGUF type that gguf-py quantizes
@@ -112,8 +113,11 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1e6 if arch == "gemma3" else 1e4)
-    if arch in ("gemma3", "phi3"):
+    if arch in ("gemma2", "gemma3", "phi3"):
         w.add_sliding_window(window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(1.0)
+        w.add_final_logit_softcapping(2.0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens if tokens is not None else [f"t{i}" for i in range(vocab)])
@@ -160,7 +164,7 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
         if arch in ("gemma3", "qwen3"):
             t(p + "attn_q_norm.weight", head_dim, scale=0.1, offset=1.0)
             t(p + "attn_k_norm.weight", head_dim, scale=0.1, offset=1.0)
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             t(p + "post_attention_norm.weight", d_model, scale=0.1, offset=1.0)
             t(p + "post_ffw_norm.weight", d_model, scale=0.1, offset=1.0)
     if rope_freqs:

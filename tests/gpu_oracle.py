@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover - ml_dtypes is a core dependency
 TOL = reference.TOLERANCE  # max abs diff / max abs ref
 
 
-def attention(q, k_hist, v_hist, q_pos, *, window, sinks, scale):
+def attention(q, k_hist, v_hist, q_pos, *, window, sinks, scale, softcap=None):
     """Batched front of streamattn.reference.attention (the project's one float64 oracle).
 
     q: [batch, q_heads, T, d]; k_hist, v_hist: [batch, kv_heads, n, d] (position j at index j);
@@ -28,7 +28,7 @@ def attention(q, k_hist, v_hist, q_pos, *, window, sinks, scale):
         if rows.size:
             out[b][:, rows], lse[b][:, rows] = reference.attention(
                 q[b][:, rows], k_hist[b], v_hist[b], q_pos[b][rows], window=window or None, sinks=sinks,
-                scale=scale)
+                scale=scale, softcap=softcap)
     return out, lse
 
 
@@ -85,10 +85,12 @@ def lse_err(got, ref) -> float:
     return rel_err(got, ref, 1.0)
 
 
-def case(rng, *, batch, q_heads, kv_heads, head_dim, lengths, counts, T, window, sinks, dtype, q_dtype="float32"):
-    """Random history, ring, queries and oracle answer for one attention call ("write, then attend").
+def case(rng, *, batch, q_heads, kv_heads, head_dim, lengths, counts, T, window, sinks, dtype, q_dtype="float32",
+         softcap=None, q_gain=1.0):
+    """Random history, ring, queries (N(0, q_gain²)) and oracle answer for one attention call ("write, then
+    attend"), with the scores soft-capped by ``softcap`` (None: not).
 
-    Returns dict with q, k, v (stored), lengths, counts, ref_out, ref_lse, scale.
+    Returns dict with q, k, v (stored), lengths, counts, ref_out, ref_lse, scale, softcap.
     """
     lengths, counts = np.asarray(lengths), np.asarray(counts)
     n = int(lengths.max())
@@ -101,11 +103,12 @@ def case(rng, *, batch, q_heads, kv_heads, head_dim, lengths, counts, T, window,
     else:
         slots = n + 3  # spare slots past the longest sequence are never visible
     k, v = fill_cache(k_store, v_store, lengths, window=window, sinks=sinks, slots=slots)
-    q = rng.standard_normal((batch, q_heads, T, head_dim)).astype(q_dtype)
+    q = (q_gain * rng.standard_normal((batch, q_heads, T, head_dim))).astype(q_dtype)
     q_pos = np.full((batch, T), -1)
     for b in range(batch):
         q_pos[b, :counts[b]] = lengths[b] - counts[b] + np.arange(counts[b])
     scale = 1.0 / np.sqrt(head_dim)
-    ref_out, ref_lse = attention(q.astype(np.float64), k_val, v_val, q_pos, window=window, sinks=sinks, scale=scale)
+    ref_out, ref_lse = attention(q.astype(np.float64), k_val, v_val, q_pos, window=window, sinks=sinks, scale=scale,
+                                 softcap=softcap)
     return dict(q=q, k=k, v=v, lengths=lengths, counts=counts, ref_out=ref_out, ref_lse=ref_lse, scale=scale,
-                window=window, sinks=sinks)
+                window=window, sinks=sinks, softcap=softcap)

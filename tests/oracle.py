@@ -68,15 +68,16 @@ class History:
     def length(self, b):
         return sum(x.shape[1] for x in self.k[b])
 
-    def expected(self, q, b, c, spec, scale=None):
+    def expected(self, q, b, c, spec, scale=None, softcap=None):
         """Oracle (out, lse) for the newest ``c`` queries of sequence b: q [q_heads, c, d]."""
         k = np.concatenate(self.k[b], axis=1)
         v = np.concatenate(self.v[b], axis=1)
         L = k.shape[1]
-        return attention(q, k, v, np.arange(L - c, L), window=spec.window, sinks=spec.sinks, scale=scale)
+        return attention(q, k, v, np.arange(L - c, L), window=spec.window, sinks=spec.sinks, scale=scale,
+                         softcap=softcap)
 
 
-def check(out, lse, q, hist, counts, spec, scale=None, what=""):
+def check(out, lse, q, hist, counts, spec, scale=None, what="", softcap=None):
     """Assert every real row of (out, lse) equals the oracle within the dtype's tolerance; padding is 0."""
     out = out.get() if hasattr(out, "get") else out
     lse = lse.get() if hasattr(lse, "get") else lse
@@ -85,7 +86,7 @@ def check(out, lse, q, hist, counts, spec, scale=None, what=""):
         assert np.all(out[b, :, c:] == 0), f"{what}: padding rows of sequence {b} are not zero"
         if c == 0:
             continue
-        ro, rl = hist.expected(q[b, :, :c], b, c, spec, scale)
+        ro, rl = hist.expected(q[b, :, :c], b, c, spec, scale, softcap)
         err = np.abs(out[b, :, :c].astype(np.float64) - ro).max() / max(np.abs(ro).max(), 1e-30)
         assert err <= TOL[spec.dtype], f"{what}: sequence {b}: relative error {err:.3g} > {TOL[spec.dtype]}"
         lerr = np.abs(lse[b, :, :c] - rl).max()

@@ -40,6 +40,23 @@ def test_same_answers_and_state_as_append_then_attend(mode, dtype):
     assert int(fast.lengths.max()) > fast.slots or mode == "causal"          # the ring wrapped
 
 
+@pytest.mark.parametrize("mode", SPECS)
+def test_soft_capped_like_append_then_attend(mode):
+    """With a soft cap, the model's path (the one compiled call for causal chunks, the staged one else)
+    gives the bits of append then attend with the same cap, and not those without it."""
+    rng = np.random.default_rng(3)
+    spec = CacheSpec(batch=2, kv_heads=1, head_dim=16, **SPECS[mode])
+    fast, slow = KVCache(spec), KVCache(spec)
+    for T in (3, 1, 1, 3, 2):
+        k, v, q = (chunk(rng, 2, h, T) for h in (1, 1, 3))
+        q *= 8                                                   # scores well past the cap
+        got = append_attend(q, k, v, fast, backend="cpu", scale=0.3, softcap=2.0)
+        slow.append(k, v)
+        want = attend(q, slow, backend="cpu", scale=0.3, softcap=2.0)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+        assert not np.allclose(got[0], attend(q, slow, backend="cpu", scale=0.3)[0], atol=1e-3)
+
+
 @pytest.mark.parametrize("mode", ["causal", "window"])
 @pytest.mark.parametrize("dtype,value", [("float32", np.nan), ("float16", 1e5), ("bfloat16", np.inf)])
 def test_non_finite_key_is_refused_and_the_cache_unchanged(dtype, value, mode):

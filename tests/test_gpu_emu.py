@@ -19,7 +19,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 def check(runner, c, *, splits=None, dtype):
     out, lse = runner.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=c["window"],
-                               sinks=c["sinks"], scale=c["scale"], splits=splits)
+                               sinks=c["sinks"], scale=c["scale"], splits=splits, softcap=c.get("softcap"))
     assert out.dtype == c["q"].dtype and out.shape == c["q"].shape and lse.dtype == np.float32
     assert go.rel_err(out, c["ref_out"]) <= go.TOL[dtype], "out differs from the float64 oracle"
     assert go.lse_err(lse, c["ref_lse"]) <= go.TOL[dtype], "lse differs from the float64 oracle"
@@ -53,6 +53,23 @@ def test_prefill_chunk(runner, mode, dtype, head_dim):
                 counts=[4, 4, 2, 2], T=4, window=window, sinks=sinks, dtype=dtype)
     check(runner, c, dtype=dtype)
     assert runner.launches[-1].startswith("prefill_")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_soft_capped_scores(runner, mode, dtype):
+    """The _softcap variants (Gemma-2) against the oracle with the cap, decode (1 and 3 splits) and a chunk:
+    queries large enough (scores ~ N(0, 8²)) that a cap of 5 changes the answer, by far."""
+    window, sinks = MODES[mode]
+    for T, lengths, counts in ((1, [29, 1, 3, 19], [1, 1, 1, 0]), (4, [4, 30, 21, 2], [4, 4, 2, 2])):
+        shape = dict(batch=4, q_heads=4, kv_heads=2, head_dim=64, lengths=lengths, counts=counts, T=T, window=window,
+                     sinks=sinks, dtype=dtype, q_gain=8.0)
+        c = go.case(np.random.default_rng(T + len(mode) + len(dtype)), softcap=5.0, **shape)
+        plain = go.case(np.random.default_rng(T + len(mode) + len(dtype)), **shape)      # the same draws, no cap
+        assert go.rel_err(plain["ref_out"], c["ref_out"]) > 0.05, "the cap changes nothing: the test cannot fail"
+        for splits in ((1, 3) if T == 1 else (None,)):
+            check(runner, c, splits=splits, dtype=dtype)
+            assert runner.launches[-2 if splits == 3 else -1].endswith("_softcap")
 
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(8, 1), (10, 2), (3, 3)])

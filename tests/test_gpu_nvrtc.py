@@ -39,13 +39,14 @@ def test_compiles_clean_without_spills(kind, arch):
 
 def test_every_backend_specialisation_is_checked():
     """The compile check covers what the plan can request: 5 dtypes (q8_0, q4_0 included) x 3 head_dims
-    x 2 kinds + 3 merges."""
+    x 2 kinds x (plain, soft-capped) + 3 merges."""
     specs = gpu_source.all_specs()
-    assert len(specs) == len(set(specs)) == 33
+    assert len(specs) == len(set(specs)) == 63
     for dtype in ("float32", "float16", "uint16"):
         for hd in gpu_source.HEAD_DIMS:
             tag = gpu_source.storage_tag(dtype)
-            assert {f"decode_{tag}_hd{hd}", f"prefill_{tag}_hd{hd}", f"merge_hd{hd}"} <= set(specs)
+            assert {f"decode_{tag}_hd{hd}", f"prefill_{tag}_hd{hd}", f"merge_hd{hd}", f"decode_{tag}_hd{hd}_softcap",
+                    f"prefill_{tag}_hd{hd}_softcap"} <= set(specs)
 
 
 @needs_nvrtc

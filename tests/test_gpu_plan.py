@@ -48,6 +48,9 @@ def test_names_and_expressions():
     assert gpu_source.spec_name("decode", 128, "f16") == "decode_f16_hd128"
     assert gpu_source.name_expression("decode_f16_hd128") == "sa_decode_split<1, 128>"
     assert gpu_source.name_expression("prefill_bf16_hd64") == "sa_prefill<2, 64>"
+    assert gpu_source.spec_name("prefill", 64, "bf16", softcap=True) == "prefill_bf16_hd64_softcap"
+    assert gpu_source.name_expression("prefill_bf16_hd64_softcap") == "sa_prefill<2, 64, true>"
+    assert gpu_source.name_expression("decode_f32_hd256_softcap") == "sa_decode_split<0, 256, true>"
     assert gpu_source.name_expression("merge_hd256") == "sa_merge<256>"
     assert gpu_source.storage_tag(np.dtype(np.uint16)) == "bf16"
     with pytest.raises(ValueError, match="head_dim must be one of"):

@@ -4,6 +4,8 @@ position of a 48-token sequence (float32 path: max|ours - theirs| / max|theirs| 
 Q8_0, the compiled layers: cosine >= 0.999 at every position), greedy continuations equal on the float32
 path. Needs torch and transformers (the ``hfref`` extra, installed by scripts/setup.sh)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -33,6 +35,10 @@ CASES = {
                    rope={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}),
     "phi3": dict(arch="phi3", sliding_window=16, pad_token_id=0, rope={"rope_type": "default", "rope_theta": 10000.0}),
+    # 4 layers alternating sliding (window 8) / global; caps small enough to bind on these scores (~N(0, 1))
+    # and logits (~N(0, 11²)); query_pre_attn_scalar = head_dim 64, not d_model / heads = 32 (llama.cpp's rule)
+    "gemma2": dict(arch="gemma2", layers=4, head_dim=64, query_pre_attn_scalar=64, sliding_window=8, tied=True,
+                   attn_logit_softcapping=1.5, final_logit_softcapping=12.0),
 }
 
 #: Metadata llama.cpp's converter adds for a case (its rope scaling keys).
@@ -147,6 +153,19 @@ def test_phi3_long_rope_factors_are_refused_by_name(tmp_path):
                                                                     "rope_factors_short.weight": half})
     with pytest.raises(ModelFileError, match=r"tensor 'rope_factors_long\.weight' \(and 1 more"):
         load_gguf(path, weights="f32")
+
+
+@pytest.mark.parametrize("case", ["gemma2"], indirect=True)
+def test_gemma2_soft_caps_are_what_makes_it_match(case):
+    """Without either soft cap (the config as a loader that ignored its key would build it) the logits are
+    far off: the comparison above does see both caps, the attention one in the compiled layers too."""
+    name, model, f32, q8, ids = case
+    ref = theirs(model, ids)
+    for path in (f32, q8):
+        m = load_gguf(path, weights="f32" if path == f32 else "quant")
+        for cap in ("attn_softcap", "final_softcap"):
+            uncapped = dataclasses.replace(m, config=dataclasses.replace(m.config, **{cap: None}))
+            assert rel_err(ours(Transformer(uncapped), ids), ref) > 0.05, (path, cap)
 
 
 def test_linear_rope_scaling_matches_transformers(tmp_path):

@@ -28,6 +28,17 @@ def test_report_matches_the_kernel_and_the_mask():
     np.testing.assert_allclose(rep.out[:, 0], out[0, :, 0], rtol=1e-5, atol=1e-6)
 
 
+def test_soft_capped_report_matches_the_kernel():
+    """With the model's soft cap (gemma2) the weights are those the kernel used, not the uncapped ones."""
+    rng = np.random.default_rng(1)
+    cache = filled_cache(rng)
+    q = 8 * rng.standard_normal((1, 3, 1, 64)).astype(np.float32)
+    rep = inspect_attention(q, cache, softcap=2.0)
+    out, _ = attend(q, cache, backend="cpu", softcap=2.0)
+    np.testing.assert_allclose(rep.out[:, 0], out[0, :, 0], rtol=1e-5, atol=1e-6)
+    assert np.abs(rep.weights - inspect_attention(q, cache).weights).max() > 0.1
+
+
 def test_contributions_expose_a_broken_v_row():
     """Same weights, a corrupted V row: the weights stay, that row's contribution jumps."""
     rng = np.random.default_rng(1)

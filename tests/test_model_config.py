@@ -47,6 +47,56 @@ def test_gemma3_metadata_to_config():
     assert c.qk_norm and c.post_norms and c.activation == "gelu_tanh"
 
 
+def gemma2_md(**over):
+    """Gemma-2 2B's metadata as llama.cpp's converter writes it (26 layers, 8/4 heads of 256)."""
+    md = {"general.architecture": "gemma2", "gemma2.block_count": 26, "gemma2.embedding_length": 2304,
+          "gemma2.attention.head_count": 8, "gemma2.attention.head_count_kv": 4,
+          "gemma2.attention.key_length": 256, "gemma2.attention.value_length": 256,
+          "gemma2.feed_forward_length": 9216, "gemma2.attention.layer_norm_rms_epsilon": 1e-6,
+          "gemma2.attention.sliding_window": 4096, "gemma2.attn_logit_softcapping": 50.0,
+          "gemma2.final_logit_softcapping": 30.0, "gemma2.context_length": 8192,
+          "tokenizer.ggml.tokens": ["x"] * 256000, "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1}
+    md.update(over)
+    return md
+
+
+def test_gemma2_metadata_to_config():
+    c = config_from_metadata(gemma2_md())
+    assert c.layer_windows == (4096, None) * 13                     # even layers slide, odd ones are global
+    assert (c.attn_softcap, c.final_softcap, c.rope_base, c.rope_base_local, c.rope_style) == (
+        50.0, 30.0, 1e4, 1e4, "neox")
+    assert c.attn_scale == pytest.approx(1 / 16) and c.embed_scale == pytest.approx(np.sqrt(2304))
+    assert c.post_norms and not c.qk_norm and c.activation == "gelu_tanh"
+    # 27B (46 layers, d_model 4608, 32 heads of 128): queries scaled by 1/sqrt(4608 / 32 = 144), as llama.cpp
+    big = gemma2_md(**{"gemma2.block_count": 46, "gemma2.embedding_length": 4608, "gemma2.attention.head_count": 32,
+                       "gemma2.attention.head_count_kv": 16, "gemma2.attention.key_length": 128,
+                       "gemma2.attention.value_length": 128})
+    assert config_from_metadata(big).attn_scale == pytest.approx(1 / 12)
+    # what the file leaves out takes llama.cpp's defaults; a pattern key says which layers slide
+    bare = gemma2_md()
+    for k in ("gemma2.attn_logit_softcapping", "gemma2.final_logit_softcapping", "gemma2.attention.sliding_window"):
+        del bare[k]
+    c = config_from_metadata(bare)
+    assert (c.attn_softcap, c.final_softcap, c.layer_windows[0]) == (50.0, 30.0, 4096)
+    c = config_from_metadata(gemma2_md(**{"gemma2.attention.sliding_window_pattern": 3}))
+    assert c.layer_windows[:6] == (4096, 4096, None) * 2
+    flags = [i % 4 == 0 for i in range(26)]
+    c = config_from_metadata(gemma2_md(**{"gemma2.attention.sliding_window_pattern": flags}))
+    assert [w is not None for w in c.layer_windows] == flags
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("gemma2.attn_logit_softcapping", 0.0, "key gemma2.attn_logit_softcapping must be a finite number > 0"),
+    ("gemma2.final_logit_softcapping", float("inf"), "gemma2.final_logit_softcapping must be a finite number"),
+    ("gemma2.attention.sliding_window_pattern", [True, False], "must be an integer or 26 booleans"),
+    ("gemma2.attention.sliding_window_pattern", -1, r"must be an integer in 0\.\.26"),
+    ("gemma2.expert_count", 8, "metadata key 'gemma2.expert_count' = '8' is not implemented"),
+])
+def test_bad_gemma2_metadata_is_refused_by_key(key, value, match):
+    with pytest.raises(ModelFileError, match=match):
+        config_from_metadata(gemma2_md(**{key: value}), "m.gguf")
+
+
 def test_unsupported_architecture_and_missing_key():
     with pytest.raises(ModelFileError, match="architecture 'mamba' is not supported"):
         config_from_metadata({"general.architecture": "mamba"}, "m.gguf")

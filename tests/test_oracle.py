@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 
 from streamattn import CacheSpec, KVCache, attend
+from streamattn import reference
 from oracle import History, check
 
 BACKENDS = ["cpu", "reference"]
 
 
-def stream(spec, q_heads, steps, backend, *, seed=0, chunks=None, ragged=False, scale=None):
-    """Append ``steps`` chunks (sizes from ``chunks`` or 1), checking every output against the oracle."""
+def stream(spec, q_heads, steps, backend, *, seed=0, chunks=None, ragged=False, scale=None, softcap=None,
+           q_gain=1.0):
+    """Append ``steps`` chunks (sizes from ``chunks`` or 1), checking every output against the oracle
+    (queries N(0, q_gain²); scores soft-capped by ``softcap``)."""
     rng = np.random.default_rng(seed)
     cache, hist = KVCache(spec), History(spec.batch, spec)   # (quantized storage: the values as stored)
     for step in range(steps):
@@ -23,9 +26,9 @@ def stream(spec, q_heads, steps, backend, *, seed=0, chunks=None, ragged=False, 
         counts = rng.integers(0 if ragged else T, T + 1, size=spec.batch) if ragged else np.full(spec.batch, T)
         cache.append(k, v, counts=counts)
         hist.append(k, v, counts)
-        q = rng.standard_normal((spec.batch, q_heads, T, spec.head_dim)).astype(np.float32)
-        out, lse = attend(q, cache, backend=backend, scale=scale)
-        check(out, lse, q, hist, counts, spec, scale, what=f"{backend} step {step}")
+        q = (q_gain * rng.standard_normal((spec.batch, q_heads, T, spec.head_dim))).astype(np.float32)
+        out, lse = attend(q, cache, backend=backend, scale=scale, softcap=softcap)
+        check(out, lse, q, hist, counts, spec, scale, what=f"{backend} step {step}", softcap=softcap)
     return cache
 
 
@@ -68,6 +71,31 @@ def test_page_merge_over_several_pages():
     assert cpu.count_pages([3000], [1], 0, 0) == 2 and cpu.count_pages([3000], [1000], 0, 0) == 2
     spec = CacheSpec(batch=1, kv_heads=1, head_dim=64, window=None, max_chunk=1000)
     stream(spec, 1, 4, "cpu", chunks=[1000, 1000, 999, 1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("window,sinks,head_dim", [(None, 0, 64), (5, 2, 64), (3, 0, 48)])
+def test_soft_capped_scores(backend, dtype, window, sinks, head_dim):
+    """Gemma-2's attention soft-capping (cap * tanh(s / cap) of every scaled score s, before the mask):
+    decode and chunks, ragged, GQA, through ring wraps; head_dim 48 takes the plain-loop kernels. Scores
+    ~ N(0, 8²) against a cap of 5, so the cap changes the answers (checked: the uncapped oracle is far)."""
+    spec = CacheSpec(batch=2, kv_heads=2, head_dim=head_dim, dtype=dtype, window=window, sinks=sinks, max_chunk=3)
+    stream(spec, 4, 3 * (spec.slots or 8) + 4, backend, chunks=[3, 1, 2], ragged=True, softcap=5.0, q_gain=8.0,
+           seed=head_dim + len(dtype))
+    rng = np.random.default_rng(1)
+    k, v, q = (rng.standard_normal((2, 9, head_dim)) for _ in range(3))
+    capped = reference.attention(8 * q, k, v, np.arange(9), softcap=5.0)[0]
+    assert np.abs(capped - reference.attention(8 * q, k, v, np.arange(9))[0]).max() > 0.1
+
+
+@pytest.mark.parametrize("softcap", [0, -1.0, np.inf, np.nan, True, "5"])
+def test_a_bad_softcap_is_refused_by_name(softcap):
+    cache = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=16))
+    x = np.ones((1, 1, 1, 16), np.float32)
+    cache.append(x, x)
+    with pytest.raises(ValueError, match=r"softcap must be a finite number > 0, or None"):
+        attend(x, cache, backend="cpu", softcap=softcap)
 
 
 def test_scale_override():

@@ -1,7 +1,7 @@
 """Backends: one signature, picked by name.
 
-Every backend is ``fn(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None) -> (out,
-lse)`` over the
+Every backend is ``fn(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None,
+softcap=None) -> (out, lse)`` over the
 ring storage of one layer (see ``streamattn.backends.cpu.attend`` for the argument contract).
 """
 
@@ -16,7 +16,7 @@ from .. import reference
 BACKENDS = ("reference", "cpu", "gpu")
 
 
-def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None):
+def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None, softcap=None):
     """The float64 oracle applied to what the ring holds (slots decoded to positions; quantized rows
     dequantized: the values the kernels read)."""
     q, k, v = (to_host(a, copy=False) for a in (q, k, v))
@@ -35,7 +35,8 @@ def reference_backend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q
         q_pos = np.arange(lengths[b] - c, lengths[b])
         out[b, :, :c], lse[b, :, :c] = reference.attention(
             q[b, :, :c], wide(k[b][:, held], kind), wide(v[b][:, held], kind_v), q_pos,
-            window=window or None, sinks=sinks, scale=scale, k_pos=pos[held], q_sink=qs[b, :, :c])
+            window=window or None, sinks=sinks, scale=scale, k_pos=pos[held], q_sink=qs[b, :, :c],
+            softcap=softcap)
     return out.astype(q.dtype), lse.astype(np.float32)
 
 
@@ -56,7 +57,7 @@ def get(name: str, device: str):
         return cpu.attend
     from . import gpu
 
-    def gpu_attend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None):
+    def gpu_attend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None, softcap=None):
         return gpu.attend(q, k, v, lengths, counts, window=window, sinks=sinks, scale=scale,
-                          q_sink=q_sink, kind=kind, kind_v=kind_v)
+                          q_sink=q_sink, kind=kind, kind_v=kind_v, softcap=softcap)
     return gpu_attend

@@ -34,7 +34,7 @@ from ..storage import write_rows
 from ..threads import many_threads
 from . import cpu_simd, cpu_tiles
 from .cpu_simd import row_max
-from .cpu_tiles import FASTMATH, KIND, accumulate, exp_tile, tile_sum, scores, tile_accumulate, tile_scores
+from .cpu_tiles import FASTMATH, KIND, accumulate, exp_tile, soft_cap, tile_sum, scores, tile_accumulate, tile_scores
 
 PAGE = 2048           # keys per page: a work item's keys, merged by log-sum-exp (the module docstring)
 SUB = 512             # keys per tile inside a page: runs of K, then of V, of 128 KiB (float32, d = 64)
@@ -68,7 +68,7 @@ def _pages_kernels(items):
     pair (:func:`attend_all`): the parallel launch cost 3-10 us a decode call (docs/PERF.md). Numba keys
     a cached closure on its cells, so the two never share a cache entry."""
 
-    def attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, part_out,
+    def attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out,
                      part_lse):
         """Partial attention per (sequence, kv head, page, block of query rows).
 
@@ -81,6 +81,10 @@ def _pages_kernels(items):
         window: n_c, or 0 for causal; sinks: n_s
         npages: pages per sequence in this call (sink pages first, then main pages in position order)
         nblocks: blocks of ROW_BLOCK query rows (r = g * counts[b] + t) per (sequence, kv head)
+        softcap: None, or a float32 c > 0: every scaled score s becomes c * tanh(s / c) before the mask
+            (Gemma-2's attention soft-capping). None is a compile-time specialization (Numba types it
+            ``none`` and prunes the branch): uncapped calls run the code, and give the bits, they had
+            before the cap existed.
         part_out: [B, Hq, T, npages, D] float32, part_lse: [B, Hq, T, npages] float32 (outputs)
         """
         B, Hkv, S = k.shape[:3]
@@ -162,6 +166,8 @@ def _pages_kernels(items):
                     n16 = (n + 15) // 16 * 16
                     for r in range(rows):
                         sr = sc[r]
+                        if softcap is not None:
+                            soft_cap(sr, n16, softcap)           # (past n: masked below)
                         # keys pos..pos+n-1 visible to row r: qlo[r] <= j <= qpos[r]
                         hi = min(n, qpos[r] - pos + 1)
                         jlo = min(max(qlo[r] - pos, 0), n)
@@ -249,7 +255,7 @@ def _grid(lengths, counts, window, sinks, group):
 
 
 @njit(cache=True)
-def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, kind_v, serial):
+def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, kind_v, softcap, serial):
     """:func:`attend_pages` then :func:`_merge_splits`, with their buffers: one call from Python instead
     of two calls and four allocations (~3 us less per decode call). Arguments as for attend_pages;
     ``serial``: take the serial pair (one thread set: :func:`streamattn.threads.many_threads`); returns
@@ -261,10 +267,10 @@ def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, kind_v, serial
     out = np.empty((B, Hq, T, D), np.float32)                   # [B, Hq, T, D]
     lse = np.empty((B, Hq, T), np.float32)                      # [B, Hq, T]
     if not serial:
-        attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, part_out, part_lse)
+        attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out, part_lse)
         _merge_splits(part_out, part_lse, out, lse)
     else:
-        _attend_pages_serial(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, part_out,
+        _attend_pages_serial(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out,
                              part_lse)
         _merge_splits_serial(part_out, part_lse, out, lse)
     return out, lse
@@ -272,12 +278,12 @@ def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, kind_v, serial
 
 @njit(cache=True)
 def write_attend(q, scale, kst, vst, ks, vs, ka, va, lengths, counts, last_counts, held_from, ring, check,
-                 expbits, kind, kind_v, serial):
+                 expbits, kind, kind_v, softcap, serial):
     """Append then attend for a causal cache without sinks, one call from Python (the model's decode and
     prefill chunks): :func:`streamattn.storage.write_rows` of the chunk (kst, vst: the storage as bits;
     ks, vs: the chunk as stored, as bits; refused whole if not finite), then :func:`attend_all` of
     ``q * scale`` (q: float32 [B, Hq, T, D]) over ka, va (the storage as the kernels read it; ``kind``,
-    ``kind_v`` as :func:`attend_pages`; quantized rows arrive quantized and checked, ``check`` False). The same
+    ``kind_v``, ``softcap`` as :func:`attend_pages`; quantized rows arrive quantized and checked, ``check`` False). The same
     calls and bits as ``KVCache.append`` then :func:`attend`, without the Python between them (~1 ms a
     SmolLM2 decode step in the model, where that Python runs with its data evicted: docs/PERF.md).
     Returns (bad, out, lse, finite): bad >= 0 names the refused rows (nothing written; out, lse empty);
@@ -286,7 +292,7 @@ def write_attend(q, scale, kst, vst, ks, vs, ka, va, lengths, counts, last_count
     if bad >= 0:
         return bad, np.empty((0, 0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), True
     qs = q * np.float32(scale)
-    out, lse = attend_all(qs, qs, ka, va, lengths, counts, 0, 0, kind, kind_v, serial)
+    out, lse = attend_all(qs, qs, ka, va, lengths, counts, 0, 0, kind, kind_v, softcap, serial)
     return bad, out, lse, bool(np.isfinite(lse).all())
 
 
@@ -299,7 +305,7 @@ def count_pages(lengths, counts, window: int, sinks: int) -> int:
 
 
 def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, kind: str, q_sink=None,
-           kind_v: str | None = None):
+           kind_v: str | None = None, softcap: float | None = None):
     """Attention of the newest ``counts[b]`` tokens of each sequence over a ring KV cache.
 
     Parameters
@@ -315,6 +321,9 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
         The queries scored against the sink keys (positions < sinks); default q. A model that assigns
         positions within the cache passes q rotated at the query's cache position here.
     kind_v : V's storage dtype name; default ``kind``
+    softcap : float, optional
+        Attention logit soft-capping: each scaled score s becomes softcap * tanh(s / softcap) before the
+        mask and the softmax (Gemma-2); None (default) for none. Must be finite and > 0.
 
     Returns
     -------
@@ -328,7 +337,8 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
     kb, vb = (x.view(_VIEW[kd]) for x, kd in ((k, kind), (v, kind_v)))
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     counts = np.ascontiguousarray(counts, dtype=np.int64)
-    out, lse = attend_all(qs, qss, kb, vb, lengths, counts, window, sinks, KIND[kind], KIND[kind_v],
+    cap = None if softcap is None else np.float32(softcap)
+    out, lse = attend_all(qs, qss, kb, vb, lengths, counts, window, sinks, KIND[kind], KIND[kind_v], cap,
                           not many_threads())
     return out.astype(q.dtype, copy=False), lse
 

@@ -164,6 +164,29 @@ def tile_sum(x, n16):
 
 
 @njit(fastmath=FASTMATH, cache=True)
+def soft_cap(x, n16, cap):
+    """x[:n16] <- cap * tanh(x[:n16] / cap) in place (n16 a multiple of 16; float32 x and cap): attention
+    logit soft-capping, applied to a tile's scores before the mask.
+
+    tanh(t) for t = |x| / cap: below 1/8 its Taylor series to t^7 (next term < 2e-10), else (1 - e) / (1 + e)
+    with e = exp(-2t) from :func:`exp_tile` (1 - e >= 0.22 there, so a few ulp), signed. Every loop is
+    straight-line float32 code that LLVM vectorises; libm's scalar tanhf made a capped decode 1.41x as slow
+    as a plain one at 4096 keys (benchmarks/softcap_attention.py, docs/PERF.md)."""
+    inv = np.float32(1.0) / cap
+    e = np.empty(n16, np.float32)                                   # [n16]
+    for j in range(n16):
+        e[j] = np.float32(-2.0) * abs(x[j]) * inv                   # -2t
+    exp_tile(e, n16, np.float32(0.0))                               # exp(-2t)
+    for j in range(n16):
+        t = abs(x[j]) * inv
+        t2 = t * t
+        series = t * (np.float32(1.0) + t2 * (np.float32(-1.0 / 3.0) + t2 * (np.float32(2.0 / 15.0)
+                                                                            + t2 * np.float32(-17.0 / 315.0))))
+        th = series if t < np.float32(0.125) else (np.float32(1.0) - e[j]) / (np.float32(1.0) + e[j])
+        x[j] = cap * th if x[j] >= 0 else -(cap * th)
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def scores(qr, kt, n, out, kind):
     """out[j] = qr . kt[j] for j < n (one query row), widening 16-bit storage as it is read.
 

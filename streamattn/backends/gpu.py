@@ -67,7 +67,8 @@ def _launch(name: str, grid, block, args) -> None:
 
 
 def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, splits: int | None = None,
-           q_sink=None, kind: str | None = None, kind_v: str | None = None):
+           q_sink=None, kind: str | None = None, kind_v: str | None = None,
+           softcap: float | None = None):
     """Attention of a chunk of queries against a ring KV cache on the GPU ("write, then attend").
 
     Parameters
@@ -97,6 +98,9 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
     kind, kind_v : str, optional
         The storage dtype names of K and V (the dispatcher passes them); they must be the same: the
         kernels read K and V of one kind. None: taken from k.
+    softcap : float, optional
+        Attention logit soft-capping: each scaled score s becomes softcap * tanh(s / softcap) before the
+        softmax (the ``_softcap`` kernel variants); None (default): none.
 
     Returns
     -------
@@ -118,4 +122,4 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
             raise TypeError(f"{name} must be a cupy.ndarray on the device (got {type(arr).__name__})")
     return gpu_plan.attend_with(cupy, _launch, q, k, v, lengths, counts, window=window, sinks=sinks,
                                 scale=scale, sm_count=sm_count(cupy.cuda.Device().id), splits=splits,
-                                q_sink=q_sink)
+                                q_sink=q_sink, softcap=softcap)

@@ -85,7 +85,7 @@ def max_visible_keys(lengths, *, window: int, sinks: int, slots: int) -> int:
 
 
 def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int, scale: float,
-                sm_count: int, splits: int | None = None, q_sink=None):
+                sm_count: int, splits: int | None = None, q_sink=None, softcap: float | None = None):
     """Attention of q against the cache through ``launch``; see streamattn.backends.gpu.attend.
 
     Parameters
@@ -102,6 +102,8 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
         Force the number of decode splits (tests use it to exercise the merge on small caches).
     q_sink : array like q, optional
         The queries scored against sink keys (default q), as in ``streamattn.backends.gpu.attend``.
+    softcap : float, optional
+        Attention logit soft-capping (None: none): launches the ``_softcap`` kernel variants.
 
     Returns
     -------
@@ -109,6 +111,9 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
     lse : array [batch, q_heads, T], float32
     """
     validate(q, k, v, lengths, counts, window=window, sinks=sinks)
+    if softcap is not None and not (isinstance(softcap, (int, float, np.floating)) and not isinstance(softcap, bool)
+                                    and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite number > 0, or None for none (got {softcap!r})")
     if q_sink is not None and tuple(q_sink.shape) != tuple(q.shape):
         raise ValueError(f"q_sink must have q's shape {tuple(q.shape)} (got {tuple(q_sink.shape)})")
     batch, q_heads, rows, head_dim = q.shape
@@ -123,6 +128,8 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
     cnts = xp.ascontiguousarray(xp.asarray(counts), dtype=xp.int32)  # [batch]
     i32, f32 = np.int32, np.float32
     scale_log2 = f32(scale * LOG2E)  # kernels work in log2 units: exp2f is one instruction
+    cap = softcap is not None
+    softcap_log2 = f32(softcap * LOG2E if cap else 0.0)  # the cap in the same units (unused when None)
     out = xp.empty((batch, q_heads, rows, head_dim), dtype=xp.float32)
     lse = xp.empty((batch, q_heads, rows), dtype=xp.float32)
 
@@ -137,16 +144,17 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
         else:
             part_out = xp.empty((batch, q_heads, n_splits, head_dim), dtype=xp.float32)
             part_lse = xp.empty((batch, q_heads, n_splits), dtype=xp.float32)
-        launch(spec_name("decode", head_dim, tag), (n_splits, kv_heads * chunks, batch), (BLOCK_THREADS, 1, 1),
+        launch(spec_name("decode", head_dim, tag, softcap=cap), (n_splits, kv_heads * chunks, batch),
+               (BLOCK_THREADS, 1, 1),
                [qf, qsf, k, v, lens, cnts, part_out, part_lse, i32(q_heads), i32(kv_heads), i32(slots),
-                i32(window), i32(sinks), i32(n_splits), scale_log2])
+                i32(window), i32(sinks), i32(n_splits), scale_log2, softcap_log2])
         if n_splits > 1:
             launch(spec_name("merge", head_dim), (batch * q_heads, 1, 1), (MERGE_THREADS, 1, 1),
                    [part_out, part_lse, out, lse, i32(n_splits)])
     else:
         block_rows = (2 if head_dim == 256 else 4) * (BLOCK_THREADS // 32)  # SaPrefillShape::ROWS
-        launch(spec_name("prefill", head_dim, tag), (math.ceil(rows * group / block_rows), kv_heads, batch),
-               (BLOCK_THREADS, 1, 1),
+        launch(spec_name("prefill", head_dim, tag, softcap=cap), (math.ceil(rows * group / block_rows), kv_heads,
+                                                                   batch), (BLOCK_THREADS, 1, 1),
                [qf, qsf, k, v, lens, cnts, out, lse, i32(q_heads), i32(kv_heads), i32(slots), i32(rows),
-                i32(window), i32(sinks), scale_log2])
+                i32(window), i32(sinks), scale_log2, softcap_log2])
     return (out if q.dtype == xp.float32 else out.astype(q.dtype)), lse

@@ -5,16 +5,20 @@ so the three see the same source text, the same template instantiations and the 
 
 Specialisations
 ---------------
-======== ================================ =========================
-kind     template (name expression)       readable name
-======== ================================ =========================
-decode   ``sa_decode_split<KIND, HD>``    ``decode_f16_hd128``
-prefill  ``sa_prefill<KIND, HD>``         ``prefill_bf16_hd64``
-merge    ``sa_merge<HD>``                 ``merge_hd256``
-======== ================================ =========================
+======== ===================================== ==============================
+kind     template (name expression)            readable name
+======== ===================================== ==============================
+decode   ``sa_decode_split<KIND, HD>``         ``decode_f16_hd128``
+decode   ``sa_decode_split<KIND, HD, true>``   ``decode_f16_hd128_softcap``
+prefill  ``sa_prefill<KIND, HD>``              ``prefill_bf16_hd64``
+prefill  ``sa_prefill<KIND, HD, true>``        ``prefill_bf16_hd64_softcap``
+merge    ``sa_merge<HD>``                      ``merge_hd256``
+======== ===================================== ==============================
 
 KIND is the K/V storage dtype: 0 float32, 1 float16, 2 bfloat16 (uint16 bits), 3 q8_0 and 4 q4_0 (uint8
 rows of GGUF blocks, tags ``q8`` / ``q4``, e.g. ``decode_q8_hd64``); HD is head_dim.
+The ``_softcap`` variants soft-cap every score (Gemma-2); the plain ones are the same text without it
+(``if constexpr``), so models without a cap run exactly the kernels they ran before it existed.
 """
 from __future__ import annotations
 
@@ -114,30 +118,33 @@ def storage_tag(dtype, width: int | None = None, head_dim: int | None = None) ->
     return tag
 
 
-def spec_name(kind: str, head_dim: int, tag: str | None = None) -> str:
-    """Readable specialisation name, e.g. ``decode_f16_hd128`` or ``merge_hd64``."""
+def spec_name(kind: str, head_dim: int, tag: str | None = None, *, softcap: bool = False) -> str:
+    """Readable specialisation name, e.g. ``decode_f16_hd128``, ``prefill_f32_hd64_softcap`` (``softcap``:
+    the variant that soft-caps the scores) or ``merge_hd64``."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS} (got {head_dim})")
     if kind == "merge":
         return f"merge_hd{head_dim}"
     if tag not in KV_KINDS:
         raise ValueError(f"storage tag must be one of {sorted(KV_KINDS)} (got {tag!r})")
-    return f"{kind}_{tag}_hd{head_dim}"
+    return f"{kind}_{tag}_hd{head_dim}" + ("_softcap" if softcap else "")
 
 
 def name_expression(name: str) -> str:
     """C++ name expression (for NVRTC ``name_expressions``) of a readable specialisation name."""
     parts = name.split("_")
-    head_dim = int(parts[-1].removeprefix("hd"))
+    capped = parts[-1] == "softcap"
+    head_dim = int(parts[-2 if capped else -1].removeprefix("hd"))
     if parts[0] == "merge":
         return f"sa_merge<{head_dim}>"
     template = {"decode": "sa_decode_split", "prefill": "sa_prefill"}[parts[0]]
-    return f"{template}<{KV_KINDS[parts[1]]}, {head_dim}>"
+    return f"{template}<{KV_KINDS[parts[1]]}, {head_dim}" + (", true>" if capped else ">")
 
 
 def all_specs() -> list[str]:
     """Every specialisation the backend can request (what the compile check compiles)."""
-    names = [spec_name(kind, hd, tag) for kind in ("decode", "prefill") for tag in KV_KINDS for hd in HEAD_DIMS]
+    names = [spec_name(kind, hd, tag, softcap=cap) for kind in ("decode", "prefill") for cap in (False, True)
+             for tag in KV_KINDS for hd in HEAD_DIMS]
     return names + [spec_name("merge", hd) for hd in HEAD_DIMS]
 
 

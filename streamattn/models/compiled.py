@@ -47,8 +47,9 @@ from streamattn.storage import EXPONENT_BITS, bits, write_rows
 
 
 #: The model's numbers: heads, eps (the drivers take it as a float, the heads kernel as float32), RoPE
-#: pairing, attention scale, activation.
-Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu")
+#: pairing, attention scale, activation, attention soft cap (None, typed ``none``: a layer compiled without
+#: the cap's code; else float32).
+Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu softcap")
 #: A layer's cache: storage bits (kst, vst [B, Hk, slots, D]), what the attention reads (ka, va: the float32
 #: array, or the 16-bit patterns), the counters, the geometry (window 0: causal; max_len 0: none), the
 #: finite check, and the storage (``kind``: cpu.KIND, 0 float32, 1 float16, 2 bfloat16).
@@ -268,7 +269,7 @@ def _attend(q, k, v, at):
             return np.full((B * T, q.shape[1] * D), np.nan, np.float32)
         qs = q * np.float32(cfg.scale)
         out, lse = cpu.attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind, kv.kind,
-                                   step.serial)
+                                   cfg.softcap, step.serial)
         return heads_to_rows(out, lse) if one else heads_to_rows_parallel(out, lse)
     return impl
 
@@ -373,7 +374,8 @@ class CompiledLayers:
     def __init__(self, tf):
         c = tf.config
         self.cfg = Cfg(c.n_heads, c.n_kv_heads, float(c.norm_eps), np.float32(c.norm_eps), c.rope_style == "neox",
-                       float(c.attn_scale), c.activation == "gelu_tanh")
+                       float(c.attn_scale), c.activation == "gelu_tanh",
+                       None if c.attn_softcap is None else np.float32(c.attn_softcap))
         self.plan = tf.plan                         # the drivers the weights' tags name
         self.layers = tf.layers
         self.sources = [_sources(lw) for lw in tf.layers]

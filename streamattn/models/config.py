@@ -2,7 +2,7 @@
 (what one architecture file declares: metadata -> config, and which GGUF tensors make each layer weight).
 
 An architecture is one file in streamattn/models/ (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``phi3.py``,
-``gemma3.py``) defining an ``Architecture`` and one entry in
+``gemma2.py``, ``gemma3.py``) defining an ``Architecture`` and one entry in
 :data:`streamattn.models.architectures.ARCHITECTURES`. Tensor names come from gguf.constants
 (``MODEL_TENSOR`` / ``TENSOR_NAMES``), metadata keys from its ``Keys``; the loader and the transformer read
 both through the architecture and never branch on its name. What an architecture does not read is
@@ -44,13 +44,14 @@ class ModelConfig:
     layer_windows : tuple of (int or None)
         Per layer: the model's own sliding window n_c (keys incl. the current one), None for global.
     attn_scale : float
-        Multiplies q·k (1/sqrt(head_dim) for both families here).
+        Multiplies q·k (1/sqrt(head_dim), or Gemma-2's 1/sqrt(query_pre_attn_scalar)).
     embed_scale : float
-        Multiplies the token embedding (sqrt(d_model) for gemma3, 1 for llama).
+        Multiplies the token embedding (sqrt(d_model) for gemma2/gemma3, 1 for llama).
     activation : {"silu", "gelu_tanh"}
         Gate activation of the gated MLP.
     qk_norm, post_norms : bool
-        A per-head RMSNorm of q and k (gemma3, qwen3); norms after attention and after the MLP (gemma3).
+        A per-head RMSNorm of q and k (gemma3, qwen3); norms after attention and after the MLP (gemma2,
+        gemma3).
     context_length : int
     bos_id, eos_id : int
     name : str
@@ -58,6 +59,10 @@ class ModelConfig:
         Linear RoPE scaling (``rope.scaling.type = "linear"``): every inverse frequency divided by it
         (1: none). Per-dimension divisors (llama3 scaling) are a tensor, ``rope_freqs.weight``, applied by
         the transformer (:func:`streamattn.models.rope.inverse_frequencies`).
+    attn_softcap, final_softcap : float or None
+        Soft-capping (gemma2): every scaled attention score s becomes c * tanh(s / c) before the mask and
+        the softmax (c = ``attn_softcap``), every output logit z becomes c * tanh(z / c) (c =
+        ``final_softcap``); None: not capped.
     """
 
     arch: str
@@ -83,6 +88,8 @@ class ModelConfig:
     eos_id: int
     name: str = ""
     rope_linear: float = 1.0
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.arch, str) or not self.arch:
@@ -108,6 +115,11 @@ class ModelConfig:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{f} must be a finite number > 0 (got {v!r})")
+        for f in ("attn_softcap", "final_softcap"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise ValueError(f"{f} must be None (no cap) or a finite number > 0 (got {v!r})")
         if not isinstance(self.context_length, int) or self.context_length < 1:
             raise ValueError(f"context_length must be a positive integer (got {self.context_length!r})")
         if not (0 <= self.bos_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):

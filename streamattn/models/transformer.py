@@ -1,4 +1,4 @@
-"""Decoder-only transformer forward pass (llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma-3) on streamattn's KV
+"""Decoder-only transformer forward pass (llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma-2, Gemma-3) on streamattn's KV
 caches.
 
 The model owns weights and arithmetic; it never touches cache slots. ``forward`` embeds the tokens, runs
@@ -22,6 +22,8 @@ Model (pre-norm; gemma3 extras in brackets)::
         g, u = rmsnorm(x) @ Wgu.T                  # fused: one matmul
         x = x + [rmsnorm_post_ffw](act(g) * u @ Wdown.T)   # act: silu (llama) / gelu-tanh (gemma3)
     logits = rmsnorm(x) @ embed.T (tied) or @ output.T
+    [logits = cap * tanh(logits / cap)]            # gemma2's final soft-capping (and its attention
+                                                   # scores' before the softmax, in every backend)
 """
 
 from __future__ import annotations
@@ -284,4 +286,8 @@ class Transformer:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
         elif logits_at is not None:
             x = x[xp.asarray(logits_at[0]), xp.asarray(logits_at[1])]                   # [N, d]
-        return norm_linear(xp, x, self.output_norm, c.norm_eps, self.output, self.matmuls)   # [..., vocab]
+        logits = norm_linear(xp, x, self.output_norm, c.norm_eps, self.output, self.matmuls)   # [..., vocab]
+        if c.final_softcap is not None:                     # gemma2: cap * tanh(logits / cap), in float32
+            cap = np.float32(c.final_softcap)
+            logits = xp.tanh(logits / cap) * cap
+        return logits

@@ -87,6 +87,7 @@ template <typename T> T __shfl_xor_sync(unsigned, T value, int lane_mask, int = 
 }
 
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __fdividef(float a, float b) { return a / b; }  // the device's is within 2 ulp of this
 
 // IEEE binary16 bits -> float (what cvt.f32.f16 does on the GPU), exact for every input.
 inline float sa_half_to_float(unsigned short h) {

@@ -103,11 +103,12 @@ class Emulator:
             raise RuntimeError(f"emulated launch of {name} failed ({rc}): {err.value.decode()}")
         self.launches.append(name)
 
-    def attend(self, q, k, v, lengths, counts, *, window, sinks, scale, splits=None, sm_count=2, q_sink=None):
+    def attend(self, q, k, v, lengths, counts, *, window, sinks, scale, splits=None, sm_count=2, q_sink=None,
+               softcap=None):
         """The GPU backend's attend, emulated (same plan, same kernels)."""
         return gpu_plan.attend_with(np, self.launch, q, k, v, np.asarray(lengths), np.asarray(counts),
                                     window=window, sinks=sinks, scale=scale, sm_count=sm_count, splits=splits,
-                                    q_sink=q_sink)
+                                    q_sink=q_sink, softcap=softcap)
 
 
 def build_tsan_program(out_dir: Path, *, sources: dict[str, str] | None = None) -> Path:

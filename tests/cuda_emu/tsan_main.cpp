@@ -22,14 +22,14 @@ int main() {
     std::vector<int> lengths = {30, 9}, counts = {4, 3}, ones = {1, 1};
     std::vector<float> out(batch * q_heads * T * hd), lse(batch * q_heads * T);
     int qh = q_heads, kvh = kv_heads, sl = slots, win = window, snk = sinks, rows = T, splits = 2;
-    float scale = 0.18f;
+    float scale = 0.18f, softcap = 0.0f;  // softcap: read by the _softcap variants only
     char err[512];
 
     // decode: q is the first T rows' worth of memory, read as [batch, q_heads, hd]; 2 splits; q_sink = q
     std::vector<float> part_out(batch * q_heads * splits * hd), part_lse(batch * q_heads * splits);
     const void *pq = q.data(), *pk = k.data(), *pv = v.data(), *pl = lengths.data(), *p1 = ones.data();
     void *po = part_out.data(), *pls = part_lse.data();
-    void* dargs[] = {&pq, &pq, &pk, &pv, &pl, &p1, &po, &pls, &qh, &kvh, &sl, &win, &snk, &splits, &scale};
+    void* dargs[] = {&pq, &pq, &pk, &pv, &pl, &p1, &po, &pls, &qh, &kvh, &sl, &win, &snk, &splits, &scale, &softcap};
     if (emu_launch("decode_f16_hd64", splits, kv_heads, batch, 128, 1, 1, dargs, 120.0, err, sizeof err)) {
         std::fprintf(stderr, "decode: %s\n", err);
         return 1;
@@ -37,7 +37,7 @@ int main() {
     // prefill: a chunk of T rows, bf16 storage
     const void* pc = counts.data();
     void *pout = out.data(), *plse = lse.data();
-    void* pargs[] = {&pq, &pq, &pk, &pv, &pl, &pc, &pout, &plse, &qh, &kvh, &sl, &rows, &win, &snk, &scale};
+    void* pargs[] = {&pq, &pq, &pk, &pv, &pl, &pc, &pout, &plse, &qh, &kvh, &sl, &rows, &win, &snk, &scale, &softcap};
     if (emu_launch("prefill_bf16_hd64", 1, kv_heads, batch, 128, 1, 1, pargs, 120.0, err, sizeof err)) {
         std::fprintf(stderr, "prefill: %s\n", err);
         return 1;
