@@ -3,6 +3,7 @@
     bash scripts/install_llamacpp_peer.sh                  # once: llama.cpp into ./.peer/llamacpp
     PYTHONPATH=. python benchmarks/peer_llamacpp.py        # defaults: both models, 1 and 2 threads, 3 repeats
     PYTHONPATH=. python benchmarks/peer_llamacpp.py --ours-args "--prefill-chunk 512 --weights f32"   # the f32 path
+    PYTHONPATH=. python benchmarks/peer_llamacpp.py --noise both   # quiet and beside a 50% busy neighbour
 
 Both engines get the same GGUF file, the same prompt text (benchmarks/data/prompt_rome.txt, ~700 tokens),
 greedy decoding of exactly ``--tokens`` new tokens (ours: ``generate --ignore-eos``; llama.cpp: the
@@ -16,6 +17,18 @@ little past 64 rows, docs/PERF.md; and llama.cpp keeps K and V as float16 unless
 ``type_k``/``type_v`` default, so both engines store the same precision). Results: benchmarks/results/peer_llamacpp_<tag>.{json,md,png}, the tag
 defaulting to the date; name a run by date and what it measures, e.g.
 ``--tag 2026-12-01_smollm2-gemma3_t1-2`` (benchmarks/results/README.md).
+
+``--noise [DUTY ...]`` runs every engine run beside a noisy neighbour (streamattn/bench/noise.py: one
+process keeping one core busy DUTY% of every ``--noise-period-ms``, default 50% of 10 ms; killed after
+each run, and on every error); ``--noise both`` = ``--noise 0 50``: quiet and noisy runs alternated in
+the same repeats, their columns side by side. ``0`` is quiet (no process).
+
+Beside each decode figure, the % of the memory wall (streamattn/bench/memory_wall.py): the bytes a step
+must read (the file's packed weights, float16 K/V of the visible keys; the same for both engines) × tok/s
+over the read bandwidth probed in the same run at that thread count, once per model, thread count and
+repeat, right before that model's runs at that thread count. The probe runs without the neighbour: a
+busy loop takes CPU time, not memory bandwidth, so the wall is the host's own and a noisy run's % says
+how far the neighbour pushes an engine from it. ``--ceiling-mb 0`` skips the probe.
 """
 
 from __future__ import annotations
@@ -34,11 +47,54 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "streamattn" / "bench"
 DRIVER = Path(__file__).resolve().parent / "peer_llamacpp.mjs"
 PROMPT = Path(__file__).resolve().parent / "data" / "prompt_rome.txt"
 MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}     # our names -> streamattn.gguf.hub names
 ENGINES = ("streamattn", "llama.cpp")
 _OURS_STATS = re.compile(r"\[prompt (\d+) tokens, prefill (\d+) ms; (\d+) decode steps, ([\d.]+) tok/s\]")
+
+
+def _standalone(name: str):
+    """streamattn/bench/<name>.py loaded by its path, without the package's __init__ (which loads Numba,
+    see resolve_path): the helpers this process uses are standard library only."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"_peer_bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+noise = _standalone("noise")
+wall = _standalone("memory_wall")
+
+
+def noise_levels(values) -> list:
+    """``--noise`` as duty percents: absent (None) -> [0] (quiet); given bare ([]) -> [50]; ``both`` ->
+    [0, 50]; else each a number in 0..100, kept in the given order without repeats. ValueError naming a
+    bad value."""
+    if values is None:
+        return [0]
+    out = []
+    for v in values or ["50"]:
+        for duty in ([0, 50] if v == "both" else [_duty(v)]):
+            if duty not in out:
+                out.append(duty)
+    return out
+
+
+def _duty(text: str):
+    try:
+        duty = float(text)
+    except ValueError:
+        duty = float("nan")
+    if not 0 <= duty <= 100:
+        raise ValueError(f"--noise takes duty percents in 0..100 or 'both' (got {text!r})")
+    return int(duty) if duty.is_integer() else duty
+
+
+def noise_label(duty) -> str:
+    return "quiet" if duty == 0 else f"noise {duty:g}%"
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -77,70 +133,119 @@ def rates(run: dict) -> dict:
 
 
 def summarize(runs: list) -> list:
-    """Medians per (model, threads, engine) over repeats, plus ours/llama.cpp ratios.
+    """Medians per (model, threads, noise, engine) over repeats, plus ours/llama.cpp ratios.
 
     Parameters
     ----------
     runs : list of dict
-        Each with model, threads, engine, prefill_tok_s, decode_tok_s, rss_mb, prompt_tokens.
+        Each with model, threads, engine, prefill_tok_s, decode_tok_s, rss_mb, prompt_tokens; optionally
+        ``noise`` (duty %, 0 when absent) and, where the memory wall was probed, ``wall_pct`` (% of the
+        wall the decode reached), ``wall_tok_s`` (the decode tok/s at the wall) and ``ceiling_gbps``.
 
     Returns
     -------
-    list of dict, one per (model, threads) in first-seen order: ``{"model", "threads", "n",
-    "<engine>": {"prefill_tok_s", "decode_tok_s", "rss_mb", "prompt_tokens"}, "decode_ratio",
-    "prefill_ratio"}`` (ratio = streamattn / llama.cpp; None where an engine has no run).
+    list of dict, one per (model, threads, noise) in first-seen order: ``{"model", "threads", "noise",
+    "<engine>": {"prefill_tok_s", "decode_tok_s", "rss_mb", "prompt_tokens"[, "wall_pct"]},
+    "n_<engine>", "decode_ratio", "prefill_ratio"[, "wall_tok_s", "ceiling_gbps"]}`` (ratio = streamattn
+    / llama.cpp; None where an engine has no run).
     """
-    keys = list(dict.fromkeys((r["model"], r["threads"]) for r in runs))
+    def key(r):
+        return r["model"], r["threads"], r.get("noise", 0)
+
     rows = []
-    for model, threads in keys:
-        row = {"model": model, "threads": threads}
+    for model, threads, duty in dict.fromkeys(key(r) for r in runs):
+        row = {"model": model, "threads": threads, "noise": duty}
         for engine in ENGINES:
-            mine = [r for r in runs if (r["model"], r["threads"], r["engine"]) == (model, threads, engine)]
-            row[engine] = {k: statistics.median(r[k] for r in mine)
-                           for k in ("prefill_tok_s", "decode_tok_s", "rss_mb", "prompt_tokens")} if mine else None
+            mine = [r for r in runs if key(r) == (model, threads, duty) and r["engine"] == engine]
+            fields = ("prefill_tok_s", "decode_tok_s", "rss_mb", "prompt_tokens")
+            if mine and all("wall_pct" in r for r in mine):
+                fields += ("wall_pct",)
+            row[engine] = {k: statistics.median(r[k] for r in mine) for k in fields} if mine else None
             row[f"n_{engine}"] = len(mine)
         both = row["streamattn"] and row["llama.cpp"]
         for what in ("decode", "prefill"):
             row[f"{what}_ratio"] = (row["streamattn"][f"{what}_tok_s"] / row["llama.cpp"][f"{what}_tok_s"]
                                     if both else None)
+        probed = [r for r in runs if key(r) == (model, threads, duty) and "wall_tok_s" in r]
+        if probed:
+            row["wall_tok_s"] = statistics.median(r["wall_tok_s"] for r in probed)
+            row["ceiling_gbps"] = statistics.median(r["ceiling_gbps"] for r in probed)
         rows.append(row)
     return rows
 
 
 def markdown(rows: list) -> str:
-    """The summary as a markdown table (medians; ratio = streamattn / llama.cpp)."""
+    """The summary as a markdown table: one row per (model, threads), each noise level's columns side by
+    side (medians; ratio = streamattn / llama.cpp; "(n%)": % of the memory wall; "memory wall tok/s": the
+    decode tok/s at which a step's bytes would take all the probed read bandwidth)."""
     def f(x, spec=".0f"):
         return "–" if x is None else format(x, spec)
 
-    out = ["| model | threads | decode tok/s llama.cpp | decode tok/s streamattn | ratio | prefill tok/s llama.cpp "
-           "| prefill tok/s streamattn | ratio | peak RSS MB llama.cpp | peak RSS MB streamattn |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        p, o = r["llama.cpp"] or {}, r["streamattn"] or {}
-        out.append(f"| {r['model']} | {r['threads']} | {f(p.get('decode_tok_s'))} | {f(o.get('decode_tok_s'))} | "
-                   f"{f(r['decode_ratio'], '.2f')}× | {f(p.get('prefill_tok_s'))} | {f(o.get('prefill_tok_s'))} | "
-                   f"{f(r['prefill_ratio'], '.2f')}× | {f(p.get('rss_mb'))} | {f(o.get('rss_mb'))} |")
+    def decode(e):
+        if not e:
+            return "–"
+        return f(e["decode_tok_s"]) + (f" ({e['wall_pct']:.0f}%)" if "wall_pct" in e else "")
+
+    levels = list(dict.fromkeys(r["noise"] for r in rows))
+    walls = any("wall_tok_s" in r for r in rows)
+    head, rule = ["model", "threads"], ["---", "---:"]
+    for duty in levels:
+        head += [f"decode tok/s llama.cpp / streamattn, {noise_label(duty)}", "ratio"]
+    for duty in levels:
+        head += [f"prefill tok/s llama.cpp / streamattn, {noise_label(duty)}", "ratio"]
+    if walls:
+        head += ["memory wall tok/s"]
+    head += ["peak RSS MB llama.cpp / streamattn"]
+    rule += ["---:"] * (len(head) - 2)
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(rule) + "|"]
+    for model, threads in dict.fromkeys((r["model"], r["threads"]) for r in rows):
+        at = {r["noise"]: r for r in rows if (r["model"], r["threads"]) == (model, threads)}
+        cells = [model, str(threads)]
+        for what in ("decode", "prefill"):
+            for duty in levels:
+                r = at.get(duty)
+                if r is None:
+                    cells += ["–", "–"]
+                    continue
+                p, o = r["llama.cpp"], r["streamattn"]
+                pair = (f"{decode(p)} / {decode(o)}" if what == "decode" else
+                        f"{f((p or {}).get('prefill_tok_s'))} / {f((o or {}).get('prefill_tok_s'))}")
+                cells += [pair, f"{f(r[f'{what}_ratio'], '.2f')}×"]
+        if walls:
+            probed = [r["wall_tok_s"] for r in at.values() if "wall_tok_s" in r]
+            cells.append(f(statistics.median(probed) if probed else None))
+        rss = {e: statistics.median(r[e]["rss_mb"] for r in at.values() if r[e]) if any(r[e] for r in at.values())
+               else None for e in ENGINES}
+        cells.append(f"{f(rss['llama.cpp'])} / {f(rss['streamattn'])}")
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
 def plot(rows: list, path: Path) -> bool:
-    """Decode and prefill tok/s per model and thread count, both engines side by side. False without matplotlib."""
+    """Decode and prefill tok/s (with the memory wall's tok/s), % of the wall and peak RSS per model,
+    thread count and noise level, both engines side by side. False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    labels = [f"{r['model']}\n{r['threads']} thr" for r in rows]
-    for ax, (key, title) in zip(axes, (("decode_tok_s", "decode tok/s"), ("prefill_tok_s", "prefill tok/s"),
-                                       ("rss_mb", "peak RSS (MB)"))):
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
+    labels = [f"{r['model']}\n{r['threads']} thr" + (f"\n{noise_label(r['noise'])}" if r["noise"] else "")
+              for r in rows]
+    x = range(len(rows))
+    for ax, (key, title) in zip(axes.flat, (("decode_tok_s", "decode tok/s"), ("prefill_tok_s", "prefill tok/s"),
+                                            ("wall_pct", "decode, % of the memory wall"),
+                                            ("rss_mb", "peak RSS (MB)"))):
         for i, engine in enumerate(ENGINES):
             vals = [(r[engine] or {}).get(key, 0.0) for r in rows]
-            ax.bar([x + (i - 0.5) * 0.4 for x in range(len(rows))], vals, 0.4, label=engine)
-        ax.set_xticks(range(len(rows)), labels, fontsize=8)
+            ax.bar([j + (i - 0.5) * 0.4 for j in x], vals, 0.4, label=engine)
+        if key == "decode_tok_s" and any("wall_tok_s" in r for r in rows):
+            ax.plot(list(x), [r.get("wall_tok_s", float("nan")) for r in rows], "k_", markersize=30,
+                    label="memory wall")
+        ax.set_xticks(list(x), labels, fontsize=7)
         ax.set_title(title)
-    axes[0].legend()
+    axes[0, 0].legend(fontsize=8, loc="center right")
     fig.suptitle("streamattn vs llama.cpp (node-llama-cpp), same GGUF, same prompt, greedy; medians")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -158,6 +263,20 @@ def resolve_path(name: str) -> Path:
     out = subprocess.run([sys.executable, "-c", code, name], cwd=ROOT, check=True, capture_output=True, text=True)
     sys.stderr.write(out.stderr)
     return Path(out.stdout.strip())
+
+
+def child_json(args: list, env: dict | None = None, timeout: float = 600.0) -> dict:
+    """The JSON line ``python -m streamattn.bench.memory_wall ARGS`` prints (a child: Numba stays out)."""
+    out = subprocess.run([sys.executable, "-m", "streamattn.bench.memory_wall", *args], cwd=ROOT, check=True,
+                         capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    sys.stderr.write(out.stderr)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def probe_wall(threads: int, mb: int, timeout: float) -> dict:
+    """Read bandwidth with at most ``threads`` threads (streamattn.bench.memory_wall.probe), in a child."""
+    return child_json(["probe", "--threads", str(threads), "--mb", str(mb)], {"NUMBA_NUM_THREADS": str(threads)},
+                      timeout)
 
 
 def run_one(engine: str, model_path: Path, threads: int, tokens: int, ours_args: list, peer_dir: Path,
@@ -219,12 +338,31 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine/model/threads (medians)")
     ap.add_argument("--ours-args", default="--prefill-chunk 256 --cache-dtype float16",
                     help="extra arguments for `streamattn generate` (e.g. \"--prefill-chunk 512 --weights f32\")")
-    ap.add_argument("--peer-dir", type=Path, default=ROOT / ".peer" / "llamacpp",
-                    help="where scripts/install_llamacpp_peer.sh put node-llama-cpp")
+    ap.add_argument("--peer-dir", type=Path, default=_standalone("peer_home").peer_home(ROOT) / "llamacpp",
+                    help="where scripts/install_llamacpp_peer.sh put node-llama-cpp (default: this checkout's "
+                         ".peer/, or from a git worktree its main checkout's)")
+    ap.add_argument("--noise", nargs="*", default=None, metavar="DUTY",
+                    help="a neighbour keeping one core busy DUTY%% of the time during every run (bare: 50; "
+                         "'both': 0 and 50, quiet and noisy side by side; 0: quiet)")
+    ap.add_argument("--noise-period-ms", type=float, default=10.0, help="the neighbour's busy + asleep period")
+    ap.add_argument("--ceiling-mb", type=int, default=1024,
+                    help="read-bandwidth probe buffer in MiB for the %% of the memory wall (0: no probe)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run before it is killed")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default=None, help="file name suffix (default: today's date, UTC)")
     args = ap.parse_args(argv)
+    try:
+        levels = noise_levels(args.noise)
+        noise.Noise(0.5, period_ms=args.noise_period_ms)            # checks the period before any run
+    except ValueError as e:
+        ap.error(str(e))
+    if min(args.threads) < 1:
+        ap.error(f"--threads must all be >= 1 (got {args.threads})")
+    if args.tokens < 2 or args.repeats < 1:
+        ap.error(f"--tokens must be >= 2 (a decode step after the first token) and --repeats >= 1 (got "
+                 f"{args.tokens}, {args.repeats})")
+    if args.ceiling_mb < 0:
+        ap.error(f"--ceiling-mb must be >= 0 (got {args.ceiling_mb}; 0 skips the probe)")
 
     if not (args.peer_dir / "node_modules" / "node-llama-cpp").is_dir():
         print(f"peer_llamacpp: node-llama-cpp not found under {args.peer_dir}; run "
@@ -232,17 +370,34 @@ def main(argv=None) -> int:
         return 2
     shutil.copy(DRIVER, args.peer_dir / DRIVER.name)     # ESM resolves packages from the script's folder
     paths = {m: resolve_path(MODELS[m]) for m in args.models}
+    profiles = {m: child_json(["profile", str(paths[m])]) for m in args.models} if args.ceiling_mb else {}
     ours_args = shlex.split(args.ours_args)
-    plan = [(m, t, e) for m in args.models for t in args.threads for e in ENGINES]
-    runs, t_start, load_start = [], time.time(), os.getloadavg()
+    plan = [(m, t, d, e) for m in args.models for t in args.threads for d in levels for e in ENGINES]
+    runs, probes, t_start, load_start = [], [], time.time(), os.getloadavg()
+    lifetime = args.timeout + 60                         # the neighbour outlives no run by more than this
     for rep in range(args.repeats):
         order = plan if rep % 2 == 0 else plan[::-1]
-        for i, (model, threads, engine) in enumerate(order):
-            r = run_one(engine, paths[model], threads, args.tokens, ours_args, args.peer_dir, args.timeout)
-            runs.append({"model": model, "threads": threads, "engine": engine, "repeat": rep, **r})
+        ceiling = {}
+        for i, (model, threads, duty, engine) in enumerate(order):
+            if args.ceiling_mb and (model, threads) not in ceiling:          # right before these runs
+                ceiling[model, threads] = probe_wall(threads, args.ceiling_mb, args.timeout)
+                probes.append({"repeat": rep, "model": model, **ceiling[model, threads]})
+            with noise.Noise(duty / 100, period_ms=args.noise_period_ms, lifetime=lifetime) as nb:
+                r = run_one(engine, paths[model], threads, args.tokens, ours_args, args.peer_dir, args.timeout)
+            r = {"model": model, "threads": threads, "noise": duty, "engine": engine, "repeat": rep, **r}
+            if duty:
+                r["noise_duty_achieved"] = nb.cpu_s / max(nb.wall_s, 1e-9)
+            if args.ceiling_mb:
+                gbps = ceiling[model, threads]["gbps"]
+                per_step = wall.decode_bytes(profiles[model], r["prompt_tokens"], r["decode_steps"])
+                r.update(ceiling_gbps=gbps, bytes_per_step=per_step, wall_tok_s=gbps * 1e9 / per_step,
+                         wall_pct=100 * r["decode_tok_s"] * per_step / (gbps * 1e9))
+            runs.append(r)
             print(f"[{rep + 1}/{args.repeats} {i + 1}/{len(order)} {time.time() - t_start:.0f}s] {model} "
-                  f"{threads} thr {engine:10s}: prompt {r['prompt_tokens']} tok, prefill {r['prefill_tok_s']:.0f} "
-                  f"tok/s, decode {r['decode_tok_s']:.1f} tok/s, peak RSS {r['rss_mb']:.0f} MB", file=sys.stderr)
+                  f"{threads} thr {noise_label(duty):9s} {engine:10s}: prompt {r['prompt_tokens']} tok, prefill "
+                  f"{r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s"
+                  + (f" ({r['wall_pct']:.0f}% of {r['ceiling_gbps']:.1f} GB/s)" if "wall_pct" in r else "")
+                  + f", peak RSS {r['rss_mb']:.0f} MB", file=sys.stderr)
     rows = summarize(runs)
     table = markdown(rows)
     tag = args.tag or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
@@ -251,11 +406,20 @@ def main(argv=None) -> int:
     cmdline = "PYTHONPATH=. python benchmarks/peer_llamacpp.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     meta = {"command": cmdline.strip(), "ours_args": args.ours_args, "tokens": args.tokens, "repeats": args.repeats,
             "prompt_file": str(PROMPT.relative_to(ROOT)), "load_avg_start_end": [load_start, os.getloadavg()],
+            "noise": {"levels_pct": levels, "period_ms": args.noise_period_ms},
+            "memory_wall": {"ceiling_mb": args.ceiling_mb, "kv_bytes": wall.KV_BYTES, "profiles": profiles},
             "llama_cpp": next((r.get("llama_cpp") for r in runs if r.get("llama_cpp")), None),
             "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": runs}, indent=1))
+    doc = {"meta": meta, "summary": rows, "runs": runs, "probes": probes}
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    note = ""
+    if profiles:
+        weights = "; ".join(f"{m} {p['weights'] / 1e6:.1f} MB of weights" for m, p in profiles.items())
+        note = (f"\n(n%): share of the memory wall: bytes a decode step must read ({weights}, + float16 K/V "
+                "of the visible keys) × tok/s over the read bandwidth probed (quiet) right before each model's runs "
+                "at that thread count; memory wall tok/s = that bandwidth / those bytes.\n")
     stem.with_suffix(".md").write_text(f"`{meta['command']}` ({meta['utc']}, load average at the end "
-                                       f"{os.getloadavg()[0]:.1f})\n\n{table}")
+                                       f"{os.getloadavg()[0]:.1f})\n\n{table}{note}")
     plot(rows, stem.with_suffix(".png"))
     print(table)
     print(f"wrote {stem}.json/.md/.png", file=sys.stderr)

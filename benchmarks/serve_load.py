@@ -9,18 +9,31 @@ For each concurrency level (1, 2, 4, 8, 16) it sends max(--requests, level) stre
 to the first token (TTFT) and the gaps between later tokens (inter-token latency, ITL). Per level:
 aggregate tok/s = all tokens / wall time of the level; decode tok/s = tokens after each request's first /
 wall time from the first token of the level to the last. Checked before timing: every request returns
-exactly --max-tokens tokens. Writes benchmarks/results/serve_load_<date>.{json,txt,png}; name a run by date
-and what it measures with --out, e.g. ``serve_load_2026-12-01_smollm2_t2`` (benchmarks/results/README.md).
+exactly --max-tokens tokens. Writes benchmarks/results/serve_load_<date>.{json,txt,md,png}; name a run by
+date and what it measures with --out, e.g. ``serve_load_2026-12-01_smollm2_t2`` (benchmarks/results/README.md).
+
+    PYTHONPATH=. python benchmarks/serve_load.py --start --peer llama-server [--threads 2] [--repeats 3]
+
+``--peer llama-server`` (with ``--start``) runs the same load against llama-server in the same run: the
+binary scripts/install_llamacpp_native.sh built (``--peer-bin`` for another), the same GGUF file as
+``--model``, the same slots (``--parallel``), threads (``-t``/``-tb``), clients, prompts and max tokens,
+greedy, ``ignore_eos`` and no prompt cache, through the same OpenAI streaming endpoint; its context
+``-c`` is ``parallel × (max-tokens + 256)``, room for every slot's request (the prompts are a few
+tokens). Both servers stay up for the whole run and the engines alternate at every level (the
+order flips each time); with ``--repeats`` every figure is the median over the repeats.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
+import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -28,6 +41,10 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from streamattn.bench.llama_server import LlamaServer, find_binary, server_version
+
+ENGINES = ("streamattn", "llama-server")
 
 PROMPTS = ["The capital of France is", "One, two, three,", "def add(a, b):", "The sky is", "Water boils at",
            "My favourite food is", "Once upon a time", "The largest planet is", "In 1492,", "A good recipe for",
@@ -85,6 +102,7 @@ def start_server(args):
            "--threads", str(args.threads), "--model-id", args.model_id, "--max-queue", "64"]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += shlex.split(args.ours_args)
     proc = subprocess.Popen(cmd, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
@@ -100,28 +118,85 @@ def start_server(args):
     raise RuntimeError("the server did not become healthy")
 
 
-def plot(rows, path):
+def stop_server(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def median_row(runs: list) -> dict:
+    """One level's figures as the medians over its repeats (``runs``: rows of :func:`level`)."""
+    return {k: (runs[0][k] if k in ("concurrency", "requests", "tokens") else statistics.median(r[k] for r in runs))
+            for k in runs[0]} | {"repeats": len(runs)}
+
+
+def markdown(by_engine: dict) -> str:
+    """Per level: aggregate tok/s of each engine (and ours / llama-server's where both ran), decode tok/s,
+    TTFT p50 and inter-token latency p50/p99."""
+    engines = [e for e in ENGINES if e in by_engine]
+    pair = " / ".join(engines)
+    both = len(engines) == 2
+    head = ["clients", f"aggregate tok/s {pair}"] + (["ratio"] if both else []) + [
+        f"decode tok/s {pair}", f"TTFT p50 ms {pair}", f"ITL p50 ms {pair}", f"ITL p99 ms {pair}"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---:"] * len(head)) + "|"]
+    for i, ours in enumerate(by_engine[engines[0]]):
+        rows = [by_engine[e][i] for e in engines]
+
+        def cell(key, scale=1.0, spec=".0f"):
+            return " / ".join(format(r[key] * scale, spec) for r in rows)
+        cells = [str(ours["concurrency"]), cell("aggregate_tok_s")]
+        if both:
+            cells.append(f"{rows[0]['aggregate_tok_s'] / rows[1]['aggregate_tok_s']:.2f}×")
+        cells += [cell("decode_tok_s"), cell("ttft_p50_s", 1e3), cell("itl_p50_s", 1e3, ".1f"),
+                  cell("itl_p99_s", 1e3, ".1f")]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot(by_engine: dict, path):
+    """Throughput and latency over the levels, one colour per engine."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    c = [r["concurrency"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(c, [r["aggregate_tok_s"] for r in rows], "o-", label="aggregate (incl. prefill, TTFT)")
-    a.plot(c, [r["decode_tok_s"] for r in rows], "s-", label="decode")
+    import matplotlib.ticker
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for colour, (engine, rows) in zip(("C0", "C1"), by_engine.items()):
+        c = [r["concurrency"] for r in rows]
+        a.plot(c, [r["aggregate_tok_s"] for r in rows], "o-", color=colour,
+               label=f"{engine} aggregate (incl. prefill, TTFT)")
+        a.plot(c, [r["decode_tok_s"] for r in rows], "s--", color=colour, label=f"{engine} decode")
+        for key, m in (("ttft", "o"), ("itl", "s")):
+            for q, ls in (("p50", "-"), ("p99", "--")):
+                b.plot(c, [r[f"{key}_{q}_s"] * 1e3 for r in rows], marker=m, ls=ls, color=colour,
+                       alpha=1.0 if key == "itl" else 0.5, label=f"{engine} {key.upper()} {q}")
     a.set(xscale="log", xlabel="concurrent clients", ylabel="tokens / s", title="throughput")
-    a.set_xticks(c, [str(x) for x in c])
-    a.legend()
-    for key, m in (("ttft", "o"), ("itl", "s")):
-        for q, ls in (("p50", "-"), ("p99", "--")):
-            b.plot(c, [r[f"{key}_{q}_s"] * 1e3 for r in rows], marker=m, ls=ls, label=f"{key.upper()} {q}")
     b.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="latency")
-    b.set_xticks(c, [str(x) for x in c])
-    b.legend()
+    for ax in (a, b):
+        ax.set_xticks(c, [str(x) for x in c])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def main(argv=None) -> int:
+def _levels(text: str) -> list:
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency must be comma-separated positive integers, e.g. 1,8,16 (got {text!r})")
+    return levels
+
+
+def parse_args(argv=None):
+    """The command line, checked: every count positive, ``--peer`` only with ``--start``, a llama-server
+    binary that exists (``args.peer_bin`` resolved, ``args.peer_status`` what its install recorded)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="a running server (else --start)")
     p.add_argument("--start", action="store_true", help="start a server for the run (stopped after)")
@@ -132,40 +207,110 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least the level)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--ours-args", default="", help="with --start: more flags for `streamattn serve` (e.g. "
+                                                   "\"--cache-dtype float16\", llama-server's K/V type)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds over all levels (medians; engines alternate)")
+    p.add_argument("--peer", choices=["llama-server"], help="with --start: the same load against llama-server")
+    p.add_argument("--peer-bin", default=None, help="llama-server binary (default: the one "
+                                                     "scripts/install_llamacpp_native.sh built)")
     p.add_argument("--out", default=f"benchmarks/results/serve_load_{datetime.date.today()}")
     args = p.parse_args(argv)
     if not args.url and not args.start:
         p.error("give --url of a running server or --start")
-    proc = None
-    if args.start:
-        proc, args.url = start_server(args)
+    if args.peer and not args.start:
+        p.error("--peer llama-server needs --start: both servers must serve the same model file (--model)")
     try:
-        asyncio.run(level(args.url, args.model_id, 1, 1, 4))                         # warm-up
-        rows = []
-        for conc in (int(x) for x in args.concurrency.split(",")):
-            r = asyncio.run(level(args.url, args.model_id, conc, max(args.requests, conc), args.max_tokens))
-            rows.append(r)
-            print(f"c={conc:3d}  {r['aggregate_tok_s']:7.1f} tok/s  decode {r['decode_tok_s']:7.1f} tok/s  TTFT "
-                  f"p50/p99 {r['ttft_p50_s'] * 1e3:7.0f}/{r['ttft_p99_s'] * 1e3:7.0f} ms  ITL p50/p99 "
-                  f"{r['itl_p50_s'] * 1e3:6.0f}/{r['itl_p99_s'] * 1e3:6.0f} ms", flush=True)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+        args.levels = _levels(args.concurrency)
+    except ValueError as e:
+        p.error(str(e))
+    for name in ("parallel", "threads", "requests", "max_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    try:
+        shlex.split(args.ours_args)
+    except ValueError as e:
+        p.error(f"--ours-args {args.ours_args!r} is not a shell-quoted argument list ({e})")
+    args.peer_status = {}
+    if args.peer:
+        try:
+            binary, args.peer_status = find_binary(args.peer_bin)
+        except FileNotFoundError as e:
+            p.error(str(e))
+        args.peer_bin = str(binary)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    runs = {}                                      # engine -> concurrency -> [level rows over repeats]
+    peer_info = None
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        if args.start:
+            proc, urls["streamattn"] = start_server(args)
+            stack.callback(stop_server, proc)
+        else:
+            urls["streamattn"] = args.url
+        if args.peer:
+            from streamattn.gguf.hub import resolve_model
+            gguf = resolve_model(args.model, quiet=True)
+            srv = stack.enter_context(LlamaServer(args.peer_bin, gguf, args.threads, parallel=args.parallel,
+                                                  ctx=args.parallel * (args.max_tokens + 256)))
+            urls["llama-server"] = srv.url
+            peer_info = {"engine": "llama-server", "bin": args.peer_bin, "command": shlex.join(srv.cmd),
+                         "cpu_variant": srv.cpu_variant(), "build": server_version(args.peer_bin) or None,
+                         "llama_cpp_python": args.peer_status.get("llama_cpp_python"), "gguf": str(gguf)}
+            print(f"llama-server: CPU variant {peer_info['cpu_variant']}", flush=True)
+        for url in urls.values():
+            asyncio.run(level(url, args.model_id, 1, 1, 4))                          # warm-up
+        runs = {e: {c: [] for c in args.levels} for e in urls}
+        turn = 0
+        for rep in range(args.repeats):
+            for conc in args.levels:
+                order = list(urls) if turn % 2 == 0 else list(urls)[::-1]
+                turn += 1
+                for engine in order:
+                    try:
+                        r = asyncio.run(level(urls[engine], args.model_id, conc, max(args.requests, conc),
+                                              args.max_tokens))
+                    except Exception:
+                        if engine == "llama-server":
+                            srv.raise_if_dead(f"died under {conc} clients")
+                        raise
+                    runs[engine][conc].append(r)
+                    print(f"{engine:12s} c={conc:3d}  {r['aggregate_tok_s']:7.1f} tok/s  decode "
+                          f"{r['decode_tok_s']:7.1f} tok/s  TTFT p50/p99 {r['ttft_p50_s'] * 1e3:7.0f}/"
+                          f"{r['ttft_p99_s'] * 1e3:7.0f} ms  ITL p50/p99 {r['itl_p50_s'] * 1e3:6.0f}/"
+                          f"{r['itl_p99_s'] * 1e3:6.0f} ms", flush=True)
+    by_engine = {e: [median_row(runs[e][c]) for c in args.levels] for e in runs}
+    rows = by_engine["streamattn"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"cmd": " ".join(sys.argv), "max_tokens": args.max_tokens, "parallel": args.parallel,
-            "threads": args.threads, "load_avg": os.getloadavg(), "cpus": os.cpu_count(),
+    command = "PYTHONPATH=. python benchmarks/serve_load.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    meta = {"cmd": command, "max_tokens": args.max_tokens, "parallel": args.parallel, "ours_args": args.ours_args,
+            "threads": args.threads, "repeats": args.repeats, "load_avg": os.getloadavg(), "cpus": os.cpu_count(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    base = rows[0]["decode_tok_s"]
-    lines = [f"# {meta}", "conc  agg_tok/s  decode_tok/s  x(c=1)  ttft_p50_ms  ttft_p99_ms  itl_p50_ms  itl_p99_ms"]
-    lines += [f"{r['concurrency']:4d}  {r['aggregate_tok_s']:9.1f}  {r['decode_tok_s']:12.1f}  "
-              f"{r['decode_tok_s'] / base:6.2f}  {r['ttft_p50_s'] * 1e3:11.0f}  {r['ttft_p99_s'] * 1e3:11.0f}  "
-              f"{r['itl_p50_s'] * 1e3:10.0f}  {r['itl_p99_s'] * 1e3:10.0f}" for r in rows]
+    doc = {"meta": meta, "rows": rows}
+    if peer_info:
+        doc |= {"peer": peer_info, "peer_rows": by_engine["llama-server"],
+                "runs": {e: {str(c): v for c, v in lv.items()} for e, lv in runs.items()}}
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    lines = [f"# {meta}"]
+    for engine, erows in by_engine.items():
+        base = erows[0]["decode_tok_s"]
+        lines += [f"# {engine}" + (f" ({peer_info['command']})" if engine == "llama-server" else ""),
+                  "conc  agg_tok/s  decode_tok/s  x(c=1)  ttft_p50_ms  ttft_p99_ms  itl_p50_ms  itl_p99_ms"]
+        lines += [f"{r['concurrency']:4d}  {r['aggregate_tok_s']:9.1f}  {r['decode_tok_s']:12.1f}  "
+                  f"{r['decode_tok_s'] / base:6.2f}  {r['ttft_p50_s'] * 1e3:11.0f}  {r['ttft_p99_s'] * 1e3:11.0f}  "
+                  f"{r['itl_p50_s'] * 1e3:10.0f}  {r['itl_p99_s'] * 1e3:10.0f}" for r in erows]
     out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    table = markdown(by_engine)
+    out.with_suffix(".md").write_text(f"`{meta['cmd']}` ({meta['date']}, {args.parallel} slots, {args.threads} "
+                                      f"thread(s), {args.max_tokens} tokens a request, load average "
+                                      f"{meta['load_avg'][0]:.1f})\n\n{table}")
     print("\n".join(lines))
-    plot(rows, out.with_suffix(".png"))
+    print(table)
+    plot(by_engine, out.with_suffix(".png"))
     return 0
 
 

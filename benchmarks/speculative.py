@@ -31,23 +31,16 @@ import argparse
 import contextlib
 import datetime
 import json
-import re
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from streamattn.bench.llama_server import PEER_BIN, PEER_STATUS, LlamaServer, find_binary, server_version
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
-PEER_BIN = ROOT / ".peer" / "llamacpp-native" / "build" / "bin" / "llama-server"
-PEER_STATUS = ROOT / ".peer" / "llamacpp-native" / "status.json"
 PEER_SPEC = "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m {draft_max}"
 
 
@@ -95,41 +88,6 @@ ORDINARY = {
 }
 
 
-# ------------------------------------------------------------------------------------- llama-server
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))      # 127.0.0.1 only, never a proxy
-_VARIANT = re.compile(r"loaded CPU backend from \S*?libggml-cpu-?([A-Za-z0-9_.]*)\.so")
-
-
-def loaded_variant(log: str):
-    """The CPU variant a llama-server log says it loaded (``sapphirerapids``, ``icelake``, ...); None if
-    it names none (a build without GGML_BACKEND_DL)."""
-    found = _VARIANT.findall(log)
-    return (found[-1] or "cpu") if found else None
-
-
-def server_version(binary) -> str:
-    """``llama-server --version`` on one line (``version: 0.5.0-dev (build 0, commit unknown) built with
-    GNU 12.2.0 for Linux x86_64``); '' if it says nothing."""
-    try:
-        r = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return " ".join(ln.strip() for ln in (r.stdout + r.stderr).splitlines()
-                    if re.match(r"\s*(version|built with)\b", ln))
-
-
-def parse_completion(resp: dict) -> dict:
-    """Token ids and timings of one ``/completion`` response (``return_tokens``; greedy)."""
-    t = resp.get("timings")
-    if not isinstance(t, dict) or "predicted_per_second" not in t:
-        raise ValueError(f"llama-server's response has no timings.predicted_per_second: {str(resp)[:300]}")
-    ids = [int(i) for i in resp.get("tokens") or []]
-    drafted, accepted = int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0))
-    return {"ids": ids, "tokens": int(t.get("predicted_n", len(ids))), "decode_tok_s": float(t["predicted_per_second"]),
-            "prompt_tokens": int(t.get("prompt_n", 0)), "prefill_tok_s": float(t.get("prompt_per_second", 0.0)),
-            "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else 0.0}
-
-
 def common_prefix(a: list, b: list) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -138,106 +96,6 @@ def common_prefix(a: list, b: list) -> int:
         n += 1
     return n
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LlamaServer:
-    """One llama-server process on 127.0.0.1: started, health-checked, asked, stopped (also on errors).
-
-    ``extra`` holds the speculation flags (none for the plain server). Its log goes to a temporary file
-    that :meth:`log` reads (a crash's last words, quoted in the error) and :meth:`stop` removes."""
-
-    def __init__(self, binary, gguf, threads: int, extra=(), ctx: int = 4096, start_timeout: float = 300.0):
-        self.cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "0", "-t", str(threads),
-                    "-tb", str(threads), "-c", str(ctx), "--parallel", "1", "--no-webui", *extra]
-        self.start_timeout = start_timeout
-        self.proc = None
-        self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
-
-    def __enter__(self):
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-    def log(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")
-
-    def cpu_variant(self):
-        """The libggml-cpu-<variant>.so the running server has mapped (/proc/PID/maps; its log at the
-        default verbosity does not say), else what its log says, else None."""
-        try:
-            maps = Path(f"/proc/{self.proc.pid}/maps").read_text()
-        except (OSError, AttributeError):
-            maps = ""
-        found = re.findall(r"libggml-cpu-?([A-Za-z0-9_.]*?)\.so", maps)
-        return (found[-1] or "cpu") if found else loaded_variant(self.log())
-
-    def _died(self, what: str):
-        rc = self.proc.returncode
-        why = f"signal {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exit {rc}"
-        tail = "\n    ".join(self.log().splitlines()[-12:])
-        return RuntimeError(f"llama-server {what} ({why}; CPU variant {loaded_variant(self.log())}); "
-                            f"command: {shlex.join(self.cmd)}\n    {tail}")
-
-    def start(self):
-        self.port = _free_port()
-        self.cmd[self.cmd.index("--port") + 1] = str(self.port)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < self.start_timeout:
-            if self.proc.poll() is not None:
-                raise self._died("exited while starting")
-            try:
-                with _NO_PROXY.open(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"llama-server not healthy after {self.start_timeout:.0f} s: {shlex.join(self.cmd)}")
-
-    def complete(self, ids: list, n_predict: int) -> dict:
-        body = {"prompt": [int(i) for i in ids], "n_predict": int(n_predict), "temperature": 0.0, "top_k": 1,
-                "seed": 0, "cache_prompt": False, "return_tokens": True, "stream": False}
-        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-        try:
-            with _NO_PROXY.open(req, timeout=900) as r:
-                return parse_completion(json.loads(r.read()))
-        except (urllib.error.URLError, ConnectionError, OSError) as e:
-            if self.proc.poll() is not None:
-                raise self._died("died during a request") from e
-            raise
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        Path(self._log.name).unlink(missing_ok=True)        # errors above already quoted its tail
-
-
-def peer_status() -> dict:
-    """What scripts/install_llamacpp_native.sh recorded (llama-cpp-python version, CPU variant, fallbacks)."""
-    try:
-        return json.loads(PEER_STATUS.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def run_one(gen, prompt: str, tokens: int, spec):
@@ -439,22 +297,19 @@ def main() -> int:
     p.add_argument("--peer", choices=["llama-server"], help="also run llama.cpp's n-gram speculation (llama-server)")
     p.add_argument("--peer-bin", default=None,
                    help="llama-server binary (default: the one scripts/install_llamacpp_native.sh reports in "
-                        f"{PEER_STATUS.relative_to(ROOT)}, else {PEER_BIN.relative_to(ROOT)})")
+                        f"{PEER_STATUS}, else {PEER_BIN})")
     p.add_argument("--peer-spec", default=PEER_SPEC,
                    help="llama-server's speculation flags; {draft_max} is replaced (default: %(default)s)")
     args = p.parse_args()
     peer = peer_info = None
     if args.peer:
-        status = peer_status()
-        if args.peer_bin is None:
-            args.peer_bin = str(Path(status["bin"]) / "llama-server") if status.get("bin") else str(PEER_BIN)
-        if not Path(args.peer_bin).is_file():
-            raise SystemExit(f"no llama-server at {args.peer_bin}: run bash scripts/install_llamacpp_native.sh "
-                             f"(or give --peer-bin)")
+        try:
+            binary, status = find_binary(args.peer_bin)
+        except FileNotFoundError as e:
+            raise SystemExit(str(e)) from None
+        args.peer_bin = str(binary)
         spec = args.peer_spec.format(draft_max=args.draft_max)
         peer = {"bin": args.peer_bin, "spec": shlex.split(spec)}
-        if not status.get("bin") or Path(args.peer_bin).parent.resolve() != Path(status["bin"]).resolve():
-            status = {}                                    # a binary the install script did not build
         peer_info = {"engine": "llama-server", "bin": args.peer_bin, "spec": spec,
                      "build": server_version(args.peer_bin) or None,
                      "llama_cpp_python": status.get("llama_cpp_python"), "install": status or None}

@@ -107,6 +107,7 @@ def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None =
     if cfg.model_type == "mistral" and cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)
     w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
     w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)

@@ -114,6 +114,7 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
     if arch in ("gemma3", "phi3"):
         w.add_sliding_window(window)
     w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens if tokens is not None else [f"t{i}" for i in range(vocab)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)

@@ -3,12 +3,13 @@ columns, and the server lifecycle against a stand-in llama-server (a small Pytho
 127.0.0.1 that answers /health and /completion the way llama-server does)."""
 
 import importlib.util
-import stat
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from streamattn.bench import llama_server
+from tests._stand_in import stand_in
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "speculative.py"
 _spec = importlib.util.spec_from_file_location("speculative_bench", _PATH)
@@ -20,21 +21,22 @@ LOG = ("load_backend: loaded CPU backend from /x/build/bin/libggml-cpu-icelake.s
 
 
 def test_log_parsing_names_the_variant():
-    assert bench.loaded_variant(LOG) == "icelake"
-    assert bench.loaded_variant("load_backend: loaded CPU backend from /x/libggml-cpu.so\n") == "cpu"
-    assert bench.loaded_variant("nothing here") is None
+    assert llama_server.loaded_variant(LOG) == "icelake"
+    assert llama_server.loaded_variant("load_backend: loaded CPU backend from /x/libggml-cpu.so\n") == "cpu"
+    assert llama_server.loaded_variant("nothing here") is None
 
 
 def test_parse_completion_reads_timings_and_drafts():
-    r = bench.parse_completion({"tokens": [5, 6, 7], "timings": {"predicted_n": 3, "predicted_per_second": 80.5,
-                                                                  "prompt_n": 40, "prompt_per_second": 400.0,
-                                                                  "draft_n": 10, "draft_n_accepted": 4}})
+    r = llama_server.parse_completion({"tokens": [5, 6, 7],
+                                       "timings": {"predicted_n": 3, "predicted_per_second": 80.5, "prompt_n": 40,
+                                                   "prompt_per_second": 400.0, "draft_n": 10, "draft_n_accepted": 4}})
     assert r["ids"] == [5, 6, 7] and r["tokens"] == 3 and r["decode_tok_s"] == 80.5
     assert (r["drafted"], r["accepted"], r["acceptance"]) == (10, 4, 0.4)
-    plain = bench.parse_completion({"tokens": [1], "timings": {"predicted_n": 1, "predicted_per_second": 0.0}})
+    plain = llama_server.parse_completion({"tokens": [1],
+                                           "timings": {"predicted_n": 1, "predicted_per_second": 0.0}})
     assert plain["drafted"] == 0 and plain["acceptance"] == 0.0
     with pytest.raises(ValueError, match="predicted_per_second"):
-        bench.parse_completion({"content": "x"})
+        llama_server.parse_completion({"content": "x"})
 
 
 def test_peer_row_and_markdown_carry_the_peer_columns():
@@ -88,29 +90,24 @@ FAKE = textwrap.dedent('''\
 
 @pytest.fixture
 def fake_bin(tmp_path):
-    script = tmp_path / "fake_server.py"
-    script.write_text(FAKE)
-    exe = tmp_path / "llama-server"
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
-    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    return exe
+    return stand_in(tmp_path, FAKE)
 
 
 def test_server_lifecycle_against_a_stand_in(fake_bin, tmp_path):
-    with bench.LlamaServer(fake_bin, tmp_path / "m.gguf", 1, ["--spec-type", "ngram-simple"],
-                           start_timeout=30) as srv:
+    with llama_server.LlamaServer(fake_bin, tmp_path / "m.gguf", 1, ["--spec-type", "ngram-simple"],
+                                  start_timeout=30) as srv:
         assert srv.url.startswith("http://127.0.0.1:") and "--no-webui" in srv.cmd and "--parallel" in srv.cmd
         r = srv.complete([1, 2, 3, 4, 5], 3)
         assert r["ids"] == [3, 4, 5] and r["decode_tok_s"] == 90.0 and r["acceptance"] == 0.7
         assert srv.cpu_variant() == "zen4"                 # the stand-in maps no .so: its log says so
-        assert bench.server_version(fake_bin) == "version: 1 (fake) built with test"
+        assert llama_server.server_version(fake_bin) == "version: 1 (fake) built with test"
         proc = srv.proc
     assert proc.poll() is not None                                         # stopped on leaving the block
 
 
 def test_a_server_that_dies_starting_says_how(fake_bin, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_CRASH", "1")
-    srv = bench.LlamaServer(fake_bin, tmp_path / "m.gguf", 1, start_timeout=30)
+    srv = llama_server.LlamaServer(fake_bin, tmp_path / "m.gguf", 1, start_timeout=30)
     with pytest.raises(RuntimeError, match="exited while starting") as e:
         with srv:
             pass
