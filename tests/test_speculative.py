@@ -99,6 +99,23 @@ def check_matrix(model, cache, n_threads, slots):
     assert accepted >= len(ids) and drafted > accepted        # drafts were kept and rewound: not plain twice
 
 
+def check_batch_cli(model, cache, n_threads, tmp_path):
+    """`streamattn batch --speculative ngram` on the same prompts as chat messages, in batches of 4: every
+    record's text is the plain reference's."""
+    import json
+    from streamattn.cli import main
+    g, ids, plain, _ = reference(model, cache)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": p}], "max_tokens": TOKENS})
+                           + "\n" for i, p in enumerate(prompts(N_PROMPTS))))
+    flags = [f"--{k}={v}" for k, v in CACHES[cache].items()]
+    assert main(["batch", str(inp), "-o", str(out), "--model", MODELS[model](), "-q", "--speculative", "ngram",
+                 "--draft-max", str(SPEC.draft_max), "--threads", str(n_threads), "--batch-size", "4",
+                 "--prefill-chunk", str(CHUNK), *flags]) == 0
+    got = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+    assert got == {i: g.tok.decode(plain[i]) for i in range(N_PROMPTS)}
+
+
 MATRIX = pytest.mark.parametrize("cache,n_threads,slots", [(c, t, s) for c in CACHES for t in (1, 2)
                                                             for s in (1, 4)])
 
@@ -112,6 +129,10 @@ class TestSmolLM2:
     def test_speculation_gives_the_same_tokens(self, cache, n_threads, slots):
         check_matrix("SmolLM2", cache, n_threads, slots)
 
+    def test_batch_cli_gives_the_same_tokens(self, tmp_path):
+        """`streamattn batch --speculative ngram` (2 threads, sinks at cache positions, batches of 4)."""
+        check_batch_cli("SmolLM2", "sinks at cache positions", 2, tmp_path)
+
 
 @need_gemma
 class TestGemma3:
@@ -120,6 +141,10 @@ class TestGemma3:
     @MATRIX
     def test_speculation_gives_the_same_tokens(self, cache, n_threads, slots):
         check_matrix("Gemma-3", cache, n_threads, slots)
+
+    def test_batch_cli_gives_the_same_tokens(self, tmp_path):
+        """`streamattn batch --speculative ngram` (1 thread, window, batches of 4)."""
+        check_batch_cli("Gemma-3", "window", 1, tmp_path)
 
 
 @need_smollm2
@@ -239,19 +264,3 @@ def test_a_draft_rewind_is_always_allowed(window, sinks, chunk, steps):
         if k - a:
             assert state.can_rewind(c, 0, k - a), (window, sinks, chunk, k, a, int(c.lengths[0]))
             state.rewind(c, 0, k - a)
-
-
-@need_smollm2
-def test_batch_speculative_flag_gives_the_same_records(tmp_path, one_thread):
-    """`streamattn batch --speculative ngram`: every record's text equals the run without it."""
-    import json
-    from streamattn.cli import main
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("\n".join(json.dumps({"id": i, "messages": [{"role": "user", "content": p}], "max_tokens": 20})
-                             for i, p in enumerate(prompts(4))) + "\n")
-    texts = []
-    for extra in ([], ["--speculative", "ngram", "--draft-max", "5"]):
-        out = tmp_path / f"out{len(extra)}.jsonl"
-        assert main(["batch", str(inp), "-o", str(out), "--model", smollm2_path(), "-q", *extra]) == 0
-        texts.append({r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())})
-    assert texts[0] == texts[1] and len(texts[0]) == 4
