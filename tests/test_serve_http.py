@@ -332,6 +332,28 @@ def test_speculative_requests_give_the_same_text_and_report_drafts(server, clien
     assert r.status_code == 400 and "speculative" in r.json()["error"]["message"]
 
 
+def test_speculative_requests_on_fifty_prompts_give_the_plain_text(client):
+    """The speculation matrix's 50 prompts (copy-heavy and ordinary), 8 clients at a time, each request
+    twice: plain, then with "speculative": "ngram" (served from the prompt cache the first filled): the
+    same text every time, and drafts were accepted."""
+    from concurrent.futures import ThreadPoolExecutor
+    from test_speculative import N_PROMPTS, TOKENS, prompts
+
+    def ask(p, spec):
+        extra = {"speculative": "ngram", "draft_max": 8} if spec else {}
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
+                                           max_tokens=TOKENS, temperature=0, extra_body=extra)
+        d = r.usage.completion_tokens_details
+        return r.choices[0].message.content, (d.accepted_prediction_tokens or 0) if d is not None else 0
+
+    texts = prompts(N_PROMPTS)
+    with ThreadPoolExecutor(8) as pool:
+        plain = list(pool.map(lambda p: ask(p, False), texts))
+        spec = list(pool.map(lambda p: ask(p, True), texts))
+    assert [t for t, _ in spec] == [t for t, _ in plain]
+    assert sum(a for _, a in spec) >= N_PROMPTS and sum(a for _, a in plain) == 0
+
+
 # ------------------------------------------------------------------ structured outputs, tools, n, logit_bias
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},

@@ -3,6 +3,8 @@ decoding (every cache kind, 1 and 2 threads, alone and in ragged batches, both m
 keeps the target distribution (chi-square, with a planted bug that must fail), and no rewind a ring would
 refuse is ever attempted."""
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -16,6 +18,7 @@ CACHES = {"full": dict(), "window": dict(cache="window", window=40),
           "sinks": dict(cache="sinks", window=40, sinks=4),
           "sinks at cache positions": dict(cache="sinks", window=40, sinks=4, positions="cache")}
 SPEC = SpecParams(draft_max=8)
+N_PROMPTS, TOKENS = 50, 16
 CHUNK = 16                                          # the caches' max_chunk: drafts of up to 15 fit
 
 
@@ -39,39 +42,109 @@ def prompts(n: int) -> list:
     return out
 
 
-def greedy_ids(g, texts, spec, batch):
-    """Token ids per prompt: chat-wrapped, 24 new tokens, in ragged batches of ``batch`` prompts."""
-    out = []
-    for i in range(0, len(texts), batch):
-        evs = list(g.stream_batch(texts[i:i + batch], chat=True, max_tokens=24, speculative=spec))
-        out += [[e.token_id for e in evs if e.seq == b] for b in range(len(texts[i:i + batch]))]
-    return out
-
-
 def generator(path, **kw):
     from streamattn.engine.generate import Generator
     _, tf, tok = load(path, weights="quant")
     return Generator(tf, tok, prefill_chunk=CHUNK, **kw)
 
 
-@need_smollm2
-@pytest.mark.parametrize("cache", CACHES)
-def test_smollm2_speculation_gives_the_same_tokens(cache, one_thread):
-    """50 prompts in ragged batches of 10, each sequence drafting on its own, and 2 prompts alone."""
-    g, texts = generator(smollm2_path(), **CACHES[cache]), prompts(50)
-    plain = greedy_ids(g, texts, None, 10)
-    assert greedy_ids(g, texts, SPEC, 10) == plain
-    assert greedy_ids(g, texts[:2], SPEC, 1) == plain[:2]
-    assert greedy_ids(g, texts[:4], SPEC, 4) == plain[:4]
+def engine(g, slots: int, prompt_cache=None):
+    """The engine every entry point drives, with ``slots`` rows; a prompt cache (shared between engines
+    of one model and cache kind: its entries are batch-1 states) so that later runs skip most prefill."""
+    from dataclasses import replace
+    from streamattn.engine.core import Engine
+    e = Engine(g.model, g.tok, replace(g.config, slots=slots, prompt_cache_mb=256.0), isolate_failures=False)
+    if prompt_cache is not None:
+        e.prompt_cache = prompt_cache
+    return e
 
 
-@need_smollm2
-@pytest.mark.parametrize("cache", ["full", "sinks at cache positions"])
-def test_smollm2_speculation_on_two_threads(cache):
+def run(e, g, ids, spec, max_tokens=TOKENS):
+    """Greedy token ids of every prompt, all queued at once (a ragged batch of the engine's slots, each
+    sequence drafting on its own), and the sequences."""
+    from streamattn.engine.sequence import Job, Sequence
+    seqs = [Sequence(job=Job(prompt=tuple(p), max_tokens=max_tokens, speculative=spec), emit=lambda ev: None,
+                     tok=g.tok) for p in ids]
+    for s in seqs:
+        e.submit(s)
+    while e.busy:
+        e.step()
+    return [list(s.generated) for s in seqs], seqs
+
+
+MODELS = {"SmolLM2": smollm2_path, "Gemma-3": gemma_path}
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model: str, cache: str):
+    """(generator, prompt ids, plain greedy ids) of N_PROMPTS prompts: plain decoding, ragged batches of
+    10, one thread; and the prompt cache that run filled."""
     from streamattn.threads import threads
-    g, texts = generator(smollm2_path(), **CACHES[cache]), prompts(12)
-    with threads(2):
-        assert greedy_ids(g, texts, SPEC, 4) == greedy_ids(g, texts, None, 4)
+    g = generator(MODELS[model](), **CACHES[cache])
+    ids = [g.encode_prompt(t, chat=True) for t in prompts(N_PROMPTS)]
+    e = engine(g, 10)
+    with threads(1):
+        plain, _ = run(e, g, ids, None)
+    return g, ids, plain, e.prompt_cache
+
+
+def check_matrix(model, cache, n_threads, slots):
+    from streamattn.threads import threads
+    g, ids, plain, pc = reference(model, cache)
+    with threads(n_threads):
+        got, seqs = run(engine(g, slots, pc), g, ids, SPEC)
+    bad = [i for i in range(len(ids)) if got[i] != plain[i]]
+    assert not bad, f"{len(bad)} of {len(ids)} prompts differ, first {bad[0]}: {got[bad[0]]} != {plain[bad[0]]}"
+    drafted, accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
+    assert accepted >= len(ids) and drafted > accepted        # drafts were kept and rewound: not plain twice
+
+
+def check_batch_cli(model, cache, n_threads, tmp_path):
+    """`streamattn batch --speculative ngram` on the same prompts as chat messages, in batches of 4: every
+    record's text is the plain reference's."""
+    import json
+    from streamattn.cli import main
+    g, ids, plain, _ = reference(model, cache)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": p}], "max_tokens": TOKENS})
+                           + "\n" for i, p in enumerate(prompts(N_PROMPTS))))
+    flags = [f"--{k}={v}" for k, v in CACHES[cache].items()]
+    assert main(["batch", str(inp), "-o", str(out), "--model", MODELS[model](), "-q", "--speculative", "ngram",
+                 "--draft-max", str(SPEC.draft_max), "--threads", str(n_threads), "--batch-size", "4",
+                 "--prefill-chunk", str(CHUNK), *flags]) == 0
+    got = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+    assert got == {i: g.tok.decode(plain[i]) for i in range(N_PROMPTS)}
+
+
+MATRIX = pytest.mark.parametrize("cache,n_threads,slots", [(c, t, s) for c in CACHES for t in (1, 2)
+                                                            for s in (1, 4)])
+
+
+@need_smollm2
+class TestSmolLM2:
+    """N_PROMPTS prompts x every cache kind x 1 and 2 threads x alone and in a ragged batch of 4 (the
+    classes let `pytest -n 2 --dist loadscope` run the two models side by side)."""
+
+    @MATRIX
+    def test_speculation_gives_the_same_tokens(self, cache, n_threads, slots):
+        check_matrix("SmolLM2", cache, n_threads, slots)
+
+    def test_batch_cli_gives_the_same_tokens(self, tmp_path):
+        """`streamattn batch --speculative ngram` (2 threads, sinks at cache positions, batches of 4)."""
+        check_batch_cli("SmolLM2", "sinks at cache positions", 2, tmp_path)
+
+
+@need_gemma
+class TestGemma3:
+    """The same matrix on Gemma-3: its own 512-key local rings plus the global layers' cache kind."""
+
+    @MATRIX
+    def test_speculation_gives_the_same_tokens(self, cache, n_threads, slots):
+        check_matrix("Gemma-3", cache, n_threads, slots)
+
+    def test_batch_cli_gives_the_same_tokens(self, tmp_path):
+        """`streamattn batch --speculative ngram` (1 thread, window, batches of 4)."""
+        check_batch_cli("Gemma-3", "window", 1, tmp_path)
 
 
 @need_smollm2
@@ -87,14 +160,6 @@ def test_speculation_accepts_drafts_on_copy_heavy_prompts(one_thread):
     assert s.accepted >= 10 and len(g.stats.decode_steps_s) < len(evs) - 10
     assert s.usage()["completion_tokens_details"] == {"accepted_prediction_tokens": s.accepted,
                                                       "rejected_prediction_tokens": s.drafted - s.accepted}
-
-
-@need_gemma
-@pytest.mark.parametrize("cache", CACHES)
-def test_gemma_speculation_gives_the_same_tokens(cache, one_thread):
-    """Gemma-3: its own 512-key local rings plus the global layers' cache kind."""
-    g, texts = generator(gemma_path(), **CACHES[cache]), prompts(8)
-    assert greedy_ids(g, texts, SPEC, 4) == greedy_ids(g, texts, None, 4)
 
 
 @need_smollm2
@@ -199,19 +264,3 @@ def test_a_draft_rewind_is_always_allowed(window, sinks, chunk, steps):
         if k - a:
             assert state.can_rewind(c, 0, k - a), (window, sinks, chunk, k, a, int(c.lengths[0]))
             state.rewind(c, 0, k - a)
-
-
-@need_smollm2
-def test_batch_speculative_flag_gives_the_same_records(tmp_path, one_thread):
-    """`streamattn batch --speculative ngram`: every record's text equals the run without it."""
-    import json
-    from streamattn.cli import main
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("\n".join(json.dumps({"id": i, "messages": [{"role": "user", "content": p}], "max_tokens": 20})
-                             for i, p in enumerate(prompts(4))) + "\n")
-    texts = []
-    for extra in ([], ["--speculative", "ngram", "--draft-max", "5"]):
-        out = tmp_path / f"out{len(extra)}.jsonl"
-        assert main(["batch", str(inp), "-o", str(out), "--model", smollm2_path(), "-q", *extra]) == 0
-        texts.append({r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())})
-    assert texts[0] == texts[1] and len(texts[0]) == 4
