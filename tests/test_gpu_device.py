@@ -35,13 +35,13 @@ class DeviceRunner:
         self.launches.append(name)
         gpu._launch(name, grid, block, args)
 
-    def attend(self, q, k, v, lengths, counts, *, window, sinks, scale, splits=None, q_sink=None):
+    def attend(self, q, k, v, lengths, counts, *, window, sinks, scale, splits=None, q_sink=None, softcap=None):
         if k.dtype.name == "bfloat16":
             k, v = k.view(np.uint16), v.view(np.uint16)
         out, lse = gpu_plan.attend_with(cupy, self._launch, cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
                                         np.asarray(lengths), np.asarray(counts), window=window, sinks=sinks,
                                         scale=scale, sm_count=gpu.sm_count(cupy.cuda.Device().id), splits=splits,
-                                        q_sink=None if q_sink is None else cupy.asarray(q_sink))
+                                        q_sink=None if q_sink is None else cupy.asarray(q_sink), softcap=softcap)
         return out.get(), lse.get()
 
 

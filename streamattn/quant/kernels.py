@@ -22,6 +22,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from streamattn.backends.cpu_simd import addr, c_arrays, fmuladd, llvm_fn, load16, Rows
+from streamattn.quant.levels import IQ4_VALUES
 
 I1, I8, I16, I32, I64, F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                               ir.FloatType())
@@ -290,9 +291,8 @@ def q5_steps(builder, ws, bits):
 
 def nl_values(builder, ws, G):
     """The "nl" kind's step vectors: nibble indices (:func:`q4_steps`) looked up in IQ4's 16 levels
-    (:data:`streamattn.quant.weights.IQ4_VALUES`), as bytes ``value + 128`` like the "q8" kind's;
+    (:data:`streamattn.quant.levels.IQ4_VALUES`), as bytes ``value + 128`` like the "q8" kind's;
     ``vpshufb`` looks up within each 16-byte lane, so the table is repeated in every lane."""
-    from streamattn.quant.weights import IQ4_VALUES
     VB = ir.VectorType(I8, 4 * G)
     biased = [((v + 128) & 255) - 256 * (((v + 128) & 255) > 127) for v in IQ4_VALUES]   # as signed i8
     table = ir.Constant(VB, biased * (4 * G // 16))

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from streamattn.memory import trim_heap
+from streamattn.quant.levels import IQ4_VALUES
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q3_K",
                    "Q2_K", "IQ4_NL", "IQ4_XS")
@@ -72,9 +73,6 @@ KINDS = (*INT_KINDS, "f32", "f16", "bf16")
 #: The nibble kinds: 16 bytes per 32 columns (the Q4_1 order), "nl" indexing :data:`IQ4_VALUES`, "q5"
 #: followed by 4 bytes of fifth bits, "q4s" by 4 bytes of sub-block scales and mins.
 NIBBLE_KINDS = ("q4", "nl", "q5", "q4s")
-#: IQ4_NL's and IQ4_XS's 16 non-linear levels (ggml-common.h ``kvalues_iq4nl``; gguf-py's
-#: ``IQ4_NL.kvalues``): a nibble q stands for ``IQ4_VALUES[q]`` times the block's scale.
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 class UnsupportedWeightType(ValueError):
