@@ -138,15 +138,8 @@ def main(argv=None) -> int:
     turns, t0, i = [], time.perf_counter(), 0
     while time.perf_counter() - t0 < args.seconds:
         for key, (p, fn) in runs.items():
-            before = ceiling.probe(1)
-            times = []
-            for _ in range(args.calls):
-                t = time.perf_counter()
-                fn(i)
-                times.append(time.perf_counter() - t)
-                i += 1
-            c = max(before, ceiling.probe(1))
-            med = float(np.median(times))
+            med, c = ceiling.bracket(fn, args.calls, i)
+            i += args.calls
             turns.append({"point": key, "gbps": p.bytes_read / med / 1e9, "ceiling_gbps": c,
                           "pct_ceiling": 100 * p.bytes_read / med / 1e9 / c, "tokens_per_s": p.new_tokens / med})
         print(f"\r{time.perf_counter() - t0:5.0f} s, {len(turns)} turns", end="", file=sys.stderr, flush=True)

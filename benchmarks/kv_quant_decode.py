@@ -59,15 +59,8 @@ def main(argv=None) -> int:
     for rnd in range(args.rounds):
         for label, runs in groups:
             for dt, (p, fn) in runs.items():
-                before = ceiling.probe(1)
-                times = []
-                for _ in range(args.calls):
-                    t = time.perf_counter()
-                    fn(i)
-                    times.append(time.perf_counter() - t)
-                    i += 1
-                c = max(before, ceiling.probe(1))
-                med = float(np.median(times))
+                med, c = ceiling.bracket(fn, args.calls, i)
+                i += args.calls
                 turns.append({"round": rnd, "point": label, "dtype": dt, "bytes": p.bytes_read, "seconds": med,
                               "tokens_per_s": 1.0 / med, "gbps": p.bytes_read / med / 1e9, "ceiling_gbps": c,
                               "pct_ceiling": 100 * p.bytes_read / med / 1e9 / c})

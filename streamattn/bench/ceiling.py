@@ -153,3 +153,20 @@ class Ceiling:
         finally:
             numba.set_num_threads(before)
         return max(self.last.values())
+
+    def bracket(self, fn, calls: int, start: int = 0) -> tuple[float, float]:
+        """Time ``fn(i)`` for ``i = start .. start + calls - 1`` between two one-pass probes.
+
+        Returns
+        -------
+        (float, float)
+            The median seconds of a call, and the higher of the two probes (GB/s): the ceiling the
+            calls are filed against (a host's bandwidth mode can change while they run).
+        """
+        before = self.probe(1)
+        times = []
+        for i in range(start, start + calls):
+            t = time.perf_counter()
+            fn(i)
+            times.append(time.perf_counter() - t)
+        return float(np.median(times)), max(before, self.probe(1))
