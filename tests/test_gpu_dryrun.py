@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 
 from cuda_emu import emu
+from gpu_fixtures import emu_library  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not emu.have_compiler(), reason="g++ (C++20) is needed for the emulation harness")
 
 
 @pytest.fixture(scope="module")
-def fake_env(tmp_path_factory):
-    lib = emu.build(tmp_path_factory.mktemp("fake_cupy_lib"))
+def fake_env(emu_library):
     env = dict(os.environ)
-    env.update(STREAMATTN_FAKE_CUPY_LIB=str(lib), PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
+    env.update(STREAMATTN_FAKE_CUPY_LIB=str(emu_library), PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
     return env
 
 

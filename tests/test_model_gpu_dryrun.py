@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cuda_emu import emu
+from gpu_fixtures import emu_library  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not emu.have_compiler(), reason="g++ (C++20) is needed for the emulation harness")
@@ -50,18 +51,12 @@ print("ok", int(gc[0].lengths[1]))
 """
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    """The emulation library, built once for every architecture (a build takes 15-25 s on these hosts)."""
-    return emu.build(tmp_path_factory.mktemp("lib"))
-
-
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "llama", "qwen2", "qwen3", "phi3"])
-def test_model_runs_on_the_gpu_backend_through_the_fake(tmp_path, lib, arch):
+def test_model_runs_on_the_gpu_backend_through_the_fake(tmp_path, emu_library, arch):
     """Every architecture's array code on CuPy (the fake): gemma2's soft caps (the _softcap kernels) and
     alternating layers, gemma3's norms and sliding layers, llama with rope_freqs factors, qwen2's q/k/v
     biases, qwen3's q/k norms, phi3's fused tensors and window; the CPU path is the reference."""
-    env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(lib),
+    env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(emu_library),
                PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
     done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "t.gguf"), arch], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)

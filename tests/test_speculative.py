@@ -3,8 +3,6 @@ decoding (every cache kind, 1 and 2 threads, alone and in ragged batches, both m
 keeps the target distribution (chi-square, with a planted bug that must fail), and no rewind a ring would
 refuse is ever attempted."""
 
-import functools
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -20,6 +18,12 @@ CACHES = {"full": dict(), "window": dict(cache="window", window=40),
 SPEC = SpecParams(draft_max=8)
 N_PROMPTS, TOKENS = 50, 16
 CHUNK = 16                                          # the caches' max_chunk: drafts of up to 15 fit
+#: Prompt cache room for all N_PROMPTS states of one model and cache kind (the reference asserts it). An
+#: entry is a whole batch-1 cache: 11.3 MB for SmolLM2 with a full cache, more for Gemma-3, whose 15 local
+#: layers keep 512-key rings. 256 MB held 22 of SmolLM2's 50, and least-recently-used eviction over prompts
+#: taken in order then missed nearly every prompt: each cell prefilled them all again (a cell alone: 595
+#: steps; 276 with a window cache, whose 50 entries fitted).
+PROMPT_CACHE_MB = 2048.0
 
 
 def prompts(n: int) -> list:
@@ -53,7 +57,7 @@ def engine(g, slots: int, prompt_cache=None):
     of one model and cache kind: its entries are batch-1 states) so that later runs skip most prefill."""
     from dataclasses import replace
     from streamattn.engine.core import Engine
-    e = Engine(g.model, g.tok, replace(g.config, slots=slots, prompt_cache_mb=256.0), isolate_failures=False)
+    e = Engine(g.model, g.tok, replace(g.config, slots=slots, prompt_cache_mb=PROMPT_CACHE_MB), isolate_failures=False)
     if prompt_cache is not None:
         e.prompt_cache = prompt_cache
     return e
@@ -75,7 +79,6 @@ def run(e, g, ids, spec, max_tokens=TOKENS):
 MODELS = {"SmolLM2": smollm2_path, "Gemma-3": gemma_path}
 
 
-@functools.lru_cache(maxsize=None)
 def reference(model: str, cache: str):
     """(generator, prompt ids, plain greedy ids) of N_PROMPTS prompts: plain decoding, ragged batches of
     10, one thread; and the prompt cache that run filled."""
@@ -85,12 +88,13 @@ def reference(model: str, cache: str):
     e = engine(g, 10)
     with threads(1):
         plain, _ = run(e, g, ids, None)
+    assert len(e.prompt_cache) == N_PROMPTS, f"{len(e.prompt_cache)} of {N_PROMPTS} prompts kept: raise PROMPT_CACHE_MB"
     return g, ids, plain, e.prompt_cache
 
 
-def check_matrix(model, cache, n_threads, slots):
+def check_matrix(ref, n_threads, slots):
     from streamattn.threads import threads
-    g, ids, plain, pc = reference(model, cache)
+    g, ids, plain, pc = ref
     with threads(n_threads):
         got, seqs = run(engine(g, slots, pc), g, ids, SPEC)
     bad = [i for i in range(len(ids)) if got[i] != plain[i]]
@@ -99,12 +103,12 @@ def check_matrix(model, cache, n_threads, slots):
     assert accepted >= len(ids) and drafted > accepted        # drafts were kept and rewound: not plain twice
 
 
-def check_batch_cli(model, cache, n_threads, tmp_path):
+def check_batch_cli(model, cache, ref, n_threads, tmp_path):
     """`streamattn batch --speculative ngram` on the same prompts as chat messages, in batches of 4: every
     record's text is the plain reference's."""
     import json
     from streamattn.cli import main
-    g, ids, plain, _ = reference(model, cache)
+    g, ids, plain, _ = ref
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": p}], "max_tokens": TOKENS})
                            + "\n" for i, p in enumerate(prompts(N_PROMPTS))))
@@ -116,35 +120,72 @@ def check_batch_cli(model, cache, n_threads, tmp_path):
     assert got == {i: g.tok.decode(plain[i]) for i in range(N_PROMPTS)}
 
 
-MATRIX = pytest.mark.parametrize("cache,n_threads,slots", [(c, t, s) for c in CACHES for t in (1, 2)
-                                                            for s in (1, 4)])
+@pytest.mark.heavy
+class Matrix:
+    """One model and cache kind of the matrix: N_PROMPTS prompts x 1 and 2 threads x alone and in a ragged
+    batch of 4, against one plain reference. A class per model and cache kind (eight) lets `pytest -n 2
+    --dist loadscope` spread the matrix over both workers, each reference built once, where it is used."""
+
+    model = cache = ""
+
+    @pytest.fixture(scope="class")
+    def ref(self):
+        """:func:`reference` of the class's model and cache kind (dropped after the class)."""
+        return reference(self.model, self.cache)
+
+    @pytest.mark.parametrize("n_threads,slots", [pytest.param(t, s, id=f"{t}-threads-{'alone' if s == 1 else 'batch'}")
+                                                 for t in (1, 2) for s in (1, 4)])
+    def test_speculation_gives_the_same_tokens(self, ref, n_threads, slots):
+        check_matrix(ref, n_threads, slots)
 
 
 @need_smollm2
-class TestSmolLM2:
-    """N_PROMPTS prompts x every cache kind x 1 and 2 threads x alone and in a ragged batch of 4 (the
-    classes let `pytest -n 2 --dist loadscope` run the two models side by side)."""
+class TestSmolLM2Full(Matrix):
+    model, cache = "SmolLM2", "full"
 
-    @MATRIX
-    def test_speculation_gives_the_same_tokens(self, cache, n_threads, slots):
-        check_matrix("SmolLM2", cache, n_threads, slots)
 
-    def test_batch_cli_gives_the_same_tokens(self, tmp_path):
+@need_smollm2
+class TestSmolLM2Window(Matrix):
+    model, cache = "SmolLM2", "window"
+
+
+@need_smollm2
+class TestSmolLM2Sinks(Matrix):
+    model, cache = "SmolLM2", "sinks"
+
+
+@need_smollm2
+class TestSmolLM2SinksAtCachePositions(Matrix):
+    model, cache = "SmolLM2", "sinks at cache positions"
+
+    def test_batch_cli_gives_the_same_tokens(self, ref, tmp_path):
         """`streamattn batch --speculative ngram` (2 threads, sinks at cache positions, batches of 4)."""
-        check_batch_cli("SmolLM2", "sinks at cache positions", 2, tmp_path)
+        check_batch_cli(self.model, self.cache, ref, 2, tmp_path)
 
 
 @need_gemma
-class TestGemma3:
-    """The same matrix on Gemma-3: its own 512-key local rings plus the global layers' cache kind."""
+class TestGemma3Full(Matrix):
+    """Gemma-3: its own 512-key local rings plus the global layers' cache kind."""
+    model, cache = "Gemma-3", "full"
 
-    @MATRIX
-    def test_speculation_gives_the_same_tokens(self, cache, n_threads, slots):
-        check_matrix("Gemma-3", cache, n_threads, slots)
 
-    def test_batch_cli_gives_the_same_tokens(self, tmp_path):
+@need_gemma
+class TestGemma3Window(Matrix):
+    model, cache = "Gemma-3", "window"
+
+    def test_batch_cli_gives_the_same_tokens(self, ref, tmp_path):
         """`streamattn batch --speculative ngram` (1 thread, window, batches of 4)."""
-        check_batch_cli("Gemma-3", "window", 1, tmp_path)
+        check_batch_cli(self.model, self.cache, ref, 1, tmp_path)
+
+
+@need_gemma
+class TestGemma3Sinks(Matrix):
+    model, cache = "Gemma-3", "sinks"
+
+
+@need_gemma
+class TestGemma3SinksAtCachePositions(Matrix):
+    model, cache = "Gemma-3", "sinks at cache positions"
 
 
 @need_smollm2
