@@ -30,6 +30,14 @@ so after appends alone the ring holds the last R positions, ``max(n_s, L - R) ..
 (``truncate``, called by streamattn.state.rewind) lowers L but cannot bring back what the dropped tokens overwrote, so the cache records the
 oldest ring position it still holds for each sequence; ``answerable()`` and ``state.rewind`` derive from it
 which queries can still be attended exactly. Slots that hold no current position are zero.
+
+Float16 sinks (``spec.sink_dtype == "float16"``: a sinks cache with quantized K or V). The n_s sink tokens
+live in ``sink_k``, ``sink_v`` (float16, row j = position j) and ``k``, ``v`` hold only the ring:
+R = n_c + C - 1 slots, position j >= n_s in slot (j - n_s) mod R, the slot rule of a window cache without
+sinks over positions shifted by n_s. So each part is a cache the backends already attend, and
+``streamattn.dispatch`` merges the two answers by their log-sum-exps (docs/DESIGN.md §24). ``slots`` and
+``ring`` keep their meaning (n_s + R and R); the state dicts (export_state, write_sequence) keep the
+layout of a cache with its sinks inside, sink slots zero, plus the float16 rows.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ from .arrays import check_sequence_index, to_host
 from .spec import QUANTIZED, CacheSpec
 from .storage import (EXPONENT_BITS, bits, check_stored_finite, non_finite_error, ring_slots, slot_positions,
                       storage_zeros, to_storage, widen, write_rows)
+
+SINK_STORAGE = np.dtype(np.float16)   # the storage of float16 sinks (``spec.sink_dtype``)
 
 _INITIAL_CAUSAL_SLOTS = 256
 
@@ -65,6 +75,8 @@ class KVCache:
     held_from : int64 [batch], oldest ring position (>= n_s) whose K/V the ring still holds; host memory.
         ``max(n_s, L - R)`` after appends alone (0 for causal caches); higher only after a rewind.
     view_of : KVCache or None, the cache whose first rows a :meth:`head` view shares (a view cannot grow)
+    sink_k, sink_v : [batch, kv_heads, n_s, head_dim] float16, the sink tokens' rows when
+        ``spec.sink_dtype`` is "float16" (then ``k``, ``v`` hold the ring's R slots only); else None
 
     Examples
     --------
@@ -93,6 +105,12 @@ class KVCache:
         slots = spec.slots
         if slots is None:
             slots = min(_INITIAL_CAUSAL_SLOTS, spec.max_len or _INITIAL_CAUSAL_SLOTS)
+        self.sink_k = self.sink_v = None
+        if spec.sink_dtype is not None:                    # the sinks apart: [batch, kv_heads, n_s, head_dim]
+            sink_shape = (spec.batch, spec.kv_heads, spec.sinks, spec.head_dim)
+            self.sink_k = storage_zeros(self.xp, sink_shape, SINK_STORAGE)
+            self.sink_v = storage_zeros(self.xp, sink_shape, SINK_STORAGE)
+            slots -= spec.sinks                            # k, v: the ring's R slots
         shape = (spec.batch, spec.kv_heads, slots)
         self.k = storage_zeros(self.xp, shape + (spec.k_width,), spec.storage_dtype)  # [batch, kv_heads, slots, k_width]
         self.v = storage_zeros(self.xp, shape + (spec.v_width,), spec.storage_dtype_v)  # [batch, kv_heads, slots, v_width]
@@ -104,7 +122,8 @@ class KVCache:
     # -- geometry -------------------------------------------------------------------------------
     @property
     def slots(self) -> int:
-        return self.k.shape[2]
+        """Slot count: n_s + R for a window cache (float16 sinks included), the capacity of a causal one."""
+        return self.k.shape[2] + (self.spec.sinks if self.sink_k is not None else 0)
 
     @property
     def ring(self) -> int:
@@ -113,8 +132,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated for K and V."""
-        return int(self.k.nbytes + self.v.nbytes)
+        """Bytes allocated for K and V (float16 sinks included)."""
+        sinks = 0 if self.sink_k is None else self.sink_k.nbytes + self.sink_v.nbytes
+        return int(self.k.nbytes + self.v.nbytes + sinks)
 
     def slots_of(self, positions):
         """Slots of absolute ``positions`` (int array)."""
@@ -153,6 +173,8 @@ class KVCache:
         the CPU the check, write and count are one compiled call, :func:`streamattn.storage.write_rows`)."""
         xp, spec = self.xp, self.spec
         ks, vs = self.stage(k, v, counts)
+        if self.sink_k is not None:
+            return self._write_split(k, v, ks, vs, counts)
         if xp is np:                              # one compiled call: check as stored, write, count
             mixed = spec.dtype_v is not None or spec.dtype in QUANTIZED  # no one exponent pattern for both
             if mixed and spec.check_finite:
@@ -183,6 +205,36 @@ class KVCache:
             np.maximum(self.held_from, self.lengths + counts - self.ring, out=self.held_from)
         self.lengths += counts
         self.last_counts[:] = counts           # in place: a head() view and its parent share the counters
+
+    def _write_split(self, k, v, ks, vs, counts) -> None:
+        """:meth:`_write` for float16 sinks: rows at positions < n_s go to the sink store as float16, the
+        rest to ring slot (j - n_s) mod R as stored (``ks``, ``vs``); everything checked before writing."""
+        xp, spec = self.xp, self.spec
+        n_s, R = spec.sinks, self.ring
+        to_sink = np.clip(n_s - self.lengths, 0, counts)                       # [batch] rows for the sinks
+        if spec.check_finite:            # every row as quantized (a sink row finite in float16 is so there too)
+            check_stored_finite(ks, vs, counts, spec.dtype, xp, spec.v_dtype)
+        if to_sink.any():
+            with np.errstate(over="ignore"):
+                k16, v16 = (to_storage(x, "float16", xp) for x in (k, v))       # [batch, kv_heads, T, head_dim]
+            if spec.check_finite:
+                check_stored_finite(k16, v16, to_sink, "float16", xp)
+        for b in range(spec.batch):
+            L, c, s = int(self.lengths[b]), int(counts[b]), int(to_sink[b])
+            if s:
+                self.sink_k[b, :, L:L + s] = k16[b, :, :s]
+                self.sink_v[b, :, L:L + s] = v16[b, :, :s]
+            if c == s + 1:                      # one ring row (decode): basic indexing, no index array
+                slot = (L + s - n_s) % R
+                self.k[b, :, slot] = ks[b, :, s]
+                self.v[b, :, slot] = vs[b, :, s]
+            elif c > s:
+                idx = xp.asarray((np.arange(L + s, L + c) - n_s) % R)                  # [c - s]
+                self.k[b][:, idx] = ks[b, :, s:c]
+                self.v[b][:, idx] = vs[b, :, s:c]
+        np.maximum(self.held_from, self.lengths + counts - R, out=self.held_from)
+        self.lengths += counts
+        self.last_counts[:] = counts
 
     def stage(self, k, v, counts):
         """A validated chunk cast to the storage (ks, vs), with room made for it: a causal cache grows,
@@ -271,6 +323,7 @@ class KVCache:
         view = object.__new__(KVCache)
         view.spec, view.device, view.xp = dataclasses.replace(self.spec, batch=int(n)), self.device, self.xp
         view.k, view.v = self.k[:n], self.v[:n]                    # [n, kv_heads, slots, head_dim] views
+        view.sink_k, view.sink_v = (None, None) if self.sink_k is None else (self.sink_k[:n], self.sink_v[:n])
         view.lengths, view.last_counts, view.held_from = self.lengths[:n], self.last_counts[:n], self.held_from[:n]
         view.view_of = self
         return view
@@ -292,6 +345,9 @@ class KVCache:
 
     def reset(self, b: int | None = None) -> None:
         """Forget sequence ``b`` (or every sequence when ``b`` is None); its storage is zeroed."""
+        if self.sink_k is not None:
+            self.sink_k[slice(None) if b is None else check_sequence_index("b", b, self.spec.batch)] = 0
+            self.sink_v[slice(None) if b is None else b] = 0
         if b is None:
             self.k[...] = 0
             self.v[...] = 0
@@ -330,8 +386,13 @@ class KVCache:
         n_s, L = self.spec.sinks, int(self.lengths[b])
         Lp = L - int(k)
         # dropped positions still in a slot: sinks Lp..n_s-1, and ring positions >= L - R (older are gone)
-        pos = np.concatenate([np.arange(Lp, min(L, n_s)), np.arange(max(Lp, n_s, L - self.ring), L)])
-        idx = self.xp.asarray(self.slots_of(pos))
+        sink_pos, ring_pos = np.arange(Lp, min(L, n_s)), np.arange(max(Lp, n_s, L - self.ring), L)
+        if self.sink_k is not None:
+            self.sink_k[b][:, sink_pos] = 0
+            self.sink_v[b][:, sink_pos] = 0
+            idx = self.xp.asarray((ring_pos - n_s) % self.ring)
+        else:
+            idx = self.xp.asarray(self.slots_of(np.concatenate([sink_pos, ring_pos])))
         self.k[b][:, idx] = 0
         self.v[b][:, idx] = 0
         self.lengths[b] = Lp
@@ -349,15 +410,25 @@ class KVCache:
         k, v : [kv_heads, n, head_dim] float32
         positions : int64 [n], ascending absolute positions
         """
-        pos = slot_positions(int(self.lengths[b]), slots=self.slots, sinks=self.spec.sinks)  # [slots]
+        n_s, L = self.spec.sinks, int(self.lengths[b])
+        split = self.sink_k is not None
+        if split:                       # the ring alone: a window cache without sinks, positions shifted by n_s
+            pos = slot_positions(L - n_s, slots=self.ring, sinks=0)                # [R]
+            pos = np.where(pos >= 0, pos + n_s, -1)
+        else:
+            pos = slot_positions(L, slots=self.slots, sinks=n_s)                   # [slots]
         order = np.argsort(pos, kind="stable")
         p = pos[order]
-        order = order[(p >= 0) & ((p < self.spec.sinks) | (p >= self.held_from[b]))]  # lost to a rewind: not held
+        order = order[(p >= 0) & ((p < n_s) | (p >= self.held_from[b]))]  # lost to a rewind: not held
         out = []
-        for store, dt in ((self.k, self.spec.dtype), (self.v, self.spec.v_dtype)):
+        for store, sink, dt in ((self.k, self.sink_k, self.spec.dtype), (self.v, self.sink_v, self.spec.v_dtype)):
             rows = to_host(store[b][:, self.xp.asarray(order)], copy=False)  # [kv_heads, n, width]
-            out.append(widen(rows, dt, self.spec.head_dim))                  # [kv_heads, n, head_dim]
-        return out[0], out[1], pos[order].astype(np.int64)
+            rows = widen(rows, dt, self.spec.head_dim)                       # [kv_heads, n, head_dim]
+            if split:                                                        # the sinks first, in float16
+                rows = np.concatenate([to_host(sink[b, :, :min(L, n_s)]).astype(np.float32), rows], axis=1)
+            out.append(rows)
+        pos = pos[order] if not split else np.concatenate([np.arange(min(L, n_s)), pos[order]])
+        return out[0], out[1], pos.astype(np.int64)
 
     # -- whole state and one sequence: copy, restore, rewrite (streamattn.state, streamattn.snapshot, the
     #    server's prompt cache) ------------------------------------------------------------------
@@ -368,14 +439,23 @@ class KVCache:
         -------
         dict with
             k, v : [n, kv_heads, U, width] storage dtype, slots 0 .. U-1 with U = min(slots, max length)
-                (every slot at or past U is zero)
+                (every slot at or past U is zero; with float16 sinks, slots 0 .. n_s-1 are zero too)
             lengths, last_counts, held_from : int64 [n]
+            sink_k, sink_v : [n, kv_heads, n_s, head_dim] float16, only with float16 sinks
         """
         lengths = self.lengths[rows]
         used = min(self.slots, int(lengths.max()) if lengths.size else 0)
-        return {"k": to_host(self.k[rows, :, :used]), "v": to_host(self.v[rows, :, :used]),
-                "lengths": lengths.copy(), "last_counts": self.last_counts[rows].copy(),
-                "held_from": self.held_from[rows].copy()}
+        state = {"lengths": lengths.copy(), "last_counts": self.last_counts[rows].copy(),
+                 "held_from": self.held_from[rows].copy()}
+        if self.sink_k is None:
+            return {"k": to_host(self.k[rows, :, :used]), "v": to_host(self.v[rows, :, :used]), **state}
+        n_s = self.spec.sinks
+        for n, store in (("k", self.k), ("v", self.v)):   # the layout of a cache with its sinks inside
+            ring = to_host(store[rows, :, :max(0, used - n_s)])                # [n, kv_heads, U - n_s, width]
+            state[n] = np.concatenate([np.zeros(ring.shape[:2] + (min(used, n_s),) + ring.shape[3:], ring.dtype),
+                                       ring], axis=2)
+        state["sink_k"], state["sink_v"] = to_host(self.sink_k[rows]), to_host(self.sink_v[rows])
+        return state
 
     @classmethod
     def from_state(cls, spec: CacheSpec, state: dict, *, slots: int, device: str = "cpu") -> "KVCache":
@@ -392,12 +472,16 @@ class KVCache:
                 raise ValueError(f"state[{n!r}] must be {dt} [{spec.batch}, {spec.kv_heads}, "
                                  f"<={slots}, {width}] (got {a.dtype} {tuple(a.shape)})")
         cache = cls(spec, device=device)
+        first = _check_sinks(cache, state.get("sink_k"), state.get("sink_v"), "state: ", (spec.batch,))
         for n in ("k", "v"):   # a window cache is allocated in full already; a causal one may need more
             store = getattr(cache, n)
-            shape = (spec.batch, spec.kv_heads, slots, kinds[n][1])
+            shape = (spec.batch, spec.kv_heads, slots - first, kinds[n][1])
             store = store if store.shape == shape else storage_zeros(cache.xp, shape, kinds[n][0])
-            store[:, :, :state[n].shape[2]] = cache.xp.asarray(state[n])
+            store[:, :, :max(0, state[n].shape[2] - first)] = cache.xp.asarray(state[n][:, :, first:])
             setattr(cache, n, store)
+        if first:
+            cache.sink_k[...] = cache.xp.asarray(state["sink_k"])
+            cache.sink_v[...] = cache.xp.asarray(state["sink_v"])
         cache.lengths, cache.last_counts, cache.held_from = (
             np.array(state[n], dtype=np.int64) for n in ("lengths", "last_counts", "held_from"))
         return cache
@@ -412,10 +496,11 @@ class KVCache:
                 != self.spec:
             raise ValueError(f"take_state needs a cache with the same spec and device "
                              f"(got {other.spec} on {other.device}, this is {self.spec} on {self.device})")
-        self.k, self.v = other.k, other.v
+        self.k, self.v, self.sink_k, self.sink_v = other.k, other.v, other.sink_k, other.sink_v
         self.lengths, self.last_counts, self.held_from = other.lengths, other.last_counts, other.held_from
 
-    def write_sequence(self, b: int, k, v, *, length: int, last_count: int = 0, held_from: int | None = None) -> None:
+    def write_sequence(self, b: int, k, v, *, length: int, last_count: int = 0, held_from: int | None = None,
+                       sink_k=None, sink_v=None) -> None:
         """Make sequence ``b`` hold ``k``, ``v`` in slots 0..n-1 (zeros after) and these counters.
 
         Parameters
@@ -425,6 +510,8 @@ class KVCache:
         length, last_count : tokens seen and queries of the last append (0 <= last_count <= length)
         held_from : oldest ring position still held; default ``max(n_s, length - R)`` (appends alone) for a
             window cache, 0 for a causal one
+        sink_k, sink_v : [kv_heads, n_s, head_dim] float16, the sinks of a float16-sinks cache (required
+            there, where slots 0 .. n_s-1 of k and v are not read; refused elsewhere)
 
         A causal cache grows first when n exceeds its slots (keeping every row), so a later failure
         changes nothing. Raises ValueError before writing anything.
@@ -435,6 +522,7 @@ class KVCache:
             if x.ndim != 3 or (x.shape[0], x.shape[2]) != (s.kv_heads, width) or x.dtype != dt:
                 raise ValueError(f"{name} must be {dt} [{s.kv_heads}, n, {width}] "
                                  f"(got {x.dtype} {tuple(x.shape)})")
+        first = _check_sinks(self, sink_k, sink_v, "", ())
         n = k.shape[1]
         cap = self.slots if s.window is not None else (s.max_len or max(n, length))
         if v.shape[1] != k.shape[1] or not 0 <= last_count <= length or n > min(cap, length):
@@ -446,6 +534,26 @@ class KVCache:
             self.reserve(n)
         self.k[b] = 0
         self.v[b] = 0
-        self.k[b][:, :n] = self.xp.asarray(k)
-        self.v[b][:, :n] = self.xp.asarray(v)
+        self.k[b][:, :max(0, n - first)] = self.xp.asarray(k[:, first:])
+        self.v[b][:, :max(0, n - first)] = self.xp.asarray(v[:, first:])
+        if first:
+            self.sink_k[b] = self.xp.asarray(sink_k)
+            self.sink_v[b] = self.xp.asarray(sink_v)
         self.lengths[b], self.last_counts[b], self.held_from[b] = length, last_count, held_from
+
+
+def _check_sinks(cache: KVCache, sink_k, sink_v, where: str, batch: tuple) -> int:
+    """ValueError unless ``sink_k``, ``sink_v`` are float16 [*batch, kv_heads, n_s, head_dim] for a float16-
+    sinks cache and None for any other; returns the slots the state's k, v hold in front of the ring (n_s
+    or 0)."""
+    s = cache.spec
+    if cache.sink_k is None:
+        if sink_k is not None or sink_v is not None:
+            raise ValueError(f"{where}sink_k / sink_v are for caches with float16 sinks (this spec: {s})")
+        return 0
+    shape = batch + (s.kv_heads, s.sinks, s.head_dim)
+    for name, x in (("sink_k", sink_k), ("sink_v", sink_v)):
+        if x is None or x.dtype != SINK_STORAGE or tuple(x.shape) != shape:
+            raise ValueError(f"{where}{name} must be float16 {list(shape)} for a cache with float16 sinks (got "
+                             f"{None if x is None else (x.dtype, tuple(x.shape))})")
+    return s.sinks

@@ -8,6 +8,7 @@ import numpy as np
 
 from . import backends
 from .cache import KVCache
+from .sink_parts import attend_parts
 from .spec import QUANTIZED
 from .storage import EXPONENT_BITS, bits, check_stored_finite, non_finite_error
 from .threads import many_threads
@@ -179,10 +180,13 @@ def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, softcap, *, edge: 
     """The backend call on validated arguments, then the NaN rule (and with ``edge``, the float32 edge
     rule of :func:`attend`)."""
     spec = cache.spec
-    args = (cache.k, cache.v, cache.lengths, counts)
-    kw = dict(window=spec.window or 0, sinks=spec.sinks, scale=scale, kind=spec.dtype, q_sink=q_sink,
-              kind_v=spec.v_dtype, softcap=softcap)
-    out, lse = fn(q, *args, **kw)
+
+    def call(fn):
+        if cache.sink_k is not None:           # float16 sinks: two parts, merged exactly (docs/DESIGN.md §24)
+            return attend_parts(fn, q, cache, scale=scale, counts=counts, q_sink=q_sink, softcap=softcap)
+        return fn(q, cache.k, cache.v, cache.lengths, counts, window=spec.window or 0, sinks=spec.sinks,
+                  scale=scale, kind=spec.dtype, q_sink=q_sink, kind_v=spec.v_dtype, softcap=softcap)
+    out, lse = call(fn)
 
     def float32_edge(out, lse, real, bad):
         if not spec.check_finite or not np.isfinite(q).all():
@@ -194,7 +198,7 @@ def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, softcap, *, edge: 
                              "q, k or scale down (attend changes nothing)")
         wrong = real & ~np.isfinite(out).all(axis=-1)                           # [batch, q_heads, T]
         if wrong.any():                           # only the weighted sum of huge values overflowed
-            ref_out, _ = backends.get("reference", "cpu")(q, *args, **kw)
+            ref_out, _ = call(backends.get("reference", "cpu"))
             out[wrong] = ref_out[wrong]
         return out, lse
     return _poison_non_finite(out, lse, counts, cache.xp, edge=float32_edge if edge else None)

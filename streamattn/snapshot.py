@@ -4,12 +4,12 @@ What is saved is a cache's whole state (spec, K/V, lengths, last_counts, held_fr
 for one cache or a model's list of per-layer caches, as ``KVCache.export_state`` gives it; loading builds
 caches with ``KVCache.from_state`` and writes single sequences with ``KVCache.write_sequence``.
 
-File format ``streamattn-kv``, version 2
+File format ``streamattn-kv``, version 3
 -----------------------------------------
 An uncompressed ``.npz`` (a zip of ``.npy`` members; read with ``allow_pickle=False``):
 
     meta                         uint8 [n], UTF-8 JSON:
-                                 {"format": "streamattn-kv", "version": 2, "layout": "cache" | "layers",
+                                 {"format": "streamattn-kv", "version": 3, "layout": "cache" | "layers",
                                   "layers": [{"spec": {CacheSpec fields}, "slots": S, "used": U}, ...],
                                   "sha256": "<hex digest of the payload>"}
     layer{i}.k, layer{i}.v       [batch, kv_heads, U, width], storage dtype: slots 0 .. U-1 (width: head_dim,
@@ -17,7 +17,11 @@ An uncompressed ``.npz`` (a zip of ``.npy`` members; read with ``allow_pickle=Fa
     layer{i}.lengths             int64 [batch]
     layer{i}.last_counts         int64 [batch]
     layer{i}.held_from           int64 [batch]
+    layer{i}.sink_k, .sink_v     float16 [batch, kv_heads, n_s, head_dim]: only for a spec with
+                                 ``sink_dtype`` "float16" (then slots 0 .. n_s-1 of k and v are zero)
 
+Version 3 added the spec's ``sink_dtype`` and the float16 sink members. Version 1 and 2 files have
+no ``sink_dtype`` key: they load as ``sink_dtype=None`` (their sinks were stored like every other token).
 Version 2 added the spec's ``dtype_v`` and the quantized dtypes q8_0 / q4_0 (uint8 members of GGUF
 blocks, stored as written: a restore never re-quantizes). Version 1 files (float storage, one dtype for K
 and V, no ``dtype_v`` key) still load; what they hold reads the same.
@@ -56,10 +60,11 @@ from .cache import KVCache
 from .spec import POLICY_FIELDS, CacheSpec
 
 FORMAT = "streamattn-kv"
-VERSION = 2
-_READS = (1, 2)                    # versions this module loads (1: before quantized and split K/V dtypes)
+VERSION = 3
+_READS = (1, 2, 3)   # versions this module loads (1: before quantized and split K/V dtypes; 2: before float16 sinks)
 _V1_DTYPES = ("float32", "float16", "bfloat16")
 _FIELDS = ("k", "v", "lengths", "last_counts", "held_from")
+_SINK_FIELDS = ("sink_k", "sink_v")  # members of a layer whose spec keeps float16 sinks
 
 
 class StateFileError(ValueError):
@@ -222,11 +227,12 @@ def load_sequence(path, caches, b: int, *, max_bytes: int | None = None) -> None
                 c.reserve(a["k"].shape[2])
     for c, a in zip(layers, arrays):
         c.write_sequence(b, a["k"][0], a["v"][0], length=int(a["lengths"][0]),
-                         last_count=int(a["last_counts"][0]), held_from=int(a["held_from"][0]))
+                         last_count=int(a["last_counts"][0]), held_from=int(a["held_from"][0]),
+                         **{n: a[n][0] for n in _SINK_FIELDS if n in a})
 
 
 _MAX_META = 16 << 20                                # bytes of meta JSON (a layer takes ~300)
-_MAX_MEMBERS = 1 + 5 * 4096
+_MAX_MEMBERS = 1 + 7 * 4096
 
 
 def _memory_limit() -> int:
@@ -355,15 +361,21 @@ def _parse(raw: bytes, max_bytes: int):
                 raise ValueError(f"layer record must hold a spec dict (got {str(m)[:80]})")
             if version == 1 and ("dtype_v" in m["spec"] or m["spec"].get("dtype") not in _V1_DTYPES):
                 raise ValueError(f"a version 1 spec holds float storage of one dtype (got {m['spec']})")
+            if version < 3:
+                if "sink_dtype" in m["spec"]:
+                    raise ValueError(f"a version {version} spec has no sink_dtype (got {m['spec']})")
+                m["spec"]["sink_dtype"] = None     # its sinks were stored like every other token
             s = CacheSpec(**m["spec"])
             slots, used = _int(m.get("slots"), "slots"), _int(m.get("used"), "used")
             alloc = s.slots if s.window is not None else max(slots, 1)   # what load and restore allocate
             total += s.batch * s.kv_heads * alloc * (s.k_width * s.storage_dtype.itemsize
                                                      + s.v_width * s.storage_dtype_v.itemsize)
+            fields = _FIELDS + (_SINK_FIELDS if s.sink_dtype is not None else ())
+            total += 0 if s.sink_dtype is None else 4 * s.batch * s.kv_heads * s.sinks * s.head_dim  # 2 x float16
             if total > max_bytes:
                 raise _Bad(f"layer {i}: the file's specs ask for {total} bytes of K/V storage, more than "
                            f"max_bytes={max_bytes}; refused before allocating")
-            layers.append(_check_layer(m, {n: members[f"layer{i}.{n}"] for n in _FIELDS}))
+            layers.append(_check_layer(m, {n: members[f"layer{i}.{n}"] for n in fields}))
         except (KeyError, TypeError, ValueError) as e:
             raise _Bad(f"layer {i}: inconsistent contents ({type(e).__name__}: {e})") from e
     return meta, layers
@@ -386,6 +398,10 @@ def _check_layer(m: dict, a: dict) -> dict:
     cap = s.slots if s.window is not None else (s.max_len or slots)
     if not (slots == cap if s.window is not None else 1 <= slots <= cap) or used != min(slots, int(L.max())):
         raise ValueError(f"slots={slots}, used={used} do not fit the spec and lengths {L.tolist()}")
+    for n in _SINK_FIELDS if s.sink_dtype is not None else ():
+        if a[n].dtype != np.float16 or a[n].shape != (s.batch, s.kv_heads, s.sinks, s.head_dim):
+            raise ValueError(f"{n} must be float16 {(s.batch, s.kv_heads, s.sinks, s.head_dim)} "
+                             f"(got {a[n].dtype} {a[n].shape})")
     h = a["held_from"]
     if s.window is None and h.any() or s.window is not None and \
             ((h < s.sinks).any() or (h > np.maximum(s.sinks, L)).any() or (h < L - (slots - s.sinks)).any()):

@@ -69,6 +69,12 @@ class CacheSpec:
         head_dim with a float16 scale (byte for byte), quantized once when written.
     dtype_v : str or None
         Storage dtype of V when it differs from K's (same choices); None: ``dtype``.
+    sink_dtype : {"auto", "float16", None}
+        Sinks caches whose K or V is quantized: "float16" keeps the n_s sink tokens' K and V in a float16
+        store beside the quantized ring (rounded once, when written; attention merges the two parts
+        exactly, docs/DESIGN.md §24); None stores them like every other token. "auto" (default) becomes
+        "float16" for such caches and None for every other cache (where it means nothing); "float16"
+        elsewhere is refused.
     window : int or None
         ``None`` for full causal attention, else n_c >= 1 keys, the current one included.
     sinks : int
@@ -98,6 +104,7 @@ class CacheSpec:
     max_len: int | None = None
     check_finite: bool = True
     dtype_v: str | None = None
+    sink_dtype: str | None = "auto"
 
     def __post_init__(self):
         for name in ("batch", "kv_heads", "head_dim", "max_chunk", "window", "sinks", "max_len"):
@@ -126,6 +133,14 @@ class CacheSpec:
         if self.sinks and self.window is None:
             raise ValueError(f"sinks={self.sinks} needs a window; with window=None every token is kept "
                              "and sinks mean nothing")
+        quantized_sinks = bool(self.sinks) and (self.dtype in QUANTIZED or self.v_dtype in QUANTIZED)
+        if self.sink_dtype == "auto":
+            object.__setattr__(self, "sink_dtype", "float16" if quantized_sinks else None)
+        elif self.sink_dtype not in (None, "float16"):
+            raise ValueError(f"sink_dtype must be 'auto', 'float16' or None (got {self.sink_dtype!r})")
+        elif self.sink_dtype == "float16" and not quantized_sinks:
+            raise ValueError(f"sink_dtype='float16' needs sinks and a quantized K or V (got sinks={self.sinks}, "
+                             f"dtype={self.dtype!r}, dtype_v={self.dtype_v!r}); use 'auto' or None")
         if self.max_len is not None:
             _positive_int("max_len", self.max_len, minimum=1)
             if self.window is not None:

@@ -42,14 +42,21 @@ class History:
         # a quantized cache's rows are kept as stored (gguf-py's round trip): see TOL
         self.stored = [dt if spec is not None and dt in _GGUF_TYPES else "float32"
                        for dt in ((spec.dtype, spec.v_dtype) if spec is not None else ("float32",) * 2)]
+        # float16 sinks (spec.sink_dtype): positions < n_s are kept as float16 rounds them
+        self.sinks16 = spec.sinks if spec is not None and getattr(spec, "sink_dtype", None) else 0
 
     def append(self, k, v, counts):
+        raw = k, v
         if self.stored != ["float32", "float32"]:
             k, v = as_stored(k, self.stored[0]), as_stored(v, self.stored[1])
         for b, c in enumerate(counts):
             if c:
-                self.k[b].append(np.asarray(k[b, :, :c], np.float64))
-                self.v[b].append(np.asarray(v[b, :, :c], np.float64))
+                rows = [np.asarray(x[b, :, :c], np.float64) for x in (k, v)]
+                s = min(max(self.sinks16 - self.length(b), 0), int(c))
+                for i in range(2 if s else 0):
+                    rows[i][:, :s] = as_stored(raw[i][b, :, :s], "float16")
+                self.k[b].append(rows[0])
+                self.v[b].append(rows[1])
 
     def reset(self, b):
         self.k[b], self.v[b] = [], []

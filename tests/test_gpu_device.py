@@ -78,3 +78,26 @@ def test_cache_positions(runner, head_dim, C):
     """Sink keys scored with q_sink (positions within the cache) against the float64 oracle, every step."""
     from positions_case import check_gpu_plan
     check_gpu_plan(runner, head_dim=head_dim, C=C)
+
+
+def test_float16_sinks_cache():
+    """A q4_0 sinks cache on the device keeps its sinks in float16: the sink part and the quantized ring
+    run through the GPU kernels and are merged (streamattn.sink_parts); against the oracle over the stored
+    values at every step, ragged chunks 1..3, GQA 4/1, >= 3 ring wraps."""
+    from oracle import History, check
+    from streamattn import CacheSpec, KVCache, attend
+    spec = CacheSpec(batch=2, kv_heads=1, head_dim=64, dtype="q4_0", window=5, sinks=2, max_chunk=3)
+    rng = np.random.default_rng(5)
+    cache, hist = KVCache(spec, device="gpu"), History(spec.batch, spec)
+    assert cache.sink_k is not None
+    for step in range(3 * spec.slots):
+        T = 1 + step % 3
+        k, v = (rng.standard_normal((2, 1, T, 64)).astype(np.float32) for _ in range(2))
+        counts = rng.integers(0, T + 1, size=2)
+        cache.append(cupy.asarray(k), cupy.asarray(v), counts=counts)
+        hist.append(k, v, counts)
+        q = rng.standard_normal((2, 4, T, 64)).astype(np.float32)
+        out, lse = attend(cupy.asarray(q), cache, backend="gpu")
+        assert isinstance(out, cupy.ndarray)
+        check(out, lse, q, hist, counts, spec, what=f"gpu step {step}")
+    assert cache.lengths.min() > 3 * spec.slots // 2

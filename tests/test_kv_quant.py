@@ -150,8 +150,12 @@ def _fill(cache, rng, steps, T=1):
 
 
 def _same_state(a, b):
-    return all(np.array_equal(x, y) for x, y in zip((a.k, a.v, a.lengths, a.last_counts, a.held_from),
-                                                     (b.k, b.v, b.lengths, b.last_counts, b.held_from)))
+    """The same storage bytes (float16 sinks included) and counters."""
+    if (a.sink_k is None) != (b.sink_k is None):
+        return False
+    sinks = (lambda c: ()) if a.sink_k is None else (lambda c: (c.sink_k, c.sink_v))
+    return all(np.array_equal(x, y) for x, y in zip((a.k, a.v, a.lengths, a.last_counts, a.held_from) + sinks(a),
+                                                     (b.k, b.v, b.lengths, b.last_counts, b.held_from) + sinks(b)))
 
 
 def test_snapshot_round_trip_is_bit_exact(tmp_path):
@@ -188,11 +192,26 @@ def test_version_1_file_still_loads():
     assert got.spec == want.spec and _same_state(got, want)
 
 
+def test_version_2_file_still_loads():
+    """tests/data/kv_v2_sinks_q4_0.npz was written by the version-2 code (main 785d516), whose sinks caches
+    quantized their sinks like every other token: it loads as such a cache (sink_dtype None), bit for bit."""
+    rng = np.random.default_rng(28)
+    want = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=32, dtype="q4_0", dtype_v="q8_0", window=4, sinks=1,
+                             max_chunk=2, sink_dtype=None))
+    for t in range(7):
+        x = rng.standard_normal((2, 1, 1, 32)).astype(np.float32)
+        want.append(x, -x, counts=[1, t % 2])
+    got = snapshot.load(Path(__file__).parent / "data" / "kv_v2_sinks_q4_0.npz")
+    assert got.spec == want.spec and got.spec.sink_dtype is None and _same_state(got, want)
+
+
 @pytest.mark.parametrize("dtype", QUANT)
-def test_fork_and_rewind_keep_the_stored_bytes(dtype):
+@pytest.mark.parametrize("sinks", [0, 5])
+def test_fork_and_rewind_keep_the_stored_bytes(dtype, sinks):
     """A fork copies the blocks; a rewind then the same appends gives the bytes of a straight run (each
-    token quantized once, the same way)."""
-    spec = CacheSpec(batch=2, kv_heads=1, head_dim=64, dtype=dtype, window=8, max_chunk=3)
+    token quantized once, the same way). With 5 sinks (float16) the rewind from 6 to 4 tokens drops a sink
+    row and a ring row."""
+    spec = CacheSpec(batch=2, kv_heads=1, head_dim=64, dtype=dtype, window=8, sinks=sinks, max_chunk=3)
     rng = np.random.default_rng(5)
     chunks = [rng.standard_normal((2, 1, 1, 64)).astype(np.float32) for _ in range(6)]
     straight, cache = KVCache(spec), KVCache(spec)
@@ -207,6 +226,8 @@ def test_fork_and_rewind_keep_the_stored_bytes(dtype):
     assert _same_state(cache, straight)
     state.fork(cache, 0, 1)
     assert np.array_equal(cache.k[1], cache.k[0]) and np.array_equal(cache.v[1], cache.v[0])
+    if sinks:
+        assert np.array_equal(cache.sink_v[1], cache.sink_v[0]) and cache.sink_k[0].any()
 
 
 # -- kernels/*.cu over quantized rows: the CPU emulation of the same text, against the oracle ---------------
@@ -277,3 +298,187 @@ def test_a_row_does_not_depend_on_its_group(dtype, head_dim):
     q = rng.standard_normal((1, 5, 1, head_dim)).astype(np.float32)
     rows = [attend(q[:, :g], cache, backend="cpu", counts=np.array([1]))[0][0, 0] for g in range(1, 6)]
     assert all(np.array_equal(r, rows[0]) for r in rows[1:])
+
+
+# -- float16 sinks: a sinks cache with quantized K or V keeps its n_s sink tokens in float16 (docs/DESIGN.md §24)
+
+SPLIT = [("q4_0", None), ("q8_0", None), ("q4_0", "float32"), ("float32", "q8_0")]   # K and V apart too
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype,dtype_v", SPLIT)
+def test_float16_sinks_every_step(backend, dtype, dtype_v):
+    """Sinks in float16 and the ring quantized, attended in two parts and merged: against the oracle over
+    the stored values (float16 sinks + the dequantized ring) at every step, >= 3 ring wraps, chunks 1..C,
+    GQA 9/3, ragged batches (sequences at 0 queries, chunks that straddle the last sink)."""
+    C = 4
+    spec = CacheSpec(batch=3, kv_heads=3, head_dim=64, dtype=dtype, dtype_v=dtype_v, window=5, sinks=3, max_chunk=C)
+    assert spec.sink_dtype == "float16"
+    chunks = list(range(1, C + 1)) + list(range(C, 0, -1))
+    cache = stream(spec, 9, 3 * spec.slots + 5, backend, chunks=chunks, ragged=True, seed=len(dtype + str(dtype_v)))
+    assert cache.k.shape[2] == spec.slots - spec.sinks and cache.sink_k.dtype == np.float16
+    assert cache.lengths.min() > 3 * spec.slots // 2            # each sequence's ring wrapped
+    stream(spec, 9, 3 * spec.slots + 5, backend, seed=1)       # decode alone
+
+
+def _stream_with_q_sink(spec, backend, steps, chunks, seed):
+    """Like test_oracle.stream with a second query for the sink keys (positions within the cache, §13),
+    checked against reference.attention(q_sink=...) over the stored values."""
+    from oracle import TOL, History
+    from streamattn.reference import attention
+    rng = np.random.default_rng(seed)
+    cache, hist = KVCache(spec), History(spec.batch, spec)
+    for step in range(steps):
+        T = chunks[step % len(chunks)]
+        shape = (spec.batch, spec.kv_heads, T, spec.head_dim)
+        k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+        counts = rng.integers(0, T + 1, size=spec.batch)
+        cache.append(k, v, counts=counts)
+        hist.append(k, v, counts)
+        q, q_sink = (rng.standard_normal((spec.batch, 6, T, spec.head_dim)).astype(np.float32) for _ in range(2))
+        out, lse = attend(q, cache, backend=backend, q_sink=q_sink)
+        for b, c in enumerate(counts):
+            assert np.all(out[b, :, c:] == 0) and np.all(lse[b, :, c:] == -np.inf)
+            if c == 0:
+                continue
+            hk, hv = (np.concatenate(x[b], axis=1) for x in (hist.k, hist.v))
+            L = hk.shape[1]
+            ro, rl = attention(q[b, :, :c], hk, hv, np.arange(L - c, L), window=spec.window, sinks=spec.sinks,
+                               q_sink=q_sink[b, :, :c])
+            err = np.abs(out[b, :, :c] - ro).max() / np.abs(ro).max()
+            assert err <= TOL["float32"] and np.abs(lse[b, :, :c] - rl).max() <= 1e-4, (step, b, err)
+    return cache
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype,dtype_v", [("q4_0", None), ("q8_0", "q4_0")])
+def test_float16_sinks_with_queries_at_cache_positions(backend, dtype, dtype_v):
+    """The sink part is scored with q_sink, the ring part with q (docs/DESIGN.md §13), ragged, GQA 6/2,
+    chunks 1..3 through >= 3 wraps."""
+    spec = CacheSpec(batch=2, kv_heads=2, head_dim=64, dtype=dtype, dtype_v=dtype_v, window=4, sinks=2, max_chunk=3)
+    _stream_with_q_sink(spec, backend, 3 * spec.slots + 4, [1, 3, 2, 3, 1], seed=11)
+
+
+def test_float16_sinks_hold_float16_values():
+    """The sinks read back as float16 rounds the input, the ring as the quantizer stores it; with
+    sink_dtype=None every row is quantized, as before. The sink store is counted in nbytes."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 2, 7, 64)).astype(np.float32)
+    split = KVCache(CacheSpec(batch=1, kv_heads=2, head_dim=64, dtype="q4_0", window=4, sinks=3, max_chunk=7))
+    same = KVCache(CacheSpec(batch=1, kv_heads=2, head_dim=64, dtype="q4_0", window=4, sinks=3, max_chunk=7,
+                             sink_dtype=None))
+    for c in (split, same):
+        c.append(x, -x)
+    k, v, pos = split.temporal_view(0)
+    assert pos.tolist() == list(range(7))
+    assert np.array_equal(k[:, :3], as_stored(x[0, :, :3], "float16")) and np.array_equal(v[:, :3], -k[:, :3])
+    assert np.array_equal(k[:, 3:], as_stored(x[0, :, 3:], "q4_0"))
+    k2, _, _ = same.temporal_view(0)
+    assert np.array_equal(k2, as_stored(x[0], "q4_0")) and not np.array_equal(k2[:, :3], k[:, :3])
+    assert split.nbytes == same.nbytes - 2 * 2 * 3 * 36 + 2 * 2 * 3 * 128      # 3 slots: 36 q4_0 bytes -> 128
+    assert same.sink_k is None and np.shares_memory(split.head(1).sink_k, split.sink_k)
+
+
+def test_float16_sinks_spec():
+    """auto: float16 where a sinks cache quantizes K or V, None elsewhere; float16 elsewhere is refused."""
+    kw = dict(batch=1, kv_heads=1, head_dim=64, window=4)
+    assert CacheSpec(dtype="q8_0", sinks=1, **kw).sink_dtype == "float16"
+    assert CacheSpec(dtype="float16", dtype_v="q4_0", sinks=1, **kw).sink_dtype == "float16"
+    assert CacheSpec(dtype="q8_0", **kw).sink_dtype is None                  # no sinks
+    assert CacheSpec(dtype="float16", sinks=1, **kw).sink_dtype is None      # float storage
+    with pytest.raises(ValueError, match="sink_dtype='float16' needs sinks and a quantized K or V"):
+        CacheSpec(dtype="float16", sinks=1, sink_dtype="float16", **kw)
+    with pytest.raises(ValueError, match="sink_dtype must be 'auto', 'float16' or None"):
+        CacheSpec(dtype="q8_0", sinks=1, sink_dtype="bfloat16", **kw)
+
+
+def test_float16_sinks_rows_do_not_depend_on_the_chunk():
+    """Batch invariance (docs/DESIGN.md §5) through the two parts: a query's bits are the same whether it
+    is decoded alone or arrives in a chunk, and whatever the other sequence of the call does."""
+    rng = np.random.default_rng(8)
+    spec = CacheSpec(batch=2, kv_heads=1, head_dim=64, dtype="q4_0", window=6, sinks=2, max_chunk=4)
+    k, v = (np.repeat(rng.standard_normal((1, 1, 20, 64)).astype(np.float32), 2, 0) for _ in range(2))
+    q = np.repeat(rng.standard_normal((1, 3, 20, 64)).astype(np.float32), 2, 0)      # [2, 3, 20, 64]
+    alone, chunked = KVCache(spec), KVCache(spec)
+    rows_alone, rows_chunked = [], []
+    for t in range(20):                          # sequence 1 decodes every other token beside it
+        counts = np.array([1, t % 2])
+        alone.append(k[:, :, t:t + 1], v[:, :, t:t + 1], counts=counts)
+        rows_alone.append(attend(q[:, :, t:t + 1], alone, backend="cpu", counts=counts)[0][0, :, 0])
+    for t0 in range(0, 20, 4):                   # the first chunk straddles the sinks (rows 0, 1 | 2, 3)
+        chunked.append(k[:, :, t0:t0 + 4], v[:, :, t0:t0 + 4])
+        out = attend(q[:, :, t0:t0 + 4], chunked, backend="cpu")[0][0]                 # [3, 4, 64]
+        rows_chunked.extend(out[:, i] for i in range(4))
+    assert all(np.array_equal(a, b) for a, b in zip(rows_alone, rows_chunked))
+
+
+def test_float16_sinks_snapshot(tmp_path):
+    """Snapshots (version 3) and save/load of one sequence move the float16 sinks and the ring bytes as
+    stored: bit for bit, never re-quantized (fork and rewind: test_fork_and_rewind_keep_the_stored_bytes)."""
+    rng = np.random.default_rng(6)
+    spec = CacheSpec(batch=2, kv_heads=2, head_dim=80, dtype="q8_0", dtype_v="q4_0", window=5, sinks=3, max_chunk=3)
+    cache = KVCache(spec)
+    _fill(cache, rng, 13, T=1)
+    snapshot.save(tmp_path / "kv.npz", [cache])
+    loaded = snapshot.load(tmp_path / "kv.npz")[0]
+    assert loaded.spec == spec and _same_state(loaded, cache)
+    restored = KVCache(spec)
+    snapshot.restore([restored], tmp_path / "kv.npz")
+    assert _same_state(restored, cache)
+    snapshot.save_sequence(tmp_path / "seq.npz", [cache], 1)
+    one = KVCache(spec)
+    snapshot.load_sequence(tmp_path / "seq.npz", [one], 0)
+    assert np.array_equal(one.sink_k[0], cache.sink_k[1]) and np.array_equal(one.k[0], cache.k[1])
+    with pytest.raises(snapshot.StateFileError, match="sink_dtype='float16' in the file, None requested"):
+        snapshot.load(tmp_path / "kv.npz", spec=[CacheSpec(**{**spec.__dict__, "sink_dtype": None})])
+
+
+def test_float16_sinks_refuse_non_finite_as_stored():
+    """A sink row is checked as float16 stores it (1e5 overflows), a ring row as quantized: refused by
+    name, the cache unchanged."""
+    spec = CacheSpec(batch=1, kv_heads=1, head_dim=64, dtype="q8_0", window=4, sinks=2)
+    cache = KVCache(spec)
+    big = np.full((1, 1, 1, 64), 1e5, np.float32)
+    with pytest.raises(ValueError, match="k holds NaN or inf for sequence 0"):
+        cache.append(big, np.ones_like(big))
+    assert cache.lengths[0] == 0 and not cache.sink_k.any()
+    for _ in range(2):
+        cache.append(np.ones_like(big), np.ones_like(big))
+    cache.append(big, big)                                       # a ring row: q8_0 holds 1e5
+    assert cache.lengths[0] == 3
+
+
+def test_quantized_sinks_flag():
+    """--quantized-sinks turns float16 sinks off through the options, the engine and the server config."""
+    import argparse
+    from streamattn.engine.core import EngineConfig
+    from streamattn.engine.options import ModelOptions, add_arguments
+    from streamattn.serve.config import ServeConfig
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--cache", "sinks", "--cache-dtype", "q4_0"]
+    assert ModelOptions.from_args(p.parse_args(base)).quantized_sinks is False
+    opts = ModelOptions.from_args(p.parse_args(base + ["--quantized-sinks"]))
+    assert opts.quantized_sinks is True
+    assert EngineConfig(cache="sinks", window=4, sinks=2, cache_dtype="q4_0").cache_kwargs["sink_dtype"] == "auto"
+    assert EngineConfig(cache="sinks", window=4, sinks=2, cache_dtype="q4_0",
+                        quantized_sinks=True).cache_kwargs["sink_dtype"] is None
+    assert ServeConfig(cache="sinks", cache_dtype="q4_0", quantized_sinks=True).engine_config.quantized_sinks
+    with pytest.raises(ValueError, match="quantized_sinks must be True or False"):
+        EngineConfig(quantized_sinks="yes")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_generator_float16_sinks_by_default(tiny):
+    """A model's sinks caches keep float16 sinks by default and quantized ones with quantized_sinks; the
+    two generate from the same prompt (and differ in what they store)."""
+    from streamattn.engine.generate import Generator
+    prompt = list(np.random.default_rng(2).integers(3, 64, 20))
+    runs = {}
+    for flag in (False, True):
+        gen = Generator(*tiny, cache="sinks", window=6, sinks=2, prefill_chunk=4, cache_dtype="q4_0",
+                        quantized_sinks=flag)
+        runs[flag] = [ev.token_id for ev in gen.stream(prompt, max_tokens=6, ignore_eos=True)]
+        c = gen.caches[0]
+        assert c.spec.sink_dtype == (None if flag else "float16") and (c.sink_k is None) == flag
+    assert len(runs[False]) == len(runs[True]) == 6

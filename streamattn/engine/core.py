@@ -79,6 +79,9 @@ class EngineConfig:
         K's storage (and V's unless ``cache_dtype_v``).
     cache_dtype_v : str or None
         V's storage where it differs from ``cache_dtype``.
+    quantized_sinks : bool
+        Store a sinks cache's sink tokens like every other token. False (default): a sinks cache whose K or
+        V is quantized keeps its sinks in float16 (``CacheSpec.sink_dtype``, docs/DESIGN.md §24).
     backend : {"reference", "cpu", "gpu", "auto"}
     prefill_chunk : int
         Prompt tokens per sequence per step, and the caches' ``max_chunk``.
@@ -102,6 +105,7 @@ class EngineConfig:
     sinks: int = 0
     cache_dtype: str = "float32"
     cache_dtype_v: str | None = None
+    quantized_sinks: bool = False
     backend: str = "cpu"
     prefill_chunk: int = 64
     positions: str = "absolute"
@@ -117,6 +121,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= {least} (got {v!r})")
         if self.positions not in ("absolute", "cache"):
             raise ValueError(f"positions must be 'absolute' or 'cache' (got {self.positions!r})")
+        if not isinstance(self.quantized_sinks, bool):
+            raise ValueError(f"quantized_sinks must be True or False (got {self.quantized_sinks!r})")
         if not isinstance(self.adapt_threads, bool):
             raise ValueError(f"adapt_threads must be True or False (got {self.adapt_threads!r})")
 
@@ -124,7 +130,8 @@ class EngineConfig:
     def cache_kwargs(self) -> dict:
         """Keyword arguments of ``Transformer.new_caches`` (without ``batch``)."""
         return dict(mode=self.cache, window=self.window, sinks=self.sinks if self.cache == "sinks" else 0,
-                    max_chunk=self.prefill_chunk, dtype=self.cache_dtype, dtype_v=self.cache_dtype_v)
+                    max_chunk=self.prefill_chunk, dtype=self.cache_dtype, dtype_v=self.cache_dtype_v,
+                    sink_dtype=None if self.quantized_sinks else "auto")
 
 
 class _Uncounted:

@@ -79,6 +79,9 @@ class Generator:
         K's storage (and V's unless ``cache_dtype_v``).
     cache_dtype_v : str or None
         V's storage where it differs from ``cache_dtype``.
+    quantized_sinks : bool
+        Store the sink tokens like every other token (default: float16 where K or V is quantized), as
+        :class:`~streamattn.engine.core.EngineConfig`.
     positions : {"absolute", "cache"}
         RoPE positions: in the text, or within the cache (StreamingLLM; matters for "sinks" only).
 
@@ -88,14 +91,15 @@ class Generator:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, cache: str = "full",
                  window: int | None = None, sinks: int = 0, backend: str = "cpu", prefill_chunk: int = 64,
-                 cache_dtype: str = "float32", positions: str = "absolute", cache_dtype_v: str | None = None):
+                 cache_dtype: str = "float32", positions: str = "absolute", cache_dtype_v: str | None = None,
+                 quantized_sinks: bool = False):
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1 (got {prefill_chunk!r})")
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
         self.model, self.tok = model, tokenizer
         self.config = EngineConfig(cache=cache, window=window, sinks=sinks, cache_dtype=cache_dtype,
-                                   cache_dtype_v=cache_dtype_v,
+                                   cache_dtype_v=cache_dtype_v, quantized_sinks=quantized_sinks,
                                    backend=backend, prefill_chunk=prefill_chunk, positions=positions)
         model.new_caches(batch=1, **self.config.cache_kwargs)          # validate the cache settings now
         self.stats = GenerationStats()

@@ -157,7 +157,7 @@ class Transformer:
 
     def new_caches(self, *, batch: int = 1, mode: str = "full", window: int | None = None, sinks: int = 0,
                    max_chunk: int = 1, dtype: str = "float32", max_len: int | None = None,
-                   dtype_v: str | None = None) -> list:
+                   dtype_v: str | None = None, sink_dtype: str | None = "auto") -> list:
         """One KVCache per layer.
 
         Parameters
@@ -175,6 +175,9 @@ class Transformer:
             K's storage (and V's unless ``dtype_v``): :class:`~streamattn.spec.CacheSpec`.
         dtype_v : str, optional
             V's storage where it differs.
+        sink_dtype : {"auto", "float16", None}
+            The sink tokens' storage (:class:`~streamattn.spec.CacheSpec`): "auto" keeps them in float16
+            when K or V is quantized; None stores them like every other token.
         max_len : int, optional
             Cap for causal caches.
         """
@@ -193,6 +196,7 @@ class Transformer:
             s = sinks if (mode == "sinks" and w is not None and (own is None or w < own)) else 0
             caches.append(KVCache(CacheSpec(batch=batch, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                             dtype=dtype, dtype_v=dtype_v, window=w, sinks=s, max_chunk=max_chunk,
+                                            sink_dtype=sink_dtype if s else None,
                                             max_len=max_len if w is None else None),
                                   device="cpu" if self.xp is np else "gpu"))
         return caches
@@ -210,10 +214,12 @@ class Transformer:
 
     def _compiled_layers(self, backend, counts_ok, hook, positions, caches):
         """The compiled layers (:mod:`streamattn.models.compiled`) where this call may use them — CPU
-        arrays, the CPU backend, counts [B] each in 0..T, no hook, no query rotated for sinks — else None
-        (the array layers then raise what is wrong)."""
+        arrays, the CPU backend, counts [B] each in 0..T, no hook, no query rotated for sinks, no cache
+        with float16 sinks (attended in two parts by streamattn.dispatch) — else None (the array layers
+        then raise what is wrong)."""
         if not (self.compile_layers and self.xp is np and backend in ("cpu", "auto") and counts_ok
-                and hook is None and (positions == "absolute" or not any(k.spec.sinks for k in caches))):
+                and hook is None and (positions == "absolute" or not any(k.spec.sinks for k in caches))
+                and not any(k.sink_k is not None for k in caches)):
             return None
         if self._compiled is None:
             self._compiled = compiled.CompiledLayers(self)

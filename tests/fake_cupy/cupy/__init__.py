@@ -18,6 +18,7 @@ import numpy as _np
 __version__ = "0.0-fake"
 float16, float32, uint8, uint16, uint32, int32, int64 = (_np.float16, _np.float32, _np.uint8, _np.uint16,
                                                          _np.uint32, _np.int32, _np.int64)
+float64, int8, nan = _np.float64, _np.int8, _np.nan   # (a KVCache on the device: tests/test_gpu_device.py)
 
 
 class ndarray(_np.ndarray):
@@ -59,7 +60,8 @@ def empty(shape, dtype=float32):
     return _dev(_np.empty(shape, dtype))
 
 
-for _name in ("repeat", "einsum", "exp", "log", "abs"):
+for _name in ("repeat", "einsum", "exp", "log", "abs", "zeros", "zeros_like", "full", "full_like", "where", "maximum",
+              "isfinite", "isnan", "concatenate"):
     setattr(sys.modules[__name__], _name, (lambda f: lambda *a, **k: _dev(f(*a, **k)))(getattr(_np, _name)))
 
 _rng = _np.random.default_rng(0)
