@@ -271,6 +271,25 @@ def _first_not_finite(x, counts, expbits):
 
 
 @njit(cache=True)
+def first_not_finite(x, counts, kind, expbits):
+    """The first sequence b whose real rows (the first counts[b]) of x [B, H, T, width] hold a value that is
+    NaN or inf as stored, or -1: for float storage (``kind`` 0-2, as the CPU backend numbers them) bits
+    with all ``expbits`` set; for q8_0 / q4_0 rows (kind 3 / 4) a block whose float16 scale is NaN or inf,
+    as :func:`quantized_bad_rows` finds them."""
+    if kind < 3:
+        return _first_not_finite(x, counts, expbits)
+    B, H, T, W = x.shape
+    nbytes = 34 if kind == 3 else 18
+    for b in range(B):
+        for h in range(H):
+            for t in range(counts[b]):
+                for o in range(0, W, nbytes):
+                    if x[b, h, t, o + 1] & 0x7C == 0x7C:         # the scale's high byte: exponent all ones
+                        return b
+    return -1
+
+
+@njit(cache=True)
 def write_rows(kst, vst, ks, vs, lengths, counts, last_counts, held_from, sinks, ring, window, check, expbits):
     """One chunk into a CPU ring, as bits: ``kst, vst`` [B, H, slots, D] and ``ks, vs`` [B, H, T, D] unsigned
     views of the storage and of the chunk cast to it (:func:`bits`); row t < counts[b] of sequence b goes

@@ -87,6 +87,28 @@ def test_compiled_layers_give_the_array_layers_bits(tmp_path, monkeypatch, arch,
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("arch,dtype,dtype_v,mode", [("llama", "q8_0", None, "full"), ("llama", "q4_0", None, "window"),
+                                                     ("gemma3", "q8_0", None, "sinks"), ("gemma3", "q4_0", None, "full"),
+                                                     ("llama", "q8_0", "q4_0", "sinks"),
+                                                     ("gemma3", "float16", "q8_0", "window"),
+                                                     ("llama", "q4_0", "float32", "full"),
+                                                     ("llama", "bfloat16", "float16", "full")])
+def test_quantized_and_mixed_caches_run_compiled_with_the_array_layers_bits(tmp_path, monkeypatch, arch, dtype,
+                                                                              dtype_v, mode):
+    """q8_0 / q4_0 rows (quantized once, as written) and K/V of different storage: the compiled layer
+    stages the same bytes and attends over them with the same kernels, every layer of every call."""
+    tf = tiny(tmp_path, arch)
+    kw = dict(dtype=dtype, dtype_v=dtype_v, mode=mode, window=None if mode == "full" else 5,
+              sinks=2 if mode == "sinks" else 0)
+    prompt = [[5, 9, 3, 17, 4, 8], [1, 2, 3, 4, 5, 6]]
+    spy = Spy(monkeypatch)
+    want = run(tf, False, prompt, 9, batch=2, **kw)
+    assert spy.done == 0
+    got = run(tf, True, prompt, 9, batch=2, **kw)
+    assert spy.done == 10 * tf.config.n_layers
+    assert_same(got, want)
+
+
 def run_ragged(tf, compile_layers, chunks, *, batch, **cache_kw):
     """Logits of each sequence's real tokens over ragged chunks (tokens [B, T], counts [B]), and the caches
     after (padding positions have no defined logits)."""
@@ -106,7 +128,8 @@ RAGGED = [([[5, 9, 3, 17, 4, 8], [1, 2, 3, 0, 0, 0], [0] * 6], [6, 3, 0]),    # 
 
 
 @pytest.mark.parametrize("arch,dtype,mode", [("llama", "float32", "full"), ("llama", "float16", "window"),
-                                             ("gemma3", "bfloat16", "sinks")])
+                                             ("gemma3", "bfloat16", "sinks"), ("llama", "q8_0", "sinks"),
+                                             ("gemma3", "q4_0", "full")])
 def test_ragged_steps_run_compiled_with_the_array_layers_bits(tmp_path, monkeypatch, arch, dtype, mode):
     """A step whose rows are partly padding (a server's prompt chunk beside decoding sequences) runs every
     layer compiled, and each real token gets the array layers' bits; so do the caches."""
@@ -187,17 +210,20 @@ def test_a_ring_that_must_grow_grows_as_the_array_layer_grows_it(tmp_path, monke
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("case", ["max_len", "not finite"])
-def test_refusals_raise_the_array_layers_error_and_leave_the_same_state(tmp_path, case):
+@pytest.mark.parametrize("case,dtype,dtype_v", [("max_len", "float16", None), ("not finite", "float16", None),
+                                               ("not finite", "q8_0", None), ("not finite", "float16", "q4_0"),
+                                               ("max_len", "q4_0", None)])
+def test_refusals_raise_the_array_layers_error_and_leave_the_same_state(tmp_path, case, dtype, dtype_v):
     """max_len: refused at the first layer, nothing written. Not finite: layer 1's norm weight is 1e30
-    (its k overflows float16), so layer 0 appends and layer 1 refuses its chunk, on both paths alike."""
+    (its k overflows float16, and a q8_0 block's scale), so layer 0 appends and layer 1 refuses its chunk,
+    on both paths alike."""
     tf = tiny(tmp_path, "llama")
     if case == "not finite":
         tf.layers[1].attn_norm = np.full_like(tf.layers[1].attn_norm, 1e30)    # k past float16: inf as stored
     errors, after = [], []
     for compile_layers in (False, True):
         tf.compile_layers = compile_layers
-        caches = tf.new_caches(max_chunk=4, max_len=5, dtype="float16")
+        caches = tf.new_caches(max_chunk=4, max_len=5, dtype=dtype, dtype_v=dtype_v)
         if case == "max_len":
             tf.forward(np.array([[3, 4, 5, 6]]), caches)
         before = [clone(c) for c in caches]
@@ -301,6 +327,32 @@ def test_16_bit_staging_is_numpys(dtype):
         else:
             ok = want
         np.testing.assert_array_equal(got, ok)
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_quantized_staging_is_the_caches(dtype):
+    """stored_quantized gives the bytes storage.to_storage gives on every real row (ragged counts, a head_dim
+    that is no multiple of 32, a NaN and an overflow among them), and first_not_finite finds the sequence
+    whose real rows hold a block that quantized_bad_rows calls bad, skipping padding rows."""
+    from streamattn.storage import first_not_finite, quantized_bad_rows
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((3, 2, 5, 80)) * 10.0 ** rng.integers(-3, 4, (3, 2, 5, 1))).astype(np.float32)
+    x[0, 1, 2, 7], x[0, 0, 3, 40] = 0.5, -0.5                         # a tie of the largest magnitudes
+    x[2, 1, 4, 70] = np.nan                                             # padding of sequence 2 (counts 3)
+    counts = np.array([5, 0, 3], np.int64)
+    want = to_storage(x, dtype, np)
+    width = want.shape[-1]
+    got = compiled.stored_quantized(x, width, dtype == "q4_0", counts)
+    for b, n in enumerate(counts):
+        np.testing.assert_array_equal(got[b, :, :n], want[b, :, :n])
+    kind = 3 if dtype == "q8_0" else 4
+    assert first_not_finite(got, counts, kind, 0) == -1
+    x[1, 0, 0, 3] = 1e30 if dtype == "q8_0" else np.inf                 # sequence 1: real only with counts 1
+    x[2, 1, 1, 79] = np.nan
+    got = compiled.stored_quantized(x, width, dtype == "q4_0", np.array([5, 1, 3]))
+    assert first_not_finite(got, np.array([5, 0, 3]), kind, 0) == 2
+    assert first_not_finite(got, np.array([5, 1, 3]), kind, 0) == 1
+    assert quantized_bad_rows(got[1, 0, :1], dtype).all() and quantized_bad_rows(got[2, 1, 1:2], dtype).all()
 
 
 def test_tags_name_every_driver_spec():

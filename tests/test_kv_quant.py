@@ -289,15 +289,19 @@ def test_prompt_cache_and_generator_on_quantized_caches(tiny, cache):
 @pytest.mark.parametrize("dtype", QUANT)
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_a_row_does_not_depend_on_its_group(dtype, head_dim):
-    """The 1-, 2- and 4-row kernels read a block the same way: query row 0's bits are the same whether
-    its GQA group has 1..5 rows (batch invariance, docs/DESIGN.md §5), at 80 through the half-block tail."""
+    """The 1-, 2-, 3- and 4-row kernels read a block the same way: each query row's bits are the same
+    whether its GQA group has 1..5 rows (batch invariance, docs/DESIGN.md §5; three rows take the 3-row
+    kernels), at 80 through the half-block tail."""
     rng = np.random.default_rng(head_dim)
     cache = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=head_dim, dtype=dtype, max_chunk=64))
     x = rng.standard_normal((1, 1, 600, head_dim)).astype(np.float32)
     cache.append(x[:, :, :599], x[:, :, 1:])
     q = rng.standard_normal((1, 5, 1, head_dim)).astype(np.float32)
-    rows = [attend(q[:, :g], cache, backend="cpu", counts=np.array([1]))[0][0, 0] for g in range(1, 6)]
-    assert all(np.array_equal(r, rows[0]) for r in rows[1:])
+    alone = [attend(q[:, r:r + 1], cache, backend="cpu", counts=np.array([1]))[0][0, 0] for r in range(5)]
+    for g in range(2, 6):
+        group = attend(q[:, :g], cache, backend="cpu", counts=np.array([1]))[0][0]
+        for r in range(g):
+            assert np.array_equal(group[r], alone[r]), (g, r)
 
 
 # -- float16 sinks: a sinks cache with quantized K or V keeps its n_s sink tokens in float16 (docs/DESIGN.md §24)

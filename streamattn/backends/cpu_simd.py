@@ -5,9 +5,10 @@ each score was its own horizontal sum, each weighted V row a load and store of t
 float max reduction did not vectorise at all. Here the code generators emit LLVM IR over <16 x float>
 (one AVX-512 register; LLVM splits the vectors for AVX2 or NEON), and Numba inlines them into the kernel.
 
-- ``QK[R]``: scores of R query rows against 16 // R keys. The 16 dot products accumulate lane-wise
-  over head_dim, one vector each, and are then summed together by a transpose-reduction: 15 shuffle
-  pairs and adds for all 16, where 16 separate horizontal sums take ~4x the instructions.
+- ``QK[R]``: scores of R query rows against ``QK_KEYS[R]`` keys (16 // R; 4 for three rows). The
+  R * keys dot products accumulate lane-wise over head_dim, one vector each, and are then summed together
+  by a transpose-reduction: 15 shuffle pairs and adds for all 16, where 16 separate horizontal sums take
+  ~4x the instructions.
 - ``PV[R]``: R accumulator rows += p · V over a tile of keys; R × 4 vectors stay in registers for
   the whole tile (the loop over keys is inside), instead of a load and store of acc per key; fewer
   than 8 FMA chains get a second set for odd keys (one row: 2.0 -> 1.2 ns per key).
@@ -175,29 +176,44 @@ def prefetch_line(builder, ary, row, col):
 
 
 def _transpose_sum(builder, vecs):
-    """16 vectors -> one whose lanes hold the 16 full sums, and lane_of[i]: the lane of vector i's sum.
+    """n <= 16 vectors of 16 lanes -> one vector whose lanes hold their n full sums (m lanes: n rounded up
+    to a power of two, the missing vectors zeros), and lane_of[i]: the lane of vector i's sum.
 
-    Each round pairs vectors whose lanes form groups of s lanes per partial sum; per group, the two
-    halves of each vector's partial are added, giving groups of s/2 lanes that hold twice as many
-    sums: s = 16 -> 8 -> 4 -> 2 -> 1 (8 + 4 + 2 + 1 = 15 pair steps, each two shuffles and an add).
+    With fewer than 16 vectors each is first halved in place (lanes i and i + s/2 added) until it has m
+    lanes. Then each round pairs vectors whose lanes form groups of s lanes per partial sum; per group,
+    the two halves of each vector's partial are added, giving groups of s/2 lanes that hold twice as many
+    sums: s = 16 -> 8 -> 4 -> 2 -> 1 (8 + 4 + 2 + 1 = 15 pair steps, each two shuffles and an add). Either
+    way every sum is the same tree over its vector's lanes (i + s/2 onto i, s = 16, 8, 4, 2), so a dot
+    product's bits do not depend on how many share the reduction.
     """
+    m = 1
+    while m < len(vecs):
+        m *= 2
+    vecs = vecs + [ir.Constant(vecs[0].type, [0.0] * W)] * (m - len(vecs))
+    lanes = W
+    while lanes > m:                                 # halve each vector in place
+        h = lanes // 2
+        vecs = [builder.fadd(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, h), list(range(h)))),
+                             builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, h), list(range(h, lanes)))))
+                for v in vecs]
+        lanes = h
     owners = [[i] for i in range(len(vecs))]        # per vector: whose partial sum each lane group is
-    s = W
+    s = lanes
     while len(vecs) > 1:
         h = s // 2
         lo, hi = [], []
-        for g in range(W // s):                      # lane indices of x are 0..15, of y 16..31
-            lo += [g * s + i for i in range(h)] + [W + g * s + i for i in range(h)]
-            hi += [g * s + h + i for i in range(h)] + [W + g * s + h + i for i in range(h)]
-        lo, hi = (ir.Constant(ir.VectorType(I32, W), m) for m in (lo, hi))
+        for g in range(lanes // s):                  # lane indices of x are 0..lanes-1, of y lanes..
+            lo += [g * s + i for i in range(h)] + [lanes + g * s + i for i in range(h)]
+            hi += [g * s + h + i for i in range(h)] + [lanes + g * s + h + i for i in range(h)]
+        lo, hi = (ir.Constant(ir.VectorType(I32, lanes), m) for m in (lo, hi))
         nxt, nown = [], []
         for a in range(0, len(vecs), 2):
             x, y = vecs[a], vecs[a + 1]
             nxt.append(builder.fadd(builder.shuffle_vector(x, y, lo), builder.shuffle_vector(x, y, hi)))
             nown.append([o for pair in zip(owners[a], owners[a + 1]) for o in pair])
         vecs, owners, s = nxt, nown, h
-    lanes = owners[0]
-    return vecs[0], [lanes.index(i) for i in range(len(lanes))]
+    order = owners[0]
+    return vecs[0], [order.index(i) for i in range(len(order))]
 
 
 def c_arrays(*tys) -> bool:
@@ -238,14 +254,26 @@ def _kernel(body, arrays, storage):
     return kernel
 
 
+def _host_has_avx512() -> bool:
+    import llvmlite.binding as llvm
+    return "+avx512f" in llvm.get_host_cpu_features().flatten().split(",")
+
+
+#: Keys per call of ``QK[R]``: R * keys <= 16 dot products. Three rows (the GQA group of quantized storage,
+#: cpu_tiles._one_pass) take 4 keys with 32 vector registers (12 sums, the transpose padded with zeros) and
+#: 1 key with AVX2's 16, where 12 sums of 16 lanes spilled: 19.96 against 11.80 ns per key of q8_0 on Zen 3
+#: (docs/PERF.md, 2026-12-02 04:16); the sums are the same bits either way (:func:`_transpose_sum`).
+QK_KEYS = {1: 16, 2: 8, 3: 4 if _host_has_avx512() else 1, 4: 4}
+
+
 def _make_qk(R: int):
     """Intrinsic qk(qf, r0, kt, j, sc, kind): sc[r0 + g, j + t] = qf[r0 + g] . kt[j + t] for g < R,
-    t < 16 // R.
+    t < QK_KEYS[R].
 
     qf: [rows, D] float32, kt: [n, D] storage (float32, or uint16 bits of ``kind`` 1/2, or [n, row bytes]
-    uint8 blocks of kind 3/4), sc: [rows, >= j + 16 // R] float32, D % 16 == 0.
+    uint8 blocks of kind 3/4), sc: [rows, >= j + QK_KEYS[R]] float32, D % 16 == 0.
     """
-    KB = W // R                                     # keys per call: R * KB = 16 dot products
+    KB = QK_KEYS[R]                                 # keys per call
 
     def body(context, builder, sig, args, kind):
         qa, ka, sa = (Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
@@ -288,12 +316,12 @@ def _make_qk(R: int):
         total, lane_of = _transpose_sum(builder, [builder.load(a) for a in accs])
         for g in range(R):                      # this row's KB sums, in key order, as one store
             pick = ir.Constant(ir.VectorType(I32, KB), [lane_of[g * KB + t] for t in range(KB)])
-            part = builder.shuffle_vector(total, ir.Constant(VF, ir.Undefined), pick)
+            part = builder.shuffle_vector(total, ir.Constant(total.type, ir.Undefined), pick)
             builder.store(part, addr(builder, sa, rows[g], jv, ir.VectorType(F32, KB)), align=4)
     return _kernel(body, arrays=(0, 2, 4), storage=2)        # qk(qf, r0, kt, j, sc, kind)
 
 
-def _make_pv(R: int):
+def _make_pv(R: int, G4: int | None = None):
     """Intrinsic pv(acc, r0, p, vt, n, kind): acc[r0 + g] += sum_{j < n} p[r0 + g, j] * vt[j] for g < R.
 
     acc: [rows, D] float32, p: [rows, >= n] float32, vt: [>= n, D] storage (quantized: [>= n, row bytes]),
@@ -305,7 +333,7 @@ def _make_pv(R: int):
     (acc + even keys in order) + (odd keys in order).
     """
     U = 2                                             # accumulator sets: keys j with j % U == u
-    G4 = 4 if R <= 2 else 2                           # vectors per column group: R * G4 * U <= 16 accumulators
+    G4 = G4 or (4 if R <= 2 else 2)                   # vectors per column group: R * G4 * U <= 16 accumulators
 
     def body(context, builder, sig, args, kind):
         aa, pa, va = (Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
@@ -354,8 +382,8 @@ def _make_pv(R: int):
     return _kernel(body, arrays=(0, 2, 3), storage=3)        # pv(acc, r0, p, vt, n, kind)
 
 
-QK = {R: _make_qk(R) for R in (1, 2, 4)}
-PV = {R: _make_pv(R) for R in (1, 2, 4)}
+QK = {R: _make_qk(R) for R in (1, 2, 3, 4)}
+PV = {R: _make_pv(R) for R in (1, 2, 3, 4)}
 
 
 @intrinsic

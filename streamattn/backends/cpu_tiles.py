@@ -14,14 +14,15 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .cpu_simd import I32, PV, QK, VF, W, const, bf16_to_f32, f16_to_f32
+from .cpu_simd import I32, PV, QK, QK_KEYS, VF, W, const, bf16_to_f32, f16_to_f32
 
 # Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
 # masked scores are -inf on purpose.
 FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
 KIND = {"float32": 0, "float16": 1, "bfloat16": 2, "q8_0": 3, "q4_0": 4}
-_QK1, _QK2, _QK4 = QK[1], QK[2], QK[4]   # module globals: Numba cannot index the dicts in a kernel
-_PV1, _PV2, _PV4 = PV[1], PV[2], PV[4]
+_QK1, _QK2, _QK3, _QK4 = QK[1], QK[2], QK[3], QK[4]   # module globals: Numba cannot index the dicts in a kernel
+_PV1, _PV2, _PV3, _PV4 = PV[1], PV[2], PV[3], PV[4]
+_KEYS3 = QK_KEYS[3]                      # keys per call of _QK3 (this host's registers: cpu_simd.QK_KEYS)
 
 
 #: The constants of :func:`exp16` (Cephes exp2f's polynomial: see exp_tile).
@@ -247,9 +248,29 @@ def _qk_rows(R, qf, r, kt, n, sc, kind):
             _QK1(qf, r, kt, j, sc, kind)
 
 
+def _one_pass(kt):
+    """Whether three rows left over take the 3-row kernels (True for q8_0/q4_0 blocks: each block is widened
+    once for the three, where a 2-row and a 1-row kernel widened it twice) rather than 2 + 1 (16-bit and
+    float32 storage, whose code this leaves as it was). A compile-time constant of kt's type."""
+
+
+@overload(_one_pass)
+def _one_pass_impl(kt):
+    quantized = kt.dtype == types.uint8
+    return lambda kt: quantized
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _qk_rows3(qf, r, kt, n, sc, kind):
+    """sc[r + g, :n] = qf[r + g] . kt[:n] for g < 3 with the 3-row kernel (n a multiple of 16)."""
+    for j in range(0, n, _KEYS3):
+        _QK3(qf, r, kt, j, sc, kind)
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def tile_scores(qf, kt, n, sc, kind, kpad, stail):
-    """sc[r, :n] = qf[r] . kt[:n] for every row r (head_dim % 16 == 0): rows in fours, then two, one.
+    """sc[r, :n] = qf[r] . kt[:n] for every row r (head_dim % 16 == 0): rows in fours, then two, one (three
+    left over of quantized storage: one 3-row pass, :func:`_one_pass`).
 
     Every score is the same arithmetic whichever kernel computes it (lane-wise FMAs over head_dim, then
     one fixed tree), and the keys past the last whole 16 go through the same kernels on a zero-padded
@@ -265,6 +286,12 @@ def tile_scores(qf, kt, n, sc, kind, kpad, stail):
         kpad[tail:] = 0
     r = 0
     while r < rows:
+        if _one_pass(kt) and rows - r == 3:
+            _qk_rows3(qf, r, kt, nb, sc, kind)
+            if tail:
+                _qk_rows3(qf, r, kpad, 16, stail, kind)
+            r += 3
+            continue
         R = 4 if rows - r >= 4 else (2 if rows - r >= 2 else 1)
         _qk_rows(R, qf, r, kt, nb, sc, kind)
         if tail:
@@ -277,7 +304,8 @@ def tile_scores(qf, kt, n, sc, kind, kpad, stail):
 
 @njit(fastmath=FASTMATH, cache=True)
 def tile_accumulate(acc, p, vt, n, kind):
-    """acc[r] += sum_j p[r, j] vt[j] for every row r, j < n (head_dim % 16 == 0): rows in fours, two, one.
+    """acc[r] += sum_j p[r, j] vt[j] for every row r, j < n (head_dim % 16 == 0): rows in fours, two, one
+    (three left over of quantized storage: one 3-row pass, :func:`_one_pass`).
 
     acc: [rows, D] float32, p: [rows, >= n] float32, vt: [n, D] storage
     """
@@ -287,6 +315,9 @@ def tile_accumulate(acc, p, vt, n, kind):
         if rows - r >= 4:
             _PV4(acc, r, p, vt, n, kind)
             r += 4
+        elif _one_pass(vt) and rows - r == 3:
+            _PV3(acc, r, p, vt, n, kind)
+            r += 3
         elif rows - r >= 2:
             _PV2(acc, r, p, vt, n, kind)
             r += 2

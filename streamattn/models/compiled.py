@@ -12,6 +12,11 @@ arrays (:class:`Kv`), and the step's RoPE rows and thread choice (:class:`Step`)
 ``(qs, scale, minv, rows, tag)``: the packed planes, the real row count, and a tag whose Numba type
 names the drivers (:func:`_tag`), so one compiled layer serves every model with the same block kinds.
 
+The attend op stages the step's K and V as the cache stores them, each by its own storage (float32 as it
+is, float16/bfloat16 patterns: :func:`stored_16`; q8_0/q4_0 blocks: :func:`stored_quantized`, the same
+quantizer as the cache's), writes them and runs the CPU attention over the ring (quantized rows read in
+place).
+
 A ragged step (``counts``: some rows padding, as when a prompt chunk shares the step with decoding
 sequences) runs compiled too: the cache writes and attends each sequence's counts[b] tokens, and the
 matmuls take only the real rows (:func:`_matmul`), so a step costs its real rows, not B*T.
@@ -43,18 +48,20 @@ from streamattn.models.layer import LayerWeights
 from streamattn.quant import activations, kernels, matmul as qmatmul
 from streamattn.quant.matmul import GELU, NORM, PLAIN, SILU
 from streamattn.spec import QUANTIZED
-from streamattn.storage import EXPONENT_BITS, bits, write_rows
+from streamattn.storage import EXPONENT_BITS, bits, first_not_finite, quantize_rows, write_rows
 
 
 #: The model's numbers: heads, eps (the drivers take it as a float, the heads kernel as float32), RoPE
 #: pairing, attention scale, activation, attention soft cap (None, typed ``none``: a layer compiled without
 #: the cap's code; else float32).
 Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu softcap")
-#: A layer's cache: storage bits (kst, vst [B, Hk, slots, D]), what the attention reads (ka, va: the float32
-#: array, or the 16-bit patterns), the counters, the geometry (window 0: causal; max_len 0: none), the
-#: finite check, and the storage (``kind``: cpu.KIND, 0 float32, 1 float16, 2 bfloat16).
+#: A layer's cache: storage bits (kst, vst [B, Hk, slots, D]; q8_0/q4_0: uint8 [B, Hk, slots, row bytes]),
+#: what the attention reads (ka, va: the float32 array, or the bits), the counters, the geometry (window 0:
+#: causal; max_len 0: none), the finite check, K's and V's storage (``kind``, ``kind_v``: cpu.KIND, 0 float32,
+#: 1 float16, 2 bfloat16, 3 q8_0, 4 q4_0) and the exponent bits of each (0 for a quantized one), and ``mixed``:
+#: K and V differ or are quantized, so the finite check runs per array (:func:`_first_bad`), not in write_rows.
 Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len "
-                      "check expbits kind")
+                      "check expbits kind kind_v expbits_v mixed")
 #: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread,
 #: int64 [1] set to 1 by a layer whose chunk the cache refused (:func:`run_layer`), the real tokens of each
 #: sequence (counts: int64 [B], each in 0..T), and which rows of x [B*T] they are (real: int64 [n],
@@ -230,6 +237,40 @@ stored_16_parallel, heads_to_rows_parallel = (njit(parallel=True, cache=True)(f)
 
 
 @njit(cache=True)
+def stored_quantized(x, width, q4, counts):
+    """float32 x [B, H, T, D] -> the q8_0 (or q4_0 when ``q4``) rows ``storage.to_storage`` stores, uint8
+    [B, H, T, width]: :func:`streamattn.storage.quantize_rows` over each sequence's counts[b] real rows, the
+    same function on the same float32 values, so the same bytes (the padding rows are left unset: nothing
+    reads or writes them)."""
+    B, H, T, D = x.shape
+    out = np.empty((B, H, T, width), np.uint8)
+    for b in range(B):
+        for h in range(H):
+            quantize_rows(x[b, h, :counts[b]], out[b, h, :counts[b]], q4)
+    return out
+
+
+# K or V of a step as stored, by the storage's bits (x: float32 [B, Hk, T, D]; kind: cpu.KIND; width: the
+# storage row's elements; one: no parallel launch): float32 as it is, 16-bit patterns, or quantized rows.
+@njit(cache=True)
+def _stage_32(x, kind, width, counts, one):
+    return x.view(np.uint32)
+
+
+@njit(cache=True)
+def _stage_16(x, kind, width, counts, one):
+    return stored_16(x, kind) if one else stored_16_parallel(x, kind)
+
+
+@njit(cache=True)
+def _stage_quantized(x, kind, width, counts, one):
+    return stored_quantized(x, width, kind == 4, counts)
+
+
+_STAGE = {types.uint32: _stage_32, types.uint16: _stage_16, types.uint8: _stage_quantized}
+
+
+@njit(cache=True)
 def _refuses(kv, counts):
     """Whether the array layer would grow the cache or refuse a chunk of counts[b] tokens for sequence b
     (int64 [B], each in 0..T) before writing (max_chunk, max_len), or refuse it after (a window ring that
@@ -250,25 +291,23 @@ def _refuses(kv, counts):
 
 @overload(layer.attend)
 def _attend(q, k, v, at):
-    wide = at.types[1].types[0].dtype == types.uint32          # float32 storage: stored as it is
+    stage_k, stage_v = (_STAGE[at.types[1].types[i].dtype] for i in (0, 1))   # by kst's and vst's bits
 
     def impl(q, k, v, at):
         cfg, kv, step = at
         B, Hk, T, D = k.shape
         one = step.serial or B * T < 32               # a decode step: no parallel launch
-        if wide:
-            ks, vs = k.view(np.uint32), v.view(np.uint32)
-        elif one:
-            ks, vs = stored_16(k, kv.kind), stored_16(v, kv.kind)
-        else:
-            ks, vs = stored_16_parallel(k, kv.kind), stored_16_parallel(v, kv.kind)
         counts = step.counts
-        if write_rows(kv.kst, kv.vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks, kv.ring,
-                      kv.window > 0, kv.check, kv.expbits) >= 0:
+        ks = stage_k(k, kv.kind, kv.kst.shape[3], counts, one)
+        vs = stage_v(v, kv.kind_v, kv.vst.shape[3], counts, one)
+        refused = kv.check and kv.mixed and (first_not_finite(ks, counts, kv.kind, kv.expbits) >= 0
+                                             or first_not_finite(vs, counts, kv.kind_v, kv.expbits_v) >= 0)
+        if refused or write_rows(kv.kst, kv.vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks,
+                                 kv.ring, kv.window > 0, kv.check and not kv.mixed, kv.expbits) >= 0:
             step.status[0] = 1                       # not finite as stored: nothing written (see run_layer)
             return np.full((B * T, q.shape[1] * D), np.nan, np.float32)
         qs = q * np.float32(cfg.scale)
-        out, lse = cpu.attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind, kv.kind,
+        out, lse = cpu.attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind, kv.kind_v,
                                    cfg.softcap, step.serial)
         return heads_to_rows(out, lse) if one else heads_to_rows_parallel(out, lse)
     return impl
@@ -355,11 +394,12 @@ def bind_cache(cache) -> Kv:
     """The :class:`Kv` of a CPU cache (views of its arrays, its geometry)."""
     spec = cache.spec
     kst, vst = bits(cache.k), bits(cache.v)
-    ka, va = (cache.k, cache.v) if spec.dtype == "float32" else (kst, vst)
-    kv = Kv(kst, vst, ka, va, cache.lengths, cache.last_counts, cache.held_from, spec.sinks, cache.ring,
-            spec.window or 0, spec.max_chunk, spec.max_len or 0, spec.check_finite, EXPONENT_BITS[spec.dtype],
-            cpu.KIND[spec.dtype])
-    return kv
+    ka = cache.k if spec.dtype == "float32" else kst
+    va = cache.v if spec.v_dtype == "float32" else vst
+    return Kv(kst, vst, ka, va, cache.lengths, cache.last_counts, cache.held_from, spec.sinks, cache.ring,
+              spec.window or 0, spec.max_chunk, spec.max_len or 0, spec.check_finite,
+              EXPONENT_BITS.get(spec.dtype, 0), cpu.KIND[spec.dtype], cpu.KIND[spec.v_dtype],
+              EXPONENT_BITS.get(spec.v_dtype, 0), spec.dtype_v is not None or spec.dtype in QUANTIZED)
 
 
 class CompiledLayers:
@@ -399,8 +439,8 @@ class CompiledLayers:
         if not all(map(operator.is_, src, self.sources[i])):
             self.sources[i], self.weights[i] = src, bind_weights(self.layers[i], self.plan)
         w = self.weights[i]
-        if w is None or cache.xp is not np or cache.spec.dtype in QUANTIZED or cache.spec.dtype_v is not None:
-            return False                             # (quantized or mixed K/V storage: the array layer)
+        if w is None or cache.xp is not np:
+            return False
         kv = self.kv(cache)
         if run_layer(x, w, (self.cfg, kv, step)):
             return True
