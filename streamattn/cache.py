@@ -39,6 +39,7 @@ import dataclasses
 import numpy as np
 
 from .arrays import check_sequence_index, to_host
+from .rotation import rotate
 from .spec import QUANTIZED, CacheSpec
 from .storage import (EXPONENT_BITS, bits, check_stored_finite, non_finite_error, ring_slots, slot_positions,
                       storage_zeros, to_storage, widen, write_rows)
@@ -186,8 +187,11 @@ class KVCache:
 
     def stage(self, k, v, counts):
         """A validated chunk cast to the storage (ks, vs), with room made for it: a causal cache grows,
-        after refusing a chunk that is not finite as stored (so a refused chunk changes nothing)."""
+        after refusing a chunk that is not finite as stored (so a refused chunk changes nothing). A
+        ``rotate_k`` spec rotates the keys first (:func:`streamattn.rotation.rotate`), before they are cast."""
         xp, spec = self.xp, self.spec
+        if spec.rotate_k:                                # keys stored as k @ H (streamattn.rotation)
+            k = rotate(k, xp)                            # [batch, kv_heads, T, head_dim] float32
         if k.dtype == spec.storage_dtype and v.dtype == spec.storage_dtype_v:    # no cast: no overflow
             ks, vs = k, v                                # (not bf16 or q*: their storage dtype is no float)
         else:
@@ -346,7 +350,7 @@ class KVCache:
 
         Returns
         -------
-        k, v : [kv_heads, n, head_dim] float32
+        k, v : [kv_heads, n, head_dim] float32, as stored (a ``rotate_k`` cache's keys are ``k @ H``)
         positions : int64 [n], ascending absolute positions
         """
         pos = slot_positions(int(self.lengths[b]), slots=self.slots, sinks=self.spec.sinks)  # [slots]

@@ -4,12 +4,12 @@ What is saved is a cache's whole state (spec, K/V, lengths, last_counts, held_fr
 for one cache or a model's list of per-layer caches, as ``KVCache.export_state`` gives it; loading builds
 caches with ``KVCache.from_state`` and writes single sequences with ``KVCache.write_sequence``.
 
-File format ``streamattn-kv``, version 2
+File format ``streamattn-kv``, version 3
 -----------------------------------------
 An uncompressed ``.npz`` (a zip of ``.npy`` members; read with ``allow_pickle=False``):
 
     meta                         uint8 [n], UTF-8 JSON:
-                                 {"format": "streamattn-kv", "version": 2, "layout": "cache" | "layers",
+                                 {"format": "streamattn-kv", "version": 3, "layout": "cache" | "layers",
                                   "layers": [{"spec": {CacheSpec fields}, "slots": S, "used": U}, ...],
                                   "sha256": "<hex digest of the payload>"}
     layer{i}.k, layer{i}.v       [batch, kv_heads, U, width], storage dtype: slots 0 .. U-1 (width: head_dim,
@@ -20,7 +20,10 @@ An uncompressed ``.npz`` (a zip of ``.npy`` members; read with ``allow_pickle=Fa
 
 Version 2 added the spec's ``dtype_v`` and the quantized dtypes q8_0 / q4_0 (uint8 members of GGUF
 blocks, stored as written: a restore never re-quantizes). Version 1 files (float storage, one dtype for K
-and V, no ``dtype_v`` key) still load; what they hold reads the same.
+and V, no ``dtype_v`` key) still load; what they hold reads the same. Version 3 added the spec's
+``rotate_k`` (keys stored as ``k @ H``, :mod:`streamattn.rotation`): a rotated cache's key bytes mean
+nothing without it. Files of versions 1 and 2 hold unrotated keys and load as ``rotate_k=False`` (so a
+version-2 q4_0 file restores into a q4_0 cache only with ``rotate_k=False``, refused by name otherwise).
 
 ``U = min(S, max(lengths))``. Slots at or past U hold zeros (a slot that holds no current position is
 zero: appends never write there, rewinds and resets zero what they drop), so a load allocates S zeroed
@@ -56,8 +59,8 @@ from .cache import KVCache
 from .spec import POLICY_FIELDS, CacheSpec
 
 FORMAT = "streamattn-kv"
-VERSION = 2
-_READS = (1, 2)                    # versions this module loads (1: before quantized and split K/V dtypes)
+VERSION = 3
+_READS = (1, 2, 3)    # versions this module loads (1: before quantized and split K/V dtypes; 2: before rotate_k)
 _V1_DTYPES = ("float32", "float16", "bfloat16")
 _FIELDS = ("k", "v", "lengths", "last_counts", "held_from")
 
@@ -355,6 +358,10 @@ def _parse(raw: bytes, max_bytes: int):
                 raise ValueError(f"layer record must hold a spec dict (got {str(m)[:80]})")
             if version == 1 and ("dtype_v" in m["spec"] or m["spec"].get("dtype") not in _V1_DTYPES):
                 raise ValueError(f"a version 1 spec holds float storage of one dtype (got {m['spec']})")
+            if version < 3:                       # written before rotate_k: its keys are stored unrotated
+                if "rotate_k" in m["spec"]:
+                    raise ValueError(f"a version {version} spec has no rotate_k (got {m['spec']})")
+                m["spec"] = {**m["spec"], "rotate_k": False}
             s = CacheSpec(**m["spec"])
             slots, used = _int(m.get("slots"), "slots"), _int(m.get("used"), "used")
             alloc = s.slots if s.window is not None else max(slots, 1)   # what load and restore allocate

@@ -13,7 +13,7 @@ from streamattn import CacheSpec, KVCache, attend, snapshot, state
 from streamattn.storage import dequantize, quantize
 import gpu_oracle as go
 from gpu_fixtures import runner  # noqa: F401  (fixture)
-from oracle import as_stored
+from oracle import as_stored, rotation
 from test_oracle import stream   # every output against the oracle over the values as stored
 
 GGUF = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
@@ -131,7 +131,9 @@ def test_cache_bytes_and_temporal_view():
         cache.append(x, x)
         sizes[dtype] = cache.nbytes
         k, v, pos = cache.temporal_view(0)
-        assert np.array_equal(k, as_stored(x[0], dtype)) and np.array_equal(v, k) and pos.tolist() == [0, 1, 2, 3, 4]
+        kx = x[0] @ rotation(64).astype(np.float32) if cache.spec.rotate_k else x[0]   # keys as stored: k @ H
+        assert np.array_equal(k, as_stored(kx, dtype)) and np.array_equal(v, as_stored(x[0], dtype))
+        assert pos.tolist() == [0, 1, 2, 3, 4]
     assert sizes["q8_0"] * 64 == sizes["float16"] * 34 and sizes["q4_0"] * 34 == sizes["q8_0"] * 18
 
 

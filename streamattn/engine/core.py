@@ -79,6 +79,9 @@ class EngineConfig:
         K's storage (and V's unless ``cache_dtype_v``).
     cache_dtype_v : str or None
         V's storage where it differs from ``cache_dtype``.
+    rotate_k : bool or None
+        Keys stored rotated by a Walsh–Hadamard transform (:class:`~streamattn.spec.CacheSpec`); None: on
+        for a quantized K, off for float storage.
     backend : {"reference", "cpu", "gpu", "auto"}
     prefill_chunk : int
         Prompt tokens per sequence per step, and the caches' ``max_chunk``.
@@ -102,6 +105,7 @@ class EngineConfig:
     sinks: int = 0
     cache_dtype: str = "float32"
     cache_dtype_v: str | None = None
+    rotate_k: bool | None = None
     backend: str = "cpu"
     prefill_chunk: int = 64
     positions: str = "absolute"
@@ -124,7 +128,8 @@ class EngineConfig:
     def cache_kwargs(self) -> dict:
         """Keyword arguments of ``Transformer.new_caches`` (without ``batch``)."""
         return dict(mode=self.cache, window=self.window, sinks=self.sinks if self.cache == "sinks" else 0,
-                    max_chunk=self.prefill_chunk, dtype=self.cache_dtype, dtype_v=self.cache_dtype_v)
+                    max_chunk=self.prefill_chunk, dtype=self.cache_dtype, dtype_v=self.cache_dtype_v,
+                    rotate_k=self.rotate_k)
 
 
 class _Uncounted:

@@ -40,6 +40,9 @@ class ModelOptions:
         Storage of K and V (q8_0 / q4_0: GGUF's blocks of 32 with a float16 scale, read in place).
     cache_dtype_k, cache_dtype_v : str or None
         K's and V's storage where they differ from ``cache_dtype`` (None: ``cache_dtype``).
+    rotate_k : bool or None
+        Store keys rotated by a Walsh–Hadamard transform (``--no-rotate-k``: False); None: on for a
+        quantized K, off for float storage (:class:`~streamattn.spec.CacheSpec`).
     prefill_chunk : int
         Prompt tokens per forward call (and the caches' ``max_chunk``), 1..8192.
     threads : int
@@ -65,6 +68,7 @@ class ModelOptions:
     cache_dtype: str = "float32"
     cache_dtype_k: str | None = None
     cache_dtype_v: str | None = None
+    rotate_k: bool | None = None
     prefill_chunk: int = 256
     threads: int = 1
     chat: bool = False
@@ -90,6 +94,7 @@ class ModelOptions:
         need(is_int(self.prefill_chunk) and 1 <= self.prefill_chunk <= MAX_PREFILL_CHUNK, "--prefill-chunk",
              self.prefill_chunk, f"in 1..{MAX_PREFILL_CHUNK}")
         need(is_int(self.threads) and self.threads >= 1, "--threads", self.threads, ">= 1")
+        need(self.rotate_k in (None, True, False), "rotate_k", self.rotate_k, "True, False or None (default)")
         if self.cache == "full" and self.window is not None:
             raise ValueError(f"--window {self.window} applies to --cache window or sinks; with --cache full "
                              "every token is kept (drop --window, or add --cache window)")
@@ -112,7 +117,7 @@ class ModelOptions:
         return cls(model=args.model, weights=args.weights, cache=args.cache, window=args.window, sinks=args.sinks,
                    positions=args.positions, backend=args.backend, cache_dtype=args.cache_dtype,
                    cache_dtype_k=getattr(args, "cache_dtype_k", None), cache_dtype_v=getattr(args, "cache_dtype_v", None),
-                   prefill_chunk=args.prefill_chunk, threads=args.threads, chat=getattr(args, "chat", False),
+                   rotate_k=getattr(args, "rotate_k", None), prefill_chunk=args.prefill_chunk, threads=args.threads, chat=getattr(args, "chat", False),
                    system=getattr(args, "system", None), speculative=getattr(args, "speculative", None),
                    draft_max=getattr(args, "draft_max", 8))
 
@@ -171,7 +176,7 @@ class ModelOptions:
         from streamattn.engine.generate import Generator
         return Generator(model, tokenizer, cache=self.cache, window=self.window_n, sinks=self.sinks_n,
                          backend=self.backend, prefill_chunk=self.prefill_chunk, cache_dtype=self.k_dtype,
-                         cache_dtype_v=self.v_dtype, positions=self.positions)
+                         cache_dtype_v=self.v_dtype, positions=self.positions, rotate_k=self.rotate_k)
 
 
 def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int = 256, chat: bool = True) -> None:
@@ -197,6 +202,9 @@ def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int = 256, chat:
                    help="K/V cache storage (q8_0, q4_0: GGUF blocks of 32 values with a float16 scale)")
     g.add_argument("--cache-dtype-k", default=None, choices=CACHE_DTYPES, help="K's storage, if not --cache-dtype")
     g.add_argument("--cache-dtype-v", default=None, choices=CACHE_DTYPES, help="V's storage, if not --cache-dtype")
+    g.add_argument("--no-rotate-k", dest="rotate_k", action="store_const", const=False, default=None,
+                   help="store q8_0/q4_0 keys as they are, without the Walsh-Hadamard rotation that cuts "
+                        "their quantization error (on by default for a quantized K)")
     g.add_argument("--prefill-chunk", type=int, default=prefill_chunk, help="prompt tokens per forward call")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for matmuls and attention, at most (default 1); decode steps run on "

@@ -399,8 +399,9 @@ class CompiledLayers:
         if not all(map(operator.is_, src, self.sources[i])):
             self.sources[i], self.weights[i] = src, bind_weights(self.layers[i], self.plan)
         w = self.weights[i]
-        if w is None or cache.xp is not np or cache.spec.dtype in QUANTIZED or cache.spec.dtype_v is not None:
-            return False                             # (quantized or mixed K/V storage: the array layer)
+        if (w is None or cache.xp is not np or cache.spec.dtype in QUANTIZED or cache.spec.dtype_v is not None
+                or cache.spec.rotate_k):
+            return False          # (quantized, mixed or rotated K/V storage: the array layer, which rotates)
         kv = self.kv(cache)
         if run_layer(x, w, (self.cfg, kv, step)):
             return True

@@ -157,7 +157,7 @@ class Transformer:
 
     def new_caches(self, *, batch: int = 1, mode: str = "full", window: int | None = None, sinks: int = 0,
                    max_chunk: int = 1, dtype: str = "float32", max_len: int | None = None,
-                   dtype_v: str | None = None) -> list:
+                   dtype_v: str | None = None, rotate_k: bool | None = None) -> list:
         """One KVCache per layer.
 
         Parameters
@@ -175,6 +175,8 @@ class Transformer:
             K's storage (and V's unless ``dtype_v``): :class:`~streamattn.spec.CacheSpec`.
         dtype_v : str, optional
             V's storage where it differs.
+        rotate_k : bool, optional
+            Store keys rotated (:class:`~streamattn.spec.CacheSpec`); None: on for a quantized K.
         max_len : int, optional
             Cap for causal caches.
         """
@@ -192,7 +194,7 @@ class Transformer:
             # window keeps exactly the attention it was trained with (its own window, no sinks)
             s = sinks if (mode == "sinks" and w is not None and (own is None or w < own)) else 0
             caches.append(KVCache(CacheSpec(batch=batch, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                                            dtype=dtype, dtype_v=dtype_v, window=w, sinks=s, max_chunk=max_chunk,
+                                            dtype=dtype, dtype_v=dtype_v, rotate_k=rotate_k, window=w, sinks=s, max_chunk=max_chunk,
                                             max_len=max_len if w is None else None),
                                   device="cpu" if self.xp is np else "gpu"))
         return caches

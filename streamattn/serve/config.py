@@ -38,6 +38,8 @@ class ServeConfig:
         K's storage (and V's unless ``cache_dtype_v``).
     cache_dtype_v : str or None
         V's storage where it differs from ``cache_dtype``.
+    rotate_k : bool or None
+        Keys stored rotated (:class:`~streamattn.spec.CacheSpec`); None: on for a quantized K.
     positions : {"absolute", "cache"}
         RoPE positions: in the text, or within the cache (StreamingLLM; sinks caches only differ,
         docs/DESIGN.md §13).
@@ -70,6 +72,7 @@ class ServeConfig:
     prefill_chunk: int = 32
     cache_dtype: str = "float32"
     cache_dtype_v: str | None = None
+    rotate_k: bool | None = None
     positions: str = "absolute"
     weights: str = "quant"
     model_id: str | None = None
@@ -105,6 +108,7 @@ class ServeConfig:
         need(self.cache_dtype in CACHE_DTYPES, "cache_dtype", f"one of {CACHE_DTYPES}")
         need(self.cache_dtype_v is None or self.cache_dtype_v in CACHE_DTYPES, "cache_dtype_v",
              f"None or one of {CACHE_DTYPES}")
+        need(self.rotate_k in (None, True, False), "rotate_k", "True, False or None (on for a quantized K)")
         need(self.positions in POSITIONS, "positions", f"one of {POSITIONS}")
         need(self.weights in WEIGHTS, "weights", f"one of {WEIGHTS}")
         need(self.speculative in (None, "ngram"), "speculative", "None or 'ngram'")
@@ -127,7 +131,7 @@ class ServeConfig:
         window = self.window if self.window is not None or self.cache == "full" else 256
         return EngineConfig(slots=self.parallel, cache=self.cache, window=window,
                             sinks=self.sinks if self.cache == "sinks" else 0, cache_dtype=self.cache_dtype,
-                            cache_dtype_v=self.cache_dtype_v,
+                            cache_dtype_v=self.cache_dtype_v, rotate_k=self.rotate_k,
                             backend=self.backend, prefill_chunk=self.prefill_chunk, positions=self.positions,
                             max_queue=self.max_queue, prompt_cache_mb=self.prompt_cache_mb, threads=self.threads)
 
