@@ -47,6 +47,7 @@ import dataclasses
 import numpy as np
 
 from .arrays import check_sequence_index, to_host
+from .rotation import rotate
 from .spec import QUANTIZED, CacheSpec
 from .storage import (EXPONENT_BITS, bits, check_stored_finite, non_finite_error, ring_slots, slot_positions,
                       storage_zeros, to_storage, widen, write_rows)
@@ -215,6 +216,8 @@ class KVCache:
         if spec.check_finite:            # every row as quantized (a sink row finite in float16 is so there too)
             check_stored_finite(ks, vs, counts, spec.dtype, xp, spec.v_dtype)
         if to_sink.any():
+            if spec.rotate_k:                   # the sink keys rotated as the ring's were in stage()
+                k = rotate(k, xp)
             with np.errstate(over="ignore"):
                 k16, v16 = (to_storage(x, "float16", xp) for x in (k, v))       # [batch, kv_heads, T, head_dim]
             if spec.check_finite:
@@ -238,8 +241,11 @@ class KVCache:
 
     def stage(self, k, v, counts):
         """A validated chunk cast to the storage (ks, vs), with room made for it: a causal cache grows,
-        after refusing a chunk that is not finite as stored (so a refused chunk changes nothing)."""
+        after refusing a chunk that is not finite as stored (so a refused chunk changes nothing). A
+        ``rotate_k`` spec rotates the keys first (:func:`streamattn.rotation.rotate`), before they are cast."""
         xp, spec = self.xp, self.spec
+        if spec.rotate_k:                                # keys stored as k @ H (streamattn.rotation)
+            k = rotate(k, xp)                            # [batch, kv_heads, T, head_dim] float32
         if k.dtype == spec.storage_dtype and v.dtype == spec.storage_dtype_v:    # no cast: no overflow
             ks, vs = k, v                                # (not bf16 or q*: their storage dtype is no float)
         else:
@@ -407,7 +413,7 @@ class KVCache:
 
         Returns
         -------
-        k, v : [kv_heads, n, head_dim] float32
+        k, v : [kv_heads, n, head_dim] float32, as stored (a ``rotate_k`` cache's keys are ``k @ H``)
         positions : int64 [n], ascending absolute positions
         """
         n_s, L = self.spec.sinks, int(self.lengths[b])

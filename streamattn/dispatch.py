@@ -9,6 +9,7 @@ import numpy as np
 from . import backends
 from .cache import KVCache
 from .sink_parts import attend_parts
+from .rotation import rotate
 from .spec import QUANTIZED
 from .storage import EXPONENT_BITS, bits, check_stored_finite, non_finite_error
 from .threads import many_threads
@@ -35,6 +36,10 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
         The queries scored against the sink keys instead of q (sinks caches; ignored otherwise). A model
         that positions keys within the cache passes q rotated at its cache position here (see
         docs/DESIGN.md §13); default q, i.e. absolute positions throughout.
+
+    A ``rotate_k`` cache (a quantized K by default) stores its keys as ``k @ H``; q and q_sink are rotated by
+    the same H here, before any backend sees them (:mod:`streamattn.rotation`), so callers pass q as for any
+    cache and the scores are q·k in exact arithmetic.
     softcap : float, optional
         Attention logit soft-capping (Gemma-2): each scaled score s becomes softcap * tanh(s / softcap)
         before the mask and the softmax. None (default): none. Must be a finite number > 0.
@@ -103,6 +108,7 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
         raise ValueError(f"counts {counts.tolist()} exceed max_chunk={spec.max_chunk}: queries older than "
                          "one chunk may have lost keys to the ring")
     _check_answerable(cache, counts)
+    q, q_sink = _frame(q, q_sink, cache)
     return _run(fn, q, cache, 1.0 / float(np.sqrt(spec.head_dim)) if scale is None else float(scale), counts,
                 q_sink, None if softcap is None else float(softcap), edge=True)
 
@@ -121,6 +127,7 @@ def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts
     makes its scores non-finite, so its lse is too, and the row comes back NaN, never as a number.
     """
     spec = cache.spec
+    q, q_sink = _frame(q, q_sink if spec.sinks else None, cache)
     if (counts is None and spec.window is None and spec.sinks == 0 and cache.device == "cpu"
             and backend in ("cpu", "auto") and q.dtype == np.float32 and q.flags.c_contiguous):
         return _append_attend_cpu(q, k, v, cache, scale, softcap)
@@ -129,6 +136,14 @@ def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts
     _check_answerable(cache, counts)
     return _run(backends.get(backend, cache.device), q, cache, scale, counts, q_sink if spec.sinks else None,
                 softcap)
+
+
+def _frame(q, q_sink, cache: KVCache):
+    """The queries in the frame the cache stores keys in: ``q @ H`` (and ``q_sink @ H``) for a ``rotate_k``
+    cache, whose keys are stored as ``k @ H`` (H orthonormal: the scores are q·k), else q and q_sink as given."""
+    if not cache.spec.rotate_k:
+        return q, q_sink
+    return rotate(q, cache.xp), None if q_sink is None else rotate(q_sink, cache.xp)
 
 
 def _append_attend_cpu(q, k, v, cache: KVCache, scale: float, softcap):

@@ -14,6 +14,7 @@ import numpy as np
 
 from .arrays import check_sequence_index, to_host
 from .cache import KVCache
+from .rotation import rotate
 from .reference import visible
 
 
@@ -74,6 +75,8 @@ def inspect_attention(q, cache: KVCache, *, b: int = 0, scale: float | None = No
         raise ValueError(f"sequence {b} had no tokens in the last append; nothing to inspect")
     k, v, pos = cache.temporal_view(b)                   # [kv_heads, n, d], [kv_heads, n, d], [n]
     qb = to_host(q, copy=False)[b, :, :c].astype(np.float64)      # [q_heads, T, d]
+    if spec.rotate_k:                                    # keys are stored as k @ H: score them with q @ H
+        qb = rotate(qb)
     group = qb.shape[0] // spec.kv_heads
     k = np.repeat(k.astype(np.float64), group, axis=0)    # [q_heads, n, d]
     v = np.repeat(v.astype(np.float64), group, axis=0)

@@ -24,7 +24,10 @@ Version 3 added the spec's ``sink_dtype`` and the float16 sink members. Version 
 no ``sink_dtype`` key: they load as ``sink_dtype=None`` (their sinks were stored like every other token).
 Version 2 added the spec's ``dtype_v`` and the quantized dtypes q8_0 / q4_0 (uint8 members of GGUF
 blocks, stored as written: a restore never re-quantizes). Version 1 files (float storage, one dtype for K
-and V, no ``dtype_v`` key) still load; what they hold reads the same.
+and V, no ``dtype_v`` key) still load; what they hold reads the same. Version 3 added the spec's
+``rotate_k`` (keys stored as ``k @ H``, :mod:`streamattn.rotation`): a rotated cache's key bytes mean
+nothing without it. Files of versions 1 and 2 hold unrotated keys and load as ``rotate_k=False`` (so a
+version-2 q4_0 file restores into a q4_0 cache only with ``rotate_k=False``, refused by name otherwise).
 
 ``U = min(S, max(lengths))``. Slots at or past U hold zeros (a slot that holds no current position is
 zero: appends never write there, rewinds and resets zero what they drop), so a load allocates S zeroed
@@ -60,8 +63,9 @@ from .cache import KVCache
 from .spec import POLICY_FIELDS, CacheSpec
 
 FORMAT = "streamattn-kv"
-VERSION = 3
-_READS = (1, 2, 3)   # versions this module loads (1: before quantized and split K/V dtypes; 2: before float16 sinks)
+VERSION = 4
+_READS = (1, 2, 3, 4)   # versions this module loads (1: before quantized and split K/V dtypes; 2: before
+                        # float16 sinks; 3: before rotate_k)
 _V1_DTYPES = ("float32", "float16", "bfloat16")
 _FIELDS = ("k", "v", "lengths", "last_counts", "held_from")
 _SINK_FIELDS = ("sink_k", "sink_v")  # members of a layer whose spec keeps float16 sinks
@@ -365,6 +369,10 @@ def _parse(raw: bytes, max_bytes: int):
                 if "sink_dtype" in m["spec"]:
                     raise ValueError(f"a version {version} spec has no sink_dtype (got {m['spec']})")
                 m["spec"]["sink_dtype"] = None     # its sinks were stored like every other token
+            if version < 4:                       # written before rotate_k: its keys are stored unrotated
+                if "rotate_k" in m["spec"]:
+                    raise ValueError(f"a version {version} spec has no rotate_k (got {m['spec']})")
+                m["spec"] = {**m["spec"], "rotate_k": False}
             s = CacheSpec(**m["spec"])
             slots, used = _int(m.get("slots"), "slots"), _int(m.get("used"), "used")
             alloc = s.slots if s.window is not None else max(slots, 1)   # what load and restore allocate

@@ -75,6 +75,11 @@ class CacheSpec:
         exactly, docs/DESIGN.md §24); None stores them like every other token. "auto" (default) becomes
         "float16" for such caches and None for every other cache (where it means nothing); "float16"
         elsewhere is refused.
+    rotate_k : bool or None
+        Store keys rotated by an orthonormal Walsh–Hadamard transform H along head_dim (after RoPE, before
+        quantizing), and score them with the query rotated by the same H (:mod:`streamattn.rotation`): q·k
+        is unchanged in exact arithmetic, the 4-bit error of keys with outlier channels falls. None
+        (default): on for a quantized K (``q8_0``, ``q4_0``), off for float storage.
     window : int or None
         ``None`` for full causal attention, else n_c >= 1 keys, the current one included.
     sinks : int
@@ -105,6 +110,7 @@ class CacheSpec:
     check_finite: bool = True
     dtype_v: str | None = None
     sink_dtype: str | None = "auto"
+    rotate_k: bool | None = None
 
     def __post_init__(self):
         for name in ("batch", "kv_heads", "head_dim", "max_chunk", "window", "sinks", "max_len"):
@@ -115,6 +121,13 @@ class CacheSpec:
             object.__setattr__(self, "check_finite", bool(self.check_finite))
         if not isinstance(self.check_finite, bool):
             raise ValueError(f"check_finite must be True or False (got {self.check_finite!r})")
+        if self.rotate_k is None:                       # resolved here: specs compare and save as bools
+            object.__setattr__(self, "rotate_k", self.dtype in QUANTIZED)
+        if isinstance(self.rotate_k, np.bool_):
+            object.__setattr__(self, "rotate_k", bool(self.rotate_k))
+        if not isinstance(self.rotate_k, bool):
+            raise ValueError(f"rotate_k must be True, False or None for the default (on for a quantized K) "
+                             f"(got {self.rotate_k!r})")
         _positive_int("batch", self.batch, minimum=1)
         _positive_int("kv_heads", self.kv_heads, minimum=1)
         _positive_int("head_dim", self.head_dim, minimum=1)

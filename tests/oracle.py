@@ -14,6 +14,15 @@ LSE_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2, "q8_0": 1e-4, "q4
 _GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
+def rotation(head_dim: int) -> np.ndarray:
+    """The key rotation of a ``rotate_k`` cache, built apart from streamattn.rotation (scipy's Sylvester
+    Hadamard): float64 [head_dim, head_dim], block diagonal, blocks of 32 and the tail's powers of two."""
+    from scipy.linalg import hadamard, block_diag
+    sizes, rest = [32] * (head_dim // 32), head_dim % 32
+    sizes += [1 << b for b in range(5, -1, -1) if rest & (1 << b)]
+    return block_diag(*[hadamard(n) / np.sqrt(n) for n in sizes])
+
+
 def as_stored(x, dtype: str):
     """float32 values of ``x`` as a cache of storage ``dtype`` holds them (round to nearest even; ml_dtypes for
     bfloat16, independent of the cache's own conversion). An oracle over these isolates the kernels'
@@ -44,8 +53,12 @@ class History:
                        for dt in ((spec.dtype, spec.v_dtype) if spec is not None else ("float32",) * 2)]
         # float16 sinks (spec.sink_dtype): positions < n_s are kept as float16 rounds them
         self.sinks16 = spec.sinks if spec is not None and getattr(spec, "sink_dtype", None) else 0
+        # a rotate_k cache stores k @ H (in float32, then cast) and scores q @ H: kept and scored the same here
+        self.H = rotation(spec.head_dim) if spec is not None and spec.rotate_k else None
 
     def append(self, k, v, counts):
+        if self.H is not None:
+            k = np.asarray(k, np.float32) @ self.H.astype(np.float32)
         raw = k, v
         if self.stored != ["float32", "float32"]:
             k, v = as_stored(k, self.stored[0]), as_stored(v, self.stored[1])
@@ -80,6 +93,8 @@ class History:
         k = np.concatenate(self.k[b], axis=1)
         v = np.concatenate(self.v[b], axis=1)
         L = k.shape[1]
+        if self.H is not None:
+            q = np.asarray(q, np.float64) @ self.H
         return attention(q, k, v, np.arange(L - c, L), window=spec.window, sinks=spec.sinks, scale=scale,
                          softcap=softcap)
 

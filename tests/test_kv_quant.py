@@ -13,7 +13,7 @@ from streamattn import CacheSpec, KVCache, attend, snapshot, state
 from streamattn.storage import dequantize, quantize
 import gpu_oracle as go
 from gpu_fixtures import runner  # noqa: F401  (fixture)
-from oracle import as_stored
+from oracle import as_stored, rotation
 from test_oracle import stream   # every output against the oracle over the values as stored
 
 GGUF = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
@@ -131,7 +131,9 @@ def test_cache_bytes_and_temporal_view():
         cache.append(x, x)
         sizes[dtype] = cache.nbytes
         k, v, pos = cache.temporal_view(0)
-        assert np.array_equal(k, as_stored(x[0], dtype)) and np.array_equal(v, k) and pos.tolist() == [0, 1, 2, 3, 4]
+        kx = x[0] @ rotation(64).astype(np.float32) if cache.spec.rotate_k else x[0]   # keys as stored: k @ H
+        assert np.array_equal(k, as_stored(kx, dtype)) and np.array_equal(v, as_stored(x[0], dtype))
+        assert pos.tolist() == [0, 1, 2, 3, 4]
     assert sizes["q8_0"] * 64 == sizes["float16"] * 34 and sizes["q4_0"] * 34 == sizes["q8_0"] * 18
 
 
@@ -197,7 +199,7 @@ def test_version_2_file_still_loads():
     quantized their sinks like every other token: it loads as such a cache (sink_dtype None), bit for bit."""
     rng = np.random.default_rng(28)
     want = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=32, dtype="q4_0", dtype_v="q8_0", window=4, sinks=1,
-                             max_chunk=2, sink_dtype=None))
+                             max_chunk=2, sink_dtype=None, rotate_k=False))
     for t in range(7):
         x = rng.standard_normal((2, 1, 1, 32)).astype(np.float32)
         want.append(x, -x, counts=[1, t % 2])

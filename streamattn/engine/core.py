@@ -82,6 +82,9 @@ class EngineConfig:
     quantized_sinks : bool
         Store a sinks cache's sink tokens like every other token. False (default): a sinks cache whose K or
         V is quantized keeps its sinks in float16 (``CacheSpec.sink_dtype``, docs/DESIGN.md §24).
+    rotate_k : bool or None
+        Keys stored rotated by a Walsh–Hadamard transform (:class:`~streamattn.spec.CacheSpec`); None: on
+        for a quantized K, off for float storage.
     backend : {"reference", "cpu", "gpu", "auto"}
     prefill_chunk : int
         Prompt tokens per sequence per step, and the caches' ``max_chunk``.
@@ -106,6 +109,7 @@ class EngineConfig:
     cache_dtype: str = "float32"
     cache_dtype_v: str | None = None
     quantized_sinks: bool = False
+    rotate_k: bool | None = None
     backend: str = "cpu"
     prefill_chunk: int = 64
     positions: str = "absolute"
@@ -131,7 +135,7 @@ class EngineConfig:
         """Keyword arguments of ``Transformer.new_caches`` (without ``batch``)."""
         return dict(mode=self.cache, window=self.window, sinks=self.sinks if self.cache == "sinks" else 0,
                     max_chunk=self.prefill_chunk, dtype=self.cache_dtype, dtype_v=self.cache_dtype_v,
-                    sink_dtype=None if self.quantized_sinks else "auto")
+                    sink_dtype=None if self.quantized_sinks else "auto", rotate_k=self.rotate_k)
 
 
 class _Uncounted:

@@ -77,6 +77,8 @@ class Generator:
         Prompt tokens per forward call during prefill (and the caches' ``max_chunk``).
     cache_dtype : {"float32", "float16", "bfloat16", "q8_0", "q4_0"}
         K's storage (and V's unless ``cache_dtype_v``).
+    rotate_k : bool or None
+        Keys stored rotated (:class:`~streamattn.engine.core.EngineConfig`); None: on for a quantized K.
     cache_dtype_v : str or None
         V's storage where it differs from ``cache_dtype``.
     quantized_sinks : bool
@@ -92,14 +94,14 @@ class Generator:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, cache: str = "full",
                  window: int | None = None, sinks: int = 0, backend: str = "cpu", prefill_chunk: int = 64,
                  cache_dtype: str = "float32", positions: str = "absolute", cache_dtype_v: str | None = None,
-                 quantized_sinks: bool = False):
+                 quantized_sinks: bool = False, rotate_k: bool | None = None):
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1 (got {prefill_chunk!r})")
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
         self.model, self.tok = model, tokenizer
         self.config = EngineConfig(cache=cache, window=window, sinks=sinks, cache_dtype=cache_dtype,
-                                   cache_dtype_v=cache_dtype_v, quantized_sinks=quantized_sinks,
+                                   cache_dtype_v=cache_dtype_v, quantized_sinks=quantized_sinks, rotate_k=rotate_k,
                                    backend=backend, prefill_chunk=prefill_chunk, positions=positions)
         model.new_caches(batch=1, **self.config.cache_kwargs)          # validate the cache settings now
         self.stats = GenerationStats()

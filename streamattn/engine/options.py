@@ -43,6 +43,9 @@ class ModelOptions:
     quantized_sinks : bool
         ``--quantized-sinks``: a sinks cache stores its sink tokens like every other token; by default
         they are kept in float16 when K or V is quantized (docs/DESIGN.md §24).
+    rotate_k : bool or None
+        Store keys rotated by a Walsh–Hadamard transform (``--no-rotate-k``: False); None: on for a
+        quantized K, off for float storage (:class:`~streamattn.spec.CacheSpec`).
     prefill_chunk : int
         Prompt tokens per forward call (and the caches' ``max_chunk``), 1..8192.
     threads : int
@@ -69,6 +72,7 @@ class ModelOptions:
     cache_dtype_k: str | None = None
     cache_dtype_v: str | None = None
     quantized_sinks: bool = False
+    rotate_k: bool | None = None
     prefill_chunk: int = 256
     threads: int = 1
     chat: bool = False
@@ -95,6 +99,7 @@ class ModelOptions:
              self.prefill_chunk, f"in 1..{MAX_PREFILL_CHUNK}")
         need(is_int(self.threads) and self.threads >= 1, "--threads", self.threads, ">= 1")
         need(isinstance(self.quantized_sinks, bool), "--quantized-sinks", self.quantized_sinks, "True or False")
+        need(self.rotate_k in (None, True, False), "rotate_k", self.rotate_k, "True, False or None (default)")
         if self.cache == "full" and self.window is not None:
             raise ValueError(f"--window {self.window} applies to --cache window or sinks; with --cache full "
                              "every token is kept (drop --window, or add --cache window)")
@@ -117,7 +122,7 @@ class ModelOptions:
         return cls(model=args.model, weights=args.weights, cache=args.cache, window=args.window, sinks=args.sinks,
                    positions=args.positions, backend=args.backend, cache_dtype=args.cache_dtype,
                    cache_dtype_k=getattr(args, "cache_dtype_k", None), cache_dtype_v=getattr(args, "cache_dtype_v", None),
-                   quantized_sinks=getattr(args, "quantized_sinks", False),
+                   quantized_sinks=getattr(args, "quantized_sinks", False), rotate_k=getattr(args, "rotate_k", None),
                    prefill_chunk=args.prefill_chunk, threads=args.threads, chat=getattr(args, "chat", False),
                    system=getattr(args, "system", None), speculative=getattr(args, "speculative", None),
                    draft_max=getattr(args, "draft_max", 8))
@@ -178,7 +183,7 @@ class ModelOptions:
         return Generator(model, tokenizer, cache=self.cache, window=self.window_n, sinks=self.sinks_n,
                          backend=self.backend, prefill_chunk=self.prefill_chunk, cache_dtype=self.k_dtype,
                          cache_dtype_v=self.v_dtype, positions=self.positions,
-                         quantized_sinks=self.quantized_sinks)
+                         quantized_sinks=self.quantized_sinks, rotate_k=self.rotate_k)
 
 
 def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int = 256, chat: bool = True) -> None:
@@ -207,6 +212,9 @@ def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int = 256, chat:
     g.add_argument("--quantized-sinks", action="store_true",
                    help="with --cache sinks and a q8_0/q4_0 K or V: store the sink tokens quantized like the "
                         "rest (default: float16)")
+    g.add_argument("--no-rotate-k", dest="rotate_k", action="store_const", const=False, default=None,
+                   help="store q8_0/q4_0 keys as they are, without the Walsh-Hadamard rotation that cuts "
+                        "their quantization error (on by default for a quantized K)")
     g.add_argument("--prefill-chunk", type=int, default=prefill_chunk, help="prompt tokens per forward call")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads for matmuls and attention, at most (default 1); decode steps run on "

@@ -30,12 +30,14 @@ from streamattn.engine.core import Engine, EngineConfig
 from streamattn.engine.sequence import Job, Sequence
 from streamattn.files import check_writable, read_text, same_file
 from streamattn.models.transformer import Transformer
+from streamattn.spec import CacheSpec
 
 
 def token_losses(model: Transformer, ids, *, cache: str = "full", window: int | None = None, sinks: int = 0,
                  positions: str = "absolute", chunk: int = 256, backend: str = "cpu",
                  progress: Callable[[int, int, float], None] | None = None, cache_dtype: str = "float32",
-                 cache_dtype_v: str | None = None, quantized_sinks: bool = False) -> np.ndarray:
+                 cache_dtype_v: str | None = None, quantized_sinks: bool = False,
+                 rotate_k: bool | None = None) -> np.ndarray:
     """Negative log-likelihood of each next token, teacher-forced through fresh caches.
 
     Parameters
@@ -53,6 +55,8 @@ def token_losses(model: Transformer, ids, *, cache: str = "full", window: int | 
         K's storage (and V's unless ``cache_dtype_v``), as :class:`~streamattn.engine.core.EngineConfig`.
     quantized_sinks : bool
         Store the sink tokens like every other token (default: float16 where K or V is quantized).
+    rotate_k : bool or None
+        Keys stored rotated, as :class:`~streamattn.engine.core.EngineConfig` (None: on for a quantized K).
     progress : callable(done, total, nll_sum), optional
         Called after every chunk with the tokens scored so far and the sum of their losses.
 
@@ -68,7 +72,8 @@ def token_losses(model: Transformer, ids, *, cache: str = "full", window: int | 
     n = ids.size - 1                                      # tokens that predict a next one
     config = EngineConfig(cache=cache, window=window, sinks=sinks if cache == "sinks" else 0, backend=backend,
                           prefill_chunk=int(chunk), positions=positions, cache_dtype=cache_dtype,
-                          cache_dtype_v=cache_dtype_v, quantized_sinks=quantized_sinks)
+                          cache_dtype_v=cache_dtype_v, quantized_sinks=quantized_sinks,
+                          rotate_k=rotate_k)
     engine = Engine(model, None, config, isolate_failures=False)
     seq = Sequence(job=Job(prompt=tuple(ids[:-1].tolist()), max_tokens=0, targets=tuple(ids[1:].tolist()),
                            cache_prompt=False), emit=lambda ev: None, tok=None)
@@ -102,7 +107,8 @@ def perplexity(model: Transformer, ids, *, bucket: int = 1000, **kw) -> dict:
     bucket : int
         Positions per reported bucket.
     **kw
-        cache, window, sinks, positions, chunk, backend, progress, cache_dtype, cache_dtype_v, quantized_sinks: see
+        cache, window, sinks, positions, chunk, backend, progress, cache_dtype, cache_dtype_v, quantized_sinks,
+        rotate_k: see
         :func:`token_losses`.
 
     Returns
@@ -110,7 +116,7 @@ def perplexity(model: Transformer, ids, *, bucket: int = 1000, **kw) -> dict:
     dict
         ``tokens`` (n - 1 scored), ``ppl``, ``buckets`` (see :func:`bucket_perplexity`), ``seconds``,
         ``tok_s`` and the settings (``cache``, ``window``, ``sinks``, ``positions``, ``chunk``,
-        ``cache_dtype``, ``cache_dtype_v``, ``quantized_sinks``).
+        ``cache_dtype``, ``cache_dtype_v``, ``quantized_sinks``, ``rotate_k`` as the caches resolved it).
     """
     t0 = time.perf_counter()
     nll = token_losses(model, ids, **kw)
@@ -119,6 +125,8 @@ def perplexity(model: Transformer, ids, *, bucket: int = 1000, **kw) -> dict:
                                              ("positions", "absolute"), ("chunk", 256), ("cache_dtype", "float32"),
                                              ("quantized_sinks", False))}
     settings["cache_dtype_v"] = kw.get("cache_dtype_v") or settings["cache_dtype"]
+    settings["rotate_k"] = CacheSpec(batch=1, kv_heads=1, head_dim=1, dtype=settings["cache_dtype"],
+                                     rotate_k=kw.get("rotate_k")).rotate_k
     if settings["cache"] != "sinks":
         settings["sinks"] = 0
     return {**settings, "tokens": int(nll.size), "ppl": float(np.exp(nll.mean())),
@@ -255,6 +263,7 @@ def run_args(args) -> int:
     r = perplexity(tf, ids, cache=opts.cache, window=opts.window_n, sinks=opts.sinks_n, positions=opts.positions,
                    chunk=opts.prefill_chunk, backend=opts.backend, bucket=args.bucket, cache_dtype=opts.k_dtype,
                    cache_dtype_v=opts.v_dtype, quantized_sinks=opts.quantized_sinks,
+                   rotate_k=opts.rotate_k,
                    progress=progress_bar(args.quiet))
     r = {"file": str(args.file), "model": path.name, **r}
     text = json.dumps(r, indent=1)

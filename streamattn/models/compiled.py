@@ -439,8 +439,8 @@ class CompiledLayers:
         if not all(map(operator.is_, src, self.sources[i])):
             self.sources[i], self.weights[i] = src, bind_weights(self.layers[i], self.plan)
         w = self.weights[i]
-        if w is None or cache.xp is not np:
-            return False
+        if w is None or cache.xp is not np or cache.spec.rotate_k:
+            return False          # (rotated K storage: the array layer, which rotates)
         kv = self.kv(cache)
         if run_layer(x, w, (self.cfg, kv, step)):
             return True

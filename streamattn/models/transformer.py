@@ -157,7 +157,8 @@ class Transformer:
 
     def new_caches(self, *, batch: int = 1, mode: str = "full", window: int | None = None, sinks: int = 0,
                    max_chunk: int = 1, dtype: str = "float32", max_len: int | None = None,
-                   dtype_v: str | None = None, sink_dtype: str | None = "auto") -> list:
+                   dtype_v: str | None = None, sink_dtype: str | None = "auto",
+                   rotate_k: bool | None = None) -> list:
         """One KVCache per layer.
 
         Parameters
@@ -178,6 +179,8 @@ class Transformer:
         sink_dtype : {"auto", "float16", None}
             The sink tokens' storage (:class:`~streamattn.spec.CacheSpec`): "auto" keeps them in float16
             when K or V is quantized; None stores them like every other token.
+        rotate_k : bool, optional
+            Store keys rotated (:class:`~streamattn.spec.CacheSpec`); None: on for a quantized K.
         max_len : int, optional
             Cap for causal caches.
         """
@@ -196,7 +199,7 @@ class Transformer:
             s = sinks if (mode == "sinks" and w is not None and (own is None or w < own)) else 0
             caches.append(KVCache(CacheSpec(batch=batch, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                             dtype=dtype, dtype_v=dtype_v, window=w, sinks=s, max_chunk=max_chunk,
-                                            sink_dtype=sink_dtype if s else None,
+                                            sink_dtype=sink_dtype if s else None, rotate_k=rotate_k,
                                             max_len=max_len if w is None else None),
                                   device="cpu" if self.xp is np else "gpu"))
         return caches

@@ -40,6 +40,8 @@ class ServeConfig:
         V's storage where it differs from ``cache_dtype``.
     quantized_sinks : bool
         Store the sink tokens like every other token (default: float16 where K or V is quantized).
+    rotate_k : bool or None
+        Keys stored rotated (:class:`~streamattn.spec.CacheSpec`); None: on for a quantized K.
     positions : {"absolute", "cache"}
         RoPE positions: in the text, or within the cache (StreamingLLM; sinks caches only differ,
         docs/DESIGN.md §13).
@@ -73,6 +75,7 @@ class ServeConfig:
     cache_dtype: str = "float32"
     cache_dtype_v: str | None = None
     quantized_sinks: bool = False
+    rotate_k: bool | None = None
     positions: str = "absolute"
     weights: str = "quant"
     model_id: str | None = None
@@ -109,6 +112,7 @@ class ServeConfig:
         need(self.cache_dtype_v is None or self.cache_dtype_v in CACHE_DTYPES, "cache_dtype_v",
              f"None or one of {CACHE_DTYPES}")
         need(isinstance(self.quantized_sinks, bool), "quantized_sinks", "True or False")
+        need(self.rotate_k in (None, True, False), "rotate_k", "True, False or None (on for a quantized K)")
         need(self.positions in POSITIONS, "positions", f"one of {POSITIONS}")
         need(self.weights in WEIGHTS, "weights", f"one of {WEIGHTS}")
         need(self.speculative in (None, "ngram"), "speculative", "None or 'ngram'")
@@ -132,6 +136,7 @@ class ServeConfig:
         return EngineConfig(slots=self.parallel, cache=self.cache, window=window,
                             sinks=self.sinks if self.cache == "sinks" else 0, cache_dtype=self.cache_dtype,
                             cache_dtype_v=self.cache_dtype_v, quantized_sinks=self.quantized_sinks,
+                            rotate_k=self.rotate_k,
                             backend=self.backend, prefill_chunk=self.prefill_chunk, positions=self.positions,
                             max_queue=self.max_queue, prompt_cache_mb=self.prompt_cache_mb, threads=self.threads)
 

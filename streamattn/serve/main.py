@@ -34,6 +34,7 @@ def config_from_args(args) -> ServeConfig:
                        max_queue=args.max_queue, prompt_cache_mb=args.prompt_cache_mb, threads=args.threads,
                        backend=args.backend, prefill_chunk=args.prefill_chunk, cache_dtype=opts.k_dtype,
                        cache_dtype_v=opts.v_dtype, quantized_sinks=opts.quantized_sinks,
+                       rotate_k=opts.rotate_k,
                        positions=args.positions, weights=args.weights, speculative=args.speculative,
                        draft_max=args.draft_max, max_body_mb=args.max_body_mb,
                        debug_fail_text=args.debug_fail_text)

@@ -1,0 +1,65 @@
+"""The key rotation of a quantized K cache: an orthonormal Walsh–Hadamard transform H along head_dim.
+
+A cache whose spec has ``rotate_k`` stores every key row as ``k @ H`` (after RoPE, before it is quantized),
+and attention scores it with ``q @ H``. H is orthonormal, so ``(q @ H) · (k @ H) = q · k`` in exact
+arithmetic: only the quantization error changes. Post-RoPE keys carry a few outlier channels (SmolLM2:
+channels 44–51 and 60–63 reach 15–21 against an rms of 2); a 32-value block with one of them gets a scale
+that crushes its 31 other values to a few levels. H spreads each outlier over its whole block, so the block's
+values look alike and its 4-bit grid fits them (docs/DESIGN.md §24; llama.cpp did the same for its K cache,
+PR #21038). V is not rotated: it is averaged, not dotted, and its error was measured small (docs/PERF.md).
+
+H is block diagonal: a Sylvester Hadamard matrix of 32 (GGUF's block size) per quantization block, scaled by
+1/√32, and a tail of head_dim mod 32 values split into power-of-two blocks (80 = 32 + 32 + 16), so every
+head_dim has one (no power of two needed) and no block mixes values of two quantization blocks. Blocks of 32
+measured a smaller key error than one transform over all of head_dim 64 (docs/PERF.md). H is symmetric and
+its own inverse, with entries ±2^(-k/2): exact in float32 up to the rounding of 1/√32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .spec import QBLOCK
+
+
+@functools.cache
+def hadamard(head_dim: int) -> np.ndarray:
+    """The rotation H of a ``head_dim`` row: float64 [head_dim, head_dim], orthonormal, symmetric.
+
+    >>> H = hadamard(80)
+    >>> bool(np.allclose(H @ H, np.eye(80)))
+    True
+    """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)) or head_dim < 1:
+        raise ValueError(f"head_dim must be an integer >= 1 (got {head_dim!r})")
+    sizes = [QBLOCK] * (head_dim // QBLOCK)
+    tail = head_dim % QBLOCK
+    sizes += [1 << b for b in reversed(range(tail.bit_length())) if tail >> b & 1]   # 16 = 16, 24 = 16 + 8
+    H = np.zeros((head_dim, head_dim))
+    start = 0
+    for n in sizes:
+        block = np.ones((1, 1))
+        while block.shape[0] < n:                               # Sylvester: [[B, B], [B, -B]]
+            block = np.block([[block, block], [block, -block]])
+        H[start:start + n, start:start + n] = block / np.sqrt(n)
+        start += n
+    H.setflags(write=False)
+    return H
+
+
+def rotate(x, xp=np):
+    """``x @ H`` over the last axis (head_dim): the frame a rotated cache stores keys and scores queries in.
+
+    x : float [..., head_dim] on ``xp``'s device; computed in float64 for float64 input, else in float32.
+    Returns a new array of x's shape and dtype.
+    """
+    dt = np.float64 if x.dtype == np.float64 else np.float32
+    H = _on_device(x.shape[-1], np.dtype(dt).name, xp)
+    return (x.astype(dt, copy=False) @ H).astype(x.dtype, copy=False)
+
+
+@functools.cache
+def _on_device(head_dim: int, dtype: str, xp):
+    return xp.asarray(hadamard(head_dim).astype(dtype))
