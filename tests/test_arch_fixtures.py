@@ -17,8 +17,8 @@ from streamattn.models.transformer import Transformer
 
 DATA = Path(__file__).parent / "data" / "arch"
 CASES = sorted(json.loads((DATA / "fixtures.json").read_text())["cases"])
-ARCH = {"llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-        "gemma2": "gemma2", "gemma3": "gemma3"}
+ARCH = {"llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen2_yarn": "qwen2", "qwen3": "qwen3",
+        "phi3": "phi3", "phi3_longrope": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
