@@ -39,8 +39,17 @@ CASES = {
     # no window: the converter does not write Mistral's (v0.1: 4096), so no file can say it slides
     "mistral": dict(arch="mistral", sliding_window=None),
     "qwen2": dict(arch="qwen2", tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
+    # YaRN as Qwen2.5 past 32k, from 64 to 256 positions: the ramp over dimensions 0..2 of 8 at head size 16
+    "qwen2_yarn": dict(arch="qwen2", tied=True, rope={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 64}),
     "qwen3": dict(arch="qwen3", head_dim=32, tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
     "phi3": dict(arch="phi3", sliding_window=16, pad_token_id=0),
+    # su/longrope: the long factors (HF: a sequence longer than 8; ours: the file's context 256 > 8) and
+    # the attention factor sqrt(1 + ln(256 / 8) / ln 8) that the converter computes and writes
+    "phi3_longrope": dict(arch="phi3", sliding_window=16, pad_token_id=0, original_max_position_embeddings=8,
+                          rope={"rope_type": "longrope", "rope_theta": 10000.0,
+                                "long_factor": [1.0, 1.5748, 2.48, 3.9055, 6.1503, 9.6855, 15.2526, 24.0],
+                                "short_factor": [1.0, 1.0714, 1.1429, 1.2143, 1.2857, 1.3571, 1.4286, 1.5]}),
     # alternating sliding (window 8) / global; caps that bind on these scores and logits
     "gemma2": dict(arch="gemma2", layers=4, ffn=64, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                    tied=True, attn_logit_softcapping=1.5, final_logit_softcapping=12.0),

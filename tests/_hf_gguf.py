@@ -4,7 +4,9 @@ The writer follows llama.cpp's convert_hf_to_gguf.py for the conventions a GGUF 
 names from gguf's own HF -> GGUF table (``gguf.get_tensor_name_map``); llama's attn_q / attn_k rows
 permuted per head so that RoPE pairs adjacent rows (the converter's ``LlamaModel.permute``; Qwen's rows
 are not permuted); Llama-3.x RoPE scaling stored as ``rope_freqs.weight``, one divisor per frequency
-(the converter's ``generate_extra_tensors``); Q8_0 matrices through ``gguf.quants.quantize``.
+(the converter's ``generate_extra_tensors``), Phi-3's longrope as ``rope_factors_{long,short}.weight`` and
+``rope.scaling.attn_factor`` (its Phi3MiniModel), YaRN as ``rope.scaling.{type,factor,original_context_length}``;
+Q8_0 matrices through ``gguf.quants.quantize``.
 """
 
 from __future__ import annotations
@@ -134,6 +136,18 @@ def write_gguf(model, path, *, quant: str | None = None, extra_kv: dict | None =
         tensors[name] = a
     if rope.get("rope_type") == "llama3":
         tensors[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"] = llama3_rope_factors(rope, head_dim)
+    if rope.get("rope_type") == "yarn":              # the converter's TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("rope_type") == "longrope":          # the converter's Phi3MiniModel
+        orig = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / orig
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        for t, key in ((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, "long_factor"),
+                       (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, "short_factor")):
+            tensors[gguf.TENSOR_NAMES[t] + ".weight"] = np.array(rope[key], np.float32)
     tensors.update(extra_tensors or {})
     for name, a in tensors.items():
         if name in drop_tensors:

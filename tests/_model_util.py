@@ -73,11 +73,13 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
                     n_kv_heads: int = 1, head_dim: int = 16, d_ff: int = 48, vocab: int = 64,
                     window: int = 4, seed: int = 0, nan_tensor: str | None = None, override: dict | None = None,
                     quant: dict | None = None, tokens: list | None = None, extra_tensors: dict | None = None,
-                    rope_freqs: bool = False, matrix_scale: float = 0.3):
+                    rope_freqs: bool = False, matrix_scale: float = 0.3, rope_scaling: str | None = None):
     """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors): gemma3,
     gemma2 (soft caps 1 and 2, which bind on its scores and logits), llama, qwen2 (q/k/v biases), qwen3
     (q/k norms) or phi3 (fused attn_qkv and ffn_up); ``rope_freqs``: with a ``rope_freqs.weight`` of
-    divisors in [1, 8] (llama3 RoPE scaling, llama only). Matrices are N(0, ``matrix_scale``²).
+    divisors in [1, 8] (llama3 RoPE scaling, llama only); ``rope_scaling``: "longrope" (phi3: long factors
+    in [1, 8], short ones in [1, 2], attention factor 1.3, original context 8 < the file's 256) or "yarn"
+    (llama, qwen2, qwen3: factor 4, original context 64). Matrices are N(0, ``matrix_scale``²).
 
     ``quant`` maps tensor names' last part (e.g. ``"ffn_down"``) to a GGUF type that gguf-py quantizes
     (``"Q4_1"``, ``"Q8_0"``, ...): those tensors are stored quantized (columns: a multiple of 32); or to
@@ -115,6 +117,13 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
     w.add_rope_freq_base(1e6 if arch == "gemma3" else 1e4)
     if arch in ("gemma2", "gemma3", "phi3"):
         w.add_sliding_window(window)
+    if rope_scaling == "longrope":
+        w.add_rope_scaling_attn_factors(1.3)
+        w.add_rope_scaling_orig_ctx_len(8)
+    elif rope_scaling == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(64)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(1.0)
         w.add_final_logit_softcapping(2.0)
@@ -169,6 +178,9 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
             t(p + "post_ffw_norm.weight", d_model, scale=0.1, offset=1.0)
     if rope_freqs:
         w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2, dtype=np.float32))
+    if rope_scaling == "longrope":
+        w.add_tensor("rope_factors_long.weight", np.linspace(1.0, 8.0, head_dim // 2, dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 2.0, head_dim // 2, dtype=np.float32))
     for name, (raw, qtype) in (extra_tensors or {}).items():
         w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
     w.write_header_to_file()

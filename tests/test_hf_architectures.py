@@ -22,6 +22,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 N, PROMPT, NEW, CHUNK = 48, 16, 16, 16
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}   # every kind of dimension at 48
+#: Phi-3 su/longrope (Phi-3-*-128k, Phi-3.5): per-frequency divisors, the long ones for a context above
+#: original_max_position_embeddings (8: HF uses them for every call here, prompt and greedy steps alike),
+#: and an attention factor sqrt(1 + ln(32 / 8) / ln 8) = 1.29 on cos and sin (Phi-3-mini-128k: 1.19)
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "long_factor": np.geomspace(1.0, 24.0, 16).round(4).tolist(),
+            "short_factor": np.linspace(1.0, 1.5, 16).round(4).tolist()}
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
 CASES = {
     "llama3": dict(arch="llama", rope=LLAMA3),                       # untied output, permuted q/k rows
     # llama with every layer sliding, from llama.attention.sliding_window (which llama.cpp's converter
@@ -35,6 +42,11 @@ CASES = {
                    rope={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}),
     "phi3": dict(arch="phi3", sliding_window=16, pad_token_id=0, rope={"rope_type": "default", "rope_theta": 10000.0}),
+    "phi3_longrope": dict(arch="phi3", sliding_window=16, pad_token_id=0, original_max_position_embeddings=8,
+                          max_position_embeddings=32, rope=LONGROPE),
+    # YaRN (Qwen2.5/Qwen3 past 32k) from 64 to 256 positions: at head size 32 the ramp runs over dimensions
+    # 0..5 of 16, the rest divided by 4 (turning enough over 48 positions for the test to see it)
+    "qwen2_yarn": dict(arch="qwen2", tied=True, rope=YARN),
     # 4 layers alternating sliding (window 8) / global; caps small enough to bind on these scores (~N(0, 1))
     # and logits (~N(0, 11²)); query_pre_attn_scalar = head_dim 64, not d_model / heads = 32 (llama.cpp's rule)
     "gemma2": dict(arch="gemma2", layers=4, head_dim=64, query_pre_attn_scalar=64, sliding_window=8, tied=True,
@@ -121,7 +133,9 @@ def test_llama3_rope_factors_are_what_makes_it_match(tmp_path):
 @pytest.mark.parametrize("key, value, match", [
     ("llama.attn_logit_softcapping", 30.0, "metadata key 'llama.attn_logit_softcapping' = '30.0'"),
     ("llama.final_logit_softcapping", 30.0, "metadata key 'llama.final_logit_softcapping'"),
-    ("llama.rope.scaling.type", "yarn", r"RoPE scaling 'yarn' \(llama.rope.scaling.type\) is not supported"),
+    ("llama.rope.scaling.type", "longrope", r"RoPE scaling 'longrope' \(llama.rope.scaling.type\) is not supported "
+                                            "for architecture 'llama'"),
+    ("llama.rope.scaling.yarn_beta_fast", 16.0, "metadata key 'llama.rope.scaling.yarn_beta_fast' = '16.0'"),
     ("llama.rope.scaling.attn_factor", 2.0, "llama.rope.scaling.attn_factor' = 2.0 is not supported"),
     ("llama.expert_count", 8, "metadata key 'llama.expert_count' = '8'"),
     ("llama.rope.dimension_count", 16, "'llama.rope.dimension_count' = 16 differs from the head size 32"),
@@ -145,13 +159,86 @@ def test_an_unexpected_tensor_is_refused_by_name(tmp_path):
         load_gguf(str(path2), weights="f32")
 
 
-def test_phi3_long_rope_factors_are_refused_by_name(tmp_path):
-    """su/longrope Phi-3 files (rope_factors_long/short) are not implemented: refused, never run unscaled."""
-    model = hf_model(**CASES["phi3"], seed=4)
-    half = np.ones(16, np.float32)
-    path = write_gguf(model, tmp_path / "long.gguf", extra_tensors={"rope_factors_long.weight": half,
-                                                                    "rope_factors_short.weight": half})
-    with pytest.raises(ModelFileError, match=r"tensor 'rope_factors_long\.weight' \(and 1 more"):
+@pytest.mark.parametrize("case", ["phi3_longrope"], indirect=True)
+def test_phi3_long_factors_and_attention_factor_are_what_makes_it_match(case):
+    """Without the attention factor, or with the short factors, the logits are far off: the comparison
+    above sees both (the long factors are picked from the file's context, 32 > 8)."""
+    name, model, f32, q8, ids = case
+    ref = theirs(model, ids)
+    for path in (f32, q8):
+        m = load_gguf(path, weights="f32" if path == f32 else "quant")
+        assert Transformer(m).rope_factors == "long" and m.config.rope_attn_factor > 1.25
+        unscaled = dataclasses.replace(m, config=dataclasses.replace(m.config, rope_attn_factor=1.0))
+        assert rel_err(ours(Transformer(unscaled), ids), ref) > 0.05, path
+        assert rel_err(ours(Transformer(m, context=8), ids), ref) > 0.05, path
+
+
+@pytest.mark.parametrize("case", ["qwen2_yarn"], indirect=True)
+def test_yarn_is_what_makes_it_match(case):
+    """Without YaRN's divisors or without its attention factor 1 + 0.1 ln 4 the logits are far off."""
+    name, model, f32, q8, ids = case
+    ref = theirs(model, ids)
+    for path in (f32, q8):
+        m = load_gguf(path, weights="f32" if path == f32 else "quant")
+        assert m.config.rope_yarn == 4.0 and m.config.rope_attn_factor == pytest.approx(1 + 0.1 * np.log(4.0))
+        for change in (dict(rope_yarn=None), dict(rope_attn_factor=1.0)):
+            other = dataclasses.replace(m, config=dataclasses.replace(m.config, **change))
+            assert rel_err(ours(Transformer(other), ids), ref) > 0.05, (path, change)
+
+
+@pytest.mark.parametrize("kv, match", [
+    ({"qwen2.rope.scaling.yarn_beta_fast": 16.0}, r"'qwen2.rope.scaling.yarn_beta_fast' = 16.0 is not supported "
+                                                  r"\(only 32"),
+    ({"qwen2.rope.scaling.yarn_attn_factor": 1.0}, r"'qwen2.rope.scaling.yarn_attn_factor' = 1.0 is not supported"),
+    ({"qwen2.rope.scaling.yarn_log_multiplier": 0.1}, r"'qwen2.rope.scaling.yarn_log_multiplier' = 0.1"),
+])
+def test_yarn_keys_llama_cpp_would_not_run_are_refused(tmp_path, kv, match):
+    """llama.cpp's loader reads no YaRN beta/ext/attn key (it runs 32, 1, 1, 1 + 0.1 ln factor) while HF
+    runs a config's: a file at another value is refused by name, as is a YaRN file of gemma3."""
+    model = hf_model(**CASES["qwen2_yarn"], seed=2)
+    with pytest.raises(ModelFileError, match=match):
+        load_gguf(write_gguf(model, tmp_path / "y.gguf", extra_kv=kv), weights="f32")
+    g = hf_model(**CASES["gemma3"], seed=2)
+    path = write_gguf(g, tmp_path / "g.gguf", extra_kv={"gemma3.rope.scaling.type": "yarn",
+                                                        "gemma3.rope.scaling.factor": 8.0})
+    with pytest.raises(ModelFileError, match=r"RoPE scaling 'yarn' \(gemma3.rope.scaling.type\) is not supported "
+                                             "for architecture 'gemma3'"):
+        load_gguf(path, weights="f32")
+
+
+def test_phi3_short_rope_factors_match_transformers(tmp_path):
+    """Original context 48: a model run for 48 positions (``context=48``) uses the short factors, as HF on
+    48 tokens; the default context (the file's 256) uses the long ones, as HF on 49 tokens or more. Those
+    differ where HF has not yet switched (a 48-token sequence): the one difference (docs/DESIGN.md §27)."""
+    model = hf_model(**{**CASES["phi3_longrope"], "original_max_position_embeddings": N,
+                        "max_position_embeddings": 256}, seed=5)
+    ids = np.random.default_rng(7).integers(3, model.config.vocab_size, N).tolist()
+    f32, q8 = write_gguf(model, tmp_path / "f32.gguf"), write_gguf(model, tmp_path / "q8.gguf", quant="Q8_0")
+    short_ref, long_ref = theirs(model, ids), theirs(model, ids + [5])[:N]
+    m = load_gguf(f32, weights="f32")
+    short, long = Transformer(m, context=N), Transformer(m)
+    assert (short.rope_factors, long.rope_factors) == ("short", "long")
+    assert rel_err(ours(short, ids), short_ref) <= 1e-3
+    assert rel_err(ours(long, ids), long_ref) <= 1e-3
+    assert rel_err(ours(long, ids), short_ref) > 0.05
+    got = ours(Transformer(load_gguf(q8), context=N), ids)
+    cos = (got * short_ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(short_ref, axis=-1))
+    assert cos.min() >= 0.999
+
+
+def test_phi3_rope_factors_come_as_a_pair_and_partial_rope_is_refused(tmp_path):
+    """One longrope set without the other is refused, never run unscaled; so is RoPE on part of each head
+    (Phi-4-mini: rope.dimension_count < head size), by name."""
+    model = hf_model(**CASES["phi3_longrope"], seed=4)
+    path = write_gguf(model, tmp_path / "one.gguf", drop_tensors=("rope_factors_short.weight",))
+    with pytest.raises(ValueError, match=r"'rope_factors_long.weight' and 'rope_factors_short.weight' come as a "
+                                         r"pair; the model has only 'rope_factors_long.weight'"):
+        Transformer(load_gguf(path, weights="f32"))
+    with pytest.raises(ValueError, match=r"context must be a positive integer"):
+        Transformer(load_gguf(path, weights="f32"), context=0)
+    path = write_gguf(model, tmp_path / "partial.gguf", extra_kv={"phi3.rope.dimension_count": 16})
+    with pytest.raises(ModelFileError, match=r"'phi3.rope.dimension_count' = 16 differs from the head size 32: "
+                                             "RoPE on part of each head is not supported"):
         load_gguf(path, weights="f32")
 
 

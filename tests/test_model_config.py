@@ -174,6 +174,26 @@ def test_missing_not_gguf_truncated_corrupt(tmp_path):
         load_gguf(write_tiny_gguf(tmp_path / "bad.gguf", nan_tensor="blk.2.ffn_up.weight"))
 
 
+@pytest.mark.parametrize("weights", ["f32", "quant"])
+@pytest.mark.parametrize("key, value", [("tokenizer.ggml.pre", "falcon3"), ("tokenizer.ggml.model", "bert")])
+def test_a_refused_tokenizer_is_refused_before_tensors_are_read(tmp_path, monkeypatch, key, value, weights):
+    """The tokenizer's refusal, with its own message, comes before any tensor is read (and so before the
+    weights' memory): a reader of tensors that fails the test is patched in."""
+    import gguf.quants
+    from streamattn.gguf import loader
+    from streamattn.gguf.metadata import read_metadata
+    from streamattn.gguf.reader import GGUFFile
+    from streamattn.text.tokenizer import Tokenizer
+    path = write_tiny_gguf(tmp_path / "m.gguf", override={key: value})
+    with pytest.raises(ValueError) as built:
+        Tokenizer.from_metadata(read_metadata(GGUFFile(path), path))
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: pytest.fail("a tensor was read"))
+    monkeypatch.setattr(loader, "pack", lambda *a: pytest.fail("a tensor was read"))
+    with pytest.raises(ModelFileError) as refused:
+        load_gguf(path, weights=weights)
+    assert str(refused.value) == f"{path}: {built.value}" and repr(value) in str(refused.value)
+
+
 # -- hostile metadata (issue 17 item 8) --------------------------------------------------------------
 @pytest.mark.parametrize("key,value,match", [
     ("gemma3.block_count", 10_000_000, r"'gemma3.block_count' must be an integer in 1..4096 \(got int '10000000'\)"),

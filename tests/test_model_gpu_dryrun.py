@@ -31,9 +31,10 @@ from _model_util import write_tiny_gguf
 from streamattn.gguf.loader import load_gguf
 from streamattn.models.transformer import Transformer
 
-arch = sys.argv[2]
+arch, _, scaling = sys.argv[2].partition(":")
 path = write_tiny_gguf(sys.argv[1], arch=arch, n_layers=6, d_model=32, n_heads=2, n_kv_heads=1,
-                       head_dim=64, d_ff=32, vocab=40, window=4, rope_freqs=arch == "llama")
+                       head_dim=64, d_ff=32, vocab=40, window=4, rope_freqs=arch == "llama",
+                       rope_scaling=scaling or None)
 cpu, gpu = Transformer(load_gguf(path)), Transformer(load_gguf(path)).to(cupy)
 cc, gc = cpu.new_caches(batch=2, max_chunk=3), gpu.new_caches(batch=2, max_chunk=3)
 assert all(c.device == "gpu" for c in gc)
@@ -51,11 +52,13 @@ print("ok", int(gc[0].lengths[1]))
 """
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "llama", "qwen2", "qwen3", "phi3", "phi3:longrope",
+                                  "qwen2:yarn"])
 def test_model_runs_on_the_gpu_backend_through_the_fake(tmp_path, emu_library, arch):
     """Every architecture's array code on CuPy (the fake): gemma2's soft caps (the _softcap kernels) and
     alternating layers, gemma3's norms and sliding layers, llama with rope_freqs factors, qwen2's q/k/v
-    biases, qwen3's q/k norms, phi3's fused tensors and window; the CPU path is the reference."""
+    biases, qwen3's q/k norms, phi3's fused tensors and window, phi3's longrope factors and qwen2's YaRN
+    (attention factors on the tables); the CPU path is the reference."""
     env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(emu_library),
                PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
     done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "t.gguf"), arch], cwd=ROOT, env=env,

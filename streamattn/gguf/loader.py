@@ -113,7 +113,7 @@ def load_header(path: str) -> tuple:
 
 
 def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None,
-              weights: str = "quant") -> GGUFModel:
+              weights: str = "quant", tokenizer: bool = True) -> GGUFModel:
     """Load a GGUF model: validate, read the config, keep matrices packed (or dequantize to float32).
 
     Parameters
@@ -126,6 +126,10 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
         "quant": matrices stay in their GGUF block formats (:class:`~streamattn.quant.weights.QWeight`;
         1-D tensors such as norms are float32); "f32": every tensor dequantized to float32 (the
         reference path).
+    tokenizer : bool
+        Refuse a file whose tokenizer :meth:`~streamattn.text.tokenizer.Tokenizer.from_metadata` would
+        refuse (:meth:`~streamattn.text.tokenizer.Tokenizer.check_metadata`), before any tensor is read
+        (default); False: the file is used without its tokenizer (a fixture with placeholder tokens).
 
     Returns
     -------
@@ -135,8 +139,9 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     Raises
     ------
     ModelFileError
-        Missing file, not GGUF, truncated, corrupt (non-finite weights), unsupported architecture, or
-        (``weights="quant"``) a matrix of a GGUF type without a packed kernel.
+        Missing file, not GGUF, truncated, corrupt (non-finite weights), unsupported architecture, a
+        tokenizer that would be refused (``tokenizer=True``), or (``weights="quant"``) a matrix of a GGUF
+        type without a packed kernel.
 
     Examples
     --------
@@ -155,6 +160,12 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     # shapes checked, and tensors the model does not use left unread, before any tensor's bytes are read
     order = _check_tensors(arch, config, {t.name: tuple(int(n) for n in reversed(t.shape))
                                           for t in reader.tensors}, path)
+    if tokenizer:
+        from streamattn.text.tokenizer import Tokenizer
+        try:
+            Tokenizer.check_metadata(md)
+        except ValueError as e:
+            raise ModelFileError(f"{path}: {e}") from e
     used = set(order)
     # only the tensors' views of the file map outlive the reader (GGUFReader's field objects, the
     # tokenizer's ~100k strings as numpy parts, took ~160 MB for SmolLM2; the metadata is in md now)

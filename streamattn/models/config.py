@@ -57,8 +57,20 @@ class ModelConfig:
     name : str
     rope_linear : float
         Linear RoPE scaling (``rope.scaling.type = "linear"``): every inverse frequency divided by it
-        (1: none). Per-dimension divisors (llama3 scaling) are a tensor, ``rope_freqs.weight``, applied by
-        the transformer (:func:`streamattn.models.rope.inverse_frequencies`).
+        (1: none). Per-dimension divisors (llama3 scaling; Phi-3's long/short factors) are tensors,
+        ``rope_freqs.weight`` / ``rope_factors_{long,short}.weight``, applied by the transformer
+        (:func:`streamattn.models.rope.inverse_frequencies`).
+    rope_attn_factor : float
+        Multiplies cos and sin of the global base's RoPE tables, so every q·k of a global layer by its
+        square (``rope.scaling.attn_factor``: Phi-3 longrope's; ggml rope's ``mscale``); 1: none.
+    rope_orig_context : int or None
+        ``rope.scaling.original_context_length``: the context RoPE was trained at before scaling. Phi-3's
+        long factors are used for a context above it, YaRN's ramp is placed by it (docs/DESIGN.md §27);
+        None when the file is silent (then ``context_length``, as llama.cpp).
+    rope_yarn : float or None
+        YaRN's factor (``rope.scaling.type = "yarn"``): the global base's frequencies blended between
+        unchanged and divided by it (:func:`streamattn.models.rope.yarn_divisors`), and ``rope_attn_factor``
+        already multiplied by 1 + 0.1 ln(factor); None: no YaRN.
     attn_softcap, final_softcap : float or None
         Soft-capping (gemma2): every scaled attention score s becomes c * tanh(s / c) before the mask and
         the softmax (c = ``attn_softcap``), every output logit z becomes c * tanh(z / c) (c =
@@ -90,6 +102,9 @@ class ModelConfig:
     rope_linear: float = 1.0
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    rope_attn_factor: float = 1.0
+    rope_orig_context: int | None = None
+    rope_yarn: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.arch, str) or not self.arch:
@@ -111,7 +126,8 @@ class ModelConfig:
                              f"{self.n_layers}")
         if any(w is not None and w < 1 for w in self.layer_windows):
             raise ValueError(f"layer_windows entries must be None or >= 1 (got {self.layer_windows})")
-        for f in ("norm_eps", "rope_base", "rope_base_local", "attn_scale", "embed_scale", "rope_linear"):
+        for f in ("norm_eps", "rope_base", "rope_base_local", "attn_scale", "embed_scale", "rope_linear",
+                  "rope_attn_factor"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{f} must be a finite number > 0 (got {v!r})")
@@ -120,6 +136,12 @@ class ModelConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                                   or v <= 0):
                 raise ValueError(f"{f} must be None (no cap) or a finite number > 0 (got {v!r})")
+        y = self.rope_yarn
+        if y is not None and (isinstance(y, bool) or not isinstance(y, (int, float)) or not math.isfinite(y) or y < 1):
+            raise ValueError(f"rope_yarn must be None or a finite number >= 1 (got {self.rope_yarn!r})")
+        if self.rope_orig_context is not None and (not isinstance(self.rope_orig_context, int)
+                                                   or self.rope_orig_context < 1):
+            raise ValueError(f"rope_orig_context must be None or a positive integer (got {self.rope_orig_context!r})")
         if not isinstance(self.context_length, int) or self.context_length < 1:
             raise ValueError(f"context_length must be a positive integer (got {self.context_length!r})")
         if not (0 <= self.bos_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):
@@ -134,10 +156,11 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
-def common_fields(md) -> dict:
+def common_fields(md, *, longrope: bool = False, yarn: bool = False) -> dict:
     """The :class:`ModelConfig` fields that the llama-family files store under the same keys: sizes, norm
     eps, context, special tokens, name, the attention scale 1/sqrt(head_dim) and RoPE scaling
-    (:func:`rope_linear`). ``md``: a :class:`streamattn.gguf.metadata.Metadata` (typed, bounded reads).
+    (:func:`rope_scaling`, which ``longrope`` and ``yarn`` are passed to). ``md``: a
+    :class:`streamattn.gguf.metadata.Metadata` (typed, bounded reads).
 
     Raises
     ------
@@ -165,7 +188,7 @@ def common_fields(md) -> dict:
         bos_id=md.integer(Keys.Tokenizer.BOS_ID, 1, top=vocab - 1),
         eos_id=md.integer(Keys.Tokenizer.EOS_ID, 2, top=vocab - 1),
         name=str(md.md.get(Keys.General.NAME, ""))[:200],
-        attn_scale=1.0 / math.sqrt(head_dim), rope_linear=rope_linear(md),
+        attn_scale=1.0 / math.sqrt(head_dim), **rope_scaling(md, longrope=longrope, yarn=yarn),
     )
 
 
@@ -182,36 +205,75 @@ def optional_window(md):
 
 #: ``{arch}.rope.scaling.type`` values implemented. Llama-3.x scaling ("llama3" in HF configs) is not a
 #: type in GGUF: llama.cpp's converter stores it as per-dimension divisors, the ``rope_freqs.weight``
-#: tensor, which the architectures that accept it apply (:func:`streamattn.models.rope.inverse_frequencies`).
-ROPE_SCALINGS = ("none", "linear")
+#: tensor, which the architectures that accept it apply (:func:`streamattn.models.rope.inverse_frequencies`);
+#: Phi-3's su/longrope is not a type either: two tensors of divisors and an attention factor.
+ROPE_SCALINGS = ("none", "linear", "yarn")
+
+#: YaRN keys llama.cpp's loader does not read (it runs its defaults): a file may hold them at those values.
+_YARN_DEFAULTS = ((Keys.Rope.SCALING_YARN_BETA_FAST, 32.0), (Keys.Rope.SCALING_YARN_BETA_SLOW, 1.0),
+                  (Keys.Rope.SCALING_YARN_EXT_FACTOR, 1.0))
 
 
-def rope_linear(md) -> float:
-    """The linear RoPE factor of a file's ``{arch}.rope.scaling.*`` keys: 1 when unscaled, else the factor
-    every inverse frequency (of the global layers) is divided by, as llama.cpp's ``freq_scale`` = 1/factor.
+def rope_scaling(md, *, longrope: bool = False, yarn: bool = False) -> dict:
+    """The RoPE scaling fields of :class:`ModelConfig` from a file's ``{arch}.rope.scaling.*`` keys:
+    ``rope_linear`` (1 when unscaled, else the factor every inverse frequency of the global layers is
+    divided by, llama.cpp's ``freq_scale`` = 1/factor), ``rope_attn_factor``, ``rope_orig_context`` and
+    ``rope_yarn``.
+
+    ``longrope``: the architecture takes Phi-3's long/short factor tensors, whose attention factor
+    (``rope.scaling.attn_factor``, sqrt(1 + ln(s) / ln(original context)) for a context s times the
+    original) multiplies cos and sin, as ggml's rope ``mscale``. ``yarn``: the architecture takes YaRN
+    (one RoPE base: llama, qwen2, qwen3), run as llama.cpp runs it (docs/DESIGN.md §27).
 
     Raises
     ------
     ModelFileError
-        A scaling type other than :data:`ROPE_SCALINGS` (yarn, longrope, ...), a factor without a type,
-        or an attention factor other than 1, each naming the key and its value.
+        A scaling type other than :data:`ROPE_SCALINGS` (or yarn where not taken), a factor without a
+        type, an attention factor other than 1 outside longrope and yarn, a YaRN factor below 1, or a
+        YaRN key at a value llama.cpp would not run, each naming the key and its value.
     """
     kind = md.get(Keys.Rope.SCALING_TYPE, "none")
     factor = md.real(Keys.Rope.SCALING_FACTOR, 1.0)
-    if kind not in ROPE_SCALINGS:
+    kinds = ROPE_SCALINGS if yarn else ("none", "linear")
+    if longrope and kind == "longrope":          # converters other than Phi3MiniModel's name it
+        kind = "none"
+    if kind not in kinds:
         raise ModelFileError(f"{md.path}: RoPE scaling {str(kind)[:40]!r} ({md.key(Keys.Rope.SCALING_TYPE)}) "
-                             f"is not supported; supported: {', '.join(ROPE_SCALINGS)}, and llama3 factors "
-                             "in rope_freqs.weight")
+                             f"is not supported for architecture {md.arch!r}; supported: {', '.join(kinds)}, "
+                             "llama3 factors in rope_freqs.weight (llama), and Phi-3's longrope factors (phi3)")
     if kind == "none" and factor != 1.0:
         raise ModelFileError(f"{md.path}: metadata key {md.key(Keys.Rope.SCALING_FACTOR)!r} = {factor} without "
                              f"a scaling type; expected {md.key(Keys.Rope.SCALING_TYPE)} = 'linear' or factor 1")
     attn = md.real(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)
-    if attn != 1.0:
+    if attn != 1.0 and not (longrope or kind == "yarn"):
         raise ModelFileError(f"{md.path}: metadata key {md.key(Keys.Rope.SCALING_ATTN_FACTOR)!r} = {attn} is "
-                             "not supported (only 1: RoPE tables unscaled in magnitude)")
-    md.get(Keys.Rope.SCALING_ORIG_CTX_LEN, 0)      # used by yarn only: no effect on linear scaling
+                             f"not supported for architecture {md.arch!r} without YaRN (only 1: RoPE tables "
+                             "unscaled in magnitude; phi3 longrope files take it)")
+    orig = md.integer(Keys.Rope.SCALING_ORIG_CTX_LEN, 0, top=(1 << 31) - 1) or None
     md.get(Keys.Rope.SCALING_FINETUNED, False)     # a note on training: no effect on the forward pass
-    return factor if kind == "linear" else 1.0
+    out = dict(rope_linear=factor if kind == "linear" else 1.0, rope_attn_factor=attn, rope_orig_context=orig)
+    if kind == "yarn":
+        if factor < 1.0:
+            raise ModelFileError(f"{md.path}: metadata key {md.key(Keys.Rope.SCALING_FACTOR)!r} = {factor}: a YaRN "
+                                 "factor below 1 is not supported (llama.cpp and HF scale its attention "
+                                 "differently there)")
+        # llama.cpp's loader reads none of these keys and runs its defaults; HF would run the file's values
+        for key, default in _YARN_DEFAULTS:
+            v = md.real(key, default)
+            if v != default:
+                raise ModelFileError(f"{md.path}: metadata key {md.key(key)!r} = {v} is not supported (only "
+                                     f"{default:g}, the value llama.cpp runs)")
+        mscale = 1.0 + 0.1 * math.log(factor)      # HF's default attention factor, llama.cpp's mscale
+        v = md.get(Keys.Rope.SCALING_YARN_ATTN_FACTOR, mscale)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isclose(v, mscale, rel_tol=1e-6):
+            raise ModelFileError(f"{md.path}: metadata key {md.key(Keys.Rope.SCALING_YARN_ATTN_FACTOR)!r} = "
+                                 f"{str(v)[:40]} is not supported (only 1 + 0.1 ln(factor) = {mscale:.6g}, what "
+                                 "llama.cpp runs)")
+        if md.get(Keys.Rope.SCALING_YARN_LOG_MUL, 0.0) != 0.0:
+            raise ModelFileError(f"{md.path}: metadata key {md.key(Keys.Rope.SCALING_YARN_LOG_MUL)!r} = "
+                                 f"{str(md.get(Keys.Rope.SCALING_YARN_LOG_MUL))[:40]} is not supported (only 0)")
+        out.update(rope_yarn=factor, rope_attn_factor=attn * mscale)
+    return out
 
 
 @dataclass(frozen=True)
@@ -235,6 +297,8 @@ def tensor_name(tensor, layer: int | None = None) -> str:
 #: tied to the embedding), and RoPE's per-dimension frequency divisors (llama3 scaling, where accepted).
 EMBEDDING, OUTPUT_NORM, OUTPUT, ROPE_FREQS = (MODEL_TENSOR.TOKEN_EMBD, MODEL_TENSOR.OUTPUT_NORM, MODEL_TENSOR.OUTPUT,
                                               MODEL_TENSOR.ROPE_FREQS)
+#: Phi-3's su/longrope divisors: one set for a context above ``rope_orig_context``, one for a context within.
+ROPE_LONG, ROPE_SHORT = MODEL_TENSOR.ROPE_FACTORS_LONG, MODEL_TENSOR.ROPE_FACTORS_SHORT
 
 
 def block_shapes(c: ModelConfig) -> dict:
@@ -242,7 +306,7 @@ def block_shapes(c: ModelConfig) -> dict:
     :class:`Bias` has the shape ``[out]`` of its weight's rows)."""
     d, T = c.d_model, MODEL_TENSOR
     return {EMBEDDING: (c.vocab_size, d), OUTPUT: (c.vocab_size, d), OUTPUT_NORM: (d,),
-            ROPE_FREQS: (c.head_dim // 2,),
+            ROPE_FREQS: (c.head_dim // 2,), ROPE_LONG: (c.head_dim // 2,), ROPE_SHORT: (c.head_dim // 2,),
             T.ATTN_NORM: (d,), T.ATTN_Q: (c.q_dim, d), T.ATTN_K: (c.kv_dim, d), T.ATTN_V: (c.kv_dim, d),
             T.ATTN_OUT: (d, c.q_dim), T.FFN_NORM: (d,), T.FFN_GATE: (c.d_ff, d), T.FFN_UP: (c.d_ff, d),
             T.FFN_DOWN: (d, c.d_ff), T.ATTN_Q_NORM: (c.head_dim,), T.ATTN_K_NORM: (c.head_dim,),

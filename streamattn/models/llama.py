@@ -10,9 +10,10 @@ exact up to 4096 positions; later Mistral models have no window. llama.cpp's con
 unchanged by a permutation applied to both, so the cache and attention never need to know (docs/DESIGN.md
 §10).
 
-RoPE scaling: linear (``llama.rope.scaling.*``) and Llama-3.x's, which llama.cpp's converter precomputes
-into ``rope_freqs.weight``: one divisor per frequency (1 for the high frequencies, ``factor`` for the low
-ones, a smooth blend between), as ggml's rope ``freq_factors``. Both are applied by the transformer
+RoPE scaling: linear and YaRN (``llama.rope.scaling.*``, YaRN as llama.cpp runs it: docs/DESIGN.md §27)
+and Llama-3.x's, which llama.cpp's converter precomputes into ``rope_freqs.weight``: one divisor per
+frequency (1 for the high frequencies, ``factor`` for the low ones, a smooth blend between), as ggml's
+rope ``freq_factors``. All are applied by the transformer
 (:func:`streamattn.models.rope.inverse_frequencies`); any other scaling is refused by name.
 """
 
@@ -25,7 +26,7 @@ from streamattn.models.config import OUTPUT, ROPE_FREQS, Architecture, ModelConf
 
 def config(md) -> ModelConfig:
     """``md``: a :class:`streamattn.gguf.metadata.Metadata` of a llama file."""
-    c = common_fields(md)
+    c = common_fields(md, yarn=True)
     base = md.real(Keys.Rope.FREQ_BASE, 10_000.0)
     return ModelConfig(**c, rope_base=base, rope_base_local=base, rope_style="interleaved",
                        layer_windows=(optional_window(md),) * c["n_layers"], embed_scale=1.0, activation="silu",

@@ -4,7 +4,8 @@ The llama block with a bias on the q, k and v projections (none on the output pr
 two halves of each head ("neox": llama.cpp's converter does not permute Qwen's rows), the base from
 ``qwen2.rope.freq_base``. Small models tie the output matrix to the embedding (no ``output.weight``).
 The file carries no sliding window: HF's ``use_sliding_window`` is off in every released Qwen2 model,
-and llama.cpp runs every layer global too.
+and llama.cpp runs every layer global too. YaRN (``qwen2.rope.scaling.type = "yarn"``: Qwen2.5 past 32k
+positions) is run as llama.cpp runs it (docs/DESIGN.md §27).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from streamattn.models.config import Architecture, Bias, ModelConfig, common_fie
 
 def config(md) -> ModelConfig:
     """``md``: a :class:`streamattn.gguf.metadata.Metadata` of a qwen2 file."""
-    c = common_fields(md)
+    c = common_fields(md, yarn=True)
     base = md.real(Keys.Rope.FREQ_BASE, 10_000.0)
     return ModelConfig(**c, rope_base=base, rope_base_local=base, rope_style="neox",
                        layer_windows=(None,) * c["n_layers"], embed_scale=1.0, activation="silu",

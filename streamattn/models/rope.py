@@ -7,6 +7,8 @@ float32 once; the rotation itself runs in float32 (:func:`rope`, or the model's 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 #: Positions per block of :class:`RopeTables` (a decode stream recomputes tables every ROPE_BLOCK steps).
@@ -34,6 +36,33 @@ def inverse_frequencies(base: float, head_dim: int, *, linear: float = 1.0, fact
     return inv / linear if linear != 1.0 else inv
 
 
+#: YaRN's ramp ends, in rotations over the original context: llama.cpp's defaults (its loader reads no
+#: file key for them), and HF's when a config names none.
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+
+
+def yarn_divisors(base: float, head_dim: int, *, factor: float, context_orig: int) -> np.ndarray:
+    """float64 [head_dim/2] per-dimension divisors of YaRN (ggml's rope with ext_factor 1), for
+    :func:`inverse_frequencies`' ``factors``.
+
+    Dimension i turns at ``inv_i * ((1 - r_i) / factor + r_i)``: r_i = 1 (unchanged: extrapolated) for the
+    fast dimensions, which turn more than :data:`YARN_BETA_FAST` times over ``context_orig`` positions, 0
+    (divided by ``factor``: interpolated) for the slow ones, which turn less than :data:`YARN_BETA_SLOW`
+    times, and a linear ramp over i between (ends floored and ceiled to whole dimensions, as ggml's
+    ``ggml_rope_yarn_corr_dims`` and HF's ``truncate``). The attention factor 1 + 0.1 ln(factor) is
+    applied to the tables, not here.
+
+    >>> yarn_divisors(1e4, 8, factor=4.0, context_orig=4096).round(3)
+    array([1.   , 1.   , 1.6  , 4.   ])
+    """
+    def dim(rotations):
+        return head_dim * math.log(context_orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = max(0.0, math.floor(dim(YARN_BETA_FAST))), min(head_dim - 1.0, math.ceil(dim(YARN_BETA_SLOW)))
+    i = np.arange(head_dim // 2, dtype=np.float64)
+    r = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)              # [hd/2] 1: extrapolated
+    return 1.0 / ((1.0 - r) / factor + r)
+
+
 def rope(xp, x, cos, sin, style):
     """Rotate pairs of x: [..., hd] by full-width tables cos, sin: [..., hd] (see ``rope_tables``).
 
@@ -49,10 +78,13 @@ def rope(xp, x, cos, sin, style):
     return x * cos + partner * sin
 
 
-def rope_tables(pos, inv_freq, style):
-    """Full-width (cos, signed sin) float32 tables [*pos.shape, hd] for :func:`rope`."""
+def rope_tables(pos, inv_freq, style, scale: float = 1.0):
+    """Full-width (cos, signed sin) float32 tables [*pos.shape, hd] for :func:`rope`, both multiplied by
+    ``scale`` (an attention factor: ggml rope's ``mscale``; 1 leaves the tables as they were, bit for bit)."""
     ang = pos[..., None].astype(np.float64) * inv_freq                            # [..., hd/2]
     c, s = np.cos(ang), np.sin(ang)
+    if scale != 1.0:
+        c, s = c * scale, s * scale
     if style == "interleaved":
         return (np.repeat(c, 2, axis=-1).astype(np.float32),
                 np.stack([-s, s], axis=-1).reshape(*s.shape[:-1], -1).astype(np.float32))
@@ -72,6 +104,8 @@ class RopeTables:
     ----------
     inv_freq : dict base -> float64 [hd/2]
     style : {"interleaved", "neox"}
+    scale : dict base -> float, optional
+        Each base's attention factor (:func:`rope_tables`' ``scale``; absent: 1).
 
     Examples
     --------
@@ -81,8 +115,9 @@ class RopeTables:
     (1, 2, 1, 4)
     """
 
-    def __init__(self, inv_freq: dict, style: str):
+    def __init__(self, inv_freq: dict, style: str, scale: dict | None = None):
         self.inv_freq, self.style = inv_freq, style
+        self.scale = {b: (scale or {}).get(b, 1.0) for b in inv_freq}
         self._block = (0, None)     # (first position, {base: (cos, sin) [ROPE_BLOCK, 1, hd]}), swapped whole
 
     def __call__(self, pos) -> dict:
@@ -93,10 +128,11 @@ class RopeTables:
         start, block = self._block
         if block is None or lo < start or hi >= start + ROPE_BLOCK:
             if hi - lo >= ROPE_BLOCK:
-                return {b: rope_tables(pos[:, :, None], f, self.style) for b, f in self.inv_freq.items()}
+                return {b: rope_tables(pos[:, :, None], f, self.style, self.scale[b])
+                        for b, f in self.inv_freq.items()}
             start = lo
             at = np.arange(start, start + ROPE_BLOCK, dtype=np.int64)[:, None]    # [ROPE_BLOCK, 1]
-            block = {b: rope_tables(at, f, self.style) for b, f in self.inv_freq.items()}
+            block = {b: rope_tables(at, f, self.style, self.scale[b]) for b, f in self.inv_freq.items()}
             self._block = (start, block)
         if one:                                                                    # views, no gather
             i = lo - start

@@ -36,9 +36,10 @@ from streamattn import CacheSpec, KVCache
 from streamattn.models import compiled
 from streamattn.models.architectures import ARCHITECTURES
 from streamattn.models.array_ops import ArrayOps, embed_rows, norm_linear
-from streamattn.models.config import EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS, ModelConfig, tensor_name
+from streamattn.models.config import (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS, ROPE_LONG, ROPE_SHORT, ModelConfig,
+                                      tensor_name)
 from streamattn.models.layer import LayerWeights, decoder_layer
-from streamattn.models.rope import RopeTables, inverse_frequencies, rope_tables
+from streamattn.models.rope import RopeTables, inverse_frequencies, rope_tables, yarn_divisors
 from streamattn.quant.matmul import KernelPlan, Matmuls
 from streamattn.quant.weights import QWeight, concat_rows
 from streamattn.threads import many_threads
@@ -69,6 +70,28 @@ def _layer_weight(c: ModelConfig, field: str, names: tuple, w: dict, fused: dict
     return f if f is not None else _cat_rows([w[n] for n in names])
 
 
+def _rope_factors(c: ModelConfig, w: dict, context: int) -> tuple:
+    """(which, [hd/2] per-dimension RoPE divisors or None) of a model run for ``context`` positions per
+    sequence: llama3's ``rope_freqs`` (times YaRN's divisors, where the file has both, as ggml composes
+    them); or Phi-3's long set when ``context`` exceeds the original context (llama.cpp's
+    ``n_ctx_per_seq > n_ctx_orig_yarn``), else its short set."""
+    if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context < 1:
+        raise ValueError(f"context must be a positive integer (positions per sequence; got {context!r})")
+    long, short = w.get(tensor_name(ROPE_LONG)), w.get(tensor_name(ROPE_SHORT))
+    if long is None and short is None:
+        factors = w.get(tensor_name(ROPE_FREQS))
+        if c.rope_yarn is not None:
+            y = yarn_divisors(c.rope_base, c.head_dim, factor=c.rope_yarn,
+                              context_orig=c.context_length if c.rope_orig_context is None else c.rope_orig_context)
+            factors = y if factors is None else np.asarray(factors, np.float64) * y
+        return None, factors
+    if long is None or short is None:
+        raise ValueError(f"RoPE factors {tensor_name(ROPE_LONG)!r} and {tensor_name(ROPE_SHORT)!r} come as a "
+                         f"pair; the model has only {tensor_name(ROPE_SHORT if long is None else ROPE_LONG)!r}")
+    orig = c.context_length if c.rope_orig_context is None else c.rope_orig_context
+    return ("long", long) if context > orig else ("short", short)
+
+
 def _to_device(xp, w):
     """A weight as an ``xp`` array: packed blocks are dequantized to float32 (the GPU path's copy)."""
     if isinstance(w, QWeight):
@@ -90,6 +113,11 @@ class Transformer:
     plan : streamattn.quant.matmul.KernelPlan, optional
         Which packed-weight kernels its matmuls run (default: this CPU's best, ``KernelPlan()``); every
         plan gives the same bits. Kept for the model's life (:attr:`plan`, :attr:`matmuls`).
+    context : int, optional
+        The positions per sequence this model is run for (default: the file's ``context_length``, as
+        llama.cpp's default context). It picks Phi-3's long RoPE factors when above the file's
+        ``rope_orig_context``, else the short ones, once for the model's life (:attr:`rope_factors`;
+        docs/DESIGN.md §27); other models ignore it.
 
     Examples
     --------
@@ -98,7 +126,7 @@ class Transformer:
     >>> logits = tf.forward(np.array([[1, 2, 3]]), caches)          # [1, 3, vocab]
     """
 
-    def __init__(self, model, xp=np, *, plan: KernelPlan | None = None):
+    def __init__(self, model, xp=np, *, plan: KernelPlan | None = None, context: int | None = None):
         self.config: ModelConfig = model.config
         self.xp = xp
         self._plan = KernelPlan() if plan is None else plan
@@ -117,13 +145,15 @@ class Transformer:
         #: the same bits); False runs every layer as array code.
         self.compile_layers = True
         self._compiled = None
-        # RoPE scaling (linear, and llama3's per-dimension divisors in rope_freqs.weight) applies to the
-        # global base; a distinct local base is unscaled (Gemma-3: HF's local rotary is the default one,
-        # llama.cpp's rope_freq_scale_train_swa is 1)
-        factors = w.get(tensor_name(ROPE_FREQS))
+        # RoPE scaling (linear, per-dimension divisors, the attention factor) applies to the global base; a
+        # distinct local base is unscaled (Gemma-3: HF's local rotary is the default one, llama.cpp's
+        # rope_freq_scale_train_swa is 1)
+        #: Which of Phi-3's RoPE factor sets this model runs: "long", "short", or None (the file has none).
+        self.rope_factors, factors = _rope_factors(c, w, c.context_length if context is None else context)
         self._rope = RopeTables({base: inverse_frequencies(base, c.head_dim, **(
                                     dict(linear=c.rope_linear, factors=factors) if base == c.rope_base else {}))
-                                 for base in {c.rope_base, c.rope_base_local}}, c.rope_style)
+                                 for base in {c.rope_base, c.rope_base_local}}, c.rope_style,
+                                scale={c.rope_base: c.rope_attn_factor})
 
     @property
     def plan(self) -> KernelPlan:
@@ -207,7 +237,8 @@ class Transformer:
     # ------------------------------------------------------------------ forward
     def rope_tables_at(self, pos, base):
         """(cos, sin) [B, T, 1, hd] of RoPE base ``base`` at positions ``pos`` [B, T], computed now."""
-        cos, sin = rope_tables(pos[:, :, None], self._rope.inv_freq[base], self.config.rope_style)
+        cos, sin = rope_tables(pos[:, :, None], self._rope.inv_freq[base], self.config.rope_style,
+                               self._rope.scale[base])
         return self.xp.asarray(cos), self.xp.asarray(sin)
 
     def rope_base_of(self, i: int) -> float:

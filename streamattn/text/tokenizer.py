@@ -161,33 +161,14 @@ class Tokenizer:
             setting it implements only in part (``add_sep_token``, ``remove_extra_whitespaces``, a
             SentencePiece vocabulary without its 256 byte tokens).
         """
-        family = md.get("tokenizer.ggml.model")
-        tokens = list(md.get("tokenizer.ggml.tokens") or [])
-        if not tokens:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens; cannot build a tokenizer")
-        types = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-        if len(types) != len(tokens):
-            raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries, tokenizer.ggml.tokens "
-                             f"{len(tokens)}; expected one type per token")
-        _check_keys(md)
-        pre = None
+        family, tokens, types, pre, rules = _checked(md)
         if family == "gpt2":
-            pre = md.get("tokenizer.ggml.pre")
-            rules = PRE_TOKENIZERS.get(pre) if isinstance(pre, str) else None
-            if rules is None:
-                raise ValueError(f"tokenizer.ggml.pre={pre!r} is not supported, so this BPE tokenizer is refused "
-                                 f"rather than approximated (supported: {', '.join(PRE_TOKENIZERS)})")
             hf, tb = _build_bpe(tokens, types, md, rules)
             add_bos_default = rules.add_bos
-        elif family == "llama":
+        else:
             hf, tb = _build_spm(tokens, types, md)
             add_bos_default = True
-        else:
-            raise ValueError(f"tokenizer.ggml.model={family!r} is not supported (expected 'gpt2' or 'llama')")
         add_bos = _flag(md, "add_bos_token", add_bos_default)
-        if add_bos and family == "gpt2" and "tokenizer.ggml.bos_token_id" not in md:
-            raise ValueError(f"tokenizer.ggml.pre={pre!r} adds a BOS token (tokenizer.ggml.add_bos_token absent or "
-                             "true) but the file has no tokenizer.ggml.bos_token_id")
         special = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN))
         eos = _token_id(md, "eos_token_id", len(tokens), 2 if family == "llama" else 0)
         stops = {eos} | {_token_id(md, k, len(tokens), eos) for k in ("eot_token_id", "eom_token_id")}
@@ -200,6 +181,20 @@ class Tokenizer:
                    special_ids=special, token_bytes=tb, chat_template=md.get("tokenizer.chat_template"),
                    stop_ids=frozenset(stops), add_eos=_flag(md, "add_eos_token", False), pre=pre,
                    space_prefix=family == "llama" and _flag(md, "add_space_prefix", True))
+
+    @staticmethod
+    def check_metadata(md: dict) -> None:
+        """Every refusal of :meth:`from_metadata` that the keys decide, with the same messages, without
+        building anything: what a loader runs before reading any weight
+        (:func:`streamattn.gguf.loader.load_gguf`). Left to :meth:`from_metadata`: the vocabulary's own
+        merge check (dbrx, gpt-4o pre-tokenizers), which needs the tokenizer built.
+
+        Raises
+        ------
+        ValueError
+            As :meth:`from_metadata`.
+        """
+        _checked(md)
 
     @property
     def vocab_size(self) -> int:
@@ -335,6 +330,51 @@ class Tokenizer:
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
+def _checked(md: dict) -> tuple:
+    """(family, tokens, types, pre, PreTokenizer rules or None) of metadata that passes every check its keys
+    decide (:meth:`Tokenizer.check_metadata`), else ValueError naming the key."""
+    family = md.get("tokenizer.ggml.model")
+    tokens = list(md.get("tokenizer.ggml.tokens") or [])
+    if not tokens:
+        raise ValueError("GGUF metadata has no tokenizer.ggml.tokens; cannot build a tokenizer")
+    types = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    if len(types) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries, tokenizer.ggml.tokens "
+                         f"{len(tokens)}; expected one type per token")
+    _check_keys(md)
+    pre = rules = None
+    if family == "gpt2":
+        pre = md.get("tokenizer.ggml.pre")
+        rules = PRE_TOKENIZERS.get(pre) if isinstance(pre, str) else None
+        if rules is None:
+            raise ValueError(f"tokenizer.ggml.pre={pre!r} is not supported, so this BPE tokenizer is refused "
+                             f"rather than approximated (supported: {', '.join(PRE_TOKENIZERS)})")
+        if _flag(md, "add_space_prefix", False):
+            raise ValueError("metadata key 'tokenizer.ggml.add_space_prefix' = True is not implemented for a BPE "
+                             f"(gpt2) tokenizer with tokenizer.ggml.pre={pre!r}")
+    elif family == "llama":
+        have = {t for t, ty in zip(tokens, types) if ty == BYTE}
+        missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in have]
+        if missing:
+            raise ValueError(f"this SentencePiece (tokenizer.ggml.model='llama') vocabulary lacks {len(missing)} "
+                             f"of the 256 byte tokens (first: {missing[0]}); tokenizing without byte fallback is "
+                             "not implemented")
+        _flag(md, "add_space_prefix", True)
+        _token_id(md, "unknown_token_id", len(tokens), 0)
+    else:
+        raise ValueError(f"tokenizer.ggml.model={family!r} is not supported (expected 'gpt2' or 'llama')")
+    add_bos = _flag(md, "add_bos_token", rules.add_bos if rules is not None else True)
+    if add_bos and family == "gpt2" and "tokenizer.ggml.bos_token_id" not in md:
+        raise ValueError(f"tokenizer.ggml.pre={pre!r} adds a BOS token (tokenizer.ggml.add_bos_token absent or "
+                         "true) but the file has no tokenizer.ggml.bos_token_id")
+    eos = _token_id(md, "eos_token_id", len(tokens), 2 if family == "llama" else 0)
+    for key in ("eot_token_id", "eom_token_id"):
+        _token_id(md, key, len(tokens), eos)
+    _token_id(md, "bos_token_id", len(tokens), 1 if family == "llama" else 0)
+    _flag(md, "add_eos_token", False)
+    return family, tokens, types, pre, rules
+
+
 def _check_keys(md: dict) -> None:
     """ValueError naming the first ``tokenizer.ggml.*`` key that is neither read here nor without effect:
     it may change the tokenization (a normalizer, a new flag), so the file is refused, not approximated."""
@@ -382,9 +422,6 @@ def _add_tokens(hf: HFTokenizer, tokens, types, *, rstrip=frozenset()) -> None:
 
 
 def _build_bpe(tokens, types, md, rules: PreTokenizer):
-    if _flag(md, "add_space_prefix", False):
-        raise ValueError("metadata key 'tokenizer.ggml.add_space_prefix' = True is not implemented for a BPE "
-                         f"(gpt2) tokenizer with tokenizer.ggml.pre={md.get('tokenizer.ggml.pre')!r}")
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges") or []]
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
@@ -434,11 +471,6 @@ _PHI3_NOT_RSTRIP = frozenset({"<unk>", "<s>", "<|endoftext|>"})
 
 def _build_spm(tokens, types, md):
     scores = list(md.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
-    have = {t for t, ty in zip(tokens, types) if ty == BYTE}
-    missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in have]
-    if missing:
-        raise ValueError(f"this SentencePiece (tokenizer.ggml.model='llama') vocabulary lacks {len(missing)} of the "
-                         f"256 byte tokens (first: {missing[0]}); tokenizing without byte fallback is not implemented")
     vocab = {t: i for i, t in enumerate(tokens)}
     normal = {t: s for t, s, ty in zip(tokens, scores, types) if ty == NORMAL}
     merges = []                                   # HF's SentencePieceExtractor rule
