@@ -34,9 +34,7 @@ def hadamard(head_dim: int) -> np.ndarray:
     """
     if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)) or head_dim < 1:
         raise ValueError(f"head_dim must be an integer >= 1 (got {head_dim!r})")
-    sizes = [QBLOCK] * (head_dim // QBLOCK)
-    tail = head_dim % QBLOCK
-    sizes += [1 << b for b in reversed(range(tail.bit_length())) if tail >> b & 1]   # 16 = 16, 24 = 16 + 8
+    sizes = _block_sizes(head_dim)                              # 80 = 32 + 32 + 16, 24 = 16 + 8
     H = np.zeros((head_dim, head_dim))
     start = 0
     for n in sizes:
@@ -52,14 +50,31 @@ def hadamard(head_dim: int) -> np.ndarray:
 def rotate(x, xp=np):
     """``x @ H`` over the last axis (head_dim): the frame a rotated cache stores keys and scores queries in.
 
-    x : float [..., head_dim] on ``xp``'s device; computed in float64 for float64 input, else in float32.
-    Returns a new array of x's shape and dtype.
+    x : float [..., head_dim] on ``xp``'s device. Returns a new array of x's shape and dtype.
+
+    Computed as Walsh–Hadamard butterflies (a + b, a − b) per block, in float64, then one scale by 1/√n
+    and one rounding to x's dtype: every output element is the same fixed sequence of element-wise
+    operations on its own row, so a row's result does not depend on how many rows share the call (a
+    matrix product would: BLAS picks its kernel and summation order by shape), which the batch invariance
+    of docs/DESIGN.md §5 and exact speculation (§17) need. The float64 sums of ±float32 values are exact
+    for rows whose values span less than 2^29, so the result is x @ H rounded once.
     """
-    dt = np.float64 if x.dtype == np.float64 else np.float32
-    H = _on_device(x.shape[-1], np.dtype(dt).name, xp)
-    return (x.astype(dt, copy=False) @ H).astype(x.dtype, copy=False)
+    d = x.shape[-1]
+    y = x.astype(np.float64)                                     # [..., head_dim], a copy
+    start = 0
+    for n in _block_sizes(d):
+        h = n // 2
+        while h >= 1:                                            # [[B, B], [B, -B]]: halves, then quarters, ...
+            blk = y[..., start:start + n].reshape(*y.shape[:-1], n // (2 * h), 2, h)
+            a, b = blk[..., 0, :], blk[..., 1, :]
+            y[..., start:start + n] = xp.stack([a + b, a - b], axis=-2).reshape(*y.shape[:-1], n)
+            h //= 2
+        y[..., start:start + n] *= 1.0 / np.sqrt(n)
+        start += n
+    return y.astype(x.dtype)
 
 
-@functools.cache
-def _on_device(head_dim: int, dtype: str, xp):
-    return xp.asarray(hadamard(head_dim).astype(dtype))
+def _block_sizes(head_dim: int) -> list:
+    """Blocks of QBLOCK, then the tail's powers of two, largest first (80 -> [32, 32, 16])."""
+    tail = head_dim % QBLOCK
+    return [QBLOCK] * (head_dim // QBLOCK) + [1 << b for b in reversed(range(tail.bit_length())) if tail >> b & 1]

@@ -53,12 +53,12 @@ class History:
                        for dt in ((spec.dtype, spec.v_dtype) if spec is not None else ("float32",) * 2)]
         # float16 sinks (spec.sink_dtype): positions < n_s are kept as float16 rounds them
         self.sinks16 = spec.sinks if spec is not None and getattr(spec, "sink_dtype", None) else 0
-        # a rotate_k cache stores k @ H (in float32, then cast) and scores q @ H: kept and scored the same here
+        # a rotate_k cache stores k @ H (rounded once to float32, then cast) and scores q @ H: kept and scored the same here
         self.H = rotation(spec.head_dim) if spec is not None and spec.rotate_k else None
 
     def append(self, k, v, counts):
         if self.H is not None:
-            k = np.asarray(k, np.float32) @ self.H.astype(np.float32)
+            k = (np.asarray(k, np.float64) @ self.H).astype(np.float32)      # k @ H rounded once, as stored
         raw = k, v
         if self.stored != ["float32", "float32"]:
             k, v = as_stored(k, self.stored[0]), as_stored(v, self.stored[1])

@@ -46,10 +46,16 @@ class Spy:
         monkeypatch.setattr(compiled, "run_layer", call)
 
 
+#: The compiled layer stages keys as they come and keeps the sinks inside the ring, so these tests ask for
+#: quantized caches without the rotation and float16 sinks that are the defaults (docs/DESIGN.md §24); a
+#: cache with either runs the array layer (test_rotated_and_float16_sink_caches_run_the_array_layer).
+PLAIN = dict(rotate_k=False, sink_dtype=None)
+
+
 def run(tf, compile_layers, prompt, steps, *, batch=1, **cache_kw):
     """Logits of a prompt chunk then greedy steps, and the caches after, both ways."""
     tf.compile_layers = compile_layers
-    caches = tf.new_caches(batch=batch, max_chunk=len(prompt[0]), **cache_kw)
+    caches = tf.new_caches(batch=batch, max_chunk=len(prompt[0]), **{**PLAIN, **cache_kw})
     out = [tf.forward(np.array(prompt), caches)]
     for _ in range(steps):
         out.append(tf.forward(out[-1][:, -1:].argmax(-1), caches))
@@ -109,11 +115,28 @@ def test_quantized_and_mixed_caches_run_compiled_with_the_array_layers_bits(tmp_
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("dtype,mode", [("q4_0", "full"), ("q8_0", "sinks")])
+def test_rotated_and_float16_sink_caches_run_the_array_layer(tmp_path, monkeypatch, dtype, mode):
+    """The defaults for a quantized K (keys rotated) and for a sinks cache with quantized K/V (float16 sinks,
+    its k/v holding only the ring): the compiled layer hands every layer back, and the logits are those of
+    the array layer."""
+    tf = tiny(tmp_path, "llama")
+    kw = dict(dtype=dtype, mode=mode, window=None if mode == "full" else 5, sinks=2 if mode == "sinks" else 0,
+              rotate_k=None, sink_dtype="auto")
+    spy = Spy(monkeypatch)
+    want = run(tf, False, [[5, 9, 3, 17, 4, 8]], 4, **kw)
+    got = run(tf, True, [[5, 9, 3, 17, 4, 8]], 4, **kw)
+    c = got[1][0]
+    assert c.spec.rotate_k and (c.sink_k is not None) == (mode == "sinks")
+    assert spy.done == 0
+    assert_same(got, want)
+
+
 def run_ragged(tf, compile_layers, chunks, *, batch, **cache_kw):
     """Logits of each sequence's real tokens over ragged chunks (tokens [B, T], counts [B]), and the caches
     after (padding positions have no defined logits)."""
     tf.compile_layers = compile_layers
-    caches = tf.new_caches(batch=batch, max_chunk=max(len(t[0]) for t, _ in chunks), **cache_kw)
+    caches = tf.new_caches(batch=batch, max_chunk=max(len(t[0]) for t, _ in chunks), **{**PLAIN, **cache_kw})
     out = []
     for tokens, counts in chunks:
         logits = tf.forward(np.array(tokens), caches, counts=np.array(counts))
@@ -223,7 +246,7 @@ def test_refusals_raise_the_array_layers_error_and_leave_the_same_state(tmp_path
     errors, after = [], []
     for compile_layers in (False, True):
         tf.compile_layers = compile_layers
-        caches = tf.new_caches(max_chunk=4, max_len=5, dtype=dtype, dtype_v=dtype_v)
+        caches = tf.new_caches(max_chunk=4, max_len=5, dtype=dtype, dtype_v=dtype_v, **PLAIN)
         if case == "max_len":
             tf.forward(np.array([[3, 4, 5, 6]]), caches)
         before = [clone(c) for c in caches]

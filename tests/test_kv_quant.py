@@ -349,8 +349,9 @@ def _stream_with_q_sink(spec, backend, steps, chunks, seed):
                 continue
             hk, hv = (np.concatenate(x[b], axis=1) for x in (hist.k, hist.v))
             L = hk.shape[1]
-            ro, rl = attention(q[b, :, :c], hk, hv, np.arange(L - c, L), window=spec.window, sinks=spec.sinks,
-                               q_sink=q_sink[b, :, :c])
+            H = np.eye(spec.head_dim) if hist.H is None else hist.H          # keys stored rotated: so is q
+            ro, rl = attention(q[b, :, :c] @ H, hk, hv, np.arange(L - c, L), window=spec.window, sinks=spec.sinks,
+                               q_sink=q_sink[b, :, :c] @ H)
             err = np.abs(out[b, :, :c] - ro).max() / np.abs(ro).max()
             assert err <= TOL["float32"] and np.abs(lse[b, :, :c] - rl).max() <= 1e-4, (step, b, err)
     return cache
@@ -360,7 +361,7 @@ def _stream_with_q_sink(spec, backend, steps, chunks, seed):
 @pytest.mark.parametrize("dtype,dtype_v", [("q4_0", None), ("q8_0", "q4_0")])
 def test_float16_sinks_with_queries_at_cache_positions(backend, dtype, dtype_v):
     """The sink part is scored with q_sink, the ring part with q (docs/DESIGN.md §13), ragged, GQA 6/2,
-    chunks 1..3 through >= 3 wraps."""
+    chunks 1..3 through >= 3 wraps; the keys rotated (the default for a quantized K), sinks included."""
     spec = CacheSpec(batch=2, kv_heads=2, head_dim=64, dtype=dtype, dtype_v=dtype_v, window=4, sinks=2, max_chunk=3)
     _stream_with_q_sink(spec, backend, 3 * spec.slots + 4, [1, 3, 2, 3, 1], seed=11)
 
@@ -370,9 +371,10 @@ def test_float16_sinks_hold_float16_values():
     sink_dtype=None every row is quantized, as before. The sink store is counted in nbytes."""
     rng = np.random.default_rng(4)
     x = rng.standard_normal((1, 2, 7, 64)).astype(np.float32)
-    split = KVCache(CacheSpec(batch=1, kv_heads=2, head_dim=64, dtype="q4_0", window=4, sinks=3, max_chunk=7))
+    split = KVCache(CacheSpec(batch=1, kv_heads=2, head_dim=64, dtype="q4_0", window=4, sinks=3, max_chunk=7,
+                              rotate_k=False))                       # keys as given (rotation: test_kv_rotation)
     same = KVCache(CacheSpec(batch=1, kv_heads=2, head_dim=64, dtype="q4_0", window=4, sinks=3, max_chunk=7,
-                             sink_dtype=None))
+                             sink_dtype=None, rotate_k=False))
     for c in (split, same):
         c.append(x, -x)
     k, v, pos = split.temporal_view(0)

@@ -174,3 +174,16 @@ def test_the_flag_reaches_the_caches():
             is (want is None)
     with pytest.raises(ValueError, match="rotate_k"):
         ModelOptions(rotate_k="off")
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_a_rows_rotation_does_not_depend_on_the_other_rows(head_dim):
+    """Batch invariance (docs/DESIGN.md §5): a row rotated alone has the bits it has inside any batch or
+    chunk (a matrix product would not promise that), and equals x @ H rounded once from float64."""
+    rng = np.random.default_rng(head_dim)
+    x = (rng.standard_normal((3, 4, 9, head_dim)) * rng.uniform(0.01, 20, head_dim)).astype(np.float32)
+    whole = rotate(x)
+    assert whole.dtype == np.float32 and np.array_equal(whole, (x.astype(np.float64) @ rotation(head_dim)).astype(np.float32))
+    for b, h, t in [(0, 0, 0), (2, 3, 8), (1, 2, 4)]:
+        assert np.array_equal(rotate(x[b, h, t]), whole[b, h, t])
+        assert np.array_equal(rotate(x[b:b + 1, :, t:t + 1]), whole[b:b + 1, :, t:t + 1])
