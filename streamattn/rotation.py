@@ -66,8 +66,8 @@ def rotate(x, xp=np):
         h = n // 2
         while h >= 1:                                            # [[B, B], [B, -B]]: halves, then quarters, ...
             blk = y[..., start:start + n].reshape(*y.shape[:-1], n // (2 * h), 2, h)
-            a, b = blk[..., 0, :], blk[..., 1, :]
-            y[..., start:start + n] = xp.stack([a + b, a - b], axis=-2).reshape(*y.shape[:-1], n)
+            a, b = blk[..., 0:1, :], blk[..., 1:2, :]
+            y[..., start:start + n] = xp.concatenate([a + b, a - b], axis=-2).reshape(*y.shape[:-1], n)
             h //= 2
         y[..., start:start + n] *= 1.0 / np.sqrt(n)
         start += n
