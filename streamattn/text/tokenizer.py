@@ -128,6 +128,13 @@ def _bytes_to_unicode() -> dict:
 _BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
 
 
+def _ids(hf, text: str) -> list:
+    """Token ids of ``text`` without special-token insertion. Through ``encode_batch``, which releases
+    the GIL while Rust works (``encode`` holds it: eight 90k-token prompts parsed in server threads
+    stalled the event loop 1.36 s, against 0.14 s this way), with the same ids."""
+    return hf.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 @dataclass
 class Tokenizer:
     """Text <-> token ids for one GGUF model.
@@ -246,9 +253,9 @@ class Tokenizer:
         if parts:
             ids = []
             for piece, is_content in parts:
-                ids += (self._hf_text if is_content else self.hf).encode(piece, add_special_tokens=False).ids
+                ids += _ids(self._hf_text if is_content else self.hf, piece)
         else:
-            ids = self.hf.encode(text, add_special_tokens=False).ids
+            ids = _ids(self.hf, text)
         if (self.add_bos if add_bos is None else add_bos) and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         if self.add_eos if add_eos is None else add_eos:
