@@ -4,12 +4,12 @@ What is saved is a cache's whole state (spec, K/V, lengths, last_counts, held_fr
 for one cache or a model's list of per-layer caches, as ``KVCache.export_state`` gives it; loading builds
 caches with ``KVCache.from_state`` and writes single sequences with ``KVCache.write_sequence``.
 
-File format ``streamattn-kv``, version 3
+File format ``streamattn-kv``, version 4
 -----------------------------------------
 An uncompressed ``.npz`` (a zip of ``.npy`` members; read with ``allow_pickle=False``):
 
     meta                         uint8 [n], UTF-8 JSON:
-                                 {"format": "streamattn-kv", "version": 3, "layout": "cache" | "layers",
+                                 {"format": "streamattn-kv", "version": 4, "layout": "cache" | "layers",
                                   "layers": [{"spec": {CacheSpec fields}, "slots": S, "used": U}, ...],
                                   "sha256": "<hex digest of the payload>"}
     layer{i}.k, layer{i}.v       [batch, kv_heads, U, width], storage dtype: slots 0 .. U-1 (width: head_dim,
@@ -20,14 +20,14 @@ An uncompressed ``.npz`` (a zip of ``.npy`` members; read with ``allow_pickle=Fa
     layer{i}.sink_k, .sink_v     float16 [batch, kv_heads, n_s, head_dim]: only for a spec with
                                  ``sink_dtype`` "float16" (then slots 0 .. n_s-1 of k and v are zero)
 
-Version 3 added the spec's ``sink_dtype`` and the float16 sink members. Version 1 and 2 files have
-no ``sink_dtype`` key: they load as ``sink_dtype=None`` (their sinks were stored like every other token).
-Version 2 added the spec's ``dtype_v`` and the quantized dtypes q8_0 / q4_0 (uint8 members of GGUF
-blocks, stored as written: a restore never re-quantizes). Version 1 files (float storage, one dtype for K
-and V, no ``dtype_v`` key) still load; what they hold reads the same. Version 3 added the spec's
-``rotate_k`` (keys stored as ``k @ H``, :mod:`streamattn.rotation`): a rotated cache's key bytes mean
-nothing without it. Files of versions 1 and 2 hold unrotated keys and load as ``rotate_k=False`` (so a
-version-2 q4_0 file restores into a q4_0 cache only with ``rotate_k=False``, refused by name otherwise).
+Version 4 added the spec's ``rotate_k`` (keys stored as ``k @ H``, :mod:`streamattn.rotation`): a
+rotated cache's key bytes mean nothing without it. Files of versions 1 to 3 hold unrotated keys and load
+as ``rotate_k=False`` (so a version-3 q4_0 file restores into a q4_0 cache only with ``rotate_k=False``,
+refused by name otherwise). Version 3 added the spec's ``sink_dtype`` and the float16 sink members;
+version 1 and 2 files have no ``sink_dtype`` key and load as ``sink_dtype=None`` (their sinks were stored
+like every other token). Version 2 added the spec's ``dtype_v`` and the quantized dtypes q8_0 / q4_0
+(uint8 members of GGUF blocks, stored as written: a restore never re-quantizes). Version 1 files (float
+storage, one dtype for K and V, no ``dtype_v`` key) still load; what they hold reads the same.
 
 ``U = min(S, max(lengths))``. Slots at or past U hold zeros (a slot that holds no current position is
 zero: appends never write there, rewinds and resets zero what they drop), so a load allocates S zeroed
