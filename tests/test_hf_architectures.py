@@ -231,11 +231,11 @@ def test_phi3_rope_factors_come_as_a_pair_and_partial_rope_is_refused(tmp_path):
     (Phi-4-mini: rope.dimension_count < head size), by name."""
     model = hf_model(**CASES["phi3_longrope"], seed=4)
     path = write_gguf(model, tmp_path / "one.gguf", drop_tensors=("rope_factors_short.weight",))
-    with pytest.raises(ValueError, match=r"'rope_factors_long.weight' and 'rope_factors_short.weight' come as a "
-                                         r"pair; the model has only 'rope_factors_long.weight'"):
-        Transformer(load_gguf(path, weights="f32"))
+    with pytest.raises(ModelFileError, match=r"'rope_factors_long.weight' and 'rope_factors_short.weight' come "
+                                             r"as a set; the file has only 'rope_factors_long.weight'"):
+        load_gguf(path, weights="f32")                        # before any tensor is read
     with pytest.raises(ValueError, match=r"context must be a positive integer"):
-        Transformer(load_gguf(path, weights="f32"), context=0)
+        Transformer(load_gguf(write_gguf(model, tmp_path / "both.gguf"), weights="f32"), context=0)
     path = write_gguf(model, tmp_path / "partial.gguf", extra_kv={"phi3.rope.dimension_count": 16})
     with pytest.raises(ModelFileError, match=r"'phi3.rope.dimension_count' = 16 differs from the head size 32: "
                                              "RoPE on part of each head is not supported"):

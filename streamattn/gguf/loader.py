@@ -25,7 +25,7 @@ from gguf.constants import Keys
 from streamattn.gguf.metadata import Metadata, ModelFileError, check_tensor_names, read_metadata
 from streamattn.gguf.reader import GGUFFile
 from streamattn.models.architectures import ARCHITECTURES
-from streamattn.models.config import Architecture, ModelConfig
+from streamattn.models.config import Architecture, ModelConfig, tensor_name
 from streamattn.quant.arrange import fuse, into_one_buffer
 from streamattn.quant.weights import UnsupportedWeightType, check_type, pack
 
@@ -235,6 +235,12 @@ def _check_tensors(arch: Architecture, c: ModelConfig, shapes: dict, path: str) 
         raise ModelFileError(f"{path}: tensor {extra[0]!r}{more} is not used by architecture {c.arch!r}; the "
                              "model would run without it, so it is refused rather than run approximately "
                              f"(tensors of layer 0: {', '.join(n for n in expect if n.startswith('blk.0.'))})")
+    for pair in arch.pairs:
+        names = [tensor_name(t) for t in pair]
+        have = [n for n in names if n in shapes]
+        if have and len(have) < len(names):
+            raise ModelFileError(f"{path}: tensors {' and '.join(map(repr, names))} come as a set; the file "
+                                 f"has only {', '.join(map(repr, have))}")
     for name, shape in expect.items():
         if name not in shapes:
             raise ModelFileError(f"{path}: tensor {name!r} is missing (architecture {c.arch}, "

@@ -339,6 +339,9 @@ class Architecture:
         A file holding any tensor not named here or in ``layer`` is refused (the loader's check).
     shapes : callable(ModelConfig) -> {MODEL_TENSOR: shape}
         The shape of every tensor named in ``layer`` and ``optional`` (default :func:`block_shapes`).
+    pairs : tuple of tuples of MODEL_TENSOR
+        Optional tensors that only mean something together (phi3: the long and short RoPE factors): a
+        file holding some of a pair and not all is refused before any tensor is read.
     """
 
     name: str
@@ -346,6 +349,7 @@ class Architecture:
     layer: dict
     optional: tuple = (OUTPUT,)
     shapes: Callable = field(default=block_shapes)
+    pairs: tuple = ()
 
     def layer_tensors(self, i: int) -> dict:
         """{LayerWeights field: (GGUF tensor names of layer i, in row order)}."""

@@ -43,4 +43,4 @@ PHI3 = Architecture(
     name="phi3", config=config, shapes=shapes,
     layer=dict(attn_norm=T.ATTN_NORM, wqkv=T.ATTN_QKV, wo=T.ATTN_OUT, ffn_norm=T.FFN_NORM, wgu=T.FFN_UP,
                wdown=T.FFN_DOWN),
-    optional=(OUTPUT, ROPE_LONG, ROPE_SHORT))
+    optional=(OUTPUT, ROPE_LONG, ROPE_SHORT), pairs=((ROPE_LONG, ROPE_SHORT),))
