@@ -172,8 +172,12 @@ def test_the_flag_reaches_the_caches():
         assert kw["rotate_k"] is want
         assert CacheSpec(batch=1, kv_heads=1, head_dim=64, dtype=kw["dtype"], rotate_k=kw["rotate_k"]).rotate_k \
             is (want is None)
-    with pytest.raises(ValueError, match="rotate_k"):
-        ModelOptions(rotate_k="off")
+    from streamattn.serve.config import ServeConfig
+    for bad in ("off", 1, 0):                    # 1 == True: refused by type where it is given, not later
+        with pytest.raises(ValueError, match="rotate_k"):
+            ModelOptions(rotate_k=bad)
+        with pytest.raises(ValueError, match="rotate_k"):
+            ServeConfig(rotate_k=bad)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80])

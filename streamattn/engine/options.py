@@ -99,7 +99,8 @@ class ModelOptions:
              self.prefill_chunk, f"in 1..{MAX_PREFILL_CHUNK}")
         need(is_int(self.threads) and self.threads >= 1, "--threads", self.threads, ">= 1")
         need(isinstance(self.quantized_sinks, bool), "--quantized-sinks", self.quantized_sinks, "True or False")
-        need(self.rotate_k in (None, True, False), "rotate_k", self.rotate_k, "True, False or None (default)")
+        need(self.rotate_k is None or isinstance(self.rotate_k, bool), "rotate_k", self.rotate_k,
+             "True, False or None (default)")
         if self.cache == "full" and self.window is not None:
             raise ValueError(f"--window {self.window} applies to --cache window or sinks; with --cache full "
                              "every token is kept (drop --window, or add --cache window)")

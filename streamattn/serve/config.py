@@ -112,7 +112,8 @@ class ServeConfig:
         need(self.cache_dtype_v is None or self.cache_dtype_v in CACHE_DTYPES, "cache_dtype_v",
              f"None or one of {CACHE_DTYPES}")
         need(isinstance(self.quantized_sinks, bool), "quantized_sinks", "True or False")
-        need(self.rotate_k in (None, True, False), "rotate_k", "True, False or None (on for a quantized K)")
+        need(self.rotate_k is None or isinstance(self.rotate_k, bool), "rotate_k",
+             "True, False or None (on for a quantized K)")
         need(self.positions in POSITIONS, "positions", f"one of {POSITIONS}")
         need(self.weights in WEIGHTS, "weights", f"one of {WEIGHTS}")
         need(self.speculative in (None, "ngram"), "speculative", "None or 'ngram'")
