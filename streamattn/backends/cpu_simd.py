@@ -321,7 +321,7 @@ def _make_qk(R: int):
     return _kernel(body, arrays=(0, 2, 4), storage=2)        # qk(qf, r0, kt, j, sc, kind)
 
 
-def _make_pv(R: int, G4: int | None = None):
+def _make_pv(R: int):
     """Intrinsic pv(acc, r0, p, vt, n, kind): acc[r0 + g] += sum_{j < n} p[r0 + g, j] * vt[j] for g < R.
 
     acc: [rows, D] float32, p: [rows, >= n] float32, vt: [>= n, D] storage (quantized: [>= n, row bytes]),
@@ -333,7 +333,7 @@ def _make_pv(R: int, G4: int | None = None):
     (acc + even keys in order) + (odd keys in order).
     """
     U = 2                                             # accumulator sets: keys j with j % U == u
-    G4 = G4 or (4 if R <= 2 else 2)                   # vectors per column group: R * G4 * U <= 16 accumulators
+    G4 = 4 if R <= 2 else 2                           # vectors per column group: R * G4 * U <= 16 accumulators
 
     def body(context, builder, sig, args, kind):
         aa, pa, va = (Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
