@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from numba import njit
 
 from .spec import QBLOCK
 
@@ -57,8 +58,17 @@ def rotate(x, xp=np):
     operations on its own row, so a row's result does not depend on how many rows share the call (a
     matrix product would: BLAS picks its kernel and summation order by shape), which the batch invariance
     of docs/DESIGN.md §5 and exact speculation (§17) need. The float64 sums of ±float32 values are exact
-    for rows whose values span less than 2^29, so the result is x @ H rounded once.
+    for rows whose values span less than 2^29, so the result is x @ H rounded once. float32 numpy arrays go
+    through :func:`rotate_rows` (compiled, one pass per row), others through array butterflies on ``xp``:
+    the same operations in the same order, so the same bits.
     """
+    if xp is np and x.dtype == np.float32:
+        return rotate_rows(np.ascontiguousarray(x))
+    return _butterflies(x, xp)
+
+
+def _butterflies(x, xp):
+    """:func:`rotate` as whole-array operations on ``xp`` (any device, any float dtype)."""
     d = x.shape[-1]
     y = x.astype(np.float64)                                     # [..., head_dim], a copy
     start = 0
@@ -72,6 +82,39 @@ def rotate(x, xp=np):
         y[..., start:start + n] *= 1.0 / np.sqrt(n)
         start += n
     return y.astype(x.dtype)
+
+
+@njit(cache=True)
+def rotate_rows(x):
+    """:func:`rotate` of a C-contiguous float32 array x [..., head_dim], row by row: the butterflies of
+    :func:`_butterflies` in float64 in the same order (blocks of 32, then the tail's powers of two, largest
+    first), the same scale by 1/sqrt(n), one rounding. Also called inside the compiled layer."""
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)
+    out = np.empty_like(rows)
+    y = np.empty(D, np.float64)
+    for r in range(rows.shape[0]):
+        for d in range(D):
+            y[d] = rows[r, d]
+        start = 0
+        while start < D:
+            n = QBLOCK
+            while n > D - start:                   # the tail: its largest power of two first
+                n //= 2
+            h = n // 2
+            while h >= 1:
+                for g in range(start, start + n, 2 * h):
+                    for j in range(g, g + h):
+                        a, b = y[j], y[j + h]
+                        y[j], y[j + h] = a + b, a - b
+                h //= 2
+            s = 1.0 / np.sqrt(np.float64(n))
+            for d in range(start, start + n):
+                y[d] *= s
+            start += n
+        for d in range(D):
+            out[r, d] = np.float32(y[d])
+    return out.reshape(x.shape)
 
 
 def _block_sizes(head_dim: int) -> list:

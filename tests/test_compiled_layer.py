@@ -46,9 +46,9 @@ class Spy:
         monkeypatch.setattr(compiled, "run_layer", call)
 
 
-#: The compiled layer stages keys as they come and keeps the sinks inside the ring, so these tests ask for
-#: quantized caches without the rotation and float16 sinks that are the defaults (docs/DESIGN.md §24); a
-#: cache with either runs the array layer (test_rotated_and_float16_sink_caches_run_the_array_layer).
+#: The compiled layer keeps the sinks inside the ring, so these tests ask for quantized caches without the
+#: float16 sinks that are the default (docs/DESIGN.md §24; such a cache runs the array layer:
+#: test_default_quantized_caches), and for unrotated keys unless a test says otherwise.
 PLAIN = dict(rotate_k=False, sink_dtype=None)
 
 
@@ -93,6 +93,7 @@ def test_compiled_layers_give_the_array_layers_bits(tmp_path, monkeypatch, arch,
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("rotate_k", [False, True], ids=["plain", "rotated"])
 @pytest.mark.parametrize("arch,dtype,dtype_v,mode", [("llama", "q8_0", None, "full"), ("llama", "q4_0", None, "window"),
                                                      ("gemma3", "q8_0", None, "sinks"), ("gemma3", "q4_0", None, "full"),
                                                      ("llama", "q8_0", "q4_0", "sinks"),
@@ -100,26 +101,28 @@ def test_compiled_layers_give_the_array_layers_bits(tmp_path, monkeypatch, arch,
                                                      ("llama", "q4_0", "float32", "full"),
                                                      ("llama", "bfloat16", "float16", "full")])
 def test_quantized_and_mixed_caches_run_compiled_with_the_array_layers_bits(tmp_path, monkeypatch, arch, dtype,
-                                                                              dtype_v, mode):
-    """q8_0 / q4_0 rows (quantized once, as written) and K/V of different storage: the compiled layer
-    stages the same bytes and attends over them with the same kernels, every layer of every call."""
+                                                                              dtype_v, mode, rotate_k):
+    """q8_0 / q4_0 rows (quantized once, as written) and K/V of different storage, keys stored as they
+    come or rotated (``k @ H``, queries ``q @ H``): the compiled layer stages the same bytes and attends
+    over them with the same kernels, every layer of every call."""
     tf = tiny(tmp_path, arch)
     kw = dict(dtype=dtype, dtype_v=dtype_v, mode=mode, window=None if mode == "full" else 5,
-              sinks=2 if mode == "sinks" else 0)
+              sinks=2 if mode == "sinks" else 0, rotate_k=rotate_k)
     prompt = [[5, 9, 3, 17, 4, 8], [1, 2, 3, 4, 5, 6]]
     spy = Spy(monkeypatch)
     want = run(tf, False, prompt, 9, batch=2, **kw)
     assert spy.done == 0
     got = run(tf, True, prompt, 9, batch=2, **kw)
+    assert got[1][0].spec.rotate_k == rotate_k
     assert spy.done == 10 * tf.config.n_layers
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("dtype,mode", [("q4_0", "full"), ("q8_0", "sinks")])
-def test_rotated_and_float16_sink_caches_run_the_array_layer(tmp_path, monkeypatch, dtype, mode):
-    """The defaults for a quantized K (keys rotated) and for a sinks cache with quantized K/V (float16 sinks,
-    its k/v holding only the ring): the compiled layer hands every layer back, and the logits are those of
-    the array layer."""
+@pytest.mark.parametrize("dtype,mode", [("q4_0", "full"), ("q8_0", "window"), ("q8_0", "sinks")])
+def test_default_quantized_caches(tmp_path, monkeypatch, dtype, mode):
+    """The defaults for a quantized K: keys rotated, and a sinks cache keeps its sinks in float16 (its k/v
+    holding only the ring). Rotated keys run compiled; float16 sinks (attended in two parts) hand every
+    layer back. The logits and caches are those of the array layer either way."""
     tf = tiny(tmp_path, "llama")
     kw = dict(dtype=dtype, mode=mode, window=None if mode == "full" else 5, sinks=2 if mode == "sinks" else 0,
               rotate_k=None, sink_dtype="auto")
@@ -128,7 +131,7 @@ def test_rotated_and_float16_sink_caches_run_the_array_layer(tmp_path, monkeypat
     got = run(tf, True, [[5, 9, 3, 17, 4, 8]], 4, **kw)
     c = got[1][0]
     assert c.spec.rotate_k and (c.sink_k is not None) == (mode == "sinks")
-    assert spy.done == 0
+    assert spy.done == (0 if mode == "sinks" else 5 * tf.config.n_layers)
     assert_same(got, want)
 
 

@@ -10,7 +10,7 @@ import pytest
 from streamattn import CacheSpec, KVCache, attend, snapshot
 from streamattn.dispatch import append_attend
 from streamattn.introspect import inspect_attention
-from streamattn.rotation import hadamard, rotate
+from streamattn.rotation import _butterflies, hadamard, rotate, rotate_rows
 from streamattn.storage import dequantize
 from oracle import rotation
 from test_oracle import stream
@@ -180,10 +180,12 @@ def test_the_flag_reaches_the_caches():
             ServeConfig(rotate_k=bad)
 
 
-@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("head_dim", [24, 64, 80])
 def test_a_rows_rotation_does_not_depend_on_the_other_rows(head_dim):
     """Batch invariance (docs/DESIGN.md §5): a row rotated alone has the bits it has inside any batch or
-    chunk (a matrix product would not promise that), and equals x @ H rounded once from float64."""
+    chunk (a matrix product would not promise that), and equals x @ H rounded once from float64. The
+    compiled rows (float32 numpy arrays, and the compiled layer) and the array butterflies (other devices
+    and dtypes) give the same bits, strided input included."""
     rng = np.random.default_rng(head_dim)
     x = (rng.standard_normal((3, 4, 9, head_dim)) * rng.uniform(0.01, 20, head_dim)).astype(np.float32)
     whole = rotate(x)
@@ -191,3 +193,5 @@ def test_a_rows_rotation_does_not_depend_on_the_other_rows(head_dim):
     for b, h, t in [(0, 0, 0), (2, 3, 8), (1, 2, 4)]:
         assert np.array_equal(rotate(x[b, h, t]), whole[b, h, t])
         assert np.array_equal(rotate(x[b:b + 1, :, t:t + 1]), whole[b:b + 1, :, t:t + 1])
+    assert np.array_equal(rotate_rows(x), _butterflies(x, np))
+    assert np.array_equal(rotate(x[:, ::2]), _butterflies(x[:, ::2], np))

@@ -15,7 +15,7 @@ names the drivers (:func:`_tag`), so one compiled layer serves every model with 
 The attend op stages the step's K and V as the cache stores them, each by its own storage (float32 as it
 is, float16/bfloat16 patterns: :func:`stored_16`; q8_0/q4_0 blocks: :func:`stored_quantized`, the same
 quantizer as the cache's), writes them and runs the CPU attention over the ring (quantized rows read in
-place).
+place). A ``rotate_k`` cache gets its keys and the queries rotated first (:func:`streamattn.rotation.rotate_rows`).
 
 A ragged step (``counts``: some rows padding, as when a prompt chunk shares the step with decoding
 sequences) runs compiled too: the cache writes and attends each sequence's counts[b] tokens, and the
@@ -47,6 +47,7 @@ from streamattn.models.heads_kernel import heads_rope_alloc, heads_rope_rows_par
 from streamattn.models.layer import LayerWeights
 from streamattn.quant import activations, kernels, matmul as qmatmul
 from streamattn.quant.matmul import GELU, NORM, PLAIN, SILU
+from streamattn.rotation import rotate_rows
 from streamattn.spec import QUANTIZED
 from streamattn.storage import EXPONENT_BITS, bits, first_not_finite, quantize_rows, write_rows
 
@@ -59,9 +60,11 @@ Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu softcap")
 #: what the attention reads (ka, va: the float32 array, or the bits), the counters, the geometry (window 0:
 #: causal; max_len 0: none), the finite check, K's and V's storage (``kind``, ``kind_v``: cpu.KIND, 0 float32,
 #: 1 float16, 2 bfloat16, 3 q8_0, 4 q4_0) and the exponent bits of each (0 for a quantized one), and ``mixed``:
-#: K and V differ or are quantized, so the finite check runs per array (:func:`_first_bad`), not in write_rows.
+#: K and V differ or are quantized, so the finite check runs per array (storage.first_not_finite), not in
+#: write_rows;
+#: ``rotate``: keys stored as ``k @ H`` and queries scored as ``q @ H`` (streamattn.rotation).
 Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len "
-                      "check expbits kind kind_v expbits_v mixed")
+                      "check expbits kind kind_v expbits_v mixed rotate")
 #: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread,
 #: int64 [1] set to 1 by a layer whose chunk the cache refused (:func:`run_layer`), the real tokens of each
 #: sequence (counts: int64 [B], each in 0..T), and which rows of x [B*T] they are (real: int64 [n],
@@ -298,6 +301,8 @@ def _attend(q, k, v, at):
         B, Hk, T, D = k.shape
         one = step.serial or B * T < 32               # a decode step: no parallel launch
         counts = step.counts
+        if kv.rotate:                                 # streamattn.rotation: keys stored, queries scored as x @ H
+            k, q = rotate_rows(np.ascontiguousarray(k)), rotate_rows(np.ascontiguousarray(q))
         ks = stage_k(k, kv.kind, kv.kst.shape[3], counts, one)
         vs = stage_v(v, kv.kind_v, kv.vst.shape[3], counts, one)
         refused = kv.check and kv.mixed and (first_not_finite(ks, counts, kv.kind, kv.expbits) >= 0
@@ -399,7 +404,8 @@ def bind_cache(cache) -> Kv:
     return Kv(kst, vst, ka, va, cache.lengths, cache.last_counts, cache.held_from, spec.sinks, cache.ring,
               spec.window or 0, spec.max_chunk, spec.max_len or 0, spec.check_finite,
               EXPONENT_BITS.get(spec.dtype, 0), cpu.KIND[spec.dtype], cpu.KIND[spec.v_dtype],
-              EXPONENT_BITS.get(spec.v_dtype, 0), spec.dtype_v is not None or spec.dtype in QUANTIZED)
+              EXPONENT_BITS.get(spec.v_dtype, 0), spec.dtype_v is not None or spec.dtype in QUANTIZED,
+              bool(spec.rotate_k))
 
 
 class CompiledLayers:
@@ -439,8 +445,8 @@ class CompiledLayers:
         if not all(map(operator.is_, src, self.sources[i])):
             self.sources[i], self.weights[i] = src, bind_weights(self.layers[i], self.plan)
         w = self.weights[i]
-        if w is None or cache.xp is not np or cache.spec.rotate_k:
-            return False          # (rotated K storage: the array layer, which rotates)
+        if w is None or cache.xp is not np:
+            return False
         kv = self.kv(cache)
         if run_layer(x, w, (self.cfg, kv, step)):
             return True
