@@ -29,6 +29,17 @@ def test_every_impl_mode_and_phase_passes_its_oracle_check(one_thread):
     json.dumps(rows)
 
 
+def test_quantized_points_pass_their_oracle_check(one_thread):
+    """q8_0 / q4_0 points store keys rotated (the default): the oracle scores q @ H against them, as
+    attend does (an unrotated oracle read 1.35 here, and kv_quant_decode.py refused to run)."""
+    points = [Point(impl="cpu", mode=m, dtype=dt, L=96, q_heads=9, kv_heads=3, head_dim=64)
+              for dt in ("q8_0", "q4_0") for m in ("causal", "window")]
+    assert all(p.spec().rotate_k for p in points)
+    rows = bench.run(points, ceiling_bytes=8 << 20, rotate_bytes=1 << 20, min_reps=2, max_reps=2, min_time=0,
+                     warmup=1)
+    assert [r["status"] for r in rows] == ["ok"] * len(points), [r["oracle_error"] for r in rows]
+
+
 def test_bytes_read_counts_each_visible_key_once():
     assert Point(L=1024, kv_heads=8, head_dim=64).bytes_read == 2 * 1024 * 8 * 64 * 4
     assert Point(L=1024, mode="window", T=16, phase="prefill", dtype="float16").bytes_read == \

@@ -31,6 +31,7 @@ from .. import KVCache, attend, backends
 from ..arrays import to_host
 from . import peers
 from . import report as benchreport
+from ..rotation import rotate
 from ..reference import TOLERANCE as TOL  # same numbers as tests/oracle.py; here vs the stored values
 from ..storage import to_storage
 from .suites import Point, available_impls, select, suite
@@ -90,10 +91,14 @@ def _gpu_sync():
 def oracle_error(point: Point, out, cache, q) -> float:
     """max |out - oracle| / max |oracle| over sequence 0, first and last KV head's group, newest queries.
 
-    The oracle is the reference backend (float64 over what the ring holds), on those slices only.
+    The oracle is the reference backend (float64 over what the ring holds), on those slices only; a
+    ``rotate_k`` cache holds keys in the rotated frame, so its queries are scored as ``q @ H``, as
+    :func:`streamattn.attend` does.
     """
     out = to_host(out, copy=False)
     spec, G, T = cache.spec, point.q_heads // point.kv_heads, point.T
+    if spec.rotate_k:
+        q = rotate(q, cache.xp)
     c = min(T, CHECK_ROWS)
     err = 0.0
     for h in sorted({0, spec.kv_heads - 1}):
