@@ -93,14 +93,12 @@ def rotate_rows(x):
     rows = x.reshape(-1, D)
     out = np.empty_like(rows)
     y = np.empty(D, np.float64)
+    sizes = _block_sizes(D)
     for r in range(rows.shape[0]):
         for d in range(D):
             y[d] = rows[r, d]
         start = 0
-        while start < D:
-            n = QBLOCK
-            while n > D - start:                   # the tail: its largest power of two first
-                n //= 2
+        for n in sizes:
             h = n // 2
             while h >= 1:
                 for g in range(start, start + n, 2 * h):
@@ -117,7 +115,18 @@ def rotate_rows(x):
     return out.reshape(x.shape)
 
 
-def _block_sizes(head_dim: int) -> list:
-    """Blocks of QBLOCK, then the tail's powers of two, largest first (80 -> [32, 32, 16])."""
+@njit(cache=True)
+def _block_sizes(head_dim):
+    """Blocks of QBLOCK, then the tail's powers of two, largest first (80 -> [32, 32, 16]), as int64."""
     tail = head_dim % QBLOCK
-    return [QBLOCK] * (head_dim // QBLOCK) + [1 << b for b in reversed(range(tail.bit_length())) if tail >> b & 1]
+    n_tail = 0
+    for b in range(6):
+        n_tail += (tail >> b) & 1
+    out = np.empty(head_dim // QBLOCK + n_tail, np.int64)
+    out[:head_dim // QBLOCK] = QBLOCK
+    i = head_dim // QBLOCK
+    for b in range(5, -1, -1):
+        if (tail >> b) & 1:
+            out[i] = 1 << b
+            i += 1
+    return out
