@@ -31,13 +31,13 @@ so after appends alone the ring holds the last R positions, ``max(n_s, L - R) ..
 oldest ring position it still holds for each sequence; ``answerable()`` and ``state.rewind`` derive from it
 which queries can still be attended exactly. Slots that hold no current position are zero.
 
-Float16 sinks (``spec.sink_dtype == "float16"``: a sinks cache with quantized K or V). The n_s sink tokens
-live in ``sink_k``, ``sink_v`` (float16, row j = position j) and ``k``, ``v`` hold only the ring:
+Sinks apart (``spec.sink_dtype`` "float16" or "float32": a sinks cache with quantized K or V). The n_s sink
+tokens live in ``sink_k``, ``sink_v`` (of that dtype, row j = position j) and ``k``, ``v`` hold only the ring:
 R = n_c + C - 1 slots, position j >= n_s in slot (j - n_s) mod R, the slot rule of a window cache without
 sinks over positions shifted by n_s. So each part is a cache the backends already attend, and
 ``streamattn.dispatch`` merges the two answers by their log-sum-exps (docs/DESIGN.md §24). ``slots`` and
 ``ring`` keep their meaning (n_s + R and R); the state dicts (export_state, write_sequence) keep the
-layout of a cache with its sinks inside, sink slots zero, plus the float16 rows.
+layout of a cache with its sinks inside, sink slots zero, plus the sink store's rows.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from .spec import QUANTIZED, CacheSpec
 from .storage import (EXPONENT_BITS, bits, check_stored_finite, non_finite_error, ring_slots, slot_positions,
                       storage_zeros, to_storage, widen, write_rows)
 
-SINK_STORAGE = np.dtype(np.float16)   # the storage of float16 sinks (``spec.sink_dtype``)
 
 _INITIAL_CAUSAL_SLOTS = 256
 
@@ -76,8 +75,8 @@ class KVCache:
     held_from : int64 [batch], oldest ring position (>= n_s) whose K/V the ring still holds; host memory.
         ``max(n_s, L - R)`` after appends alone (0 for causal caches); higher only after a rewind.
     view_of : KVCache or None, the cache whose first rows a :meth:`head` view shares (a view cannot grow)
-    sink_k, sink_v : [batch, kv_heads, n_s, head_dim] float16, the sink tokens' rows when
-        ``spec.sink_dtype`` is "float16" (then ``k``, ``v`` hold the ring's R slots only); else None
+    sink_k, sink_v : [batch, kv_heads, n_s, head_dim] of ``spec.sink_dtype``, the sink tokens' rows when
+        it is "float16" or "float32" (then ``k``, ``v`` hold the ring's R slots only); else None
 
     Examples
     --------
@@ -109,8 +108,8 @@ class KVCache:
         self.sink_k = self.sink_v = None
         if spec.sink_dtype is not None:                    # the sinks apart: [batch, kv_heads, n_s, head_dim]
             sink_shape = (spec.batch, spec.kv_heads, spec.sinks, spec.head_dim)
-            self.sink_k = storage_zeros(self.xp, sink_shape, SINK_STORAGE)
-            self.sink_v = storage_zeros(self.xp, sink_shape, SINK_STORAGE)
+            self.sink_k = storage_zeros(self.xp, sink_shape, np.dtype(spec.sink_dtype))
+            self.sink_v = storage_zeros(self.xp, sink_shape, np.dtype(spec.sink_dtype))
             slots -= spec.sinks                            # k, v: the ring's R slots
         shape = (spec.batch, spec.kv_heads, slots)
         self.k = storage_zeros(self.xp, shape + (spec.k_width,), spec.storage_dtype)  # [batch, kv_heads, slots, k_width]
@@ -123,7 +122,7 @@ class KVCache:
     # -- geometry -------------------------------------------------------------------------------
     @property
     def slots(self) -> int:
-        """Slot count: n_s + R for a window cache (float16 sinks included), the capacity of a causal one."""
+        """Slot count: n_s + R for a window cache (a sink store included), the capacity of a causal one."""
         return self.k.shape[2] + (self.spec.sinks if self.sink_k is not None else 0)
 
     @property
@@ -133,7 +132,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated for K and V (float16 sinks included)."""
+        """Bytes allocated for K and V (a sink store included)."""
         sinks = 0 if self.sink_k is None else self.sink_k.nbytes + self.sink_v.nbytes
         return int(self.k.nbytes + self.v.nbytes + sinks)
 
@@ -208,7 +207,7 @@ class KVCache:
         self.last_counts[:] = counts           # in place: a head() view and its parent share the counters
 
     def _write_split(self, k, v, ks, vs, counts) -> None:
-        """:meth:`_write` for float16 sinks: rows at positions < n_s go to the sink store as float16, the
+        """:meth:`_write` for sinks apart: rows at positions < n_s go to the sink store (``spec.sink_dtype``), the
         rest to ring slot (j - n_s) mod R as stored (``ks``, ``vs``); everything checked before writing."""
         xp, spec = self.xp, self.spec
         n_s, R = spec.sinks, self.ring
@@ -219,9 +218,9 @@ class KVCache:
             if spec.rotate_k:                   # the sink keys rotated as the ring's were in stage()
                 k = rotate(k, xp)
             with np.errstate(over="ignore"):
-                k16, v16 = (to_storage(x, "float16", xp) for x in (k, v))       # [batch, kv_heads, T, head_dim]
+                k16, v16 = (to_storage(x, spec.sink_dtype, xp) for x in (k, v))   # [batch, kv_heads, T, head_dim]
             if spec.check_finite:
-                check_stored_finite(k16, v16, to_sink, "float16", xp)
+                check_stored_finite(k16, v16, to_sink, spec.sink_dtype, xp)
         for b in range(spec.batch):
             L, c, s = int(self.lengths[b]), int(counts[b]), int(to_sink[b])
             if s:
@@ -430,7 +429,7 @@ class KVCache:
         for store, sink, dt in ((self.k, self.sink_k, self.spec.dtype), (self.v, self.sink_v, self.spec.v_dtype)):
             rows = to_host(store[b][:, self.xp.asarray(order)], copy=False)  # [kv_heads, n, width]
             rows = widen(rows, dt, self.spec.head_dim)                       # [kv_heads, n, head_dim]
-            if split:                                                        # the sinks first, in float16
+            if split:                                                        # the sinks first, as their store holds them
                 rows = np.concatenate([to_host(sink[b, :, :min(L, n_s)]).astype(np.float32), rows], axis=1)
             out.append(rows)
         pos = pos[order] if not split else np.concatenate([np.arange(min(L, n_s)), pos[order]])
@@ -445,9 +444,9 @@ class KVCache:
         -------
         dict with
             k, v : [n, kv_heads, U, width] storage dtype, slots 0 .. U-1 with U = min(slots, max length)
-                (every slot at or past U is zero; with float16 sinks, slots 0 .. n_s-1 are zero too)
+                (every slot at or past U is zero; with the sinks apart, slots 0 .. n_s-1 are zero too)
             lengths, last_counts, held_from : int64 [n]
-            sink_k, sink_v : [n, kv_heads, n_s, head_dim] float16, only with float16 sinks
+            sink_k, sink_v : [n, kv_heads, n_s, head_dim] of ``spec.sink_dtype``, only with the sinks apart
         """
         lengths = self.lengths[rows]
         used = min(self.slots, int(lengths.max()) if lengths.size else 0)
@@ -516,7 +515,8 @@ class KVCache:
         length, last_count : tokens seen and queries of the last append (0 <= last_count <= length)
         held_from : oldest ring position still held; default ``max(n_s, length - R)`` (appends alone) for a
             window cache, 0 for a causal one
-        sink_k, sink_v : [kv_heads, n_s, head_dim] float16, the sinks of a float16-sinks cache (required
+        sink_k, sink_v : [kv_heads, n_s, head_dim] of ``spec.sink_dtype``, the sinks of a cache that keeps them
+            apart (required
             there, where slots 0 .. n_s-1 of k and v are not read; refused elsewhere)
 
         A causal cache grows first when n exceeds its slots (keeping every row), so a later failure
@@ -549,17 +549,18 @@ class KVCache:
 
 
 def _check_sinks(cache: KVCache, sink_k, sink_v, where: str, batch: tuple) -> int:
-    """ValueError unless ``sink_k``, ``sink_v`` are float16 [*batch, kv_heads, n_s, head_dim] for a float16-
-    sinks cache and None for any other; returns the slots the state's k, v hold in front of the ring (n_s
-    or 0)."""
+    """ValueError unless ``sink_k``, ``sink_v`` are [*batch, kv_heads, n_s, head_dim] of ``spec.sink_dtype``
+    for a cache that keeps its sinks apart and None for any other; returns the slots the state's k, v hold
+    in front of the ring (n_s or 0)."""
     s = cache.spec
     if cache.sink_k is None:
         if sink_k is not None or sink_v is not None:
-            raise ValueError(f"{where}sink_k / sink_v are for caches with float16 sinks (this spec: {s})")
+            raise ValueError(f"{where}sink_k / sink_v are for caches that keep their sinks apart (this spec: {s})")
         return 0
     shape = batch + (s.kv_heads, s.sinks, s.head_dim)
     for name, x in (("sink_k", sink_k), ("sink_v", sink_v)):
-        if x is None or x.dtype != SINK_STORAGE or tuple(x.shape) != shape:
-            raise ValueError(f"{where}{name} must be float16 {list(shape)} for a cache with float16 sinks (got "
+        if x is None or x.dtype != np.dtype(s.sink_dtype) or tuple(x.shape) != shape:
+            raise ValueError(f"{where}{name} must be {s.sink_dtype} {list(shape)} for a cache with {s.sink_dtype} "
+                             f"sinks (got "
                              f"{None if x is None else (x.dtype, tuple(x.shape))})")
     return s.sinks

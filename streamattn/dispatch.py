@@ -197,7 +197,7 @@ def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, softcap, *, edge: 
     spec = cache.spec
 
     def call(fn):
-        if cache.sink_k is not None:           # float16 sinks: two parts, merged exactly (docs/DESIGN.md §24)
+        if cache.sink_k is not None:           # sinks apart: two parts, merged exactly (docs/DESIGN.md §24)
             return attend_parts(fn, q, cache, scale=scale, counts=counts, q_sink=q_sink, softcap=softcap)
         return fn(q, cache.k, cache.v, cache.lengths, counts, window=spec.window or 0, sinks=spec.sinks,
                   scale=scale, kind=spec.dtype, q_sink=q_sink, kind_v=spec.v_dtype, softcap=softcap)

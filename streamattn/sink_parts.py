@@ -1,8 +1,8 @@
-"""Attention over a cache that keeps its sinks apart (float16 sinks beside a quantized ring), as two
-exact parts merged by their log-sum-exps.
+"""Attention over a cache that keeps its sinks apart (float16 or float32 sinks beside a quantized ring), as
+two exact parts merged by their log-sum-exps.
 
-A cache with ``spec.sink_dtype == "float16"`` holds the n_s sink tokens in ``sink_k``, ``sink_v``
-([batch, kv_heads, n_s, head_dim] float16) and the ring in ``k``, ``v`` as a window cache without sinks over
+A cache with ``spec.sink_dtype`` "float16" or "float32" holds the n_s sink tokens in ``sink_k``, ``sink_v``
+([batch, kv_heads, n_s, head_dim] of that dtype) and the ring in ``k``, ``v`` as a window cache without sinks over
 positions shifted by n_s (streamattn/cache.py). Each part is a cache every backend already attends, so
 no kernel learns a new layout: the sink part is a causal call over the n_s rows (scored with ``q_sink``),
 the ring part a window call over the ring, and softmax over the union of two disjoint key sets is
@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SINK_KIND = "float16"   # what the sink store holds (streamattn.cache.SINK_STORAGE)
-
-
 def attend_parts(fn, q, cache, *, scale: float, counts, q_sink, softcap):
-    """(out, lse) of the newest ``counts[b]`` queries of each sequence over a float16-sinks ``cache``.
+    """(out, lse) of the newest ``counts[b]`` queries of each sequence over a ``cache`` that keeps its sinks apart.
 
     Parameters
     ----------
@@ -55,14 +52,14 @@ def attend_parts(fn, q, cache, *, scale: float, counts, q_sink, softcap):
     early = counts - late                                        # [batch] rows at positions < n_s
     qs = q if q_sink is None else q_sink
     kw = dict(scale=scale, softcap=softcap, q_sink=None)
-    sinks16 = dict(window=0, sinks=0, kind=SINK_KIND, kind_v=SINK_KIND, **kw)
+    sink_kw = dict(window=0, sinks=0, kind=spec.sink_dtype, kind_v=spec.sink_dtype, **kw)   # the sink store
     s_out = xp.zeros((B, Hq, T, D), np.float32)                  # [batch, q_heads, T, head_dim] the sink part
     s_lse = xp.full((B, Hq, T), -np.inf, np.float32)             # [batch, q_heads, T]
     r_out, r_lse = xp.zeros_like(s_out), xp.full_like(s_lse, -np.inf)   # the ring part
     if late.any():
         heads = xp.ascontiguousarray(qs).reshape(B, Hq * T, 1, D)          # row (h, t) as head h * T + t
         o, lse = fn(heads, cache.sink_k, cache.sink_v, np.full(B, n_s, np.int64), (late > 0).astype(np.int64),
-                    **sinks16)
+                    **sink_kw)
         s_out[...], s_lse[...] = o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
         shift = np.where(late > 0, early, 0)                     # rows before a sequence's first ring query
         qr = q
@@ -79,7 +76,7 @@ def attend_parts(fn, q, cache, *, scale: float, counts, q_sink, softcap):
         else:
             r_out, r_lse = o.astype(np.float32, copy=False), lse
     if early.any():
-        o, lse = fn(qs, cache.sink_k, cache.sink_v, np.minimum(lengths, n_s), early, **sinks16)
+        o, lse = fn(qs, cache.sink_k, cache.sink_v, np.minimum(lengths, n_s), early, **sink_kw)
         for b in np.nonzero(early)[0]:
             s_out[b, :, :early[b]] = o[b, :, :early[b]]
             s_lse[b, :, :early[b]] = lse[b, :, :early[b]]

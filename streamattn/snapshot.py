@@ -17,11 +17,13 @@ An uncompressed ``.npz`` (a zip of ``.npy`` members; read with ``allow_pickle=Fa
     layer{i}.lengths             int64 [batch]
     layer{i}.last_counts         int64 [batch]
     layer{i}.held_from           int64 [batch]
-    layer{i}.sink_k, .sink_v     float16 [batch, kv_heads, n_s, head_dim]: only for a spec with
-                                 ``sink_dtype`` "float16" (then slots 0 .. n_s-1 of k and v are zero)
+    layer{i}.sink_k, .sink_v     ``sink_dtype`` [batch, kv_heads, n_s, head_dim]: only for a spec with a
+                                 ``sink_dtype`` (then slots 0 .. n_s-1 of k and v are zero)
 
-Version 4 added the spec's ``rotate_k`` (keys stored as ``k @ H``, :mod:`streamattn.rotation`): a
-rotated cache's key bytes mean nothing without it. Files of versions 1 to 3 hold unrotated keys and load
+Version 5 allows ``sink_dtype`` "float32" (float32 sink members: the default where K or V is float32 and
+the other quantized; version 4 kept those sinks in float16, and such files load as they were written,
+with their explicit "float16"). Version 4 added the spec's ``rotate_k`` (keys stored as ``k @ H``,
+:mod:`streamattn.rotation`): a rotated cache's key bytes mean nothing without it. Files of versions 1 to 3 hold unrotated keys and load
 as ``rotate_k=False`` (so a version-3 q4_0 file restores into a q4_0 cache only with ``rotate_k=False``,
 refused by name otherwise). Version 3 added the spec's ``sink_dtype`` and the float16 sink members;
 version 1 and 2 files have no ``sink_dtype`` key and load as ``sink_dtype=None`` (their sinks were stored
@@ -63,12 +65,12 @@ from .cache import KVCache
 from .spec import POLICY_FIELDS, CacheSpec
 
 FORMAT = "streamattn-kv"
-VERSION = 4
-_READS = (1, 2, 3, 4)   # versions this module loads (1: before quantized and split K/V dtypes; 2: before
-                        # float16 sinks; 3: before rotate_k)
+VERSION = 5
+_READS = (1, 2, 3, 4, 5)   # versions this module loads (1: before quantized and split K/V dtypes; 2: before
+                           # float16 sinks; 3: before rotate_k; 4: before float32 sinks)
 _V1_DTYPES = ("float32", "float16", "bfloat16")
 _FIELDS = ("k", "v", "lengths", "last_counts", "held_from")
-_SINK_FIELDS = ("sink_k", "sink_v")  # members of a layer whose spec keeps float16 sinks
+_SINK_FIELDS = ("sink_k", "sink_v")  # members of a layer whose spec keeps its sinks apart
 
 
 class StateFileError(ValueError):
@@ -373,13 +375,16 @@ def _parse(raw: bytes, max_bytes: int):
                 if "rotate_k" in m["spec"]:
                     raise ValueError(f"a version {version} spec has no rotate_k (got {m['spec']})")
                 m["spec"] = {**m["spec"], "rotate_k": False}
+            if version < 5 and m["spec"].get("sink_dtype") not in (None, "float16"):
+                raise ValueError(f"a version {version} spec keeps its sinks in float16 or not apart (got {m['spec']})")
             s = CacheSpec(**m["spec"])
             slots, used = _int(m.get("slots"), "slots"), _int(m.get("used"), "used")
             alloc = s.slots if s.window is not None else max(slots, 1)   # what load and restore allocate
             total += s.batch * s.kv_heads * alloc * (s.k_width * s.storage_dtype.itemsize
                                                      + s.v_width * s.storage_dtype_v.itemsize)
             fields = _FIELDS + (_SINK_FIELDS if s.sink_dtype is not None else ())
-            total += 0 if s.sink_dtype is None else 4 * s.batch * s.kv_heads * s.sinks * s.head_dim  # 2 x float16
+            total += 0 if s.sink_dtype is None else \
+                2 * np.dtype(s.sink_dtype).itemsize * s.batch * s.kv_heads * s.sinks * s.head_dim   # K and V
             if total > max_bytes:
                 raise _Bad(f"layer {i}: the file's specs ask for {total} bytes of K/V storage, more than "
                            f"max_bytes={max_bytes}; refused before allocating")
@@ -407,8 +412,8 @@ def _check_layer(m: dict, a: dict) -> dict:
     if not (slots == cap if s.window is not None else 1 <= slots <= cap) or used != min(slots, int(L.max())):
         raise ValueError(f"slots={slots}, used={used} do not fit the spec and lengths {L.tolist()}")
     for n in _SINK_FIELDS if s.sink_dtype is not None else ():
-        if a[n].dtype != np.float16 or a[n].shape != (s.batch, s.kv_heads, s.sinks, s.head_dim):
-            raise ValueError(f"{n} must be float16 {(s.batch, s.kv_heads, s.sinks, s.head_dim)} "
+        if a[n].dtype != np.dtype(s.sink_dtype) or a[n].shape != (s.batch, s.kv_heads, s.sinks, s.head_dim):
+            raise ValueError(f"{n} must be {s.sink_dtype} {(s.batch, s.kv_heads, s.sinks, s.head_dim)} "
                              f"(got {a[n].dtype} {a[n].shape})")
     h = a["held_from"]
     if s.window is None and h.any() or s.window is not None and \

@@ -22,6 +22,7 @@ import numpy as np
 
 DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0")
 QUANTIZED = ("q8_0", "q4_0")   # block-quantized storage: uint8 rows of GGUF blocks (streamattn.storage)
+SINK_DTYPES = (None, "float16", "float32")   # a separate sink store's dtype (CacheSpec.sink_dtype; None: no store)
 POLICY_FIELDS = ("check_finite",)  # CacheSpec fields that are input policy, not state: never compared
 
 # Storage dtype of each spec dtype. bfloat16 is kept as its raw uint16 bits so that Numba (which has no
@@ -69,12 +70,13 @@ class CacheSpec:
         head_dim with a float16 scale (byte for byte), quantized once when written.
     dtype_v : str or None
         Storage dtype of V when it differs from K's (same choices); None: ``dtype``.
-    sink_dtype : {"auto", "float16", None}
-        Sinks caches whose K or V is quantized: "float16" keeps the n_s sink tokens' K and V in a float16
-        store beside the quantized ring (rounded once, when written; attention merges the two parts
-        exactly, docs/DESIGN.md §24); None stores them like every other token. "auto" (default) becomes
-        "float16" for such caches and None for every other cache (where it means nothing); "float16"
-        elsewhere is refused.
+    sink_dtype : {"auto", "float16", "float32", None}
+        Sinks caches whose K or V is quantized: "float16" / "float32" keeps the n_s sink tokens' K and V
+        in a store of that dtype beside the quantized ring (rounded once, when written; attention merges
+        the two parts exactly, docs/DESIGN.md §24); None stores them like every other token. "auto"
+        (default) becomes "float32" for such caches where K or V is float32 (so no side's sinks are kept
+        coarser than its ring), "float16" for the others, and None for every other cache (where it means
+        nothing); "float16" or "float32" elsewhere is refused.
     rotate_k : bool or None
         Store keys rotated by an orthonormal Walsh–Hadamard transform H along head_dim (after RoPE, before
         quantizing), and score them with the query rotated by the same H (:mod:`streamattn.rotation`): q·k
@@ -148,12 +150,13 @@ class CacheSpec:
                              "and sinks mean nothing")
         quantized_sinks = bool(self.sinks) and (self.dtype in QUANTIZED or self.v_dtype in QUANTIZED)
         if self.sink_dtype == "auto":
-            object.__setattr__(self, "sink_dtype", "float16" if quantized_sinks else None)
-        elif self.sink_dtype not in (None, "float16"):
-            raise ValueError(f"sink_dtype must be 'auto', 'float16' or None (got {self.sink_dtype!r})")
-        elif self.sink_dtype == "float16" and not quantized_sinks:
-            raise ValueError(f"sink_dtype='float16' needs sinks and a quantized K or V (got sinks={self.sinks}, "
-                             f"dtype={self.dtype!r}, dtype_v={self.dtype_v!r}); use 'auto' or None")
+            wide = "float32" in (self.dtype, self.v_dtype)
+            object.__setattr__(self, "sink_dtype", ("float32" if wide else "float16") if quantized_sinks else None)
+        elif self.sink_dtype not in SINK_DTYPES:
+            raise ValueError(f"sink_dtype must be 'auto', 'float16', 'float32' or None (got {self.sink_dtype!r})")
+        elif self.sink_dtype is not None and not quantized_sinks:
+            raise ValueError(f"sink_dtype={self.sink_dtype!r} needs sinks and a quantized K or V (got "
+                             f"sinks={self.sinks}, dtype={self.dtype!r}, dtype_v={self.dtype_v!r}); use 'auto' or None")
         if self.max_len is not None:
             _positive_int("max_len", self.max_len, minimum=1)
             if self.window is not None:

@@ -58,7 +58,7 @@ def fork(cache: KVCache, src: int, dst: int, *, into: KVCache | None = None) -> 
     if target is cache and src == dst:
         return
     st = cache.export_state(slice(src, src + 1))              # k, v: [1, kv_heads, n, head_dim]
-    sinks = {n: st[n][0] for n in ("sink_k", "sink_v") if n in st}   # float16 sinks: their rows too
+    sinks = {n: st[n][0] for n in ("sink_k", "sink_v") if n in st}   # sinks kept apart: their rows too
     target.write_sequence(dst, st["k"][0], st["v"][0], length=int(st["lengths"][0]),
                           last_count=int(st["last_counts"][0]), held_from=int(st["held_from"][0]), **sinks)
 

@@ -50,8 +50,9 @@ class History:
         # a quantized cache's rows are kept as stored (gguf-py's round trip): see TOL
         self.stored = [dt if spec is not None and dt in _GGUF_TYPES else "float32"
                        for dt in ((spec.dtype, spec.v_dtype) if spec is not None else ("float32",) * 2)]
-        # float16 sinks (spec.sink_dtype): positions < n_s are kept as float16 rounds them
-        self.sinks16 = spec.sinks if spec is not None and getattr(spec, "sink_dtype", None) else 0
+        # sinks apart (spec.sink_dtype float16 / float32): positions < n_s are kept as that dtype rounds them
+        self.sink_dtype = getattr(spec, "sink_dtype", None) if spec is not None else None
+        self.sinks_apart = spec.sinks if self.sink_dtype else 0
         # a rotate_k cache stores k @ H (rounded once to float32, then cast) and scores q @ H: kept and scored the same here
         self.H = rotation(spec.head_dim) if spec is not None and spec.rotate_k else None
 
@@ -64,9 +65,9 @@ class History:
         for b, c in enumerate(counts):
             if c:
                 rows = [np.asarray(x[b, :, :c], np.float64) for x in (k, v)]
-                s = min(max(self.sinks16 - self.length(b), 0), int(c))
+                s = min(max(self.sinks_apart - self.length(b), 0), int(c))
                 for i in range(2 if s else 0):
-                    rows[i][:, :s] = as_stored(raw[i][b, :, :s], "float16")
+                    rows[i][:, :s] = as_stored(raw[i][b, :, :s], self.sink_dtype)
                 self.k[b].append(rows[0])
                 self.v[b].append(rows[1])
 

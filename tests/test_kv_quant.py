@@ -314,15 +314,16 @@ SPLIT = [("q4_0", None), ("q8_0", None), ("q4_0", "float32"), ("float32", "q8_0"
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("dtype,dtype_v", SPLIT)
 def test_float16_sinks_every_step(backend, dtype, dtype_v):
-    """Sinks in float16 and the ring quantized, attended in two parts and merged: against the oracle over
-    the stored values (float16 sinks + the dequantized ring) at every step, >= 3 ring wraps, chunks 1..C,
+    """Sinks apart (float16, or float32 beside a float32 side) and the ring quantized, attended in two parts
+    and merged: against the oracle over the stored values (the sink store + the dequantized ring) at every step, >= 3 ring wraps, chunks 1..C,
     GQA 9/3, ragged batches (sequences at 0 queries, chunks that straddle the last sink)."""
     C = 4
     spec = CacheSpec(batch=3, kv_heads=3, head_dim=64, dtype=dtype, dtype_v=dtype_v, window=5, sinks=3, max_chunk=C)
-    assert spec.sink_dtype == "float16"
+    apart = "float32" if "float32" in (dtype, dtype_v) else "float16"
+    assert spec.sink_dtype == apart
     chunks = list(range(1, C + 1)) + list(range(C, 0, -1))
     cache = stream(spec, 9, 3 * spec.slots + 5, backend, chunks=chunks, ragged=True, seed=len(dtype + str(dtype_v)))
-    assert cache.k.shape[2] == spec.slots - spec.sinks and cache.sink_k.dtype == np.float16
+    assert cache.k.shape[2] == spec.slots - spec.sinks and cache.sink_k.dtype == np.dtype(apart)
     assert cache.lengths.min() > 3 * spec.slots // 2            # each sequence's ring wrapped
     stream(spec, 9, 3 * spec.slots + 5, backend, seed=1)       # decode alone
 
@@ -388,15 +389,22 @@ def test_float16_sinks_hold_float16_values():
 
 
 def test_float16_sinks_spec():
-    """auto: float16 where a sinks cache quantizes K or V, None elsewhere; float16 elsewhere is refused."""
+    """auto: where a sinks cache quantizes K or V, its sinks apart in float32 if the other side is float32
+    (never coarser than that side's ring), else float16; None elsewhere; a sink store elsewhere is refused."""
     kw = dict(batch=1, kv_heads=1, head_dim=64, window=4)
     assert CacheSpec(dtype="q8_0", sinks=1, **kw).sink_dtype == "float16"
     assert CacheSpec(dtype="float16", dtype_v="q4_0", sinks=1, **kw).sink_dtype == "float16"
+    assert CacheSpec(dtype="bfloat16", dtype_v="q8_0", sinks=1, **kw).sink_dtype == "float16"
+    assert CacheSpec(dtype="float32", dtype_v="q8_0", sinks=1, **kw).sink_dtype == "float32"
+    assert CacheSpec(dtype="q4_0", dtype_v="float32", sinks=1, **kw).sink_dtype == "float32"
+    assert CacheSpec(dtype="float32", dtype_v="q8_0", sinks=1, sink_dtype="float16", **kw).sink_dtype == "float16"
+    assert CacheSpec(dtype="q8_0", sinks=1, sink_dtype="float32", **kw).sink_dtype == "float32"
     assert CacheSpec(dtype="q8_0", **kw).sink_dtype is None                  # no sinks
     assert CacheSpec(dtype="float16", sinks=1, **kw).sink_dtype is None      # float storage
-    with pytest.raises(ValueError, match="sink_dtype='float16' needs sinks and a quantized K or V"):
-        CacheSpec(dtype="float16", sinks=1, sink_dtype="float16", **kw)
-    with pytest.raises(ValueError, match="sink_dtype must be 'auto', 'float16' or None"):
+    for apart in ("float16", "float32"):
+        with pytest.raises(ValueError, match=f"sink_dtype='{apart}' needs sinks and a quantized K or V"):
+            CacheSpec(dtype="float32", sinks=1, sink_dtype=apart, **kw)
+    with pytest.raises(ValueError, match="sink_dtype must be 'auto', 'float16', 'float32' or None"):
         CacheSpec(dtype="q8_0", sinks=1, sink_dtype="bfloat16", **kw)
 
 
@@ -421,7 +429,7 @@ def test_float16_sinks_rows_do_not_depend_on_the_chunk():
 
 
 def test_float16_sinks_snapshot(tmp_path):
-    """Snapshots (version 3) and save/load of one sequence move the float16 sinks and the ring bytes as
+    """Snapshots (version 3 on) and save/load of one sequence move the float16 sinks and the ring bytes as
     stored: bit for bit, never re-quantized (fork and rewind: test_fork_and_rewind_keep_the_stored_bytes)."""
     rng = np.random.default_rng(6)
     spec = CacheSpec(batch=2, kv_heads=2, head_dim=80, dtype="q8_0", dtype_v="q4_0", window=5, sinks=3, max_chunk=3)
@@ -439,6 +447,49 @@ def test_float16_sinks_snapshot(tmp_path):
     assert np.array_equal(one.sink_k[0], cache.sink_k[1]) and np.array_equal(one.k[0], cache.k[1])
     with pytest.raises(snapshot.StateFileError, match="sink_dtype='float16' in the file, None requested"):
         snapshot.load(tmp_path / "kv.npz", spec=[CacheSpec(**{**spec.__dict__, "sink_dtype": None})])
+
+
+def _as_version(path, out, version, spec=None, dtypes=None):
+    """The file at ``path`` rewritten as format ``version``, its first layer's spec updated with ``spec`` and
+    members cast to ``dtypes`` (digest recomputed): what an older streamattn wrote, or a file that claims so."""
+    import json
+    from streamattn.snapshot import _digest
+    with np.load(path) as f:
+        members = {n: f[n] for n in f.files}
+    meta = json.loads(bytes(members.pop("meta")))
+    meta["version"] = version
+    meta["layers"][0]["spec"].update(spec or {})
+    members.update({n: members[n].astype(dt) for n, dt in (dtypes or {}).items()})
+    meta["sha256"] = _digest(meta, members)
+    np.savez(out, meta=np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8), **members)
+    return out
+
+
+def test_float32_sinks_beside_a_float32_side(tmp_path):
+    """K float32 beside a quantized V keeps its sinks in float32 (version 5 files, bit for bit); a version 4
+    file of that spec (float16 sinks, as written then) still loads as it was written, and a version 4 file
+    that claims float32 sinks is refused by name."""
+    rng = np.random.default_rng(7)
+    spec = CacheSpec(batch=2, kv_heads=2, head_dim=64, dtype="float32", dtype_v="q8_0", window=5, sinks=3,
+                     max_chunk=3)
+    assert spec.sink_dtype == "float32"
+    cache = KVCache(spec)
+    k = rng.standard_normal((2, 2, 1, 64)).astype(np.float32)
+    cache.append(k, k)
+    assert cache.sink_k.dtype == np.float32 and np.array_equal(cache.sink_k[:, :, 0], k[:, :, 0])  # not rounded
+    _fill(cache, rng, 12, T=1)
+    snapshot.save(tmp_path / "kv.npz", [cache])
+    loaded = snapshot.load(tmp_path / "kv.npz")[0]
+    assert loaded.spec == spec and _same_state(loaded, cache)
+    old = CacheSpec(**{**spec.__dict__, "sink_dtype": "float16"})
+    v4 = _as_version(tmp_path / "kv.npz", tmp_path / "v4.npz", 4, {"sink_dtype": "float16"},
+                     {"layer0.sink_k": np.float16, "layer0.sink_v": np.float16})
+    got = snapshot.load(v4)[0]
+    assert got.spec == old and got.sink_k.dtype == np.float16
+    assert np.array_equal(got.sink_k, cache.sink_k.astype(np.float16)) and np.array_equal(got.k, cache.k)
+    bad = _as_version(tmp_path / "kv.npz", tmp_path / "bad.npz", 4)
+    with pytest.raises(snapshot.StateFileError, match="a version 4 spec keeps its sinks in float16 or not apart"):
+        snapshot.load(bad)
 
 
 def test_float16_sinks_refuse_non_finite_as_stored():

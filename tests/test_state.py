@@ -126,7 +126,7 @@ def test_file_holds_only_used_slots(tmp_path):
     with np.load(tmp_path / "kv.npz") as z:
         assert z["layer0.k"].shape == (2, 1, 5, 8)
         meta = json.loads(z["meta"].tobytes())
-    assert meta["format"] == "streamattn-kv" and meta["version"] == 4 and meta["layout"] == "cache"
+    assert meta["format"] == "streamattn-kv" and meta["version"] == 5 and meta["layout"] == "cache"
     assert meta["layers"][0]["slots"] == 256 and meta["layers"][0]["used"] == 5
     assert snapshot.load(tmp_path / "kv.npz").slots == 256
 
@@ -240,8 +240,8 @@ BAD_FILES = {
                         r"[0-9a-f]{16}\.\.\.: the file is corrupted"),
     "meta-changed": (lambda p: rewrite(p, lambda m, meta: meta["layers"][0]["spec"].update(window=6)),
                      r"checksum mismatch"),
-    "version-5": (lambda p: rewrite(p, lambda m, meta: meta.update(version=5)),
-                  r"format version 5 is not supported: this streamattn reads versions \(1, 2, 3, 4\)"),
+    "version-6": (lambda p: rewrite(p, lambda m, meta: meta.update(version=6)),
+                  r"format version 6 is not supported: this streamattn reads versions \(1, 2, 3, 4, 5\)"),
     "other-format": (lambda p: rewrite(p, lambda m, meta: meta.update(format="kv-other")),
                      r"format 'kv-other' is not 'streamattn-kv': not a streamattn KV state file"),
     "no-meta": (lambda p: np.savez(open(p, "wb"), x=np.zeros(3)), r"no 'meta' member: not a streamattn-kv file"),

@@ -81,7 +81,8 @@ class EngineConfig:
         V's storage where it differs from ``cache_dtype``.
     quantized_sinks : bool
         Store a sinks cache's sink tokens like every other token. False (default): a sinks cache whose K or
-        V is quantized keeps its sinks in float16 (``CacheSpec.sink_dtype``, docs/DESIGN.md §24).
+        V is quantized keeps its sinks apart, in float16 (float32 where K or V is float32:
+        ``CacheSpec.sink_dtype``, docs/DESIGN.md §24).
     rotate_k : bool or None
         Keys stored rotated by a Walsh–Hadamard transform (:class:`~streamattn.spec.CacheSpec`); None: on
         for a quantized K, off for float storage.

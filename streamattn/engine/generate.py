@@ -82,7 +82,8 @@ class Generator:
     cache_dtype_v : str or None
         V's storage where it differs from ``cache_dtype``.
     quantized_sinks : bool
-        Store the sink tokens like every other token (default: float16 where K or V is quantized), as
+        Store the sink tokens like every other token (default: kept apart where K or V is quantized, in
+        float16, or float32 beside a float32 side), as
         :class:`~streamattn.engine.core.EngineConfig`.
     positions : {"absolute", "cache"}
         RoPE positions: in the text, or within the cache (StreamingLLM; matters for "sinks" only).

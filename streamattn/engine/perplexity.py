@@ -54,7 +54,8 @@ def token_losses(model: Transformer, ids, *, cache: str = "full", window: int | 
     cache_dtype, cache_dtype_v : str
         K's storage (and V's unless ``cache_dtype_v``), as :class:`~streamattn.engine.core.EngineConfig`.
     quantized_sinks : bool
-        Store the sink tokens like every other token (default: float16 where K or V is quantized).
+        Store the sink tokens like every other token (default: kept apart where K or V is quantized, in
+        float16, or float32 beside a float32 side).
     rotate_k : bool or None
         Keys stored rotated, as :class:`~streamattn.engine.core.EngineConfig` (None: on for a quantized K).
     progress : callable(done, total, nll_sum), optional

@@ -47,6 +47,7 @@ from streamattn.models.heads_kernel import heads_rope_alloc, heads_rope_rows_par
 from streamattn.models.layer import LayerWeights
 from streamattn.quant import activations, kernels, matmul as qmatmul
 from streamattn.quant.matmul import GELU, NORM, PLAIN, SILU
+from streamattn import rotation
 from streamattn.rotation import rotate_rows
 from streamattn.spec import QUANTIZED
 from streamattn.storage import EXPONENT_BITS, bits, first_not_finite, quantize_rows, write_rows
@@ -346,7 +347,7 @@ def _drop_stale() -> None:
     """Numba keys compiled_layer's cache file on layer.py alone; drop it once when what it compiles in
     changes (this module's ops, the kernels they call: :func:`streamattn.kernel_cache.drop_when_changed`)."""
     files = [m.__file__ for m in (layer, qmatmul, kernels, activations, heads_kernel, cpu, cpu_simd, cpu_tiles,
-                                  storage)] + [__file__]
+                                  storage, rotation)] + [__file__]
 
     def delete(directory):                       # the layer, and this module's functions that link it in
         for f in [*directory.glob("layer.decoder_layer-*.nb[ic]"), *directory.glob("compiled.*.nb[ic]")]:

@@ -39,7 +39,8 @@ class ServeConfig:
     cache_dtype_v : str or None
         V's storage where it differs from ``cache_dtype``.
     quantized_sinks : bool
-        Store the sink tokens like every other token (default: float16 where K or V is quantized).
+        Store the sink tokens like every other token (default: kept apart where K or V is quantized, in
+        float16, or float32 beside a float32 side).
     rotate_k : bool or None
         Keys stored rotated (:class:`~streamattn.spec.CacheSpec`); None: on for a quantized K.
     positions : {"absolute", "cache"}
