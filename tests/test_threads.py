@@ -129,3 +129,43 @@ def test_the_chooser_validates(kw, msg):
     from streamattn.threads import ThreadChooser
     with pytest.raises(ValueError, match=msg):
         ThreadChooser(**kw)
+
+
+def test_warm_model_loads_the_one_thread_decode_step_too():
+    """With 2 threads set, warm_model runs the decode step and the padded (array-layer) call on 2 threads and
+    on 1, the count the ThreadChooser may pick (whose serial drivers the first such step loaded: a 74 ms
+    first step where later ones took 16); with 1 set, once; the caller's count is back after, also when a
+    call raises."""
+    import numba
+    from types import SimpleNamespace
+    from streamattn.engine.generate import warm_model
+    from streamattn.threads import threads
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("Numba has one thread on this host")
+
+    class Recorder:
+        plan = SimpleNamespace(rows=4)
+
+        def __init__(self, fail_at=None):
+            self.calls, self.fail_at = [], fail_at
+
+        def new_caches(self, **kw):
+            return []
+
+        def forward(self, tokens, caches, **kw):
+            self.calls.append((tokens.shape[1], numba.get_num_threads(), "attn_hook" in kw))
+            if len(self.calls) == self.fail_at:
+                raise RuntimeError("boom")
+
+    with threads(2):
+        m = Recorder()
+        warm_model(m, "float32")
+        assert m.calls == [(4, 2, False), (1, 2, False), (1, 1, False), (2, 2, True), (2, 1, True)]
+        assert numba.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="boom"):
+            warm_model(Recorder(fail_at=3), "float32")          # raises on the one-thread decode step
+        assert numba.get_num_threads() == 2
+    with threads(1):
+        m = Recorder()
+        warm_model(m, "float32")
+        assert m.calls == [(4, 1, False), (1, 1, False), (2, 1, True)]

@@ -285,7 +285,10 @@ def warm_model(model, kind: str, kind_v: str | None = None) -> float:
     through the array layers, so that every kernel a prefill, a decode step and the array layers call
     (the packed matmul drivers of each weight kind, the fused norm and activation quantizers, attention
     for storage ``kind``) is compiled or loaded from Numba's cache now, outside any timing, as
-    llama.cpp's warm-up decode does. Seconds taken.
+    llama.cpp's warm-up decode does. With more than one Numba thread set, the one-token and padded
+    calls run on one thread too: the engine's :class:`~streamattn.threads.ThreadChooser` runs decode
+    steps there, whose serial drivers were otherwise loaded by the first such step (~60 ms, 4% of a
+    128-token SmolLM2 run). Seconds taken.
 
     LLVM's library pages, which only loading needs, are handed back before and after each of the two
     kinds of loading (:func:`streamattn.memory.release_compiler_pages`): the compiled layers, then the
@@ -297,11 +300,27 @@ def warm_model(model, kind: str, kind_v: str | None = None) -> float:
     rows = model.plan.rows
     caches = model.new_caches(batch=1, max_chunk=rows, dtype=kind, dtype_v=kind_v)
     model.forward(np.zeros((1, rows), np.int64), caches, last_only=True)
-    model.forward(np.zeros((1, 1), np.int64), caches, last_only=True)
+    for _ in _each_count():
+        model.forward(np.zeros((1, 1), np.int64), caches, last_only=True)
     release_compiler_pages()          # the compiled layers are loaded: LLVM's pages can go (memory.py), so
     # that they do not add to those the array layers' kernels touch next: a padded row through the array
     # layers (a hook keeps a call there), as sinks at cache positions and hooks run (dispatch._append_attend)
-    model.forward(np.zeros((1, 2), np.int64), caches, counts=np.array([1]), last_only=True,
-                  attn_hook=lambda *a: None)
+    for _ in _each_count():
+        model.forward(np.zeros((1, 2), np.int64), caches, counts=np.array([1]), last_only=True,
+                      attn_hook=lambda *a: None)
     release_compiler_pages()
     return time.perf_counter() - t0
+
+
+def _each_count():
+    """Yields once on the Numba thread count set, then, where it is above 1, once on one thread (put back
+    after, whatever happens)."""
+    import numba
+    ceiling = numba.get_num_threads()
+    yield ceiling
+    if ceiling > 1:
+        numba.set_num_threads(1)
+        try:
+            yield 1
+        finally:
+            numba.set_num_threads(ceiling)
