@@ -108,8 +108,8 @@ class KVCache:
         self.sink_k = self.sink_v = None
         if spec.sink_dtype is not None:                    # the sinks apart: [batch, kv_heads, n_s, head_dim]
             sink_shape = (spec.batch, spec.kv_heads, spec.sinks, spec.head_dim)
-            self.sink_k = storage_zeros(self.xp, sink_shape, np.dtype(spec.sink_dtype))
-            self.sink_v = storage_zeros(self.xp, sink_shape, np.dtype(spec.sink_dtype))
+            self.sink_k = storage_zeros(self.xp, sink_shape, spec.sink_storage)
+            self.sink_v = storage_zeros(self.xp, sink_shape, spec.sink_storage)
             slots -= spec.sinks                            # k, v: the ring's R slots
         shape = (spec.batch, spec.kv_heads, slots)
         self.k = storage_zeros(self.xp, shape + (spec.k_width,), spec.storage_dtype)  # [batch, kv_heads, slots, k_width]
@@ -207,8 +207,8 @@ class KVCache:
         self.last_counts[:] = counts           # in place: a head() view and its parent share the counters
 
     def _write_split(self, k, v, ks, vs, counts) -> None:
-        """:meth:`_write` for sinks apart: rows at positions < n_s go to the sink store (``spec.sink_dtype``), the
-        rest to ring slot (j - n_s) mod R as stored (``ks``, ``vs``); everything checked before writing."""
+        """:meth:`_write` for sinks apart: rows at positions < n_s go to the sink store (``spec.sink_dtype``),
+        the rest to ring slot (j - n_s) mod R as stored (``ks``, ``vs``); everything checked before writing."""
         xp, spec = self.xp, self.spec
         n_s, R = spec.sinks, self.ring
         to_sink = np.clip(n_s - self.lengths, 0, counts)                       # [batch] rows for the sinks
@@ -218,14 +218,14 @@ class KVCache:
             if spec.rotate_k:                   # the sink keys rotated as the ring's were in stage()
                 k = rotate(k, xp)
             with np.errstate(over="ignore"):
-                k16, v16 = (to_storage(x, spec.sink_dtype, xp) for x in (k, v))   # [batch, kv_heads, T, head_dim]
+                k_sink, v_sink = (to_storage(x, spec.sink_dtype, xp) for x in (k, v))   # [batch, kv_heads, T, hd]
             if spec.check_finite:
-                check_stored_finite(k16, v16, to_sink, spec.sink_dtype, xp)
+                check_stored_finite(k_sink, v_sink, to_sink, spec.sink_dtype, xp)
         for b in range(spec.batch):
             L, c, s = int(self.lengths[b]), int(counts[b]), int(to_sink[b])
             if s:
-                self.sink_k[b, :, L:L + s] = k16[b, :, :s]
-                self.sink_v[b, :, L:L + s] = v16[b, :, :s]
+                self.sink_k[b, :, L:L + s] = k_sink[b, :, :s]
+                self.sink_v[b, :, L:L + s] = v_sink[b, :, :s]
             if c == s + 1:                      # one ring row (decode): basic indexing, no index array
                 slot = (L + s - n_s) % R
                 self.k[b, :, slot] = ks[b, :, s]
@@ -429,7 +429,7 @@ class KVCache:
         for store, sink, dt in ((self.k, self.sink_k, self.spec.dtype), (self.v, self.sink_v, self.spec.v_dtype)):
             rows = to_host(store[b][:, self.xp.asarray(order)], copy=False)  # [kv_heads, n, width]
             rows = widen(rows, dt, self.spec.head_dim)                       # [kv_heads, n, head_dim]
-            if split:                                                        # the sinks first, as their store holds them
+            if split:                                                        # the sinks first, as stored
                 rows = np.concatenate([to_host(sink[b, :, :min(L, n_s)]).astype(np.float32), rows], axis=1)
             out.append(rows)
         pos = pos[order] if not split else np.concatenate([np.arange(min(L, n_s)), pos[order]])
@@ -516,8 +516,7 @@ class KVCache:
         held_from : oldest ring position still held; default ``max(n_s, length - R)`` (appends alone) for a
             window cache, 0 for a causal one
         sink_k, sink_v : [kv_heads, n_s, head_dim] of ``spec.sink_dtype``, the sinks of a cache that keeps them
-            apart (required
-            there, where slots 0 .. n_s-1 of k and v are not read; refused elsewhere)
+            apart (required there, where slots 0 .. n_s-1 of k and v are not read; refused elsewhere)
 
         A causal cache grows first when n exceeds its slots (keeping every row), so a later failure
         changes nothing. Raises ValueError before writing anything.
@@ -555,12 +554,12 @@ def _check_sinks(cache: KVCache, sink_k, sink_v, where: str, batch: tuple) -> in
     s = cache.spec
     if cache.sink_k is None:
         if sink_k is not None or sink_v is not None:
-            raise ValueError(f"{where}sink_k / sink_v are for caches that keep their sinks apart (this spec: {s})")
+            raise ValueError(f"{where}sink_k / sink_v are for caches that keep their sinks apart "
+                             f"(this spec: {s})")
         return 0
     shape = batch + (s.kv_heads, s.sinks, s.head_dim)
     for name, x in (("sink_k", sink_k), ("sink_v", sink_v)):
-        if x is None or x.dtype != np.dtype(s.sink_dtype) or tuple(x.shape) != shape:
+        if x is None or x.dtype != s.sink_storage or tuple(x.shape) != shape:
             raise ValueError(f"{where}{name} must be {s.sink_dtype} {list(shape)} for a cache with {s.sink_dtype} "
-                             f"sinks (got "
-                             f"{None if x is None else (x.dtype, tuple(x.shape))})")
+                             f"sinks (got {None if x is None else (x.dtype, tuple(x.shape))})")
     return s.sinks

@@ -93,12 +93,12 @@ def rotate_rows(x):
     rows = x.reshape(-1, D)
     out = np.empty_like(rows)
     y = np.empty(D, np.float64)
-    sizes = _block_sizes(D)
     for r in range(rows.shape[0]):
         for d in range(D):
             y[d] = rows[r, d]
         start = 0
-        for n in sizes:
+        while start < D:
+            n = _block_at(D - start)
             h = n // 2
             while h >= 1:
                 for g in range(start, start + n, 2 * h):
@@ -116,17 +116,19 @@ def rotate_rows(x):
 
 
 @njit(cache=True)
-def _block_sizes(head_dim):
-    """Blocks of QBLOCK, then the tail's powers of two, largest first (80 -> [32, 32, 16]), as int64."""
-    tail = head_dim % QBLOCK
-    n_tail = 0
-    for b in range(6):
-        n_tail += (tail >> b) & 1
-    out = np.empty(head_dim // QBLOCK + n_tail, np.int64)
-    out[:head_dim // QBLOCK] = QBLOCK
-    i = head_dim // QBLOCK
-    for b in range(5, -1, -1):
-        if (tail >> b) & 1:
-            out[i] = 1 << b
-            i += 1
-    return out
+def _block_at(rest):
+    """Size of the block that starts where ``rest`` values of a row remain: QBLOCK, else the tail's largest
+    power of two (so a row is blocks of QBLOCK, then the tail's powers of two, largest first)."""
+    n = QBLOCK
+    while n > rest:
+        n //= 2
+    return n
+
+
+def _block_sizes(head_dim: int) -> list:
+    """The blocks of a ``head_dim`` row in order (80 -> [32, 32, 16]): :func:`_block_at` from each start."""
+    sizes, start = [], 0
+    while start < head_dim:
+        sizes.append(_block_at(head_dim - start))
+        start += sizes[-1]
+    return sizes

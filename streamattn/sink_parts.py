@@ -2,8 +2,8 @@
 two exact parts merged by their log-sum-exps.
 
 A cache with ``spec.sink_dtype`` "float16" or "float32" holds the n_s sink tokens in ``sink_k``, ``sink_v``
-([batch, kv_heads, n_s, head_dim] of that dtype) and the ring in ``k``, ``v`` as a window cache without sinks over
-positions shifted by n_s (streamattn/cache.py). Each part is a cache every backend already attends, so
+([batch, kv_heads, n_s, head_dim] of that dtype) and the ring in ``k``, ``v`` as a window cache without sinks
+over positions shifted by n_s (streamattn/cache.py). Each part is a cache every backend already attends, so
 no kernel learns a new layout: the sink part is a causal call over the n_s rows (scored with ``q_sink``),
 the ring part a window call over the ring, and softmax over the union of two disjoint key sets is
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 def attend_parts(fn, q, cache, *, scale: float, counts, q_sink, softcap):
-    """(out, lse) of the newest ``counts[b]`` queries of each sequence over a ``cache`` that keeps its sinks apart.
+    """(out, lse) of the newest ``counts[b]`` queries of each sequence over a ``cache`` that keeps its sinks
+    apart.
 
     Parameters
     ----------

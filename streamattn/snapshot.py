@@ -23,11 +23,11 @@ An uncompressed ``.npz`` (a zip of ``.npy`` members; read with ``allow_pickle=Fa
 Version 5 allows ``sink_dtype`` "float32" (float32 sink members: the default where K or V is float32 and
 the other quantized; version 4 kept those sinks in float16, and such files load as they were written,
 with their explicit "float16"). Version 4 added the spec's ``rotate_k`` (keys stored as ``k @ H``,
-:mod:`streamattn.rotation`): a rotated cache's key bytes mean nothing without it. Files of versions 1 to 3 hold unrotated keys and load
-as ``rotate_k=False`` (so a version-3 q4_0 file restores into a q4_0 cache only with ``rotate_k=False``,
-refused by name otherwise). Version 3 added the spec's ``sink_dtype`` and the float16 sink members;
-version 1 and 2 files have no ``sink_dtype`` key and load as ``sink_dtype=None`` (their sinks were stored
-like every other token). Version 2 added the spec's ``dtype_v`` and the quantized dtypes q8_0 / q4_0
+:mod:`streamattn.rotation`): a rotated cache's key bytes mean nothing without it. Files of versions 1 to 3
+hold unrotated keys and load as ``rotate_k=False`` (so a version-3 q4_0 file restores into a q4_0 cache
+only with ``rotate_k=False``, refused by name otherwise). Version 3 added the spec's ``sink_dtype`` and
+the float16 sink members; version 1 and 2 files have no ``sink_dtype`` key and load as
+``sink_dtype=None`` (their sinks were stored like every other token). Version 2 added the spec's ``dtype_v`` and the quantized dtypes q8_0 / q4_0
 (uint8 members of GGUF blocks, stored as written: a restore never re-quantizes). Version 1 files (float
 storage, one dtype for K and V, no ``dtype_v`` key) still load; what they hold reads the same.
 
@@ -376,7 +376,8 @@ def _parse(raw: bytes, max_bytes: int):
                     raise ValueError(f"a version {version} spec has no rotate_k (got {m['spec']})")
                 m["spec"] = {**m["spec"], "rotate_k": False}
             if version < 5 and m["spec"].get("sink_dtype") not in (None, "float16"):
-                raise ValueError(f"a version {version} spec keeps its sinks in float16 or not apart (got {m['spec']})")
+                raise ValueError(f"a version {version} spec keeps its sinks in float16 or not apart "
+                                 f"(got {m['spec']})")
             s = CacheSpec(**m["spec"])
             slots, used = _int(m.get("slots"), "slots"), _int(m.get("used"), "used")
             alloc = s.slots if s.window is not None else max(slots, 1)   # what load and restore allocate
@@ -384,7 +385,7 @@ def _parse(raw: bytes, max_bytes: int):
                                                      + s.v_width * s.storage_dtype_v.itemsize)
             fields = _FIELDS + (_SINK_FIELDS if s.sink_dtype is not None else ())
             total += 0 if s.sink_dtype is None else \
-                2 * np.dtype(s.sink_dtype).itemsize * s.batch * s.kv_heads * s.sinks * s.head_dim   # K and V
+                2 * s.sink_storage.itemsize * s.batch * s.kv_heads * s.sinks * s.head_dim   # K and V
             if total > max_bytes:
                 raise _Bad(f"layer {i}: the file's specs ask for {total} bytes of K/V storage, more than "
                            f"max_bytes={max_bytes}; refused before allocating")
@@ -412,7 +413,7 @@ def _check_layer(m: dict, a: dict) -> dict:
     if not (slots == cap if s.window is not None else 1 <= slots <= cap) or used != min(slots, int(L.max())):
         raise ValueError(f"slots={slots}, used={used} do not fit the spec and lengths {L.tolist()}")
     for n in _SINK_FIELDS if s.sink_dtype is not None else ():
-        if a[n].dtype != np.dtype(s.sink_dtype) or a[n].shape != (s.batch, s.kv_heads, s.sinks, s.head_dim):
+        if a[n].dtype != s.sink_storage or a[n].shape != (s.batch, s.kv_heads, s.sinks, s.head_dim):
             raise ValueError(f"{n} must be {s.sink_dtype} {(s.batch, s.kv_heads, s.sinks, s.head_dim)} "
                              f"(got {a[n].dtype} {a[n].shape})")
     h = a["held_from"]

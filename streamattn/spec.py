@@ -156,7 +156,8 @@ class CacheSpec:
             raise ValueError(f"sink_dtype must be 'auto', 'float16', 'float32' or None (got {self.sink_dtype!r})")
         elif self.sink_dtype is not None and not quantized_sinks:
             raise ValueError(f"sink_dtype={self.sink_dtype!r} needs sinks and a quantized K or V (got "
-                             f"sinks={self.sinks}, dtype={self.dtype!r}, dtype_v={self.dtype_v!r}); use 'auto' or None")
+                             f"sinks={self.sinks}, dtype={self.dtype!r}, dtype_v={self.dtype_v!r}); "
+                             "use 'auto' or None")
         if self.max_len is not None:
             _positive_int("max_len", self.max_len, minimum=1)
             if self.window is not None:
@@ -191,6 +192,11 @@ class CacheSpec:
     def storage_dtype_v(self) -> np.dtype:
         """numpy dtype of V's storage."""
         return STORAGE[self.v_dtype]
+
+    @property
+    def sink_storage(self) -> np.dtype | None:
+        """numpy dtype of the sink store (``sink_dtype``), None where the sinks are not kept apart."""
+        return None if self.sink_dtype is None else STORAGE[self.sink_dtype]
 
     @property
     def k_width(self) -> int:

@@ -50,7 +50,7 @@ class History:
         # a quantized cache's rows are kept as stored (gguf-py's round trip): see TOL
         self.stored = [dt if spec is not None and dt in _GGUF_TYPES else "float32"
                        for dt in ((spec.dtype, spec.v_dtype) if spec is not None else ("float32",) * 2)]
-        # sinks apart (spec.sink_dtype float16 / float32): positions < n_s are kept as that dtype rounds them
+        # sinks apart (spec.sink_dtype float16 / float32): positions < n_s kept as that dtype rounds them
         self.sink_dtype = getattr(spec, "sink_dtype", None) if spec is not None else None
         self.sinks_apart = spec.sinks if self.sink_dtype else 0
         # a rotate_k cache stores k @ H (rounded once to float32, then cast) and scores q @ H: kept and scored the same here

@@ -1,6 +1,7 @@
 """Quantized K/V storage (q8_0, q4_0): the blocks are gguf-py's, byte for byte, and every backend is exact
 (float32 tolerance) against the float64 oracle over the values the cache stores."""
 
+import shutil
 import zlib
 from pathlib import Path
 
@@ -315,8 +316,9 @@ SPLIT = [("q4_0", None), ("q8_0", None), ("q4_0", "float32"), ("float32", "q8_0"
 @pytest.mark.parametrize("dtype,dtype_v", SPLIT)
 def test_float16_sinks_every_step(backend, dtype, dtype_v):
     """Sinks apart (float16, or float32 beside a float32 side) and the ring quantized, attended in two parts
-    and merged: against the oracle over the stored values (the sink store + the dequantized ring) at every step, >= 3 ring wraps, chunks 1..C,
-    GQA 9/3, ragged batches (sequences at 0 queries, chunks that straddle the last sink)."""
+    and merged: against the oracle over the stored values (the sink store + the dequantized ring) at every
+    step, >= 3 ring wraps, chunks 1..C, GQA 9/3, ragged batches (sequences at 0 queries, chunks that
+    straddle the last sink)."""
     C = 4
     spec = CacheSpec(batch=3, kv_heads=3, head_dim=64, dtype=dtype, dtype_v=dtype_v, window=5, sinks=3, max_chunk=C)
     apart = "float32" if "float32" in (dtype, dtype_v) else "float16"
@@ -450,18 +452,17 @@ def test_float16_sinks_snapshot(tmp_path):
 
 
 def _as_version(path, out, version, spec=None, dtypes=None):
-    """The file at ``path`` rewritten as format ``version``, its first layer's spec updated with ``spec`` and
-    members cast to ``dtypes`` (digest recomputed): what an older streamattn wrote, or a file that claims so."""
-    import json
-    from streamattn.snapshot import _digest
-    with np.load(path) as f:
-        members = {n: f[n] for n in f.files}
-    meta = json.loads(bytes(members.pop("meta")))
-    meta["version"] = version
-    meta["layers"][0]["spec"].update(spec or {})
-    members.update({n: members[n].astype(dt) for n, dt in (dtypes or {}).items()})
-    meta["sha256"] = _digest(meta, members)
-    np.savez(out, meta=np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8), **members)
+    """A copy of the file at ``path`` rewritten as format ``version``, its first layer's spec updated with
+    ``spec`` and members cast to ``dtypes``, resealed: what an older streamattn wrote, or a file that claims so."""
+    from test_state import reseal, rewrite
+
+    def change(members, meta):
+        meta["version"] = version
+        meta["layers"][0]["spec"].update(spec or {})
+        members.update({n: members[n].astype(dt) for n, dt in (dtypes or {}).items()})
+        reseal(members, meta)
+    shutil.copy(path, out)
+    rewrite(out, change)
     return out
 
 
