@@ -300,27 +300,25 @@ def warm_model(model, kind: str, kind_v: str | None = None) -> float:
     rows = model.plan.rows
     caches = model.new_caches(batch=1, max_chunk=rows, dtype=kind, dtype_v=kind_v)
     model.forward(np.zeros((1, rows), np.int64), caches, last_only=True)
-    for _ in _each_count():
-        model.forward(np.zeros((1, 1), np.int64), caches, last_only=True)
+    _on_each_count(lambda: model.forward(np.zeros((1, 1), np.int64), caches, last_only=True))
     release_compiler_pages()          # the compiled layers are loaded: LLVM's pages can go (memory.py), so
     # that they do not add to those the array layers' kernels touch next: a padded row through the array
     # layers (a hook keeps a call there), as sinks at cache positions and hooks run (dispatch._append_attend)
-    for _ in _each_count():
-        model.forward(np.zeros((1, 2), np.int64), caches, counts=np.array([1]), last_only=True,
-                      attn_hook=lambda *a: None)
+    _on_each_count(lambda: model.forward(np.zeros((1, 2), np.int64), caches, counts=np.array([1]), last_only=True,
+                                         attn_hook=lambda *a: None))
     release_compiler_pages()
     return time.perf_counter() - t0
 
 
-def _each_count():
-    """Yields once on the Numba thread count set, then, where it is above 1, once on one thread (put back
-    after, whatever happens)."""
+def _on_each_count(call) -> None:
+    """``call()`` on the Numba thread count set, then, where it is above 1, on one thread (the count put
+    back after, also when it raises)."""
     import numba
     ceiling = numba.get_num_threads()
-    yield ceiling
+    call()
     if ceiling > 1:
         numba.set_num_threads(1)
         try:
-            yield 1
+            call()
         finally:
             numba.set_num_threads(ceiling)
