@@ -179,12 +179,15 @@ class ThreadChooser:
     slower than one (docs/DESIGN.md §22; docs/PERF.md). Results do not depend on the thread count (the
     kernels split work, never a reduction), so the choice changes speed only, never a token.
 
-    How: the first ``first`` steps of a kind alternate the two counts; afterwards each step runs on the
-    count whose median over its last ``keep`` steps is lower, and after ``probe_every`` steps on it one
-    step runs on the other count (a probe). A probe faster than the chosen count's median is followed by
-    another at once, so a change of the host (a neighbour starting or stopping) is followed within a few
-    steps; a slower one doubles the wait before the next (up to 8 x ``probe_every``), so a count that
-    keeps losing costs little.
+    How: the first ``first`` steps of a kind alternate the two counts, and the count with the lower median
+    over them is chosen; afterwards each step runs on the chosen count, and after ``probe_every`` steps on
+    it one step runs on the other count (a probe), timed against the median of the chosen count's last
+    ``keep`` steps. A probe that beats it is followed by another at once, and ``switch`` such wins in a
+    row switch the choice, so a change of the host (a neighbour starting or stopping) is followed within a
+    few steps; a probe that loses doubles the wait before the next (up to 8 x ``probe_every``), so a count
+    that keeps losing costs little. Only probes switch: each is compared with steps of the moment, never
+    with the other count's older times, so a host that slows (or speeds up) both counts alike, as a busy
+    neighbour does to whole spells of steps, moves no choice.
     A kind is whatever the caller names (the engine: its step's real rows, by powers of two); the
     counts are tracked per ceiling. With a ceiling of 1 there is nothing to choose.
 
@@ -195,13 +198,15 @@ class ThreadChooser:
     ...     pass
     """
 
-    def __init__(self, *, first: int = 2, keep: int = 5, probe_every: int = 32, clock=time.perf_counter):
-        for name, v, least in (("first", first, 1), ("keep", keep, 1), ("probe_every", probe_every, 1)):
+    def __init__(self, *, first: int = 2, keep: int = 5, probe_every: int = 32, switch: int = 3,
+                 clock=time.perf_counter):
+        for name, v, least in (("first", first, 1), ("keep", keep, 1), ("probe_every", probe_every, 1),
+                               ("switch", switch, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name} must be an integer >= {least} (got {v!r})")
         if first > keep:
             raise ValueError(f"first must be at most keep={keep} (got {first!r})")
-        self.first, self.keep, self.probe_every, self.clock = first, keep, probe_every, clock
+        self.first, self.keep, self.probe_every, self.switch, self.clock = first, keep, probe_every, switch, clock
         self._kinds = {}                 # (kind, ceiling) -> _Kind
 
     def choose(self, kind, ceiling: int) -> int:
@@ -238,21 +243,21 @@ class ThreadChooser:
     def _kind(self, kind, ceiling):
         k = self._kinds.get((kind, ceiling))
         if k is None:
-            k = self._kinds[kind, ceiling] = _Kind(ceiling, self.first, self.keep, self.probe_every)
+            k = self._kinds[kind, ceiling] = _Kind(ceiling, self.first, self.keep, self.probe_every, self.switch)
         return k
 
 
 class _Kind:
     """One kind of step's recent times on 1 thread and on the ceiling, and the count chosen from them."""
 
-    def __init__(self, ceiling, first, keep, probe_every):
+    def __init__(self, ceiling, first, keep, probe_every, switch):
         self.counts = (ceiling, 1)
-        self.first, self.probe_every = first, probe_every
+        self.first, self.keep, self.probe_every, self.switch = first, keep, probe_every, switch
         self.times = {c: collections.deque(maxlen=keep) for c in self.counts}    # count -> recent seconds
         self.best = ceiling
         self.since = 0                   # steps on the chosen count since the last probe
         self.wait = probe_every          # chosen steps before the next probe
-        self.chase = False               # the last probe beat the chosen count: probe again now
+        self.wins = []                   # the times of the probes in a row that beat the chosen count
 
     def _warm(self) -> bool:
         return all(len(t) >= self.first for t in self.times.values())
@@ -260,18 +265,26 @@ class _Kind:
     def next(self) -> int:
         if not self._warm():             # alternate, the ceiling first
             return min(self.counts, key=lambda c: len(self.times[c]))
-        if self.chase or self.since >= self.wait:
+        if self.wins or self.since >= self.wait:
             return self.counts[1] if self.best == self.counts[0] else self.counts[0]
         return self.best
 
     def record(self, count, seconds):
-        warm = self._warm()              # before this step: it was chosen, or a probe, or warm-up
-        self.times[count].append(seconds)
-        if warm and count != self.best:
-            self.since = 0
-            self.chase = seconds < statistics.median(self.times[self.best])
-            self.wait = self.probe_every if self.chase else min(2 * self.wait, 8 * self.probe_every)
-        elif warm:
+        if not self._warm():             # warm-up: the two counts alternated, so timed in the same spell
+            self.times[count].append(seconds)
+            if self._warm():
+                self.best = min(self.counts, key=lambda c: statistics.median(self.times[c]))
+            return
+        if count == self.best:
+            self.times[count].append(seconds)
             self.since += 1
-        if self._warm():
-            self.best = min(self.counts, key=lambda c: statistics.median(self.times[c]))
+            return
+        self.since = 0                   # a probe, against the chosen count's steps of the moment
+        if seconds < statistics.median(self.times[self.best]):
+            self.wins.append(seconds)
+            if len(self.wins) >= self.switch:
+                self.times[count] = collections.deque(self.wins, maxlen=self.keep)
+                self.best, self.wins, self.wait = count, [], self.probe_every
+        else:
+            self.wins = []
+            self.wait = min(2 * self.wait, 8 * self.probe_every)

@@ -100,6 +100,30 @@ def test_the_chooser_follows_a_host_that_changes_within_a_few_steps():
         assert ran[first:first + 3] == [other] * 3 and chooser.chosen(1, 2) == other
 
 
+def test_a_host_that_slows_both_counts_alike_moves_no_choice():
+    """Only probes switch: when a busy spell makes every step slower, the chosen count's new times are not
+    set against the other count's older (quieter) ones, which would put the steps on the slower count."""
+    from streamattn.threads import ThreadChooser
+    chooser, host = ThreadChooser(first=2, keep=5, probe_every=8), Host({1: 5e-3, 2: 4e-3})
+    for _ in range(20):
+        host.run(chooser, 1, 2)
+    assert chooser.chosen(1, 2) == 2
+    host.cost = {1: 10e-3, 2: 8e-3}                    # the host at half speed: 2 threads still faster
+    ran = [host.run(chooser, 1, 2) for _ in range(200)]
+    assert chooser.chosen(1, 2) == 2 and ran.count(1) <= 5      # a few lost probes, never a switch
+
+
+def test_a_probe_that_wins_once_by_chance_switches_nothing():
+    from streamattn.threads import ThreadChooser
+    chooser = ThreadChooser(first=2, keep=5, probe_every=4, switch=3)
+    ran, times = [], iter([4e-3, 5e-3, 4e-3, 5e-3] + [4e-3] * 4 + [3e-3, 6e-3] + [4e-3] * 40)
+    for _ in range(50):
+        count = chooser.choose(1, 2)
+        ran.append(count)
+        chooser.record(1, 2, count, next(times))
+    assert ran[8:10] == [1, 1] and chooser.chosen(1, 2) == 2    # one win, then a loss: no switch
+
+
 def test_the_chooser_sets_the_count_for_its_block_and_puts_the_callers_back():
     import numba
     from streamattn.threads import ThreadChooser
@@ -124,7 +148,8 @@ def test_the_chooser_sets_the_count_for_its_block_and_puts_the_callers_back():
 
 @pytest.mark.parametrize("kw,msg", [({"first": 0}, "first must be an integer >= 1"),
                                     ({"keep": 2, "first": 3}, "first must be at most keep=2"),
-                                    ({"probe_every": True}, "probe_every must be an integer >= 1")])
+                                    ({"probe_every": True}, "probe_every must be an integer >= 1"),
+                                    ({"switch": 0}, "switch must be an integer >= 1")])
 def test_the_chooser_validates(kw, msg):
     from streamattn.threads import ThreadChooser
     with pytest.raises(ValueError, match=msg):
