@@ -27,9 +27,10 @@ with their explicit "float16"). Version 4 added the spec's ``rotate_k`` (keys st
 hold unrotated keys and load as ``rotate_k=False`` (so a version-3 q4_0 file restores into a q4_0 cache
 only with ``rotate_k=False``, refused by name otherwise). Version 3 added the spec's ``sink_dtype`` and
 the float16 sink members; version 1 and 2 files have no ``sink_dtype`` key and load as
-``sink_dtype=None`` (their sinks were stored like every other token). Version 2 added the spec's ``dtype_v`` and the quantized dtypes q8_0 / q4_0
-(uint8 members of GGUF blocks, stored as written: a restore never re-quantizes). Version 1 files (float
-storage, one dtype for K and V, no ``dtype_v`` key) still load; what they hold reads the same.
+``sink_dtype=None`` (their sinks were stored like every other token). Version 2 added the spec's
+``dtype_v`` and the quantized dtypes q8_0 / q4_0 (uint8 members of GGUF blocks, stored as written: a
+restore never re-quantizes). Version 1 files (float storage, one dtype for K and V, no ``dtype_v`` key)
+still load; what they hold reads the same.
 
 ``U = min(S, max(lengths))``. Slots at or past U hold zeros (a slot that holds no current position is
 zero: appends never write there, rewinds and resets zero what they drop), so a load allocates S zeroed

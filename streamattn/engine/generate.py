@@ -311,14 +311,11 @@ def warm_model(model, kind: str, kind_v: str | None = None) -> float:
 
 
 def _on_each_count(call) -> None:
-    """``call()`` on the Numba thread count set, then, where it is above 1, on one thread (the count put
-    back after, also when it raises)."""
+    """``call()`` on the Numba thread count set, then, where it is above 1, on one thread
+    (:func:`streamattn.threads.threads`: the counts put back after, also when it raises)."""
     import numba
-    ceiling = numba.get_num_threads()
+    from streamattn.threads import threads
     call()
-    if ceiling > 1:
-        numba.set_num_threads(1)
-        try:
+    if numba.get_num_threads() > 1:
+        with threads(1):
             call()
-        finally:
-            numba.set_num_threads(ceiling)
