@@ -15,7 +15,7 @@ from streamattn.quant.matmul import (GROUP_ROWS, HAVE_KERNELS, glu_quantize_rows
                                        quantize_activations)
 from streamattn.quant.kernels import LANES, LANES_VNNI
 from streamattn.quant.weights import (INT_KINDS, SUPPORTED_TYPES, QWeight, UnsupportedWeightType, compact, concat_rows,
-                                     floats, interleave, move_planes, pack, row_slice)
+                                     floats, interleave, move_planes, pack, row_slice, widen_q5_0)
 
 pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="packed kernels need x86 AVX2 (CI machines have it)")
 
@@ -430,3 +430,26 @@ def test_drivers_are_loaded_from_numba_cache_in_a_new_process():
     second = [line for line in runs[1].stdout.splitlines() if "drivers" in line]
     assert any("data loaded" in line for line in second), second
     assert not any("saved" in line for line in second), second
+
+
+def test_q5_0_is_held_in_five_bits_and_widened_beside_q8_0():
+    """Q5_0 packs as "q5" (nibbles and a bit plane, min -16 d: the file's 0.69 B/w becomes 0.75, not 1.06);
+    a row group whose other part is Q8_0 (Gemma-3's q and k beside its v) becomes one "q8" matrix holding the
+    same values, each part's rows giving the bits its own matrix gives."""
+    rows = 2 * LANES
+    q, want_q = gguf_bytes("Q5_0", rows, 640, seed=3)
+    v, want_v = gguf_bytes("Q8_0", LANES, 640, seed=4)
+    pq, pv = pack("blk.0.attn_q.weight", "Q5_0", q, (rows, 640)), pack("blk.0.attn_v.weight", "Q8_0", v, (LANES, 640))
+    assert pq.kind == "q5" and pq.nbytes <= 0.75 * rows * 640
+    assert concat_rows([pq, pq]).kind == "q5"
+    fused = concat_rows([pq, pv])
+    assert fused.kind == "q8" and fused.source == "Q5_0+Q8_0"
+    np.testing.assert_array_equal(fused.dequantize(), np.concatenate([want_q, want_v]).astype(np.float32))
+    wide = widen_q5_0(pq)
+    assert wide.kind == "q8" and wide.lanes == pq.lanes
+    np.testing.assert_array_equal(wide.dequantize(), pq.dequantize())
+    x = np.random.default_rng(5).standard_normal((3, 640)).astype(np.float32)
+    np.testing.assert_array_equal(qmatmul(x, fused)[:, :rows], qmatmul(x, wide))
+    np.testing.assert_allclose(qmatmul(x, pq), qmatmul(x, wide), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="widen_q5_0 takes a Q5_0 weight packed as 'q5'"):
+        widen_q5_0(pv)

@@ -16,13 +16,13 @@ Q2_K, Q3_K  ``"q4s"``   nibbles as "q4" at ``group`` 16, each 32-block's 16 byte
                         (256 columns): value = scale * sc * q + minv * m. Q2_K: its 2-bit values, d and
                         -dmin; Q3_K: its 3-bit values plus 4, d and -4 d, the min bytes = the scales'
                         (the kernels may also take a "q4" weight at group 16, its planes per 16 columns)
-Q8_0, Q5_0  ``"q8"``    the values as bytes ``q + 128`` (Q5_0: the 5-bit values minus 16), ``scale`` per
-                        32-block
+Q8_0        ``"q8"``    the values as bytes ``q + 128``, ``scale`` per 32-block (Q5_0 too, the 5-bit values
+                        minus 16, where it shares one matrix with Q8_0 rows: :func:`widen_q5_0`)
 Q6_K        ``"q8"``    the same (the 6-bit values minus 32), ``scale`` per 16 columns (d * the int8
                         sub-block scale); ``group`` 16
-Q5_1, Q5_K  ``"q5"``    the 5-bit values' low nibbles in the Q4_1 order, then 4 bytes of their fifth bits
-                        per 32-block (byte p, bit t: element 4t + p); ``scale``, ``minv`` per 32-block
-                        (Q5_K: d * sc, -dmin * m, as Q4_K)
+Q5_0, Q5_1, ``"q5"``    the 5-bit values' low nibbles in the Q4_1 order, then 4 bytes of their fifth bits
+Q5_K                    per 32-block (byte p, bit t: element 4t + p); ``scale``, ``minv`` per 32-block
+                        (Q5_0: minv = -16 * scale; Q5_K: d * sc, -dmin * m, as Q4_K)
 IQ4_NL,     ``"nl"``    the file's nibble bytes (the Q4_1 order), each an index into the 16 levels
 IQ4_XS                  :data:`IQ4_VALUES`; ``scale`` per 32-block (IQ4_XS: d * (its 6-bit scale - 32))
 F32, F16,   ``"f32"``,  ``qs`` the values as stored (float32, or the 16-bit patterns as uint16), row-major
@@ -49,8 +49,9 @@ decode step reads 13% fewer bytes (SmolLM2: 111 -> 96 MB).
 
 Every repacking is exact: :meth:`QWeight.dequantize` equals ``gguf.quants.dequantize`` of the file's
 bytes. Bytes per weight: Q4_0/Q4_1 0.625 (0.5 + two float16 per 32; Q4_K 0.75 where its products need
-float32), Q8_0 and Q5_0 1.0625, Q6_K 1.125 or 1.25 (the 5- and 6-bit values are held as bytes, which
-the integer dot product reads directly), Q5_1 0.75 and Q5_K 0.75 or 0.875 (nibbles and a bit plane),
+float32), Q8_0 1.0625, Q6_K 1.125 or 1.25 (the 6-bit values are held as bytes, which the integer dot
+product reads directly), Q5_0, Q5_1 0.75 and Q5_K 0.75 or 0.875 (nibbles and a bit plane; Q5_0 beside
+Q8_0 rows 1.0625),
 Q2_K and Q3_K 0.64 (int8 sub-block scales and mins), IQ4_NL 0.5625, IQ4_XS 0.5625 or 0.625
 (docs/DESIGN.md, "More GGUF types").
 Any other GGUF type raises :class:`UnsupportedWeightType`, naming the tensor and its type.
@@ -262,7 +263,10 @@ def row_slice(w, a: int, b: int):
 
 def concat_rows(ws: list) -> QWeight | None:
     """One QWeight holding the rows of ``ws`` one after another, or None where their kinds, groups or
-    lanes differ, or a part other than the last ends inside an interleaved group."""
+    lanes differ, or a part other than the last ends inside an interleaved group. Q5_0 parts beside "q8"
+    ones are widened to "q8" first (:func:`widen_q5_0`)."""
+    if len({w.kind for w in ws}) > 1 and any(w.kind == "q8" for w in ws):   # Q5_0 beside Q8_0: as bytes
+        ws = [widen_q5_0(w) if w.kind == "q5" and w.source == "Q5_0" and w.lanes else w for w in ws]
     first = ws[0]
     if any(w.kind != first.kind or w.group != first.group or w.lanes != first.lanes
            or w.shape[1] != first.shape[1] for w in ws):
@@ -373,14 +377,29 @@ def _q8_0(b, shape):
 
 
 def _q5_0(b, shape):
-    n = shape[0]
     qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")                             # [n, nb, 1]
     qs = b[..., 6:22]                                                              # [n, nb, 16]
     j = np.arange(16, dtype=np.uint32)
     lo = (qs & 15) | (((qh >> j) & 1) << 4).astype(np.uint8)
     hi = (qs >> 4) | (((qh >> (j + 16)) & 1) << 4).astype(np.uint8)
-    q = (np.concatenate([lo, hi], -1).astype(np.int16) - 16).astype(np.int8)
-    return QWeight("q8", shape, q.reshape(n, -1), _f16(b[..., 0:2]), source="Q5_0")
+    d = _f16(b[..., 0:2])
+    return QWeight("q5", shape, _five_bit(np.concatenate([lo, hi], -1)), d, -16.0 * d, source="Q5_0")
+
+
+def widen_q5_0(w: QWeight) -> QWeight:
+    """A Q5_0 weight (kind "q5", min -16 d) as kind "q8" (the values minus 16 as bytes, no min), interleaved
+    as ``w``: the same values, so a row group whose other parts are Q8_0 (Gemma-3's q and k beside its
+    v) packs into one matrix."""
+    if w.kind != "q5" or w.source != "Q5_0":
+        raise ValueError(f"widen_q5_0 takes a Q5_0 weight packed as 'q5' (got kind {w.kind!r} from {w.source!r})")
+    qs, scale, _ = w.row_major()
+    n, k = w.shape
+    b = qs.reshape(n, k // 32, 20)
+    e = np.arange(32)
+    nib = np.concatenate([b[..., :16] & 15, b[..., :16] >> 4], -1)                 # [n, nb, 32] low 4 bits
+    fifth = (b[..., 16:20][..., e % 4] >> (e // 4)) & 1                            # byte p, bit t: 4t + p
+    q = ((nib | (fifth << 4)).astype(np.int16) - 16).astype(np.int8)
+    return interleave(QWeight("q8", w.shape, q.reshape(n, k), scale, None, 32, "Q5_0"), w.lanes)
 
 
 def _k_scales_mins(s):
