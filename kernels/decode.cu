@@ -12,14 +12,16 @@
 // SOFTCAP (Gemma-2's attention logit soft-capping): each score s, in log2 units, becomes
 // c * tanh(s / c) with c = softcap_log2 (the cap times log2 e: the same map as on natural-log scores),
 // before the online softmax; the false instantiation has no trace of it.
+// VKIND: V's storage kind where it differs from K's (each thread reads V's elements at K's positions:
+// sa_load_part); VKIND == KIND is the one-kind kernel.
 #include "streamattn_common.cuh"
 
-template <int KIND, int HD, bool SOFTCAP = false>
+template <int KIND, int HD, bool SOFTCAP = false, int VKIND = KIND>
 __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
     const float* __restrict__ q,       // [batch, q_heads, HD] (the one query row)
     const float* __restrict__ q_sink,  // [batch, q_heads, HD] the query as scored against sink keys
     const void* __restrict__ k,        // [batch, kv_heads, slots, HD] storage KIND (quantized: row bytes)
-    const void* __restrict__ v,        // [batch, kv_heads, slots, HD] storage KIND (quantized: row bytes)
+    const void* __restrict__ v,        // [batch, kv_heads, slots, HD] storage VKIND (quantized: row bytes)
     const int* __restrict__ lengths,   // [batch] tokens seen, newest already written
     const int* __restrict__ counts,    // [batch] 1 = real query row, 0 = padding
     float* __restrict__ part_out,      // [batch, q_heads, splits, HD]
@@ -27,6 +29,7 @@ __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
     int q_heads, int kv_heads, int slots, int window, int sinks, int splits, float scale_log2,
     float softcap_log2) {  // the soft cap in log2 units (read only when SOFTCAP)
     using R = SaRow<KIND, HD>;
+    using PV = SaPart<VKIND, R::E>;  // V's loads per K vector
     constexpr int G = SA_MAX_GROUP;
     const int tid = threadIdx.x;
     const int rg = tid / R::TPR;    // row-group: which key of the current step this thread works on
@@ -76,7 +79,7 @@ __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
         // The trip count is the same for every thread of the block, so the shuffles below never diverge;
         // a row-group past `hi` computes on zeros and skips the update.
         for (int step = lo; step < hi; step += SA_UNROLL * R::GROUPS) {
-            SaRaw kraw[SA_UNROLL][R::VPT], vraw[SA_UNROLL][R::VPT];
+            SaRaw kraw[SA_UNROLL][R::VPT], vraw[SA_UNROLL][R::VPT][PV::COUNT];
             bool ok[SA_UNROLL];
 #pragma unroll
             for (int u = 0; u < SA_UNROLL; ++u) {  // issue every load of this step first
@@ -88,7 +91,14 @@ __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
                 for (int j = 0; j < R::VPT; ++j) {
                     const long long elem = row + (j * R::TPR + lane) * R::E;
                     kraw[u][j] = ok[u] ? sa_load16<KIND, HD>(k, elem) : SaRaw{make_uint4(0u, 0u, 0u, 0u), 0.0f};
-                    vraw[u][j] = ok[u] ? sa_load16<KIND, HD>(v, elem) : SaRaw{make_uint4(0u, 0u, 0u, 0u), 0.0f};
+                    if constexpr (VKIND == KIND) {  // the one-kind kernel's code, as it was
+                        vraw[u][j][0] = ok[u] ? sa_load16<KIND, HD>(v, elem) : SaRaw{make_uint4(0u, 0u, 0u, 0u), 0.0f};
+                    } else if (ok[u]) {
+                        sa_load_part<VKIND, HD, R::E>(v, elem, vraw[u][j]);
+                    } else {
+#pragma unroll
+                        for (int c = 0; c < PV::COUNT; ++c) vraw[u][j][c] = SaRaw{make_uint4(0u, 0u, 0u, 0u), 0.0f};
+                    }
                 }
             }
 #pragma unroll
@@ -97,7 +107,10 @@ __global__ void __launch_bounds__(SA_THREADS) sa_decode_split(
 #pragma unroll
                 for (int j = 0; j < R::VPT; ++j) {
                     sa_unpack<KIND>(kraw[u][j], kf + j * R::E);
-                    sa_unpack<KIND>(vraw[u][j], vf + j * R::E);
+                    if constexpr (VKIND == KIND)
+                        sa_unpack<KIND>(vraw[u][j][0], vf + j * R::E);
+                    else
+                        sa_unpack_part<VKIND, R::E>(vraw[u][j], ((j * R::TPR + lane) * R::E) % PV::EV, vf + j * R::E);
                 }
 #pragma unroll
                 for (int h = 0; h < G; ++h) {

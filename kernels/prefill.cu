@@ -8,6 +8,7 @@
 // Sink keys (the first n_sink of the key list) are scored with q_sink, the rest with q (see decode.cu):
 // two passes over the tiles, s_q reloaded between them, one online softmax across both.
 // SOFTCAP: each visible score soft-capped before the softmax, as in decode.cu.
+// VKIND: V's storage kind where it differs from K's (V's tile is then filled by a loop of its own).
 #include "streamattn_common.cuh"
 
 template <int HD> struct SaPrefillShape {
@@ -18,12 +19,12 @@ template <int HD> struct SaPrefillShape {
     static constexpr int DPL = HD / 32;              // output elements per lane
 };
 
-template <int KIND, int HD, bool SOFTCAP = false>
+template <int KIND, int HD, bool SOFTCAP = false, int VKIND = KIND>
 __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
     const float* __restrict__ q,       // [batch, q_heads, T, HD]
     const float* __restrict__ q_sink,  // [batch, q_heads, T, HD] the queries as scored against sink keys
     const void* __restrict__ k,        // [batch, kv_heads, slots, HD] storage KIND
-    const void* __restrict__ v,        // [batch, kv_heads, slots, HD] storage KIND
+    const void* __restrict__ v,        // [batch, kv_heads, slots, HD] storage VKIND
     const int* __restrict__ lengths,   // [batch] tokens seen, the chunk already written
     const int* __restrict__ counts,    // [batch] real rows of the chunk (<= T)
     float* __restrict__ out,           // [batch, q_heads, T, HD]
@@ -32,6 +33,8 @@ __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
     float softcap_log2) {  // the soft cap in log2 units (read only when SOFTCAP)
     using S = SaPrefillShape<HD>;
     using R = SaRow<KIND, HD>;
+    using RV = SaRow<VKIND, HD>;
+    constexpr bool SAME = VKIND == KIND;  // K and V tiles filled by one loop
     __shared__ float s_k[S::KT][HD + 1];  // +1: lane j reads row j, so pad to spread the banks
     __shared__ float s_v[S::KT][HD];
     __shared__ float s_q[S::ROWS][HD];
@@ -75,7 +78,7 @@ __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
                     const int pos = sa_key_pos(keys, i);
                     const long long elem = (head_base + sa_slot(pos, window, sinks, slots)) * HD + vec * R::E;
                     sa_unpack<KIND>(sa_load16<KIND, HD>(k, elem), kf);
-                    sa_unpack<KIND>(sa_load16<KIND, HD>(v, elem), vf);
+                    if constexpr (SAME) sa_unpack<KIND>(sa_load16<KIND, HD>(v, elem), vf);
                     if (vec == 0) s_pos[key] = pos;
                 } else {
 #pragma unroll
@@ -85,7 +88,23 @@ __global__ void __launch_bounds__(SA_THREADS) sa_prefill(
 #pragma unroll
                 for (int e = 0; e < R::E; ++e) {
                     s_k[key][vec * R::E + e] = kf[e];
-                    s_v[key][vec * R::E + e] = vf[e];
+                    if constexpr (SAME) s_v[key][vec * R::E + e] = vf[e];
+                }
+            }
+            if constexpr (!SAME) {
+                for (int vi = tid; vi < S::KT * RV::VECS; vi += SA_THREADS) {
+                    const int key = vi / RV::VECS, vec = vi % RV::VECS, i = base + key;
+                    float vf[RV::E];
+                    if (i < hi) {
+                        const long long elem =
+                            (head_base + sa_slot(sa_key_pos(keys, i), window, sinks, slots)) * HD + vec * RV::E;
+                        sa_unpack<VKIND>(sa_load16<VKIND, HD>(v, elem), vf);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < RV::E; ++e) vf[e] = 0.0f;
+                    }
+#pragma unroll
+                    for (int e = 0; e < RV::E; ++e) s_v[key][vec * RV::E + e] = vf[e];
                 }
             }
             __syncthreads();

@@ -9,7 +9,8 @@
 // bytes of nibbles, value j in byte j's low nibble and j + 16 in its high one (18 bytes); value q * d or
 // (q - 8) * d, read in place, one scale per half block of 16 values: streamattn/storage.py).
 // Cache layout: k, v: [batch, kv_heads, slots, head_dim] (quantized: [.., slots, HD / 32 * block bytes]),
-// C-contiguous. Arithmetic in float32.
+// C-contiguous. Arithmetic in float32. K and V may be of different kinds (template parameter VKIND of the
+// decode and prefill kernels; sa_load_part).
 #ifndef STREAMATTN_COMMON_CUH
 #define STREAMATTN_COMMON_CUH
 
@@ -107,6 +108,45 @@ template <int KIND, int HD> __device__ __forceinline__ SaRaw sa_load16(const voi
     r.u = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(base) + elem * SaKind<KIND>::BYTES);
     r.d = 0.0f;
     return r;
+}
+
+// V of another storage kind than K (VKIND != KIND): a thread reads V's elements at K's positions, N = K's
+// vector width at a time (N a multiple of 4, elem a multiple of N). Where V's vectors are wider than N
+// (K float16, V q8_0) a thread loads the whole vector that holds its N elements and keeps that part;
+// where they are narrower (K q8_0, V float16) it loads N / E of them. With VKIND == KIND (N == E) this is
+// one sa_load16 + sa_unpack, the code of the one-kind kernels.
+template <int VKIND, int N> struct SaPart {
+    static constexpr int EV = SaKind<VKIND>::E;
+    static constexpr int COUNT = N >= EV ? N / EV : 1;     // vectors loaded per N elements
+};
+
+template <int VKIND, int HD, int N> __device__ __forceinline__ void sa_load_part(const void* base, long long elem,
+                                                                                 SaRaw* raw) {
+    constexpr int EV = SaPart<VKIND, N>::EV;
+    if constexpr (N >= EV) {
+#pragma unroll
+        for (int i = 0; i < N / EV; ++i) raw[i] = sa_load16<VKIND, HD>(base, elem + i * EV);
+    } else {
+        raw[0] = sa_load16<VKIND, HD>(base, elem - elem % EV);
+    }
+}
+
+// Unpack what sa_load_part loaded into out[0 .. N); off = elem % (V's vector width), 0 when N >= it.
+template <int VKIND, int N> __device__ __forceinline__ void sa_unpack_part(const SaRaw* raw, int off, float* out) {
+    constexpr int EV = SaPart<VKIND, N>::EV;
+    if constexpr (N >= EV) {
+#pragma unroll
+        for (int i = 0; i < N / EV; ++i) sa_unpack<VKIND>(raw[i], out + i * EV);
+    } else {
+        float t[EV];
+        sa_unpack<VKIND>(raw[0], t);
+#pragma unroll
+        for (int o = 0; o < EV; o += N)   // constant indices only: t stays in registers
+            if (off == o) {
+#pragma unroll
+                for (int e = 0; e < N; ++e) out[e] = t[o + e];
+            }
+    }
 }
 
 // The key positions a launch row may see, as one list of n indices i: positions [0, n_sink) (sinks),

@@ -86,9 +86,10 @@ def lse_err(got, ref) -> float:
 
 
 def case(rng, *, batch, q_heads, kv_heads, head_dim, lengths, counts, T, window, sinks, dtype, q_dtype="float32",
-         softcap=None, q_gain=1.0):
+         softcap=None, q_gain=1.0, dtype_v=None):
     """Random history, ring, queries (N(0, q_gain²)) and oracle answer for one attention call ("write, then
-    attend"), with the scores soft-capped by ``softcap`` (None: not).
+    attend"), with the scores soft-capped by ``softcap`` (None: not); V stored as ``dtype_v`` (default
+    ``dtype``).
 
     Returns dict with q, k, v (stored), lengths, counts, ref_out, ref_lse, scale, softcap.
     """
@@ -97,12 +98,16 @@ def case(rng, *, batch, q_heads, kv_heads, head_dim, lengths, counts, T, window,
     k_hist = rng.standard_normal((batch, kv_heads, n, head_dim))
     v_hist = rng.standard_normal((batch, kv_heads, n, head_dim))
     k_store, k_val = storage(k_hist, dtype)
-    v_store, v_val = storage(v_hist, dtype)
+    v_store, v_val = storage(v_hist, dtype_v or dtype)
     if window:
         slots = sinks + window + max(int(counts.max()), 1) - 1
     else:
         slots = n + 3  # spare slots past the longest sequence are never visible
-    k, v = fill_cache(k_store, v_store, lengths, window=window, sinks=sinks, slots=slots)
+    if dtype_v is None:
+        k, v = fill_cache(k_store, v_store, lengths, window=window, sinks=sinks, slots=slots)
+    else:                                            # filled apart: each side keeps its own dtype and row width
+        k = fill_cache(k_store, k_store, lengths, window=window, sinks=sinks, slots=slots)[0]
+        v = fill_cache(v_store, v_store, lengths, window=window, sinks=sinks, slots=slots)[0]
     q = (q_gain * rng.standard_normal((batch, q_heads, T, head_dim))).astype(q_dtype)
     q_pos = np.full((batch, T), -1)
     for b in range(batch):

@@ -52,6 +52,12 @@ def test_names_and_expressions():
     assert gpu_source.name_expression("prefill_bf16_hd64_softcap") == "sa_prefill<2, 64, true>"
     assert gpu_source.name_expression("decode_f32_hd256_softcap") == "sa_decode_split<0, 256, true>"
     assert gpu_source.name_expression("merge_hd256") == "sa_merge<256>"
+    assert gpu_source.spec_name("decode", 64, "q8", v_tag="q4") == "decode_q8_q4_hd64"
+    assert gpu_source.spec_name("decode", 64, "q8", v_tag="q8") == "decode_q8_hd64"
+    assert gpu_source.name_expression("decode_q8_q4_hd64") == "sa_decode_split<3, 64, false, 4>"
+    assert gpu_source.name_expression("prefill_f16_q8_hd256_softcap") == "sa_prefill<1, 256, true, 3>"
+    with pytest.raises(ValueError, match="K and V of different storage only as one of f16/q8"):
+        gpu_source.spec_name("decode", 64, "bf16", v_tag="f16")
     assert gpu_source.storage_tag(np.dtype(np.uint16)) == "bf16"
     with pytest.raises(ValueError, match="head_dim must be one of"):
         gpu_source.spec_name("decode", 96, "f16")
@@ -92,6 +98,17 @@ def test_validation_of_shapes(change, message):
     q, k, v = arrays(**change)
     with pytest.raises((ValueError, TypeError), match=message):
         gpu_plan.validate(q, k, v, np.array([3, 3]), np.array([1, 1]), window=0, sinks=0)
+
+
+def test_validation_of_k_and_v_apart():
+    """K and V of different kinds: a pair of MIXED_PAIRS passes; others, or rows of another batch, are refused."""
+    q, k, _ = arrays(d=64)
+    v8 = np.zeros(k.shape[:3] + (64 // 32 * 34,), np.uint8)
+    gpu_plan.validate(q, k, v8, np.array([3, 3]), np.array([1, 1]), window=0, sinks=0)
+    with pytest.raises(TypeError, match=r"float32 \(f32\) and uint8 \(q8\)"):
+        gpu_plan.validate(q, k.astype(np.float32), v8, np.array([3, 3]), np.array([1, 1]), window=0, sinks=0)
+    with pytest.raises(ValueError, match="k and v must both be"):
+        gpu_plan.validate(q, k, v8[:, :, :8], np.array([3, 3]), np.array([1, 1]), window=0, sinks=0)
 
 
 def test_validation_of_alignment():

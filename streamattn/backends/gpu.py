@@ -77,7 +77,7 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
         Query row t < counts[b] sits at position lengths[b] - counts[b] + t; other rows are padding.
     k, v : cupy.ndarray [batch, kv_heads, slots, head_dim], C-contiguous
         float32, float16, bfloat16 as uint16 bits, or uint8 rows of q8_0 / q4_0 blocks (told apart by the
-        row's bytes). head_dim in {64, 128, 256};
+        row's bytes); K and V of one kind or a pair of ``gpu_source.MIXED_PAIRS``. head_dim in {64, 128, 256};
         q_heads = group x kv_heads (GQA/MQA). The newest chunk is already written.
     lengths : array [batch] of int
         Tokens each sequence has seen, the chunk included. A numpy array is preferred: its values
@@ -96,8 +96,9 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
         The queries scored against the sink keys (positions < sinks) instead of q; a model that assigns
         positions within the cache passes q rotated at the query's cache position. Default q.
     kind, kind_v : str, optional
-        The storage dtype names of K and V (the dispatcher passes them); they must be the same: the
-        kernels read K and V of one kind. None: taken from k.
+        The storage dtype names of K and V (the dispatcher passes them; the arrays' dtypes and row widths
+        decide). K and V of different kinds: one of the pairs ``gpu_source.MIXED_PAIRS`` (float16, q8_0,
+        q4_0 beside each other), else TypeError naming both.
     softcap : float, optional
         Attention logit soft-capping: each scaled score s becomes softcap * tanh(s / softcap) before the
         softmax (the ``_softcap`` kernel variants); None (default): none.
@@ -114,9 +115,6 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
     ...                   scale=128 ** -0.5)  # doctest: +SKIP
     """
     cupy = _cupy()
-    if kind is not None and kind_v is not None and kind != kind_v:
-        raise ValueError(f"the gpu backend reads K and V of one storage dtype (got K {kind}, V {kind_v}); "
-                         "use one --cache-dtype, or the cpu backend")
     for name, arr in (("q", q), ("k", k), ("v", v)) + ((("q_sink", q_sink),) if q_sink is not None else ()):
         if not isinstance(arr, cupy.ndarray):
             raise TypeError(f"{name} must be a cupy.ndarray on the device (got {type(arr).__name__})")

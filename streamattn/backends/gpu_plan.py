@@ -10,7 +10,8 @@ import math
 
 import numpy as np
 
-from .gpu_source import BLOCK_THREADS, HEAD_DIMS, MAX_GROUP, MERGE_THREADS, choose_splits, spec_name, storage_tag
+from .gpu_source import (BLOCK_THREADS, HEAD_DIMS, MAX_GROUP, MERGE_THREADS, MIXED_PAIRS, choose_splits, spec_name,
+                         storage_tag)
 
 LOG2E = 1.4426950408889634
 
@@ -30,20 +31,23 @@ def validate(q, k, v, lengths, counts, *, window: int, sinks: int) -> None:
     """Check shapes, dtypes and (for host arrays) values; raise ValueError/TypeError naming the argument."""
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, q_heads, T, head_dim] (got shape {tuple(q.shape)})")
-    if k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
+    if k.ndim != 4 or v.ndim != 4 or tuple(k.shape[:3]) != tuple(v.shape[:3]):
         raise ValueError(f"k and v must both be [batch, kv_heads, slots, head_dim] "
                          f"(got {tuple(k.shape)} and {tuple(v.shape)})")
-    if k.dtype != v.dtype:
-        raise TypeError(f"k and v must share one storage dtype (got {k.dtype} and {v.dtype}); the gpu "
-                        "backend has no kernels for K and V stored apart")
     if q.dtype.name not in ("float32", "float16"):
         raise TypeError(f"q dtype must be float32 or float16 (got {q.dtype})")
     batch, q_heads, _, head_dim = q.shape
-    kv_batch, kv_heads, slots, kv_dim = k.shape
-    if storage_tag(k.dtype, kv_dim, head_dim) in ("q8", "q4"):
-        kv_dim = head_dim                   # a row of blocks for head_dim values (storage_tag checked it)
-    if kv_batch != batch or kv_dim != head_dim:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
+    kv_batch, kv_heads, slots, _ = k.shape
+    tags = []
+    for name, arr in (("k", k), ("v", v)):
+        tags.append(storage_tag(arr.dtype, arr.shape[3], head_dim))
+        width = head_dim if tags[-1] in ("q8", "q4") else arr.shape[3]   # a row of blocks: storage_tag checked it
+        if kv_batch != batch or width != head_dim:
+            raise ValueError(f"q {tuple(q.shape)} and {name} {tuple(arr.shape)} disagree on batch or head_dim")
+    if tags[0] != tags[1] and tuple(tags) not in MIXED_PAIRS:
+        raise TypeError(f"k and v are stored as {k.dtype} ({tags[0]}) and {v.dtype} ({tags[1]}); the gpu kernels "
+                        f"read K and V of one storage dtype, or one of the pairs "
+                        f"{', '.join(f'{a}/{b}' for a, b in MIXED_PAIRS)} (K/V)")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS} (got {head_dim})")
     if q_heads % kv_heads:
@@ -119,8 +123,8 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
     batch, q_heads, rows, head_dim = q.shape
     kv_heads, slots = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    tag = storage_tag(k.dtype, k.shape[3], head_dim)
-    if k.dtype.name == "bfloat16":  # ml_dtypes on the host: the kernels read raw bits
+    tag, v_tag = storage_tag(k.dtype, k.shape[3], head_dim), storage_tag(v.dtype, v.shape[3], head_dim)
+    if k.dtype.name == "bfloat16":  # ml_dtypes on the host: the kernels read raw bits (bf16 is never mixed)
         k, v = k.view(np.uint16), v.view(np.uint16)
     qf = xp.ascontiguousarray(q, dtype=xp.float32)  # [batch, q_heads, T, head_dim]; q is tiny
     qsf = qf if q_sink is None else xp.ascontiguousarray(q_sink, dtype=xp.float32)  # [batch, q_heads, T, hd]
@@ -144,7 +148,7 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
         else:
             part_out = xp.empty((batch, q_heads, n_splits, head_dim), dtype=xp.float32)
             part_lse = xp.empty((batch, q_heads, n_splits), dtype=xp.float32)
-        launch(spec_name("decode", head_dim, tag, softcap=cap), (n_splits, kv_heads * chunks, batch),
+        launch(spec_name("decode", head_dim, tag, softcap=cap, v_tag=v_tag), (n_splits, kv_heads * chunks, batch),
                (BLOCK_THREADS, 1, 1),
                [qf, qsf, k, v, lens, cnts, part_out, part_lse, i32(q_heads), i32(kv_heads), i32(slots),
                 i32(window), i32(sinks), i32(n_splits), scale_log2, softcap_log2])
@@ -153,8 +157,8 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
                    [part_out, part_lse, out, lse, i32(n_splits)])
     else:
         block_rows = (2 if head_dim == 256 else 4) * (BLOCK_THREADS // 32)  # SaPrefillShape::ROWS
-        launch(spec_name("prefill", head_dim, tag, softcap=cap), (math.ceil(rows * group / block_rows), kv_heads,
-                                                                   batch), (BLOCK_THREADS, 1, 1),
+        launch(spec_name("prefill", head_dim, tag, softcap=cap, v_tag=v_tag),
+               (math.ceil(rows * group / block_rows), kv_heads, batch), (BLOCK_THREADS, 1, 1),
                [qf, qsf, k, v, lens, cnts, out, lse, i32(q_heads), i32(kv_heads), i32(slots), i32(rows),
                 i32(window), i32(sinks), scale_log2, softcap_log2])
     return (out if q.dtype == xp.float32 else out.astype(q.dtype)), lse

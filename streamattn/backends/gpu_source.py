@@ -10,13 +10,15 @@ kind     template (name expression)            readable name
 ======== ===================================== ==============================
 decode   ``sa_decode_split<KIND, HD>``         ``decode_f16_hd128``
 decode   ``sa_decode_split<KIND, HD, true>``   ``decode_f16_hd128_softcap``
+decode   ``sa_decode_split<K, HD, false, V>``  ``decode_q8_f16_hd128`` (K q8_0, V float16)
 prefill  ``sa_prefill<KIND, HD>``              ``prefill_bf16_hd64``
 prefill  ``sa_prefill<KIND, HD, true>``        ``prefill_bf16_hd64_softcap``
 merge    ``sa_merge<HD>``                      ``merge_hd256``
 ======== ===================================== ==============================
 
 KIND is the K/V storage dtype: 0 float32, 1 float16, 2 bfloat16 (uint16 bits), 3 q8_0 and 4 q4_0 (uint8
-rows of GGUF blocks, tags ``q8`` / ``q4``, e.g. ``decode_q8_hd64``); HD is head_dim.
+rows of GGUF blocks, tags ``q8`` / ``q4``, e.g. ``decode_q8_hd64``); HD is head_dim. K and V of different
+kinds take both tags, K's first (``prefill_f16_q4_hd64``), for the pairs in :data:`MIXED_PAIRS`.
 The ``_softcap`` variants soft-cap every score (Gemma-2); the plain ones are the same text without it
 (``if constexpr``), so models without a cap run exactly the kernels they ran before it existed.
 """
@@ -30,6 +32,9 @@ from pathlib import Path
 HEAD_DIMS = (64, 128, 256)
 KV_KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}  # storage dtype tag -> KIND template argument
 QUANT_BLOCK_BYTES = {"q8": 34, "q4": 18}  # bytes per 32 values (streamattn.spec.BLOCK_BYTES)
+# (K, V) storage pairs of different kinds the kernels are instantiated for: a quantized side beside float16
+# or the other quantized kind (each pair is 12 more specialisations to compile and check)
+MIXED_PAIRS = (("f16", "q8"), ("f16", "q4"), ("q8", "f16"), ("q4", "f16"), ("q8", "q4"), ("q4", "q8"))
 SOURCES = {"decode": "decode.cu", "prefill": "prefill.cu", "merge": "merge.cu"}
 # Options for every NVRTC compile (backend and compile check alike); the arch is added per device.
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -118,16 +123,24 @@ def storage_tag(dtype, width: int | None = None, head_dim: int | None = None) ->
     return tag
 
 
-def spec_name(kind: str, head_dim: int, tag: str | None = None, *, softcap: bool = False) -> str:
+def spec_name(kind: str, head_dim: int, tag: str | None = None, *, softcap: bool = False,
+              v_tag: str | None = None) -> str:
     """Readable specialisation name, e.g. ``decode_f16_hd128``, ``prefill_f32_hd64_softcap`` (``softcap``:
-    the variant that soft-caps the scores) or ``merge_hd64``."""
+    the variant that soft-caps the scores), ``decode_q8_f16_hd64`` (``v_tag``: V's storage where it is not
+    K's ``tag``; a pair of :data:`MIXED_PAIRS`) or ``merge_hd64``."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS} (got {head_dim})")
     if kind == "merge":
         return f"merge_hd{head_dim}"
     if tag not in KV_KINDS:
         raise ValueError(f"storage tag must be one of {sorted(KV_KINDS)} (got {tag!r})")
-    return f"{kind}_{tag}_hd{head_dim}" + ("_softcap" if softcap else "")
+    tags = tag
+    if v_tag is not None and v_tag != tag:
+        if (tag, v_tag) not in MIXED_PAIRS:
+            raise ValueError(f"the gpu kernels read K and V of different storage only as one of "
+                             f"{', '.join(f'{k}/{v}' for k, v in MIXED_PAIRS)} (K/V; got {tag}/{v_tag})")
+        tags = f"{tag}_{v_tag}"
+    return f"{kind}_{tags}_hd{head_dim}" + ("_softcap" if softcap else "")
 
 
 def name_expression(name: str) -> str:
@@ -138,14 +151,19 @@ def name_expression(name: str) -> str:
     if parts[0] == "merge":
         return f"sa_merge<{head_dim}>"
     template = {"decode": "sa_decode_split", "prefill": "sa_prefill"}[parts[0]]
-    return f"{template}<{KV_KINDS[parts[1]]}, {head_dim}" + (", true>" if capped else ">")
+    tags = parts[1:-2 if capped else -1]                  # K's tag, then V's where it differs
+    if len(tags) == 2:
+        return f"{template}<{KV_KINDS[tags[0]]}, {head_dim}, {'true' if capped else 'false'}, {KV_KINDS[tags[1]]}>"
+    return f"{template}<{KV_KINDS[tags[0]]}, {head_dim}" + (", true>" if capped else ">")
 
 
 def all_specs() -> list[str]:
     """Every specialisation the backend can request (what the compile check compiles)."""
     names = [spec_name(kind, hd, tag, softcap=cap) for kind in ("decode", "prefill") for cap in (False, True)
              for tag in KV_KINDS for hd in HEAD_DIMS]
-    return names + [spec_name("merge", hd) for hd in HEAD_DIMS]
+    mixed = [spec_name(kind, hd, k, softcap=cap, v_tag=v) for kind in ("decode", "prefill") for cap in (False, True)
+             for k, v in MIXED_PAIRS for hd in HEAD_DIMS]
+    return names + [spec_name("merge", hd) for hd in HEAD_DIMS] + mixed
 
 
 def choose_splits(max_keys: int, blocks_per_split: int, sm_count: int) -> int:
