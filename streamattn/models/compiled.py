@@ -324,7 +324,7 @@ def _attend(q, k, v, at):
 compiled_layer = njit(cache=True)(layer.decoder_layer)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def run_layer(x, w, at):
     """:data:`compiled_layer` where it finishes as the array layer would, else nothing: False, with x and
     the cache as they were. The cache's checks that come before a write run first (:func:`_refuses`); a
