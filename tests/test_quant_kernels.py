@@ -172,6 +172,34 @@ def test_vnni_route_gives_the_same_bits(type_name):
                                       qmatmul(x, w, parallel=False, group_rows=r, vnni=False), err_msg=f"R={r}")
 
 
+#: Bytes of a block of each nibble type before its quantized bits (scales, mins; Q5's fifth bits are set too).
+_HEAD_BYTES = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q5_0": (22, 2), "Q5_1": (24, 4), "Q4_K": (144, 16), "Q5_K": (176, 16)}
+
+
+@pytest.mark.parametrize("type_name", list(_HEAD_BYTES))
+def test_int16_runs_are_exact_at_the_largest_sums(type_name):
+    """Without VNNI, runs of ``vpmaddubsw`` pairs are added in int16 before one ``vpmaddwd``
+    (kernels.I16_RUN): every weight at its largest level (nibbles 15, fifth bits set: 31) against
+    activation blocks at full scale (|xq| = 127) must still give the exact integer sums: an int16 that
+    wrapped would be 65536 steps off. 1 row and groups of R, float64 oracle over the stored values."""
+    size, head = _HEAD_BYTES[type_name]
+    data, _ = gguf_bytes(type_name, 13, 512, seed=11)
+    data = data.copy()
+    data.reshape(13, -1, size)[:, :, head:] = 0xFF
+    w64 = dequantize(data, gguf.GGMLQuantizationType[type_name]).astype(np.float64)
+    w = pack("t", type_name, data, (13, 512))
+    x = np.ones((8, 512), np.float32)
+    x[1] = -1.0
+    x[2] = np.repeat(np.tile([1.0, -1.0], 8), 32)               # blocks alternately all +127 and all -127
+    x[3:] = np.random.default_rng(3).standard_normal((5, 512)) * 9
+    xq, xd, *_ = quantize_activations(x)
+    assert np.abs(xq[:3]).min() == 127
+    want = (xq.reshape(8, -1, 32).astype(np.float64) * xd[:, :, None]).reshape(8, 512) @ w64.T
+    for r in (1, 4, 8):
+        got = qmatmul(x, w, parallel=False, group_rows=r, vnni=False)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=f"R={r}")
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K", *NEW_KERNELS])
 def test_every_lane_width_gives_the_same_bits(type_name):
     """Groups of 8 rows (the AVX2 kernels' width) and of 16 (AVX-512, where this CPU has it) give every
