@@ -56,20 +56,29 @@ async def one(http, url, model, prompt, n):
             "ignore_eos": True, "cache_prompt": False, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps, tokens = [], None
-    async with http.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise RuntimeError(ev["error"])
-            if ev["choices"] and ev["choices"][0]["text"]:
-                stamps.append(time.perf_counter())
-            if ev.get("usage"):
-                tokens = ev["usage"]["completion_tokens"]
-    return {"t0": t0, "stamps": stamps, "tokens": tokens}
+    for attempt in (0, 1):
+        try:
+            async with http.stream("POST", url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        raise RuntimeError(ev["error"])
+                    if ev["choices"] and ev["choices"][0]["text"]:
+                        stamps.append(time.perf_counter())
+                    if ev.get("usage"):
+                        tokens = ev["usage"]["completion_tokens"]
+            break
+        except httpx.RemoteProtocolError:
+            # A kept-alive connection the server closed as this request went out (llama-server did so
+            # on back-to-back streamed requests with --threads 2): nothing was answered, so send it
+            # once more on a new connection; the clock keeps running from the first try.
+            if stamps or attempt:
+                raise
+    return {"t0": t0, "stamps": stamps, "tokens": tokens, "retried": attempt}
 
 
 async def level(url, model, conc, n_req, n_tok):
@@ -89,6 +98,7 @@ async def level(url, model, conc, n_req, n_tok):
     first, last = min(r["stamps"][0] for r in res), max(r["stamps"][-1] for r in res)
     tokens = sum(r["tokens"] for r in res)
     return {"concurrency": conc, "requests": n_req, "tokens": tokens, "wall_s": wall,
+            "retried": sum(r["retried"] for r in res),
             "aggregate_tok_s": tokens / wall, "decode_tok_s": (tokens - n_req) / max(last - first, 1e-9),
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
             "itl_p50_s": float(np.percentile(itl, 50)), "itl_p99_s": float(np.percentile(itl, 99))}
@@ -129,7 +139,8 @@ def stop_server(proc) -> None:
 
 def median_row(runs: list) -> dict:
     """One level's figures as the medians over its repeats (``runs``: rows of :func:`level`)."""
-    return {k: (runs[0][k] if k in ("concurrency", "requests", "tokens") else statistics.median(r[k] for r in runs))
+    return {k: (runs[0][k] if k in ("concurrency", "requests", "tokens") else sum(r[k] for r in runs)
+                if k == "retried" else statistics.median(r[k] for r in runs))
             for k in runs[0]} | {"repeats": len(runs)}
 
 
@@ -281,7 +292,8 @@ def main(argv=None) -> int:
                     print(f"{engine:12s} c={conc:3d}  {r['aggregate_tok_s']:7.1f} tok/s  decode "
                           f"{r['decode_tok_s']:7.1f} tok/s  TTFT p50/p99 {r['ttft_p50_s'] * 1e3:7.0f}/"
                           f"{r['ttft_p99_s'] * 1e3:7.0f} ms  ITL p50/p99 {r['itl_p50_s'] * 1e3:6.0f}/"
-                          f"{r['itl_p99_s'] * 1e3:6.0f} ms", flush=True)
+                          f"{r['itl_p99_s'] * 1e3:6.0f} ms" + (f"  ({r['retried']} sent again)" if r["retried"] else ""),
+                          flush=True)
     by_engine = {e: [median_row(runs[e][c]) for c in args.levels] for e in runs}
     rows = by_engine["streamattn"]
     out = Path(args.out)

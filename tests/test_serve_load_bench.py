@@ -33,6 +33,11 @@ FAKE = textwrap.dedent('''\
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if os.environ.get("FAKE_DIE") and "-m" in args and req["max_tokens"] > 4:   # not in the warm-up
                 print("fake: dying", flush=True); os._exit(3)
+            drop = os.environ.get("FAKE_DROP_ONCE")
+            if drop and "-m" in args and req["max_tokens"] > 4 and not os.path.exists(drop):
+                open(drop, "w").close()          # closed unanswered, once: a stale kept-alive connection
+                self.close_connection = True
+                return
             assert self.path == "/v1/completions" and req["stream"] and req["ignore_eos"]
             assert req["temperature"] == 0 and req["cache_prompt"] is False
             self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
@@ -145,6 +150,19 @@ def test_a_llama_server_that_dies_under_load_says_so(fake_bin, tmp_path, monkeyp
     with pytest.raises(RuntimeError, match="llama-server died under 1 clients .exit 3") as e:
         bench.main(_argv(fake_bin, tmp_path))
     assert "fake: dying" in str(e.value) and all(p.poll() is not None for p in started)
+
+
+def test_a_request_the_server_closed_unanswered_is_sent_once_more(fake_bin, tmp_path, monkeypatch, capsys):
+    """A connection closed with no answer (llama-server on back-to-back streamed requests) costs one resend,
+    counted in the row, not the run; a second failure of the same request still fails it."""
+    started = []
+    monkeypatch.setattr(bench, "start_server", _stand_in_start(fake_bin, started))
+    monkeypatch.setenv("FAKE_DROP_ONCE", str(tmp_path / "dropped"))
+    assert bench.main(_argv(fake_bin, tmp_path)) == 0
+    doc = json.loads((tmp_path / "serve_load_t.json").read_text())
+    assert sum(r["retried"] for r in doc["peer_rows"]) == 1 and sum(r["retried"] for r in doc["rows"]) == 0
+    assert all(r["tokens"] == r["requests"] * 5 for r in doc["peer_rows"])
+    assert "(1 sent again)" in capsys.readouterr().out
 
 
 @pytest.mark.model
