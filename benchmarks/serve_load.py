@@ -138,10 +138,13 @@ def stop_server(proc) -> None:
 
 
 def median_row(runs: list) -> dict:
-    """One level's figures as the medians over its repeats (``runs``: rows of :func:`level`)."""
-    return {k: (runs[0][k] if k in ("concurrency", "requests", "tokens") else sum(r[k] for r in runs)
-                if k == "retried" else statistics.median(r[k] for r in runs))
-            for k in runs[0]} | {"repeats": len(runs)}
+    """One level's figures as the medians over its repeats (``runs``: rows of :func:`level`); ``retried``
+    summed."""
+    def over_repeats(k):
+        if k in ("concurrency", "requests", "tokens"):
+            return runs[0][k]
+        return sum(r[k] for r in runs) if k == "retried" else statistics.median(r[k] for r in runs)
+    return {k: over_repeats(k) for k in runs[0]} | {"repeats": len(runs)}
 
 
 def markdown(by_engine: dict) -> str:

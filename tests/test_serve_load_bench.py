@@ -154,7 +154,7 @@ def test_a_llama_server_that_dies_under_load_says_so(fake_bin, tmp_path, monkeyp
 
 def test_a_request_the_server_closed_unanswered_is_sent_once_more(fake_bin, tmp_path, monkeypatch, capsys):
     """A connection closed with no answer (llama-server on back-to-back streamed requests) costs one resend,
-    counted in the row, not the run; a second failure of the same request still fails it."""
+    counted in the row, not the run."""
     started = []
     monkeypatch.setattr(bench, "start_server", _stand_in_start(fake_bin, started))
     monkeypatch.setenv("FAKE_DROP_ONCE", str(tmp_path / "dropped"))

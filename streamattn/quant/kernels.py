@@ -113,17 +113,6 @@ LANES = 16 if WIDE else 8
 LANES_VNNI = WIDE_VNNI if LANES == 16 else VNNI
 
 
-def _int_dot(builder, acc, w, x, lanes: int, vnni: bool):
-    """acc + (lane i: sum of w[4i + p] * x[4i + p], p < 4): w unsigned bytes, x signed (<4 lanes x i8>
-    each), acc <lanes x i32>. ``vnni``: one ``vpdpbusd``; else ``vpmaddubsw`` (saturating pairs into
-    int16) + ``vpmaddwd`` by ones + add, exact when no pair passes 32767: callers keep w <= 128."""
-    vi, vb = ir.VectorType(I32, lanes), ir.VectorType(I8, 4 * lanes)
-    if vnni:
-        dp = llvm_fn(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", vi, [vi, vi, vi])
-        return builder.call(dp, [acc, builder.bitcast(w, vi), builder.bitcast(x, vi)])
-    return builder.add(acc, _pairs_to_i32(builder, _maddubs(builder, w, x, lanes), lanes))
-
-
 def _maddubs(builder, w, x, lanes: int):
     """``vpmaddubsw``: <2 lanes x i16> of adjacent byte products w (unsigned) times x (signed), saturating."""
     vb, vh = ir.VectorType(I8, 4 * lanes), ir.VectorType(I16, 2 * lanes)
@@ -146,13 +135,17 @@ I16_RUN = {"q4": 8, "q4s": 8, "q5": 4}
 
 
 def _int_dots(builder, acc, pairs, lanes: int, vnni: bool, run: int = 1):
-    """acc + the sum of :func:`_int_dot` over ``pairs`` [(w, x)], the same exact integers. With ``run`` > 1
-    (and no ``vnni``), each run of that many ``vpmaddubsw`` results is added in int16 and widened by one
-    ``vpmaddwd``: a byte dot product of 4 lanes then costs ~1.1 instructions where it cost 3 (the caller
-    guarantees no int16 sum of a run passes 32767: :data:`I16_RUN`)."""
-    if vnni or run <= 1:
+    """acc + the byte dot products of ``pairs`` [(w, x)] (lane i: sum of w[4i + p] * x[4i + p], p < 4; w
+    unsigned bytes, x signed, <4 lanes x i8> each; acc <lanes x i32>), exact integers. ``vnni``: one
+    ``vpdpbusd`` a pair. Else ``vpmaddubsw`` (saturating pairs into int16; callers keep w <= 128) and
+    ``vpmaddwd`` by ones: each run of ``run`` ``vpmaddubsw`` results is added in int16 before one widening,
+    so a pair costs ~1.1 instructions where it cost 3 (the caller guarantees no int16 sum of a run passes
+    32767: :data:`I16_RUN`)."""
+    if vnni:
+        vi = ir.VectorType(I32, lanes)
+        dp = llvm_fn(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", vi, [vi, vi, vi])
         for w, x in pairs:
-            acc = _int_dot(builder, acc, w, x, lanes, vnni)
+            acc = builder.call(dp, [acc, builder.bitcast(w, vi), builder.bitcast(x, vi)])
         return acc
     for i in range(0, len(pairs), run):
         p16 = None
