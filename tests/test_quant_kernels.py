@@ -408,8 +408,9 @@ def test_fused_norm_quantization():
 
 @pytest.mark.parametrize("gelu", [False, True])
 def test_parallel_quantizers_give_the_serial_bits(gelu):
-    """The prefill chunk's quantizers split rows over threads in pieces: every row the same bits as the
-    serial quantizer's, with 1 and 2 threads and a row count that leaves a part-filled piece."""
+    """The quantizers split rows over threads in pieces (a prefill chunk's of 16 rows, a decode batch's
+    smaller, so that 8 rows reach both threads): every row the same bits as the serial quantizer's, with
+    1 and 2 threads, for decode batches of 1-9 rows and a row count that leaves a part-filled piece."""
     from streamattn.quant.activations import glu_quantize_rows_parallel, norm_quantize_rows_parallel
     rng = np.random.default_rng(13)
     x = (rng.standard_normal((45, 576)) * 3).astype(np.float32)
@@ -424,10 +425,11 @@ def test_parallel_quantizers_give_the_serial_bits(gelu):
             serial(*args, *want)
             for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
                 numba.set_num_threads(n)
-                got = quantize_activations(np.zeros((45, K), np.float32))
-                parallel(*args, *got)
-                for g, wnt in zip(got, want):
-                    np.testing.assert_array_equal(g, wnt)
+                for M in (*range(1, 10), 45):
+                    got = quantize_activations(np.zeros((M, K), np.float32))
+                    parallel(args[0][:M], *args[1:], *got)
+                    for g, wnt in zip(got, want):
+                        np.testing.assert_array_equal(g, wnt[:M], err_msg=f"{M} rows, {n} threads")
     finally:
         numba.set_num_threads(before)
 

@@ -100,17 +100,29 @@ def glu_quantize_rows(gu, gelu, xq, xd, xs, xc):
         _quantize_row(y, b, xq, xd, xs, xc)
 
 
-#: Rows per piece of the parallel quantizers below (a prefill chunk's rows split over threads).
+#: Rows per piece of the parallel quantizers below at most (a prefill chunk's rows split over threads).
 PIECE_ROWS = 16
+#: Rows from which the parallel drivers quantize over threads: a decode batch of 8 rows quantized on
+#: one thread left the other spinning for ~9% of the step (docs/PERF.md, 2026-12-03).
+SPLIT_ROWS = 8
+
+
+@njit(cache=True, inline="always")
+def _piece_rows(n):
+    """Rows per piece for n rows: :data:`PIECE_ROWS`, or fewer so that there are at least 4 pieces (a
+    decode batch's rows reach more than one thread; Numba's thread count inside a kernel would be a
+    dynamic global, which its cache refuses)."""
+    return min(PIECE_ROWS, max(1, n // 4))
 
 
 @njit(parallel=True, cache=True)
 def norm_quantize_rows_parallel(x, w, eps, xq, xd, xs, xc):
-    """:func:`norm_quantize_rows` with the rows split over Numba's threads in pieces of
-    :data:`PIECE_ROWS`: each row is quantized by the same code, so the same bits."""
+    """:func:`norm_quantize_rows` with the rows split over Numba's threads in pieces of at most
+    :data:`PIECE_ROWS` (:func:`_piece_rows`): each row is quantized by the same code, so the same bits."""
     n = x.shape[0]
-    for p in prange((n + PIECE_ROWS - 1) // PIECE_ROWS):
-        lo, hi = p * PIECE_ROWS, min(n, (p + 1) * PIECE_ROWS)
+    piece = _piece_rows(n)
+    for p in prange((n + piece - 1) // piece):
+        lo, hi = p * piece, min(n, (p + 1) * piece)
         norm_quantize_rows(x[lo:hi], w, eps, xq[lo:hi], xd[lo:hi], xs[lo:hi], xc[lo:hi])
 
 
@@ -119,6 +131,7 @@ def glu_quantize_rows_parallel(gu, gelu, xq, xd, xs, xc):
     """:func:`glu_quantize_rows` with the rows split over Numba's threads (as above: the same bits).
     In a prefill chunk the serial version was ~1/4 of the FFN's second matmul on 2 threads."""
     n = gu.shape[0]
-    for p in prange((n + PIECE_ROWS - 1) // PIECE_ROWS):
-        lo, hi = p * PIECE_ROWS, min(n, (p + 1) * PIECE_ROWS)
+    piece = _piece_rows(n)
+    for p in prange((n + piece - 1) // piece):
+        lo, hi = p * piece, min(n, (p + 1) * piece)
         glu_quantize_rows(gu[lo:hi], gelu, xq[lo:hi], xd[lo:hi], xs[lo:hi], xc[lo:hi])

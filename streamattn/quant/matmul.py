@@ -143,7 +143,7 @@ def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LAN
                 xd = np.empty((M, K // 32), np.float32)
                 xs = np.empty((M, K // 32), np.float32)
                 xc = np.empty((M, K // 16), np.int32)
-                pieces = split and M >= 2 * activations.PIECE_ROWS
+                pieces = split and M >= activations.SPLIT_ROWS
                 if mode == NORM:
                     if pieces:
                         norm_quantize_rows_parallel(x, nw, eps, xq, xd, xs, xc)
