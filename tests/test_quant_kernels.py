@@ -129,21 +129,22 @@ def _rows_alone(x, w):
 
 @pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
 def test_grouped_rows_equal_each_row_alone(type_name):
-    """A call of M rows (groups of ROWS through the multi-row kernel, then a 1-row remainder) is
-    bit-identical to every row alone, for M = 1..9 and a prefill-sized 37, any offset, 1 and 2 threads."""
+    """A call of M rows (groups of ROWS through the multi-row kernel, then a 1-row remainder; under
+    ROWS = 4 a decode batch of 8-15 rows starts with one 8-row pass) is bit-identical to every row alone,
+    for M = 1..15 and a prefill-sized 37, any offset, 1 and 2 threads."""
     cols = 512
     data, _ = gguf_bytes(type_name, 19, cols, seed=11)
     w = pack("t", type_name, data, (19, cols))
     x = np.random.default_rng(12).standard_normal((40, cols)).astype(np.float32) * 3
     alone = _rows_alone(x, w)
-    for m in list(range(1, 10)) + [37]:
+    for m in list(range(1, 16)) + [37]:
         np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False), alone[:m], err_msg=f"M={m}")
     np.testing.assert_array_equal(qmatmul(x[3:40], w, parallel=False), alone[3:40])     # groups start at row 3
     before = numba.get_num_threads()
     try:
         for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
             numba.set_num_threads(n)
-            for m in (5, 37):
+            for m in (5, 15, 37):
                 np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=True), alone[:m], err_msg=f"M={m}, {n} thr")
     finally:
         numba.set_num_threads(before)
@@ -353,7 +354,9 @@ def test_every_group_size_gives_the_same_bits(type_name):
     x = np.random.default_rng(4).standard_normal((37, 256)).astype(np.float32)
     alone = _rows_alone(x, w)
     for r in GROUP_ROWS:
-        np.testing.assert_array_equal(qmatmul(x, w, parallel=False, group_rows=r), alone, err_msg=f"R={r}")
+        for m in (8, 13, 37):                     # 8-15 rows: under R = 4 one 8-row pass first
+            np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, group_rows=r), alone[:m],
+                                          err_msg=f"R={r}, M={m}")
     with pytest.raises(ValueError, match=r"group_rows must be one of \(1, 2, 4, 8\) \(got 3\)"):
         qmatmul(x, w, group_rows=3)
 

@@ -121,13 +121,17 @@ def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LAN
     (where smaller than R) and one by one, out[b, lanes g + n] = dot(qs, scale, minv, g, xq, xd, xs, xc,
     b). ``vnni``: which integer dot product (:func:`~streamattn.quant.kernels.make_qdot`; the same
     results). The kernel that reads a group's weights first prefetches them (:data:`PREFETCH_BYTES`; the
-    R-row kernel's later passes find them in cache), as a decode batch of R rows reads them once.
+    R-row kernel's later passes find them in cache), as a decode batch of R rows reads them once. Under
+    R = 4 (the AVX2 plan) a decode batch of 8-15 rows takes its first 8 in one 8-row pass (the 8-row step
+    2-4% faster; prompt chunks keep R = 4, where 8 rows a pass measured slower: docs/PERF.md).
 
     One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
     decode step streams megabytes of weights, and the Python of a call made of several (numpy buffers,
     two dispatches, lookups) ran with its data evicted (docs/DESIGN.md §16; measured: docs/PERF.md)."""
     dot_r = make_qdot(kind, group, R, lanes, vnni)
     dot_rp = make_qdot(kind, group, R, lanes, vnni, PREFETCH_BYTES)       # a group's first R rows
+    batch = R == 4                             # decode batches of 8-15 rows: the first 8 in one pass
+    dot_8p = make_qdot(kind, group, 8 if batch else R, lanes, vnni, PREFETCH_BYTES)
     dot_4 = make_qdot(kind, group, min(R, 4), lanes, vnni, PREFETCH_BYTES)
     dot_2 = make_qdot(kind, group, min(R, 2), lanes, vnni, PREFETCH_BYTES)
     dot_1 = make_qdot(kind, group, 1, lanes, vnni, PREFETCH_BYTES)
@@ -158,14 +162,17 @@ def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LAN
                     quantize_rows(x, xq, xd, xs, xc)
                 out = np.empty((M, qs.shape[0] * lanes), np.float32)
             M = xq.shape[0]
-            full = M - M % R
+            eight = batch and 8 <= M < 16
+            full = 8 if eight else M - M % R
             for g in rows(qs.shape[0]):
-                if full > 0:                   # the first pass over the group's weights reads memory
+                if eight:
+                    dot_8p(qs, scale, minv, g, xq, xd, xs, xc, 0, out)
+                elif full > 0:                 # the first pass over the group's weights reads memory
                     dot_rp(qs, scale, minv, g, xq, xd, xs, xc, 0, out)
-                for b in range(R, full, R):
-                    dot_r(qs, scale, minv, g, xq, xd, xs, xc, b, out)
-                b = full                       # the rest (< R rows): 4, 2, then 1 at a time
-                if R > 4 and M - b >= 4:
+                    for b in range(R, full, R):
+                        dot_r(qs, scale, minv, g, xq, xd, xs, xc, b, out)
+                b = full                       # the rest (< R rows, < 8 after 8): 4, 2, then 1 at a time
+                if (R > 4 or eight) and M - b >= 4:
                     dot_4(qs, scale, minv, g, xq, xd, xs, xc, b, out)
                     b += 4
                 if R > 2 and M - b >= 2:
