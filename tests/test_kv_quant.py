@@ -318,12 +318,12 @@ def test_prompt_cache_and_generator_on_quantized_caches(tiny, cache):
         assert s.generated == alone
 
 
-@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("dtype", [*QUANT, "float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_a_row_does_not_depend_on_its_group(dtype, head_dim):
     """The 1-, 2-, 3- and 4-row kernels read a block the same way: each query row's bits are the same
     whether its GQA group has 1..5 rows (batch invariance, docs/DESIGN.md §5; three rows take the 3-row
-    kernels), at 80 through the half-block tail."""
+    kernels, for every storage), at 80 through the half-block tail."""
     rng = np.random.default_rng(head_dim)
     cache = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=head_dim, dtype=dtype, max_chunk=64))
     x = rng.standard_normal((1, 1, 600, head_dim)).astype(np.float32)

@@ -248,18 +248,6 @@ def _qk_rows(R, qf, r, kt, n, sc, kind):
             _QK1(qf, r, kt, j, sc, kind)
 
 
-def _one_pass(kt):
-    """Whether three rows left over take the 3-row kernels (True for q8_0/q4_0 blocks: each block is widened
-    once for the three, where a 2-row and a 1-row kernel widened it twice) rather than 2 + 1 (16-bit and
-    float32 storage, whose code this leaves as it was). A compile-time constant of kt's type."""
-
-
-@overload(_one_pass)
-def _one_pass_impl(kt):
-    quantized = kt.dtype == types.uint8
-    return lambda kt: quantized
-
-
 @njit(fastmath=FASTMATH, cache=True)
 def _qk_rows3(qf, r, kt, n, sc, kind):
     """sc[r + g, :n] = qf[r + g] . kt[:n] for g < 3 with the 3-row kernel (n a multiple of 16)."""
@@ -270,7 +258,8 @@ def _qk_rows3(qf, r, kt, n, sc, kind):
 @njit(fastmath=FASTMATH, cache=True)
 def tile_scores(qf, kt, n, sc, kind, kpad, stail):
     """sc[r, :n] = qf[r] . kt[:n] for every row r (head_dim % 16 == 0): rows in fours, then two, one (three
-    left over of quantized storage: one 3-row pass, :func:`_one_pass`).
+    left over, a GQA group of 3 as SmolLM2's: one 3-row pass, which reads each key once for the three
+    where a 2-row and a 1-row pass read it twice).
 
     Every score is the same arithmetic whichever kernel computes it (lane-wise FMAs over head_dim, then
     one fixed tree), and the keys past the last whole 16 go through the same kernels on a zero-padded
@@ -286,7 +275,7 @@ def tile_scores(qf, kt, n, sc, kind, kpad, stail):
         kpad[tail:] = 0
     r = 0
     while r < rows:
-        if _one_pass(kt) and rows - r == 3:
+        if rows - r == 3:
             _qk_rows3(qf, r, kt, nb, sc, kind)
             if tail:
                 _qk_rows3(qf, r, kpad, 16, stail, kind)
@@ -305,7 +294,7 @@ def tile_scores(qf, kt, n, sc, kind, kpad, stail):
 @njit(fastmath=FASTMATH, cache=True)
 def tile_accumulate(acc, p, vt, n, kind):
     """acc[r] += sum_j p[r, j] vt[j] for every row r, j < n (head_dim % 16 == 0): rows in fours, two, one
-    (three left over of quantized storage: one 3-row pass, :func:`_one_pass`).
+    (three left over: one 3-row pass, as in :func:`tile_scores`).
 
     acc: [rows, D] float32, p: [rows, >= n] float32, vt: [n, D] storage
     """
@@ -315,7 +304,7 @@ def tile_accumulate(acc, p, vt, n, kind):
         if rows - r >= 4:
             _PV4(acc, r, p, vt, n, kind)
             r += 4
-        elif _one_pass(vt) and rows - r == 3:
+        elif rows - r == 3:
             _PV3(acc, r, p, vt, n, kind)
             r += 3
         elif rows - r >= 2:
