@@ -52,7 +52,8 @@ DRIVER = Path(__file__).resolve().parent / "peer_llamacpp.mjs"
 PROMPT = Path(__file__).resolve().parent / "data" / "prompt_rome.txt"
 MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}     # our names -> streamattn.gguf.hub names
 ENGINES = ("streamattn", "llama.cpp")
-_OURS_STATS = re.compile(r"\[prompt (\d+) tokens, prefill (\d+) ms; (\d+) decode steps, ([\d.]+) tok/s\]")
+_OURS_STATS = re.compile(r"\[prompt (\d+) tokens, prefill (\d+) ms; (\d+) decode steps, ([\d.]+) tok/s"
+                         r"(?:; (\d+) on (\d+) threads)?\]")
 
 
 def _standalone(name: str):
@@ -101,16 +102,21 @@ def noise_label(duty) -> str:
 def parse_ours(stderr: str) -> dict:
     """Timings from ``streamattn generate --stats`` stderr: its last ``[prompt N tokens, ...]`` line.
 
-    Returns ``{"prompt_tokens", "prefill_s", "decode_steps", "decode_s"}``; ValueError if no such line.
+    Returns ``{"prompt_tokens", "prefill_s", "decode_steps", "decode_s"}`` and, with more than one
+    thread, ``decode_steps_on_ceiling`` (the steps the thread chooser ran on them all); ValueError if no
+    such line.
     """
     found = _OURS_STATS.findall(stderr)
     if not found:
         raise ValueError(f"no '[prompt N tokens, prefill X ms; S decode steps, R tok/s]' line in streamattn's "
                          f"stderr (last 500 chars: {stderr[-500:]!r})")
-    prompt, prefill_ms, steps, tok_s = found[-1]
+    prompt, prefill_ms, steps, tok_s, on, threads = found[-1]
     steps, tok_s = int(steps), float(tok_s)
-    return {"prompt_tokens": int(prompt), "prefill_s": int(prefill_ms) / 1e3, "decode_steps": steps,
-            "decode_s": steps / tok_s if tok_s > 0 else float("inf")}
+    out = {"prompt_tokens": int(prompt), "prefill_s": int(prefill_ms) / 1e3, "decode_steps": steps,
+           "decode_s": steps / tok_s if tok_s > 0 else float("inf")}
+    if on:                        # how many decode steps the thread chooser ran on the count asked for
+        out["decode_steps_on_ceiling"] = int(on)
+    return out
 
 
 def parse_peer(stdout: str) -> dict:

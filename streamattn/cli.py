@@ -183,8 +183,10 @@ def _generate_run(args) -> int:
     _OPEN_LINE = False
     if args.stats or not args.quiet:
         s = gen.stats
+        most = max(s.decode_threads, default=1)
+        on = f"; {s.decode_threads.count(most)} on {most} threads" if most > 1 else ""
         print(f"[prompt {s.prompt_tokens[0]} tokens, prefill {s.prefill_s * 1e3:.0f} ms; "
-              f"{len(s.decode_steps_s)} decode steps, {s.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+              f"{len(s.decode_steps_s)} decode steps, {s.decode_tok_s:.1f} tok/s{on}]", file=sys.stderr)
     return 0
 
 

@@ -180,12 +180,14 @@ class ThreadChooser:
     kernels split work, never a reduction), so the choice changes speed only, never a token.
 
     How: the first ``first`` steps of a kind alternate the two counts, and the count with the lower median
-    over them is chosen; afterwards each step runs on the chosen count, and after ``probe_every`` steps on
-    it one step runs on the other count (a probe), timed against the median of the chosen count's last
-    ``keep`` steps. A probe that beats it is followed by another at once, and ``switch`` such wins in a
-    row switch the choice, so a change of the host (a neighbour starting or stopping) is followed within a
-    few steps; a probe that loses doubles the wait before the next (up to 8 x ``probe_every``), so a count
-    that keeps losing costs little. Only probes switch: each is compared with steps of the moment, never
+    over them is chosen; afterwards each step runs on the chosen count, and after ``settle`` steps on it
+    (later ``probe_every``) one step runs on the other count (a probe), timed against the median of the
+    chosen count's last ``keep`` steps. A probe that beats it is followed by another at once, and
+    ``switch`` such wins in a row switch the choice, so a change of the host (a neighbour starting or
+    stopping) is followed within a few steps; a probe that loses doubles the wait before the next (up to
+    8 x ``probe_every``), so a count that keeps losing costs little. The short first wait is for a
+    warm-up that chose wrong: two steps of each count beside a neighbour that takes a core for 5 ms of
+    every 10 can pick the count that then runs 1.5x slower, for ~35 steps at one probe per 32. Only probes switch: each is compared with steps of the moment, never
     with the other count's older times, so a host that slows (or speeds up) both counts alike, as a busy
     neighbour does to whole spells of steps, moves no choice.
     A kind is whatever the caller names (the engine: its step's real rows, by powers of two); the
@@ -198,15 +200,16 @@ class ThreadChooser:
     ...     pass
     """
 
-    def __init__(self, *, first: int = 2, keep: int = 5, probe_every: int = 32, switch: int = 3,
+    def __init__(self, *, first: int = 2, keep: int = 5, probe_every: int = 32, switch: int = 3, settle: int = 4,
                  clock=time.perf_counter):
         for name, v, least in (("first", first, 1), ("keep", keep, 1), ("probe_every", probe_every, 1),
-                               ("switch", switch, 1)):
+                               ("switch", switch, 1), ("settle", settle, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name} must be an integer >= {least} (got {v!r})")
         if first > keep:
             raise ValueError(f"first must be at most keep={keep} (got {first!r})")
         self.first, self.keep, self.probe_every, self.switch, self.clock = first, keep, probe_every, switch, clock
+        self.settle = settle
         self._kinds = {}                 # (kind, ceiling) -> _Kind
 
     def choose(self, kind, ceiling: int) -> int:
@@ -243,20 +246,21 @@ class ThreadChooser:
     def _kind(self, kind, ceiling):
         k = self._kinds.get((kind, ceiling))
         if k is None:
-            k = self._kinds[kind, ceiling] = _Kind(ceiling, self.first, self.keep, self.probe_every, self.switch)
+            k = self._kinds[kind, ceiling] = _Kind(ceiling, self.first, self.keep, self.probe_every, self.switch,
+                                                   self.settle)
         return k
 
 
 class _Kind:
     """One kind of step's recent times on 1 thread and on the ceiling, and the count chosen from them."""
 
-    def __init__(self, ceiling, first, keep, probe_every, switch):
+    def __init__(self, ceiling, first, keep, probe_every, switch, settle):
         self.counts = (ceiling, 1)
         self.first, self.keep, self.probe_every, self.switch = first, keep, probe_every, switch
         self.times = {c: collections.deque(maxlen=keep) for c in self.counts}    # count -> recent seconds
         self.best = ceiling
         self.since = 0                   # steps on the chosen count since the last probe
-        self.wait = probe_every          # chosen steps before the next probe
+        self.wait = min(settle, probe_every)   # chosen steps before the next probe (the first: soon)
         self.wins = []                   # the times of the probes in a row that beat the chosen count
 
     def _warm(self) -> bool:

@@ -1,5 +1,7 @@
 """Sampling rules, the generation iterator (stops, batch, seeds) and the CLI."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -62,6 +64,8 @@ def test_stream_events_and_finish_reasons():
     assert [e.step for e in evs] == list(range(6)) and evs[-1].finish == "length"
     assert "".join(e.text for e in evs).startswith(" Paris")
     assert all(e.step_s > 0 for e in evs) and len(g.stats.decode_steps_s) == 5 and g.stats.prefill_s > 0
+    import numba
+    assert len(g.stats.decode_threads) == 5 and set(g.stats.decode_threads) <= {1, numba.get_num_threads()}
     evs = list(g.stream("What is the capital of France?", chat=True, max_tokens=40))
     assert evs[-1].finish == "stop" and evs[-1].token_id == 2 and "Paris" in "".join(e.text for e in evs)
     text = g.generate("Count: 1, 2, 3,", max_tokens=30, stop=("6",))
@@ -118,6 +122,13 @@ def test_cli_ignore_eos(capsys):
     fixed = capsys.readouterr()
     assert "8 decode steps" in stopped.err and "11 decode steps" in fixed.err
     assert fixed.out.startswith(stopped.out.rstrip("\n")) and len(fixed.out) > len(stopped.out)
+    assert " on 1 threads" not in fixed.err and "threads]" not in fixed.err      # one thread: no count
+    import numba
+    if numba.config.NUMBA_NUM_THREADS >= 2:          # how many steps the thread chooser ran on both
+        assert main(argv + ["--ignore-eos", "--threads", "2"]) == 0
+        two = capsys.readouterr()
+        found = re.search(r"11 decode steps, [\d.]+ tok/s; (\d+) on 2 threads\]", two.err)
+        assert found and 0 <= int(found.group(1)) <= 11, two.err
 
 
 def test_cli_registration_point():

@@ -19,6 +19,9 @@ def test_parse_ours_takes_the_stats_line():
     r = peer.rates(peer.parse_ours(err))
     assert (r["prompt_tokens"], r["decode_steps"]) == (705, 127)
     assert r["prefill_tok_s"] == pytest.approx(705 / 2.05) and r["decode_tok_s"] == pytest.approx(50.8)
+    assert "decode_steps_on_ceiling" not in r                   # one thread: the line has no count
+    two = peer.parse_ours("[prompt 705 tokens, prefill 1610 ms; 127 decode steps, 117.1 tok/s; 6 on 2 threads]")
+    assert (two["decode_steps"], two["decode_steps_on_ceiling"]) == (127, 6)
     with pytest.raises(ValueError, match="no '\\[prompt N tokens"):
         peer.parse_ours("Traceback: boom")
 

@@ -50,6 +50,11 @@ ADAPT_ROWS = 16
 _CHOOSERS = weakref.WeakKeyDictionary()          # model -> its ThreadChooser
 
 
+def _numba_threads() -> int:
+    import numba
+    return numba.get_num_threads()
+
+
 def _chooser(model) -> ThreadChooser:
     """The model's :class:`~streamattn.threads.ThreadChooser`, shared by its engines (a Generator makes one
     per call), so that what a process measured outlives each call; a fresh one for a model that takes no
@@ -196,6 +201,7 @@ class Engine:
         self.prompt_cache = PromptCache(int(config.prompt_cache_mb * 2**20),
                                         lambda: model.new_caches(batch=1, **kw))
         self.steps = 0
+        self.step_threads = 0                            # threads the last step's forward ran on (0: none yet)
         self.threads = _chooser(model)                  # 1 thread or the count set, per kind of step
         self._cv = threading.Condition()
         self._stop = False
@@ -297,7 +303,8 @@ class Engine:
         real = int(counts.sum())                                           # kind: real rows, by powers of 2
         adapt = self.cfg.adapt_threads and real <= ADAPT_ROWS
         try:
-            with self.threads.step(1 << max(real - 1, 0).bit_length()) if adapt else contextlib.nullcontext():
+            with self.threads.step(1 << max(real - 1, 0).bit_length()) if adapt else contextlib.nullcontext() as n:
+                self.step_threads = n if adapt else _numba_threads()
                 logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
                                                     last_only=only_last, positions=self.cfg.positions,
                                                     logits_at=None if only_last else (np.array(rows),

@@ -46,12 +46,14 @@ class TokenEvent:
 
 @dataclass
 class GenerationStats:
-    """Timings of the last generation: prefill seconds, per-step decode seconds (one per batch step)."""
+    """Timings of the last generation: prefill seconds, per-step decode seconds (one per batch step) and
+    the threads each decode step ran on."""
 
     prompt_tokens: list = field(default_factory=list)
     prefill_s: float = 0.0
     decode_steps_s: list = field(default_factory=list)
     decode_tokens: int = 0                       # tokens all sequences gained in decode steps
+    decode_threads: list = field(default_factory=list)   # threads each decode step ran on (the chooser's pick)
 
     @property
     def decode_tok_s(self) -> float:
@@ -253,6 +255,7 @@ class Generator:
                 step_s = stats.prefill_s
             else:
                 stats.decode_steps_s.append(step_s)
+                stats.decode_threads.append(engine.step_threads)
                 stats.decode_tokens += sum(len(s.generated) for s in seqs) - sum(made)
             for b, s in enumerate(seqs):
                 n = len(s.generated)
