@@ -184,10 +184,11 @@ class ThreadChooser:
     (later ``probe_every``) one step runs on the other count (a probe), timed against the median of the
     chosen count's last ``keep`` steps. A probe that beats it is followed by another at once, and
     ``switch`` such wins in a row switch the choice, so a change of the host (a neighbour starting or
-    stopping) is followed within a few steps; a probe that loses doubles the wait before the next (up to
-    8 x ``probe_every``), so a count that keeps losing costs little. The short first wait is for a
-    warm-up that chose wrong: two steps of each count beside a neighbour that takes a core for 5 ms of
-    every 10 can pick the count that then runs 1.5x slower, for ~35 steps at one probe per 32. Only probes switch: each is compared with steps of the moment, never
+    stopping) is followed within a few steps; a probe that loses doubles the wait before the next (at
+    least ``probe_every``, at most 8 x ``probe_every``), so a count that keeps losing costs little. The
+    short first wait is for a warm-up that chose wrong: two steps of each count beside a neighbour that
+    takes a core for 5 ms of every 10 can pick the count that then runs 1.5x slower, for ~35 steps at one
+    probe per 32; a probe there costs 1-4 steps of time, so only the first comes early. Only probes switch: each is compared with steps of the moment, never
     with the other count's older times, so a host that slows (or speeds up) both counts alike, as a busy
     neighbour does to whole spells of steps, moves no choice.
     A kind is whatever the caller names (the engine: its step's real rows, by powers of two); the
@@ -290,5 +291,5 @@ class _Kind:
                 self.times[count] = collections.deque(self.wins, maxlen=self.keep)
                 self.best, self.wins, self.wait = count, [], self.probe_every
         else:
-            self.wins = []
-            self.wait = min(2 * self.wait, 8 * self.probe_every)
+            self.wins = []               # after the first (settle) probe, at least probe_every
+            self.wait = min(max(2 * self.wait, self.probe_every), 8 * self.probe_every)
