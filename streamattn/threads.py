@@ -135,10 +135,9 @@ def set_threads(n: int) -> dict:
     return {"blas": setter is not None, "numba": n_numba}
 
 
-def many_threads() -> bool:
-    """Whether Numba runs more than one thread for this Python thread: what the kernels' drivers ask before
-    each call. After the first call it reads Numba's own ctypes getter, which does not check the pool as
-    ``numba.get_num_threads()`` does (docs/DESIGN.md §16)."""
+def thread_count() -> int:
+    """Numba's thread count for this Python thread. After the first call it reads Numba's own ctypes
+    getter, which does not check the pool as ``numba.get_num_threads()`` does (docs/DESIGN.md §16)."""
     global _thread_count
     if _thread_count is None:
         import numba
@@ -148,7 +147,13 @@ def many_threads() -> bool:
             _thread_count = _get_num_threads
         except ImportError:                              # numba internals moved: the public call
             _thread_count = numba.get_num_threads
-    return _thread_count() > 1
+    return _thread_count()
+
+
+def many_threads() -> bool:
+    """Whether Numba runs more than one thread for this Python thread: what the kernels' drivers ask before
+    each call (:func:`thread_count`)."""
+    return thread_count() > 1
 
 
 _thread_count = None
@@ -188,9 +193,10 @@ class ThreadChooser:
     least ``probe_every``, at most 8 x ``probe_every``), so a count that keeps losing costs little. The
     short first wait is for a warm-up that chose wrong: two steps of each count beside a neighbour that
     takes a core for 5 ms of every 10 can pick the count that then runs 1.5x slower, for ~35 steps at one
-    probe per 32; a probe there costs 1-4 steps of time, so only the first comes early. Only probes switch: each is compared with steps of the moment, never
-    with the other count's older times, so a host that slows (or speeds up) both counts alike, as a busy
-    neighbour does to whole spells of steps, moves no choice.
+    probe per 32; a probe there costs 1-4 steps of time, so only the first comes early. Only probes
+    switch: each is compared with steps of the moment, never with the other count's older times, so a
+    host that slows (or speeds up) both counts alike, as a busy neighbour does to whole spells of steps,
+    moves no choice.
     A kind is whatever the caller names (the engine: its step's real rows, by powers of two); the
     counts are tracked per ceiling. With a ceiling of 1 there is nothing to choose.
 

@@ -40,7 +40,7 @@ from streamattn import state
 from streamattn.arrays import to_host
 from streamattn.engine.prompt_cache import PromptCache
 from streamattn.engine.sequence import Sequence
-from streamattn.threads import ThreadChooser
+from streamattn.threads import ThreadChooser, thread_count
 
 
 #: Steps of at most this many real rows run on 1 thread or on the count set, whichever measured faster
@@ -48,11 +48,6 @@ from streamattn.threads import ThreadChooser
 #: regions are long, so a worker that misses a time slice costs them little (docs/DESIGN.md §22).
 ADAPT_ROWS = 16
 _CHOOSERS = weakref.WeakKeyDictionary()          # model -> its ThreadChooser
-
-
-def _numba_threads() -> int:
-    import numba
-    return numba.get_num_threads()
 
 
 def _chooser(model) -> ThreadChooser:
@@ -304,7 +299,7 @@ class Engine:
         adapt = self.cfg.adapt_threads and real <= ADAPT_ROWS
         try:
             with self.threads.step(1 << max(real - 1, 0).bit_length()) if adapt else contextlib.nullcontext() as n:
-                self.step_threads = n if adapt else _numba_threads()
+                self.step_threads = n if adapt else thread_count()
                 logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
                                                     last_only=only_last, positions=self.cfg.positions,
                                                     logits_at=None if only_last else (np.array(rows),
