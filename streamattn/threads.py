@@ -22,7 +22,6 @@ import contextlib
 import ctypes
 import glob
 import os
-import statistics
 import sys
 import time
 
@@ -175,28 +174,63 @@ def threads(n: int):
             _openblas()(old_blas)
 
 
+def idle_cpus() -> int | None:
+    """How many of the host's CPUs run nothing at this instant: ``os.cpu_count()`` less the tasks running
+    now (the fourth field of ``/proc/loadavg``, which counts the caller's own thread), or None where that
+    file cannot be read. A single read of an open file: ~3 us."""
+    global _loadavg
+    try:
+        if _loadavg is None:
+            _loadavg = os.open("/proc/loadavg", os.O_RDONLY)
+        running = int(os.pread(_loadavg, 128, 0).split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (os.cpu_count() or 1) - running
+
+
+_loadavg = None
+
+
+def _spread(times) -> float:
+    """What the chooser compares: the mean of a count's recent step times less their largest, when there
+    are three or more (one stray slow step, e.g. a page fault, moves nothing). A mean, not a median: beside
+    a neighbour, steps on two threads are either about as fast as on one or two to three times slower
+    (a worker descheduled at a join), and a median of such steps hides the slow ones the throughput pays."""
+    xs = sorted(times)
+    if len(xs) >= 3:
+        xs = xs[:-1]
+    return sum(xs) / len(xs)
+
+
 class ThreadChooser:
     """Runs each kind of step on one thread or on the caller's Numba thread count (the ceiling), whichever
-    its recent steps of that kind took less time on.
+    its recent steps of that kind took less time on, and tries the ceiling only while the host has CPUs to
+    spare for it.
 
     Why: every parallel region of a step is a fork/join, ~30 layers x several a decode step, and on a host
     whose vCPUs are shared a descheduled worker costs a time slice at each join: there two threads decoded
     slower than one (docs/DESIGN.md §22; docs/PERF.md). Results do not depend on the thread count (the
     kernels split work, never a reduction), so the choice changes speed only, never a token.
 
-    How: the first ``first`` steps of a kind alternate the two counts, and the count with the lower median
-    over them is chosen; afterwards each step runs on the chosen count, and after ``settle`` steps on it
-    (later ``probe_every``) one step runs on the other count (a probe), timed against the median of the
-    chosen count's last ``keep`` steps. A probe that beats it is followed by another at once, and
-    ``switch`` such wins in a row switch the choice, so a change of the host (a neighbour starting or
-    stopping) is followed within a few steps; a probe that loses doubles the wait before the next (at
-    least ``probe_every``, at most 8 x ``probe_every``), so a count that keeps losing costs little. The
-    short first wait is for a warm-up that chose wrong: two steps of each count beside a neighbour that
-    takes a core for 5 ms of every 10 can pick the count that then runs 1.5x slower, for ~35 steps at one
-    probe per 32; a probe there costs 1-4 steps of time, so only the first comes early. Only probes
-    switch: each is compared with steps of the moment, never with the other count's older times, so a
-    host that slows (or speeds up) both counts alike, as a busy neighbour does to whole spells of steps,
-    moves no choice.
+    How: the first ``first`` steps of a kind alternate the two counts (one thread first), and the count
+    with the lower mean time over them is chosen (:func:`_spread`); afterwards each step runs on the chosen
+    count, and after ``settle`` steps on it (later ``probe_every``) one step runs on the other count (a
+    probe), timed against the chosen count's last ``keep`` steps. A probe that beats them is followed by
+    another at once, and ``switch`` such wins in a row switch the choice, so a change of the host (a
+    neighbour starting or stopping) is followed within a few steps; a probe that loses doubles the wait
+    before the next (at least ``probe_every``, at most 8 x ``probe_every``). Only probes switch: each is
+    compared with steps of the moment, never with the other count's older times, so a host that slows
+    (or speeds up) both counts alike, as a busy neighbour does to whole spells of steps, moves no choice.
+
+    The gate: a step on the ceiling from one thread (a warm-up step or a probe) costs one to three steps
+    of time beside a busy neighbour, which at one probe per 32 steps and two warm-up steps left two threads
+    a few % behind one. So after every step on one thread the chooser reads how many CPUs are idle
+    (``idle``, default :func:`idle_cpus`), and such a step is taken only when at least three such readings
+    were made and, of the last twelve, at most one in twelve found fewer than ceiling - 1 CPUs idle; until
+    then the step runs on one thread (a probe waits for the gate; a warm-up stays on one thread). Beside
+    a neighbour busy 5 ms of every 10 about half the readings find the other CPU taken: three clean ones
+    in a row have odds 1/8, one in twelve 1/300; on a quiet host 295 of 300 readings were clean. Where the
+    count of idle CPUs cannot be read (``idle`` returns None, or ``idle=None``), only the times decide.
     A kind is whatever the caller names (the engine: its step's real rows, by powers of two); the
     counts are tracked per ceiling. With a ceiling of 1 there is nothing to choose.
 
@@ -208,25 +242,46 @@ class ThreadChooser:
     """
 
     def __init__(self, *, first: int = 2, keep: int = 5, probe_every: int = 32, switch: int = 3, settle: int = 4,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, idle=idle_cpus):
         for name, v, least in (("first", first, 1), ("keep", keep, 1), ("probe_every", probe_every, 1),
                                ("switch", switch, 1), ("settle", settle, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name} must be an integer >= {least} (got {v!r})")
         if first > keep:
             raise ValueError(f"first must be at most keep={keep} (got {first!r})")
+        if idle is not None and not callable(idle):
+            raise ValueError(f"idle must be a callable returning idle CPUs, or None (got {idle!r})")
         self.first, self.keep, self.probe_every, self.switch, self.clock = first, keep, probe_every, switch, clock
-        self.settle = settle
+        self.settle, self.idle = settle, idle
         self._kinds = {}                 # (kind, ceiling) -> _Kind
+        self._idle = collections.deque(maxlen=self.READINGS)    # idle CPUs after recent one-thread steps
+
+    #: Readings of idle CPUs the gate looks at (the last ones), and how many it needs before opening.
+    READINGS, LEAST_READINGS = 12, 3
 
     def choose(self, kind, ceiling: int) -> int:
         """The thread count the next step of ``kind`` runs on under ``ceiling`` (1 or ``ceiling``)."""
-        return 1 if ceiling <= 1 else self._kind(kind, ceiling).next()
+        return 1 if ceiling <= 1 else self._kind(kind, ceiling).next(lambda: self.spare(ceiling))
 
     def record(self, kind, ceiling: int, count: int, seconds: float) -> None:
-        """A step of ``kind`` under ``ceiling`` took ``seconds`` on ``count`` threads."""
+        """A step of ``kind`` under ``ceiling`` took ``seconds`` on ``count`` threads (after one on one
+        thread, the idle CPUs are read)."""
         if ceiling > 1 and count in (1, ceiling):
             self._kind(kind, ceiling).record(count, seconds)
+            if count == 1 and self.idle is not None:
+                n = self.idle()
+                if n is not None:
+                    self._idle.append(n)
+
+    def spare(self, ceiling: int) -> bool:
+        """Whether the host looks able to run ``ceiling`` threads now: the gate (class docstring)."""
+        if self.idle is None:
+            return True
+        readings = list(self._idle)
+        if not readings:
+            return self.idle() is None       # nothing read yet: unreadable means ungated
+        short = sum(n < ceiling - 1 for n in readings)
+        return len(readings) >= self.LEAST_READINGS and short <= len(readings) // self.READINGS
 
     def chosen(self, kind, ceiling: int) -> int:
         """The count steps of ``kind`` run on between probes now (``ceiling`` before any is measured)."""
@@ -273,25 +328,32 @@ class _Kind:
     def _warm(self) -> bool:
         return all(len(t) >= self.first for t in self.times.values())
 
-    def next(self) -> int:
-        if not self._warm():             # alternate, the ceiling first
-            return min(self.counts, key=lambda c: len(self.times[c]))
-        if self.wins or self.since >= self.wait:
-            return self.counts[1] if self.best == self.counts[0] else self.counts[0]
-        return self.best
+    def next(self, spare) -> int:
+        """The next step's count; ``spare()``: whether the gate lets a step go from one thread to the
+        ceiling (asked only for a warm-up step or a probe on the ceiling)."""
+        warm = self._warm()
+        if not warm:                     # alternate, one thread first
+            count = min(reversed(self.counts), key=lambda c: len(self.times[c]))
+        elif self.wins or self.since >= self.wait:
+            count = self.counts[1] if self.best == self.counts[0] else self.counts[0]
+        else:
+            return self.best
+        if count > 1 and (not warm or self.best == 1) and not spare():
+            return 1                     # the gate: no CPU to spare now; one thread, and ask again next step
+        return count
 
     def record(self, count, seconds):
         if not self._warm():             # warm-up: the two counts alternated, so timed in the same spell
             self.times[count].append(seconds)
             if self._warm():
-                self.best = min(self.counts, key=lambda c: statistics.median(self.times[c]))
+                self.best = min(reversed(self.counts), key=lambda c: _spread(self.times[c]))
             return
         if count == self.best:
             self.times[count].append(seconds)
             self.since += 1
             return
         self.since = 0                   # a probe, against the chosen count's steps of the moment
-        if seconds < statistics.median(self.times[self.best]):
+        if seconds < _spread(self.times[self.best]):
             self.wins.append(seconds)
             if len(self.wins) >= self.switch:
                 self.times[count] = collections.deque(self.wins, maxlen=self.keep)

@@ -87,7 +87,7 @@ def test_steps_on_one_thread_or_two_give_the_same_tokens(tiny):
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
     eng = make_engine(tiny)
-    eng.threads, used = ThreadChooser(first=5, keep=5), []
+    eng.threads, used = ThreadChooser(first=5, keep=5, idle=None), []
     choose = eng.threads.choose
     eng.threads.choose = lambda kind, ceiling: used.append(choose(kind, ceiling)) or used[-1]
     jobs = [job(p, n=n) for p, n in zip(prompts(3, 5, 12, 2), (16, 9, 12))]

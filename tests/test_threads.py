@@ -75,9 +75,9 @@ class Host:
 
 def test_the_chooser_alternates_then_keeps_the_faster_count_and_probes_the_other():
     from streamattn.threads import ThreadChooser
-    chooser, host = ThreadChooser(first=3, keep=5, probe_every=8), Host({1: 5e-3, 2: 8e-3})   # 2 threads slower
+    chooser, host = ThreadChooser(first=3, keep=5, probe_every=8, idle=None), Host({1: 5e-3, 2: 8e-3})   # 2 threads slower
     ran = [host.run(chooser, "decode", 2) for _ in range(6 + 200)]
-    assert ran[:6] == [2, 1, 2, 1, 2, 1]                                  # warm-up: alternated, the ceiling first
+    assert ran[:6] == [1, 2, 1, 2, 1, 2]                                  # warm-up: alternated, one thread first
     assert chooser.chosen("decode", 2) == 1
     probes = [i for i, n in enumerate(ran[6:]) if n == 2]                 # after 4 (settle), 8, 16, 32, 64, 64
     assert probes == [4, 4 + 1 + 8, 13 + 1 + 16, 30 + 1 + 32, 63 + 1 + 64, 128 + 1 + 64]
@@ -89,7 +89,7 @@ def test_the_chooser_follows_a_host_that_changes_within_a_few_steps():
     """Once the other count wins a probe it is probed again at once: three wins of five samples flip the
     choice, whatever the wait before that probe had grown to."""
     from streamattn.threads import ThreadChooser
-    chooser, host = ThreadChooser(first=3, keep=5, probe_every=8), Host({1: 5e-3, 2: 8e-3})
+    chooser, host = ThreadChooser(first=3, keep=5, probe_every=8, idle=None), Host({1: 5e-3, 2: 8e-3})
     for _ in range(100):
         host.run(chooser, 1, 2)
     assert chooser.chosen(1, 2) == 1
@@ -104,7 +104,7 @@ def test_a_host_that_slows_both_counts_alike_moves_no_choice():
     """Only probes switch: when a busy spell makes every step slower, the chosen count's new times are not
     set against the other count's older (quieter) ones, which would put the steps on the slower count."""
     from streamattn.threads import ThreadChooser
-    chooser, host = ThreadChooser(first=2, keep=5, probe_every=8), Host({1: 5e-3, 2: 4e-3})
+    chooser, host = ThreadChooser(first=2, keep=5, probe_every=8, idle=None), Host({1: 5e-3, 2: 4e-3})
     for _ in range(20):
         host.run(chooser, 1, 2)
     assert chooser.chosen(1, 2) == 2
@@ -115,8 +115,8 @@ def test_a_host_that_slows_both_counts_alike_moves_no_choice():
 
 def test_a_probe_that_wins_once_by_chance_switches_nothing():
     from streamattn.threads import ThreadChooser
-    chooser = ThreadChooser(first=2, keep=5, probe_every=4, switch=3)
-    ran, times = [], iter([4e-3, 5e-3, 4e-3, 5e-3] + [4e-3] * 4 + [3e-3, 6e-3] + [4e-3] * 40)
+    chooser = ThreadChooser(first=2, keep=5, probe_every=4, switch=3, idle=None)
+    ran, times = [], iter([5e-3, 4e-3, 5e-3, 4e-3] + [4e-3] * 4 + [3e-3, 6e-3] + [4e-3] * 40)
     for _ in range(50):
         count = chooser.choose(1, 2)
         ran.append(count)
@@ -129,8 +129,8 @@ def test_a_wrong_warm_up_choice_is_undone_within_a_few_steps():
     then on: the first probe comes after ``settle`` steps, so the choice turns after settle + switch
     steps (at probe_every = 32 it took 35)."""
     from streamattn.threads import ThreadChooser
-    chooser = ThreadChooser(first=2, keep=5, probe_every=32, switch=3, settle=4)
-    warm = iter([4e-3, 9e-3, 4e-3, 9e-3])              # 2, 1, 2, 1 threads: two threads look faster
+    chooser = ThreadChooser(first=2, keep=5, probe_every=32, switch=3, settle=4, idle=None)
+    warm = iter([9e-3, 4e-3, 9e-3, 4e-3])              # 1, 2, 1, 2 threads: two threads look faster
     ran = []
     for i in range(40):
         count = chooser.choose(1, 2)
@@ -140,12 +140,75 @@ def test_a_wrong_warm_up_choice_is_undone_within_a_few_steps():
     assert chooser.chosen(1, 2) == 1 and ran[11:].count(2) <= 1
 
 
+class Neighbour:
+    """Idle CPUs of a 2-CPU host read after each one-thread step: one (the other CPU free) or, while
+    ``busy``, every other reading none (a neighbour that takes that CPU half the time)."""
+
+    def __init__(self):
+        self.busy, self.reads = False, 0
+
+    def __call__(self):
+        self.reads += 1
+        return 0 if self.busy and self.reads % 2 else 1
+
+
+def test_the_gate_keeps_steps_off_the_ceiling_while_the_host_has_no_cpu_to_spare():
+    """Two threads are faster by their times here, yet while the other CPU is busy half the time no step
+    goes to two threads (not the warm-up's, not a probe); once it is free, twelve readings later, the
+    warm-up takes two threads and keeps them."""
+    from streamattn.threads import ThreadChooser
+    idle = Neighbour()
+    chooser, host = ThreadChooser(first=2, keep=5, probe_every=8, idle=idle), Host({1: 5e-3, 2: 3e-3})
+    idle.busy = True
+    assert [host.run(chooser, 1, 2) for _ in range(100)] == [1] * 100
+    assert idle.reads == 100                                     # one reading after every one-thread step
+    idle.busy = False
+    ran = [host.run(chooser, 1, 2) for _ in range(40)]
+    first = ran.index(2)
+    assert 9 <= first <= 11                                      # the last 12 readings: at most one short
+    assert chooser.chosen(1, 2) == 2 and ran[first:].count(1) <= 3
+
+
+def test_the_gate_holds_probes_back_not_a_choice_already_made():
+    """On a quiet host the choice goes to two threads; a neighbour then makes them slower and one-thread
+    probes turn the choice (the gate never stops a step from going to one thread); from then on no probe
+    goes to two threads while the neighbour stays, and the first comes once it has left."""
+    from streamattn.threads import ThreadChooser
+    idle = Neighbour()
+    chooser, host = ThreadChooser(first=2, keep=5, probe_every=8, idle=idle), Host({1: 5e-3, 2: 3e-3})
+    ran = [host.run(chooser, 1, 2) for _ in range(30)]
+    assert ran[:5] == [1, 1, 1, 2, 2] and chooser.chosen(1, 2) == 2    # three readings, then the warm-up
+    idle.busy, host.cost = True, {1: 5e-3, 2: 9e-3}
+    ran = [host.run(chooser, 1, 2) for _ in range(20)]
+    assert chooser.chosen(1, 2) == 1
+    ran = [host.run(chooser, 1, 2) for _ in range(300)]
+    assert ran == [1] * 300
+    idle.busy = False
+    ran = [host.run(chooser, 1, 2) for _ in range(20)]
+    assert 8 <= ran.index(2) <= 10                               # the probe that was due, once the gate opens
+
+
+def test_an_unreadable_host_leaves_the_times_to_decide():
+    from streamattn.threads import ThreadChooser
+    chooser, host = ThreadChooser(first=2, keep=5, probe_every=8, idle=lambda: None), Host({1: 5e-3, 2: 3e-3})
+    assert [host.run(chooser, 1, 2) for _ in range(6)] == [1, 2, 1, 2, 2, 2]
+
+
+def test_idle_cpus_reads_the_host():
+    from streamattn.threads import idle_cpus
+    n = idle_cpus()
+    if not os.path.exists("/proc/loadavg"):
+        assert n is None
+    else:
+        assert isinstance(n, int) and n <= (os.cpu_count() or 1) - 1      # the caller itself is running
+
+
 def test_the_chooser_sets_the_count_for_its_block_and_puts_the_callers_back():
     import numba
     from streamattn.threads import ThreadChooser
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
-    chooser, before = ThreadChooser(first=1, keep=1), numba.get_num_threads()
+    chooser, before = ThreadChooser(first=1, keep=1, idle=None), numba.get_num_threads()
     numba.set_num_threads(2)
     try:
         seen = []
@@ -153,7 +216,7 @@ def test_the_chooser_sets_the_count_for_its_block_and_puts_the_callers_back():
             with chooser.step("k") as n:
                 seen.append((n, numba.get_num_threads()))
             assert numba.get_num_threads() == 2
-        assert seen[:2] == [(2, 2), (1, 1)]
+        assert seen[:2] == [(1, 1), (2, 2)]
         with pytest.raises(ZeroDivisionError):
             with chooser.step("k"):
                 1 / 0
@@ -166,7 +229,8 @@ def test_the_chooser_sets_the_count_for_its_block_and_puts_the_callers_back():
                                     ({"keep": 2, "first": 3}, "first must be at most keep=2"),
                                     ({"probe_every": True}, "probe_every must be an integer >= 1"),
                                     ({"switch": 0}, "switch must be an integer >= 1"),
-                                    ({"settle": 0}, "settle must be an integer >= 1")])
+                                    ({"settle": 0}, "settle must be an integer >= 1"),
+                                    ({"idle": 3}, "idle must be a callable returning idle CPUs, or None")])
 def test_the_chooser_validates(kw, msg):
     from streamattn.threads import ThreadChooser
     with pytest.raises(ValueError, match=msg):
