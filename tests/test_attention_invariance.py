@@ -103,3 +103,24 @@ def test_head_dim_128_and_group_of_four():
         np.testing.assert_array_equal(chunked, alone)
     finally:
         H = saved
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0"])
+def test_one_kv_head_decoded_on_two_threads_splits_its_rows_with_the_same_bits(dtype):
+    """A decode step of one sequence with one kv head is one work item; on two threads its four query
+    rows go to two items of two rows (Gemma-3 270M's shape: head_dim 256), the bits those of one thread."""
+    global H, HK
+    import numba
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
+    D, n = 256, 300
+    saved, (H, HK) = (H, HK), (4, 1)
+    try:
+        seq = data(n, D, seed=7)
+        spec = CacheSpec(batch=1, kv_heads=HK, head_dim=D, window=None, max_chunk=64, dtype=dtype)
+        one = run(spec, [seq], [[1] * n])[0]
+        two = run(spec, [seq], [[1] * n], n_threads=2)[0]
+        np.testing.assert_array_equal(two, one)
+        assert np.abs(one).max() > 0
+    finally:
+        H, HK = saved

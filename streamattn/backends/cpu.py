@@ -69,7 +69,7 @@ def _pages_kernels(items):
     a cached closure on its cells, so the two never share a cache entry."""
 
     def attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out,
-                     part_lse):
+                     part_lse, rb=ROW_BLOCK):
         """Partial attention per (sequence, kv head, page, block of query rows).
 
         q: [B, Hq, T, D] float32, already multiplied by the scale
@@ -80,7 +80,8 @@ def _pages_kernels(items):
         lengths, counts: int64 [B]; query t < counts[b] sits at position lengths[b] - counts[b] + t
         window: n_c, or 0 for causal; sinks: n_s
         npages: pages per sequence in this call (sink pages first, then main pages in position order)
-        nblocks: blocks of ROW_BLOCK query rows (r = g * counts[b] + t) per (sequence, kv head)
+        nblocks: blocks of ``rb`` query rows (r = g * counts[b] + t) per (sequence, kv head); ``rb``
+            (default ROW_BLOCK) changes which item computes a row, never its bits
         softcap: None, or a float32 c > 0: every scaled score s becomes c * tanh(s / c) before the mask
             (Gemma-2's attention soft-capping). None is a compile-time specialization (Numba types it
             ``none`` and prunes the branch): uncapped calls run the code, and give the bits, they had
@@ -97,10 +98,10 @@ def _pages_kernels(items):
             b = item // (Hkv * npages * nblocks)
             h = (item // (npages * nblocks)) % Hkv
             pg = (item // nblocks) % npages
-            r0 = (item % nblocks) * ROW_BLOCK
+            r0 = (item % nblocks) * rb
             L = lengths[b]
             nq = counts[b]
-            r1 = min(G * nq, r0 + ROW_BLOCK)           # this item's query rows r0..r1-1: r = g * nq + t
+            r1 = min(G * nq, r0 + rb)                  # this item's query rows r0..r1-1: r = g * nq + t
             for r in range(r0, r1):
                 part_lse[b, h * G + r // nq, r % nq, pg] = -np.inf
                 part_out[b, h * G + r // nq, r % nq, pg, :] = 0.0
@@ -262,12 +263,16 @@ def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, kind_v, softca
     out [B, Hq, T, D], lse [B, Hq, T] float32."""
     B, Hq, T, D = q.shape
     npages, nblocks = _grid(lengths, counts, window, sinks, Hq // k.shape[1])
+    rb, rows = ROW_BLOCK, (Hq // k.shape[1]) * counts.max()
+    if not serial and B * k.shape[1] * npages * nblocks == 1 and rows >= 2:
+        nblocks, rb = 2, (rows + 1) // 2            # one item (a decode step, one kv head): its rows in two
     part_out = np.empty((B, Hq, T, npages, D), np.float32)      # [B, Hq, T, npages, D]
     part_lse = np.empty((B, Hq, T, npages), np.float32)         # [B, Hq, T, npages]
     out = np.empty((B, Hq, T, D), np.float32)                   # [B, Hq, T, D]
     lse = np.empty((B, Hq, T), np.float32)                      # [B, Hq, T]
     if not serial:
-        attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out, part_lse)
+        attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out, part_lse,
+                     rb)
         _merge_splits(part_out, part_lse, out, lse)
     else:
         _attend_pages_serial(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out,
