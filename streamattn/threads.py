@@ -259,9 +259,12 @@ class ThreadChooser:
     #: Readings of idle CPUs the gate looks at (the last ones), and how many it needs before opening.
     READINGS, LEAST_READINGS = 12, 3
 
-    def choose(self, kind, ceiling: int) -> int:
-        """The thread count the next step of ``kind`` runs on under ``ceiling`` (1 or ``ceiling``)."""
-        return 1 if ceiling <= 1 else self._kind(kind, ceiling).next(lambda: self.spare(ceiling))
+    def choose(self, kind, ceiling: int, *, gate: bool = True) -> int:
+        """The thread count the next step of ``kind`` runs on under ``ceiling`` (1 or ``ceiling``);
+        ``gate=False``: the times alone decide (the class docstring's gate is not asked)."""
+        if ceiling <= 1:
+            return 1
+        return self._kind(kind, ceiling).next((lambda: self.spare(ceiling)) if gate else (lambda: True))
 
     def record(self, kind, ceiling: int, count: int, seconds: float) -> None:
         """A step of ``kind`` under ``ceiling`` took ``seconds`` on ``count`` threads (after one on one
@@ -283,26 +286,36 @@ class ThreadChooser:
         short = sum(n < ceiling - 1 for n in readings)
         return len(readings) >= self.LEAST_READINGS and short <= len(readings) // self.READINGS
 
+    def seconds(self, kind, ceiling: int, count: int) -> float | None:
+        """What recent steps of ``kind`` on ``count`` threads took (the mean the chooser compares), or
+        None before one was timed."""
+        k = self._kinds.get((kind, ceiling))
+        times = None if k is None else k.times.get(count)
+        return _spread(times) if times else None
+
     def chosen(self, kind, ceiling: int) -> int:
         """The count steps of ``kind`` run on between probes now (``ceiling`` before any is measured)."""
         k = self._kinds.get((kind, ceiling))
         return ceiling if k is None else k.best
 
     @contextlib.contextmanager
-    def step(self, kind):
+    def step(self, kind, *, ceiling: int | None = None, gate: bool = True):
         """Context manager: the block runs on :meth:`choose`'s count (yielded) and is timed into
-        :meth:`record`; the caller's thread count is back after it (an exception records nothing)."""
+        :meth:`record`; the caller's thread count is back after it (an exception records nothing).
+        ``ceiling``: default the caller's count (a block inside another step passes the outer one's);
+        ``gate``: as for :meth:`choose`."""
         import numba
-        ceiling = numba.get_num_threads()
-        count = self.choose(kind, ceiling)
-        if count != ceiling:
+        before = thread_count()
+        ceiling = before if ceiling is None else ceiling
+        count = self.choose(kind, ceiling, gate=gate)
+        if count != before:
             numba.set_num_threads(count)
         t0 = self.clock()
         try:
             yield count
         finally:
-            if count != ceiling:
-                numba.set_num_threads(ceiling)
+            if count != before:
+                numba.set_num_threads(before)
         self.record(kind, ceiling, count, self.clock() - t0)
 
     def _kind(self, kind, ceiling):

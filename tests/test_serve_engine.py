@@ -80,22 +80,54 @@ def test_batched_engine_equals_each_request_alone(tiny, mode):
 
 def test_steps_on_one_thread_or_two_give_the_same_tokens(tiny):
     """With two threads as the ceiling the engine runs its steps on 1 or 2 threads (here alternated over
-    the first steps of each kind: the chooser's warm-up), and every request's tokens stay those of it
-    alone on one thread."""
+    the first steps of each kind: the chooser's warm-up), their output heads too, each on its own count,
+    and every request's tokens stay those of it alone on one thread."""
     import numba
     from streamattn.threads import ThreadChooser, threads
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
     eng = make_engine(tiny)
-    eng.threads, used = ThreadChooser(first=5, keep=5, idle=None), []
+    eng.threads, used, heads = ThreadChooser(first=5, keep=5, idle=None), [], []
     choose = eng.threads.choose
-    eng.threads.choose = lambda kind, ceiling: used.append(choose(kind, ceiling)) or used[-1]
+
+    def counted(kind, ceiling, **kw):
+        n = choose(kind, ceiling, **kw)
+        (heads if isinstance(kind, tuple) else used).append((n, kw.get("gate", True)))
+        return n
+
+    eng.threads.choose = counted
     jobs = [job(p, n=n) for p, n in zip(prompts(3, 5, 12, 2), (16, 9, 12))]
     with threads(2):
         seqs = drain(eng, [submit(eng, j) for j in jobs])
-    assert used.count(1) >= 5 and used.count(2) >= 5
+    assert used.count((1, True)) >= 5 and used.count((2, True)) >= 5
+    # the output head of each such step: its own count (a short head: under the gate like its step)
+    assert len(heads) == len(used) and heads.count((1, True)) >= 5 and heads.count((2, True)) >= 5
     for j, s in zip(jobs, seqs):
         assert s.generated == alone(tiny, j)
+
+
+def test_a_long_output_head_tries_two_threads_whatever_the_gate(tiny):
+    """A head that took at least LONG_HEAD_S on one thread is chosen by its times alone: beside a neighbour
+    (no CPU idle) its step stays on one thread while the head alternates in its warm-up."""
+    import numba
+    from streamattn.engine import core
+    from streamattn.threads import ThreadChooser, threads
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
+    eng = make_engine(tiny)
+    eng.threads, seen = ThreadChooser(first=2, keep=5, idle=lambda: 0), []
+    choose = eng.threads.choose
+    eng.threads.choose = lambda kind, ceiling, **kw: seen.append((kind, choose(kind, ceiling, **kw),
+                                                                   kw.get("gate", True))) or seen[-1][1]
+    eng.threads.record(("head", 1), 2, 1, 2 * core.LONG_HEAD_S)          # a long head, timed once alone
+    j = job(prompts(4, 7)[0], n=6)
+    with threads(2):
+        s, = drain(eng, [submit(eng, j)])
+    assert s.generated == alone(tiny, j)
+    steps = [(n, g) for kind, n, g in seen if kind == 1]
+    heads = [(n, g) for kind, n, g in seen if kind == ("head", 1)]
+    assert steps and all(n == 1 for n, _ in steps)                      # the gate: no CPU idle
+    assert heads and all(not g for _, g in heads) and (2, False) in heads
 
 
 def test_cache_positions_reach_the_model(tiny):

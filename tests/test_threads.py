@@ -225,6 +225,28 @@ def test_the_chooser_sets_the_count_for_its_block_and_puts_the_callers_back():
         numba.set_num_threads(before)
 
 
+def test_a_step_inside_another_runs_on_its_own_count_and_puts_the_outer_one_back():
+    """The engine's output head: a step of its own kind inside a decode step, under the outer ceiling,
+    decided by its times alone (``gate=False``) while the gate keeps the outer step on one thread."""
+    import numba
+    from streamattn.threads import ThreadChooser
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
+    chooser, before = ThreadChooser(first=1, keep=1, idle=lambda: 0), numba.get_num_threads()   # no CPU idle
+    numba.set_num_threads(2)
+    try:
+        seen = []
+        for _ in range(3):
+            with chooser.step("step") as n:
+                with chooser.step("head", ceiling=2, gate=False) as h:
+                    seen.append((n, h, numba.get_num_threads()))
+                assert numba.get_num_threads() == n
+            assert numba.get_num_threads() == 2
+        assert seen[:2] == [(1, 1, 1), (1, 2, 2)]          # the outer gated on one; the head alternates
+    finally:
+        numba.set_num_threads(before)
+
+
 @pytest.mark.parametrize("kw,msg", [({"first": 0}, "first must be an integer >= 1"),
                                     ({"keep": 2, "first": 3}, "first must be at most keep=2"),
                                     ({"probe_every": True}, "probe_every must be an integer >= 1"),

@@ -47,6 +47,11 @@ from streamattn.threads import ThreadChooser, thread_count
 #: (``EngineConfig.adapt_threads``); larger ones (prompt chunks) always on the count set: their parallel
 #: regions are long, so a worker that misses a time slice costs them little (docs/DESIGN.md §22).
 ADAPT_ROWS = 16
+#: An output head that takes at least this long on one thread tries the count set even when no CPU looks
+#: idle (the thread chooser's gate), its times alone deciding: one region that long loses at most a time
+#: slice to a descheduled worker, less than a second thread saves it (Gemma-3 270M's 262k-row head beside
+#: a neighbour busy half of one CPU: 13.6 ms on one thread, 11.2 on two; SmolLM2's 1.3 ms head: 1.5 on two).
+LONG_HEAD_S = 5e-3
 _CHOOSERS = weakref.WeakKeyDictionary()          # model -> its ThreadChooser
 
 
@@ -297,13 +302,20 @@ class Engine:
         only_last = len(rows) == len(active) and len(active) == B
         real = int(counts.sum())                                           # kind: real rows, by powers of 2
         adapt = self.cfg.adapt_threads and real <= ADAPT_ROWS
+        kind, ceiling = 1 << max(real - 1, 0).bit_length(), thread_count()
+        head = None                      # the output head: its own count (DESIGN §22)
+        if adapt and ceiling > 1:
+            alone = self.threads.seconds(("head", kind), ceiling, 1)
+            gate = alone is None or alone < LONG_HEAD_S
+            head = lambda: self.threads.step(("head", kind), ceiling=ceiling, gate=gate)   # noqa: E731
         try:
-            with self.threads.step(1 << max(real - 1, 0).bit_length()) if adapt else contextlib.nullcontext() as n:
-                self.step_threads = n if adapt else thread_count()
+            with self.threads.step(kind) if adapt else contextlib.nullcontext() as n:
+                self.step_threads = n if adapt else ceiling
                 logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
                                                     last_only=only_last, positions=self.cfg.positions,
                                                     logits_at=None if only_last else (np.array(rows),
-                                                                                      np.array(cols))),
+                                                                                      np.array(cols)),
+                                                    head_threads=head),
                                  copy=False)                               # [B, vocab] or [N, vocab]
         except Exception as e:                                             # shared by the batch
             if not self.isolate_failures:

@@ -28,6 +28,7 @@ Model (pre-norm; gemma3 extras in brackets)::
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import numpy as np
@@ -260,7 +261,7 @@ class Transformer:
         return self._compiled
 
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
-                logits_at=None, attn_hook: Callable | None = None, positions: str = "absolute"):
+                logits_at=None, attn_hook: Callable | None = None, positions: str = "absolute", head_threads=None):
         """Run T new tokens per sequence through every layer, appending their K/V to ``caches``.
 
         Parameters
@@ -285,6 +286,10 @@ class Transformer:
             "absolute": RoPE at each token's position in the text. "cache": as StreamingLLM, positions
             within the cache, so a query never sees a key farther than n_s + n_c - 1 positions back
             (only sinks caches differ: windows and full caches give the same scores either way).
+        head_threads : callable, optional
+            Returns a context manager the output head (final norm and vocabulary matmul) runs inside: the
+            engine's thread chooser, which runs it on its own count (one long parallel region, where a
+            descheduled worker costs little: docs/DESIGN.md §22). The same bits on any count.
 
         Returns
         -------
@@ -326,7 +331,8 @@ class Transformer:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
         elif logits_at is not None:
             x = x[xp.asarray(logits_at[0]), xp.asarray(logits_at[1])]                   # [N, d]
-        logits = norm_linear(xp, x, self.output_norm, c.norm_eps, self.output, self.matmuls)   # [..., vocab]
+        with head_threads() if head_threads is not None else contextlib.nullcontext():
+            logits = norm_linear(xp, x, self.output_norm, c.norm_eps, self.output, self.matmuls)   # [..., vocab]
         if c.final_softcap is not None:                     # gemma2: cap * tanh(logits / cap), in float32
             cap = np.float32(c.final_softcap)
             logits = xp.tanh(logits / cap) * cap
