@@ -183,7 +183,8 @@ def _generate_run(args) -> int:
     _OPEN_LINE = False
     if args.stats or not args.quiet:
         s = gen.stats
-        most = max(s.decode_threads, default=1)
+        from streamattn.threads import thread_count
+        most = max([thread_count(), *s.decode_threads])  # the count set: the steps on it (0 if all ran on one)
         on = f"; {s.decode_threads.count(most)} on {most} threads" if most > 1 else ""
         print(f"[prompt {s.prompt_tokens[0]} tokens, prefill {s.prefill_s * 1e3:.0f} ms; "
               f"{len(s.decode_steps_s)} decode steps, {s.decode_tok_s:.1f} tok/s{on}]", file=sys.stderr)
