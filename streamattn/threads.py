@@ -266,12 +266,12 @@ class ThreadChooser:
             return 1
         return self._kind(kind, ceiling).next((lambda: self.spare(ceiling)) if gate else (lambda: True))
 
-    def record(self, kind, ceiling: int, count: int, seconds: float) -> None:
+    def record(self, kind, ceiling: int, count: int, seconds: float, *, read: bool = True) -> None:
         """A step of ``kind`` under ``ceiling`` took ``seconds`` on ``count`` threads (after one on one
-        thread, the idle CPUs are read)."""
+        thread, the idle CPUs are read, unless ``read`` is False: a block inside a step, whose step reads)."""
         if ceiling > 1 and count in (1, ceiling):
             self._kind(kind, ceiling).record(count, seconds)
-            if count == 1 and self.idle is not None:
+            if count == 1 and read and self.idle is not None:
                 n = self.idle()
                 if n is not None:
                     self._idle.append(n)
@@ -302,11 +302,11 @@ class ThreadChooser:
     def step(self, kind, *, ceiling: int | None = None, gate: bool = True):
         """Context manager: the block runs on :meth:`choose`'s count (yielded) and is timed into
         :meth:`record`; the caller's thread count is back after it (an exception records nothing).
-        ``ceiling``: default the caller's count (a block inside another step passes the outer one's);
-        ``gate``: as for :meth:`choose`."""
+        ``ceiling``: default the caller's count; a block inside another step passes the outer one's, and
+        reads no idle CPUs (one reading a step, at its end); ``gate``: as for :meth:`choose`."""
         import numba
         before = thread_count()
-        ceiling = before if ceiling is None else ceiling
+        inner, ceiling = ceiling is not None, before if ceiling is None else ceiling
         count = self.choose(kind, ceiling, gate=gate)
         if count != before:
             numba.set_num_threads(count)
@@ -316,7 +316,7 @@ class ThreadChooser:
         finally:
             if count != before:
                 numba.set_num_threads(before)
-        self.record(kind, ceiling, count, self.clock() - t0)
+        self.record(kind, ceiling, count, self.clock() - t0, read=not inner)
 
     def _kind(self, kind, ceiling):
         k = self._kinds.get((kind, ceiling))

@@ -232,7 +232,9 @@ def test_a_step_inside_another_runs_on_its_own_count_and_puts_the_outer_one_back
     from streamattn.threads import ThreadChooser
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
-    chooser, before = ThreadChooser(first=1, keep=1, idle=lambda: 0), numba.get_num_threads()   # no CPU idle
+    reads = []
+    chooser = ThreadChooser(first=1, keep=1, idle=lambda: reads.append(0) or 0)          # no CPU idle
+    before = numba.get_num_threads()
     numba.set_num_threads(2)
     try:
         seen = []
@@ -243,6 +245,7 @@ def test_a_step_inside_another_runs_on_its_own_count_and_puts_the_outer_one_back
                 assert numba.get_num_threads() == n
             assert numba.get_num_threads() == 2
         assert seen[:2] == [(1, 1, 1), (1, 2, 2)]          # the outer gated on one; the head alternates
+        assert len(reads) == 3                             # one reading per outer step, none for the head
     finally:
         numba.set_num_threads(before)
 
