@@ -5,10 +5,10 @@ each score was its own horizontal sum, each weighted V row a load and store of t
 float max reduction did not vectorise at all. Here the code generators emit LLVM IR over <16 x float>
 (one AVX-512 register; LLVM splits the vectors for AVX2 or NEON), and Numba inlines them into the kernel.
 
-- ``QK[R]``: scores of R query rows against ``QK_KEYS[R]`` keys (16 // R; 4 for three rows). The
-  R * keys dot products accumulate lane-wise over head_dim, one vector each, and are then summed together
-  by a transpose-reduction: 15 shuffle pairs and adds for all 16, where 16 separate horizontal sums take
-  ~4x the instructions.
+- ``QK[R]``: scores of R query rows against ``QK_KEYS[R]`` keys (as many as the host's registers
+  hold). The R * keys dot products accumulate lane-wise over head_dim, one vector each, and are then
+  summed together by a transpose-reduction: 15 shuffle pairs and adds for all 16, where 16 separate
+  horizontal sums take ~4x the instructions.
 - ``PV[R]``: R accumulator rows += p · V over a tile of keys; R × 4 vectors stay in registers for
   the whole tile (the loop over keys is inside), instead of a load and store of acc per key; fewer
   than 8 FMA chains get a second set for odd keys (one row: 2.0 -> 1.2 ns per key).
@@ -259,11 +259,26 @@ def _host_has_avx512() -> bool:
     return "+avx512f" in llvm.get_host_cpu_features().flatten().split(",")
 
 
-#: Keys per call of ``QK[R]``: R * keys <= 16 dot products. Three rows (the GQA group of quantized storage,
-#: cpu_tiles._one_pass) take 4 keys with 32 vector registers (12 sums, the transpose padded with zeros) and
-#: 1 key with AVX2's 16, where 12 sums of 16 lanes spilled: 19.96 against 11.80 ns per key of q8_0 on Zen 3
-#: (docs/PERF.md, 2026-12-02 04:16); the sums are the same bits either way (:func:`_transpose_sum`).
-QK_KEYS = {1: 16, 2: 8, 3: 4 if _host_has_avx512() else 1, 4: 4}
+_AVX512 = _host_has_avx512()
+
+#: Keys per call of ``QK[R]``: R * keys dot products of 16 lanes, summed by one transpose. With 32 vector
+#: registers (AVX-512) 16 sums fit: 16 // R keys (three rows: 4, the transpose padded with zeros). AVX2
+#: has 16 registers of 8 lanes, and a <16 x float> sum takes two: 16 sums spilled, so there R * keys stays
+#: at 4 or under. Three rows with 4 keys spilled on Zen 3: 19.96 against 11.80 ns per key of q8_0 with 1
+#: (2026-12-02); one row 16 -> 4 keys, two 8 -> 4, four 4 -> 1: float16 4.4 -> 2.9, 7.7 -> 5.0-5.9,
+#: 16.7 -> 8.7-10.3 ns per key of a 512-key tile (docs/PERF.md, 2026-12-03). The sums are the same bits
+#: either way (:func:`_transpose_sum`).
+QK_KEYS = {1: 16, 2: 8, 3: 4, 4: 4} if _AVX512 else {1: 4, 2: 4, 3: 1, 4: 1}
+
+#: Vectors of 16 columns per pass of ``PV[R]`` over a tile's keys (then single vectors for the rest), by
+#: storage: (float kinds, quantized kinds). Each pass holds R * groups * 2 accumulators in registers
+#: (:func:`_make_pv`); AVX2's 16 registers hold 6 <16 x float> with room for V and p, so there float
+#: storage takes one vector per pass from two rows up (three rows, float16: 9.1 -> 4.2 ns per key).
+#: Quantized rows keep two or four: a block of 32 is read by one load (a single vector per pass reads
+#: each half block on its own and ran slower, 9.2 -> 12.2 ns). Per element the sums are the same either
+#: way (every column's chain runs over the keys in one order), so the bits do not change.
+PV_GROUPS = ({1: (4, 4), 2: (4, 4), 3: (2, 2), 4: (2, 2)} if _AVX512 else
+             {1: (4, 2), 2: (1, 4), 3: (1, 2), 4: (1, 2)})
 
 
 def _make_qk(R: int):
@@ -326,16 +341,17 @@ def _make_pv(R: int):
 
     acc: [rows, D] float32, p: [rows, >= n] float32, vt: [>= n, D] storage (quantized: [>= n, row bytes]),
     D % 16 == 0. Columns go in
-    groups of CG vectors (4, or 2 for four rows; then single vectors for the rest), each group one pass
+    groups of CG vectors (:data:`PV_GROUPS`; then single vectors for the rest), each group one pass
     over the n keys with its accumulators in registers. Even and odd keys go to two accumulator sets,
     added at the end: more FMA chains in flight (one row: 2.0 -> ~1 ns per key), and one summation order
     for every R, so a row's sum does not depend on how many rows the call has (batch invariance):
     (acc + even keys in order) + (odd keys in order).
     """
     U = 2                                             # accumulator sets: keys j with j % U == u
-    G4 = 4 if R <= 2 else 2                           # vectors per column group: R * G4 * U <= 16 accumulators
+    groups = PV_GROUPS[R]                             # vectors per column group (float, quantized storage)
 
     def body(context, builder, sig, args, kind):
+        G4 = groups[kind >= 3]
         aa, pa, va = (Rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 3))
         r0v, nv = args[1], args[4]
         D = aa.cols
