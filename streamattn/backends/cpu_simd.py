@@ -9,8 +9,8 @@ float max reduction did not vectorise at all. Here the code generators emit LLVM
   hold). The R * keys dot products accumulate lane-wise over head_dim, one vector each, and are then
   summed together by a transpose-reduction: 15 shuffle pairs and adds for all 16, where 16 separate
   horizontal sums take ~4x the instructions.
-- ``PV[R]``: R accumulator rows += p · V over a tile of keys; R × 4 vectors stay in registers for
-  the whole tile (the loop over keys is inside), instead of a load and store of acc per key; fewer
+- ``PV[R]``: R accumulator rows += p · V over a tile of keys; R × ``PV_GROUPS[R]`` vectors stay in
+  registers for the whole tile (the loop over keys is inside), instead of a load and store of acc per key; fewer
   than 8 FMA chains get a second set for odd keys (one row: 2.0 -> 1.2 ns per key).
 - ``row_max``: a vector max over a score row, four running vectors (llvm.maxnum; NaN operands are
   skipped, not propagated: a NaN score still makes its exp, and the output, NaN).

@@ -23,7 +23,6 @@ KIND = {"float32": 0, "float16": 1, "bfloat16": 2, "q8_0": 3, "q4_0": 4}
 _QK1, _QK2, _QK3, _QK4 = QK[1], QK[2], QK[3], QK[4]   # module globals: Numba cannot index the dicts in a kernel
 _PV1, _PV2, _PV3, _PV4 = PV[1], PV[2], PV[3], PV[4]
 _KEYS = (0, QK_KEYS[1], QK_KEYS[2], QK_KEYS[3], QK_KEYS[4])   # keys per call of QK[R] (cpu_simd.QK_KEYS)
-_KEYS3 = _KEYS[3]
 
 
 #: The constants of :func:`exp16` (Cephes exp2f's polynomial: see exp_tile).
@@ -252,7 +251,7 @@ def _qk_rows(R, qf, r, kt, n, sc, kind):
 @njit(fastmath=FASTMATH, cache=True)
 def _qk_rows3(qf, r, kt, n, sc, kind):
     """sc[r + g, :n] = qf[r + g] . kt[:n] for g < 3 with the 3-row kernel (n a multiple of 16)."""
-    for j in range(0, n, _KEYS3):
+    for j in range(0, n, _KEYS[3]):
         _QK3(qf, r, kt, j, sc, kind)
 
 
