@@ -159,6 +159,88 @@ def quantize_rows(x, out, q4):
     return bad
 
 
+@njit(cache=True)
+def _f16_value(h):
+    """float16 bits (an int) -> their value as float64 (finite bits only)."""
+    e, m = (h >> 10) & 0x1F, h & 0x3FF
+    v = math.ldexp(float(m), -24) if e == 0 else math.ldexp(float(m | 0x400), e - 25)
+    return -v if h & 0x8000 else v
+
+
+@njit(cache=True)
+def quantize_rows_fed(x, out, q4, U):
+    """:func:`quantize_rows`, then each row's codes chosen again in order, element 0 first, each one's
+    rounding error pushed onto the elements not yet rounded through U (float64 [D, D], the upper Cholesky
+    factor of the inverse of a positive definite H: GPTQ's update), which makes the row's error e small in
+    eᵀ H e instead of in each element. The block scales are :func:`quantize_rows`'s, so the bytes are
+    q8_0 / q4_0 blocks as ever; an identity U gives :func:`quantize_rows`'s bytes. Rows holding a block
+    that is not finite keep :func:`quantize_rows`'s bytes (their NaN marker). Returns its ``bad`` count."""
+    bad = quantize_rows(x, out, q4)
+    n, D = x.shape
+    bb = 18 if q4 else 34
+    nb = out.shape[1] // bb
+    inv = np.empty(nb, np.float32)
+    dq = np.empty(nb, np.float64)
+    w = np.empty(D, np.float64)
+    for r in range(n):
+        finite = True
+        for b in range(nb):
+            o = b * bb
+            amax = np.float32(0.0)
+            xm = np.float32(0.0)
+            for i in range(32 * b, min(D, 32 * b + 32)):
+                v = x[r, i]
+                if not math.isfinite(v):
+                    finite = False
+                elif abs(v) > amax:
+                    amax, xm = abs(v), v
+            h = np.int64(out[r, o]) | (np.int64(out[r, o + 1]) << 8)
+            if h & 0x7C00 == 0x7C00:
+                finite = False
+            d = xm / np.float32(-8.0) if q4 else amax / np.float32(127.0)     # quantize_rows's scale
+            inv[b] = np.float32(0.0) if d == 0 else np.float32(1.0) / d
+            dq[b] = _f16_value(h)
+        if not finite:
+            continue
+        for i in range(D):
+            w[i] = x[r, i]
+        for i in range(D):
+            b, j = i // 32, i % 32
+            if q4:
+                c = min(15, max(0, int(math.floor(np.float32(w[i]) * inv[b] + np.float32(8.5)))))
+                o = b * bb + 2 + j % 16
+                out[r, o] = (out[r, o] & 0xF0) | c if j < 16 else (out[r, o] & 0x0F) | (c << 4)
+                e = (w[i] - dq[b] * (c - 8)) / U[i, i]
+            else:
+                c = min(127, max(-127, np.int64(_roundf(np.float32(w[i]) * inv[b]))))
+                out[r, b * bb + 2 + j] = np.uint8(c & 0xFF)
+                e = (w[i] - dq[b] * c) / U[i, i]
+            for k in range(i + 1, D):
+                w[k] -= e * U[i, k]
+    return bad
+
+
+def rounding_factor(h, damping: float = 0.01):
+    """U for :func:`quantize_rows_fed` from H (float [D, D], symmetric positive semidefinite): the upper
+    Cholesky factor of (H + damping * mean(diag H) * I)^-1, float64 (GPTQ's damping: H may be singular)."""
+    h = np.asarray(h, np.float64)
+    h = h + damping * max(float(np.mean(np.diag(h))), 1e-30) * np.eye(len(h))
+    return np.ascontiguousarray(np.linalg.cholesky(np.linalg.inv(h)).T)
+
+
+def quantize_fed(x, dtype: str, U):
+    """:func:`quantize` of x [B, Hk, T, D] with each kv head's rows rounded through U[h] (float64
+    [Hk, D, D], :func:`quantize_rows_fed`). Returns (blocks, bad)."""
+    x = np.ascontiguousarray(x, np.float32)
+    B, Hk, T, D = x.shape
+    out = np.empty((B, Hk, T, row_width(dtype, D)), np.uint8)
+    bad = 0
+    for b in range(B):
+        for h in range(Hk):
+            bad += quantize_rows_fed(x[b, h], out[b, h], dtype == "q4_0", U[h])
+    return out, int(bad)
+
+
 def quantize(x, dtype: str):
     """float rows ``x`` [..., D] -> uint8 [..., row bytes] of ``dtype`` "q8_0" or "q4_0" blocks (numpy).
 
@@ -205,10 +287,15 @@ def quantized_bad_rows(a, dtype: str, xp=np):
     return ((scale & 0x7C00) == 0x7C00).any(axis=-1)
 
 
-def to_storage(x, dtype: str, xp):
+def to_storage(x, dtype: str, xp, rounding=None):
     """Cast a float array [..., head_dim] to the spec's storage (bf16: round-to-nearest-even raw bits;
-    q8_0 / q4_0: uint8 rows of blocks, :func:`quantize`; on a device through the host)."""
+    q8_0 / q4_0: uint8 rows of blocks, :func:`quantize`; on a device through the host). ``rounding``:
+    None, or float64 [kv_heads, D, D] factors for a quantized x [B, kv_heads, T, D] (:func:`quantize_fed`)."""
     if dtype in QUANTIZED:
+        if rounding is not None:
+            from .arrays import to_host
+            q = quantize_fed(to_host(x, copy=False), dtype, rounding)[0]
+            return q if xp is np else xp.asarray(q)
         if xp is np:
             return quantize(x, dtype)[0]
         from .arrays import to_host

@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from streamattn import CacheSpec, KVCache
+from streamattn import storage
 from streamattn.models import compiled
 from streamattn.models.architectures import ARCHITECTURES
 from streamattn.models.array_ops import ArrayOps, embed_rows, norm_linear
@@ -146,6 +147,7 @@ class Transformer:
         #: the same bits); False runs every layer as array code.
         self.compile_layers = True
         self._compiled = None
+        self._value_rounding = {}                    # layer -> (its W_o, value_rounding's factors)
         # RoPE scaling (linear, per-dimension divisors, the attention factor) applies to the global base; a
         # distinct local base is unscaled (Gemma-3: HF's local rotary is the default one, llama.cpp's
         # rope_freq_scale_train_swa is 1)
@@ -246,6 +248,30 @@ class Transformer:
         """RoPE base of layer i (gemma3: local layers have their own)."""
         c = self.config
         return c.rope_base if c.layer_windows[i] is None else c.rope_base_local
+
+    def value_rounding(self, i: int, spec: CacheSpec):
+        """How layer i's V rows are rounded into ``spec``'s storage: None (to nearest) unless V is q4_0;
+        then float64 [kv_heads, head_dim, head_dim] factors (:func:`streamattn.storage.rounding_factor`) of
+        H = sum of W_o,hᵀ W_o,h over the query heads h of each kv head, W_o,h the output projection's
+        columns that head h's attention output meets (docs/DESIGN.md §24). A V row's rounding error e
+        reaches the layer's output as W_o,h e weighted by the attention, so rounding each row for eᵀ H e
+        rather than element by element keeps less of it. Made from the weights once (again when W_o is
+        replaced), the same for every chunking of a sequence: stateless, like rounding to nearest."""
+        if spec.v_dtype != "q4_0":
+            return None
+        wo = self.layers[i].wo
+        got = self._value_rounding.get(i)
+        if got is None or got[0] is not wo:
+            c = self.config
+            w = wo.dequantize() if isinstance(wo, QWeight) else wo
+            w = np.asarray(w.get() if hasattr(w, "get") else w, np.float64)        # [d_model, n_heads * hd]
+            g, hd = c.n_heads // c.n_kv_heads, c.head_dim
+            u = np.empty((c.n_kv_heads, hd, hd))
+            for h in range(c.n_kv_heads):
+                cols = w[:, h * g * hd:(h + 1) * g * hd].reshape(w.shape[0], g, hd)
+                u[h] = storage.rounding_factor(np.einsum("dgi,dgj->ij", cols, cols))
+            got = self._value_rounding[i] = (wo, u)
+        return got[1]
 
     def _compiled_layers(self, backend, counts_ok, hook, positions, caches):
         """The compiled layers (:mod:`streamattn.models.compiled`) where this call may use them — CPU
