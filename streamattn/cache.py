@@ -243,8 +243,8 @@ class KVCache:
         """A validated chunk cast to the storage (ks, vs), with room made for it: a causal cache grows,
         after refusing a chunk that is not finite as stored (so a refused chunk changes nothing). A
         ``rotate_k`` spec rotates the keys first (:func:`streamattn.rotation.rotate`), before they are cast.
-        ``v_rounding``: None (round to nearest), or float64 [kv_heads, D, D] factors with which a q4_0 V is
-        rounded for the layer's output projection (:func:`streamattn.storage.quantize_rows_fed`; the model
+        ``v_rounding``: None (round to nearest), or float64 [kv_heads, D, D] factors with which a quantized V
+        is rounded for the layer's output projection (:func:`streamattn.storage.quantize_rows_fed`; the model
         passes them, :meth:`streamattn.models.transformer.Transformer.value_rounding`)."""
         xp, spec = self.xp, self.spec
         if spec.rotate_k:                                # keys stored as k @ H (streamattn.rotation)
@@ -254,8 +254,7 @@ class KVCache:
         else:
             with np.errstate(over="ignore"):      # an overflow to inf is caught just below, by name
                 ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, k_width]
-                vs = to_storage(v, spec.v_dtype, xp,  # [batch, kv_heads, T, v_width]
-                                rounding=v_rounding if spec.v_dtype == "q4_0" else None)
+                vs = to_storage(v, spec.v_dtype, xp, v_rounding)  # [batch, kv_heads, T, v_width]
         if spec.window is None:
             need = int(self.lengths[0] + counts[0]) if spec.batch == 1 else int((self.lengths + counts).max())
             if need > self.slots:

@@ -113,6 +113,25 @@ def f32_to_f16(typingctx, x):
 
 
 @njit(cache=True)
+def _block_scale(x, r, b, q4, blk):
+    """Block b of row r of x [n, D] into blk float32 [32] (zero past D), and its scale before float16:
+    (d, finite), d = signed max / -8 for q4_0 (``q4``), max |x| / 127 for q8_0 (the first of equal
+    magnitudes, as gguf-py takes it); finite False where the block holds NaN or inf."""
+    m = min(32, x.shape[1] - 32 * b)
+    finite = True
+    amax = np.float32(0.0)
+    xm = np.float32(0.0)
+    for i in range(32):
+        v = x[r, 32 * b + i] if i < m else np.float32(0.0)
+        blk[i] = v
+        if not math.isfinite(v):
+            finite = False
+        elif abs(v) > amax:
+            amax, xm = abs(v), v
+    return (xm / np.float32(-8.0) if q4 else amax / np.float32(127.0)), finite
+
+
+@njit(cache=True)
 def quantize_rows(x, out, q4):
     """Quantize float32 rows x [n, D] into out uint8 [n, row bytes] (q8_0, or q4_0 when ``q4``).
     Returns the number of blocks whose scale is not finite (NaN or inf input, or an overflow)."""
@@ -123,17 +142,7 @@ def quantize_rows(x, out, q4):
     for r in range(n):
         for b in range(nb):
             o = b * (18 if q4 else 34)
-            m = min(32, D - 32 * b)
-            finite = True
-            amax = np.float32(0.0)
-            xm = np.float32(0.0)
-            for i in range(32):
-                v = x[r, 32 * b + i] if i < m else np.float32(0.0)
-                blk[i] = v
-                if not math.isfinite(v):
-                    finite = False
-                elif abs(v) > amax:
-                    amax, xm = abs(v), v
+            d, finite = _block_scale(x, r, b, q4, blk)
             if not finite:
                 out[r, o] = 0x00                 # scale 0x7E00: float16 quiet NaN
                 out[r, o + 1] = 0x7E
@@ -141,7 +150,6 @@ def quantize_rows(x, out, q4):
                     out[r, o + i] = 0x88 if q4 else 0
                 bad += 1
                 continue
-            d = xm / np.float32(-8.0) if q4 else amax / np.float32(127.0)
             inv = np.float32(0.0) if d == 0 else np.float32(1.0) / d
             h = f32_to_f16(d)
             out[r, o] = h & 0xFF
@@ -161,7 +169,8 @@ def quantize_rows(x, out, q4):
 
 @njit(cache=True)
 def _f16_value(h):
-    """float16 bits (an int) -> their value as float64 (finite bits only)."""
+    """float16 bits (an int) -> their value as float64 (finite bits only). Written out here rather than
+    backends.cpu_simd.f16_to_f32: importing the backends package from this module would be circular."""
     e, m = (h >> 10) & 0x1F, h & 0x3FF
     v = math.ldexp(float(m), -24) if e == 0 else math.ldexp(float(m | 0x400), e - 25)
     return -v if h & 0x8000 else v
@@ -174,32 +183,24 @@ def quantize_rows_fed(x, out, q4, U):
     factor of the inverse of a positive definite H: GPTQ's update), which makes the row's error e small in
     eᵀ H e instead of in each element. The block scales are :func:`quantize_rows`'s, so the bytes are
     q8_0 / q4_0 blocks as ever; an identity U gives :func:`quantize_rows`'s bytes. Rows holding a block
-    that is not finite keep :func:`quantize_rows`'s bytes (their NaN marker). Returns its ``bad`` count."""
+    whose scale is not finite keep :func:`quantize_rows`'s bytes (its NaN marker, or an overflow). Returns
+    its ``bad`` count."""
     bad = quantize_rows(x, out, q4)
     n, D = x.shape
     bb = 18 if q4 else 34
     nb = out.shape[1] // bb
+    blk = np.empty(32, np.float32)
     inv = np.empty(nb, np.float32)
     dq = np.empty(nb, np.float64)
     w = np.empty(D, np.float64)
     for r in range(n):
         finite = True
         for b in range(nb):
-            o = b * bb
-            amax = np.float32(0.0)
-            xm = np.float32(0.0)
-            for i in range(32 * b, min(D, 32 * b + 32)):
-                v = x[r, i]
-                if not math.isfinite(v):
-                    finite = False
-                elif abs(v) > amax:
-                    amax, xm = abs(v), v
-            h = np.int64(out[r, o]) | (np.int64(out[r, o + 1]) << 8)
-            if h & 0x7C00 == 0x7C00:
-                finite = False
-            d = xm / np.float32(-8.0) if q4 else amax / np.float32(127.0)     # quantize_rows's scale
+            h = np.int64(out[r, b * bb]) | (np.int64(out[r, b * bb + 1]) << 8)
+            finite = finite and h & 0x7C00 != 0x7C00            # NaN marker or overflow: left as it is
+            d = _block_scale(x, r, b, q4, blk)[0]                # the scale quantize_rows rounded with
             inv[b] = np.float32(0.0) if d == 0 else np.float32(1.0) / d
-            dq[b] = _f16_value(h)
+            dq[b] = _f16_value(h)                                # the scale the kernels read
         if not finite:
             continue
         for i in range(D):
@@ -220,6 +221,16 @@ def quantize_rows_fed(x, out, q4, U):
     return bad
 
 
+@njit(cache=True)
+def _quantize_heads_fed(x, out, q4, U):
+    """:func:`quantize_rows_fed` over x [B, Hk, T, D] into out [B, Hk, T, row bytes], head h through U[h]."""
+    bad = 0
+    for b in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            bad += quantize_rows_fed(x[b, h], out[b, h], q4, U[h])
+    return bad
+
+
 def rounding_factor(h, damping: float = 0.01):
     """U for :func:`quantize_rows_fed` from H (float [D, D], symmetric positive semidefinite): the upper
     Cholesky factor of (H + damping * mean(diag H) * I)^-1, float64 (GPTQ's damping: H may be singular)."""
@@ -232,13 +243,8 @@ def quantize_fed(x, dtype: str, U):
     """:func:`quantize` of x [B, Hk, T, D] with each kv head's rows rounded through U[h] (float64
     [Hk, D, D], :func:`quantize_rows_fed`). Returns (blocks, bad)."""
     x = np.ascontiguousarray(x, np.float32)
-    B, Hk, T, D = x.shape
-    out = np.empty((B, Hk, T, row_width(dtype, D)), np.uint8)
-    bad = 0
-    for b in range(B):
-        for h in range(Hk):
-            bad += quantize_rows_fed(x[b, h], out[b, h], dtype == "q4_0", U[h])
-    return out, int(bad)
+    out = np.empty(x.shape[:3] + (row_width(dtype, x.shape[3]),), np.uint8)
+    return out, int(_quantize_heads_fed(x, out, dtype == "q4_0", U))
 
 
 def quantize(x, dtype: str):

@@ -638,12 +638,8 @@ def test_model_rounds_q4_0_values_for_its_output_projection(tiny):
     assert tf.value_rounding(1, spec) is u                              # made once
     seen = {}
     caches = [KVCache(spec) for _ in range(c.n_layers)]
-    tf.compile_layers = False
-    try:
-        tf.forward(np.array([[3, 9, 17, 4, 30, 8, 2, 11]]), caches,
-                   attn_hook=lambda i, q, k, v, o: seen.setdefault(i, np.array(v)))
-    finally:
-        tf.compile_layers = True
+    tf.forward(np.array([[3, 9, 17, 4, 30, 8, 2, 11]]), caches,          # a hook: the array layers
+               attn_hook=lambda i, q, k, v, o: seen.setdefault(i, np.array(v)))
     for i, cache in enumerate(caches):
         want = quantize_fed(seen[i], "q4_0", tf.value_rounding(i, spec))[0]
         np.testing.assert_array_equal(cache.v[:, :, :8], want)

@@ -35,6 +35,7 @@ import numpy as np
 
 from streamattn import CacheSpec, KVCache
 from streamattn import storage
+from streamattn.arrays import to_host
 from streamattn.models import compiled
 from streamattn.models.architectures import ARCHITECTURES
 from streamattn.models.array_ops import ArrayOps, embed_rows, norm_linear
@@ -264,7 +265,7 @@ class Transformer:
         if got is None or got[0] is not wo:
             c = self.config
             w = wo.dequantize() if isinstance(wo, QWeight) else wo
-            w = np.asarray(w.get() if hasattr(w, "get") else w, np.float64)        # [d_model, n_heads * hd]
+            w = to_host(w, copy=False).astype(np.float64)                          # [d_model, n_heads * hd]
             g, hd = c.n_heads // c.n_kv_heads, c.head_dim
             u = np.empty((c.n_kv_heads, hd, hd))
             for h in range(c.n_kv_heads):
