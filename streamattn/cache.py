@@ -155,25 +155,25 @@ class KVCache:
         """
         self._write(k, v, self._validate_append(k, v, counts))
 
-    def append_trusted(self, k, v, counts=None, v_rounding=None) -> None:
+    def append_trusted(self, k, v, counts=None, v_rounding=None, k_search=False) -> None:
         """:meth:`append` for a chunk its caller built with this cache's shape and device (the model).
 
         k, v: float [batch, kv_heads, T, head_dim] on this cache's device; counts: None or int [batch].
         Skips the checks of the arguments' types and shapes, which cannot fail for such a caller, and
         keeps those of their values, which can: counts in 0..T, max_chunk, max_len, and the stored
         values finite (``check_finite``). A refused chunk leaves the cache unchanged, as in append.
-        ``v_rounding``: how a quantized V is rounded (:meth:`stage`).
+        ``v_rounding``, ``k_search``: how a quantized V and K are rounded (:meth:`stage`).
         """
         T = k.shape[2]
         counts = np.full(self.spec.batch, T, np.int64) if counts is None else self._check_counts(counts, T)
         self.check_room(counts)
-        self._write(k, v, counts, v_rounding)
+        self._write(k, v, counts, v_rounding, k_search)
 
-    def _write(self, k, v, counts, v_rounding=None) -> None:
+    def _write(self, k, v, counts, v_rounding=None, k_search=False) -> None:
         """Store a validated chunk: cast, check finite as stored (before writing), grow, write, count (on
         the CPU the check, write and count are one compiled call, :func:`streamattn.storage.write_rows`)."""
         xp, spec = self.xp, self.spec
-        ks, vs = self.stage(k, v, counts, v_rounding)
+        ks, vs = self.stage(k, v, counts, v_rounding, k_search)
         if self.sink_k is not None:
             return self._write_split(k, v, ks, vs, counts)
         if xp is np:                              # one compiled call: check as stored, write, count
@@ -239,13 +239,15 @@ class KVCache:
         self.lengths += counts
         self.last_counts[:] = counts
 
-    def stage(self, k, v, counts, v_rounding=None):
+    def stage(self, k, v, counts, v_rounding=None, k_search=False):
         """A validated chunk cast to the storage (ks, vs), with room made for it: a causal cache grows,
         after refusing a chunk that is not finite as stored (so a refused chunk changes nothing). A
         ``rotate_k`` spec rotates the keys first (:func:`streamattn.rotation.rotate`), before they are cast.
         ``v_rounding``: None (round to nearest), or float64 [kv_heads, D, D] factors with which a quantized V
         is rounded for the layer's output projection (:func:`streamattn.storage.quantize_rows_fed`; the model
-        passes them, :meth:`streamattn.models.transformer.Transformer.value_rounding`)."""
+        passes them, :meth:`streamattn.models.transformer.Transformer.value_rounding`). ``k_search``: a q4_0
+        K's block scales searched for the least error (:func:`streamattn.storage.quantize_rows_searched`;
+        the model asks for it, :meth:`~streamattn.models.transformer.Transformer.key_search`), else gguf's."""
         xp, spec = self.xp, self.spec
         if spec.rotate_k:                                # keys stored as k @ H (streamattn.rotation)
             k = rotate(k, xp)                            # [batch, kv_heads, T, head_dim] float32
@@ -253,7 +255,7 @@ class KVCache:
             ks, vs = k, v                                # (not bf16 or q*: their storage dtype is no float)
         else:
             with np.errstate(over="ignore"):      # an overflow to inf is caught just below, by name
-                ks = to_storage(k, spec.dtype, xp)  # [batch, kv_heads, T, k_width]
+                ks = to_storage(k, spec.dtype, xp, search=k_search)  # [batch, kv_heads, T, k_width]
                 vs = to_storage(v, spec.v_dtype, xp, v_rounding)  # [batch, kv_heads, T, v_width]
         if spec.window is None:
             need = int(self.lengths[0] + counts[0]) if spec.batch == 1 else int((self.lengths + counts).max())

@@ -114,11 +114,12 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
 
 
 def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts=None, q_sink=None,
-                  softcap: float | None = None, v_rounding=None):
+                  softcap: float | None = None, v_rounding=None, k_search=False):
     """``cache.append(k, v, counts)`` then ``attend(q, cache, ...)`` for the model, which built q, k, v
     itself: float [batch, heads, T, head_dim] arrays of the cache's shape and device, scale a finite
     float, counts None or int [batch], q_sink None or like q, softcap None or a finite float > 0 (see
-    :func:`attend` for the arguments); ``v_rounding``: how a q4_0 V is rounded (``KVCache.stage``).
+    :func:`attend` for the arguments); ``v_rounding``, ``k_search``: how a q4_0 V and K are rounded
+    (``KVCache.stage``).
 
     Skips the checks that cannot fail for such a caller (types, shapes, dtypes, scale, counts against
     the lengths just appended) and keeps those that can: what ``KVCache.append_trusted`` keeps (counts
@@ -130,8 +131,8 @@ def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts
     q, q_sink = _frame(q, q_sink if spec.sinks else None, cache)
     if (counts is None and spec.window is None and spec.sinks == 0 and cache.device == "cpu"
             and backend in ("cpu", "auto") and q.dtype == np.float32 and q.flags.c_contiguous):
-        return _append_attend_cpu(q, k, v, cache, scale, softcap, v_rounding)
-    cache.append_trusted(k, v, counts, v_rounding)
+        return _append_attend_cpu(q, k, v, cache, scale, softcap, v_rounding, k_search)
+    cache.append_trusted(k, v, counts, v_rounding, k_search)
     counts = cache.last_counts if counts is None else counts
     _check_answerable(cache, counts)
     return _run(backends.get(backend, cache.device), q, cache, scale, counts, q_sink if spec.sinks else None,
@@ -146,7 +147,7 @@ def _frame(q, q_sink, cache: KVCache):
     return rotate(q, cache.xp), None if q_sink is None else rotate(q_sink, cache.xp)
 
 
-def _append_attend_cpu(q, k, v, cache: KVCache, scale: float, softcap, v_rounding):
+def _append_attend_cpu(q, k, v, cache: KVCache, scale: float, softcap, v_rounding, k_search):
     """:func:`append_attend` for a causal CPU cache without sinks, every row real: the cache's own
     staging (cast, refuse before growing, grow), then one compiled call for the write and the attention
     (:func:`streamattn.backends.cpu.write_attend`: the same kernels, the same bits)."""
@@ -154,7 +155,7 @@ def _append_attend_cpu(q, k, v, cache: KVCache, scale: float, softcap, v_roundin
     counts = np.full(spec.batch, k.shape[2], np.int64)
     if spec.max_len is not None:
         cache.check_room(counts)
-    ks, vs = cache.stage(k, v, counts, v_rounding)
+    ks, vs = cache.stage(k, v, counts, v_rounding, k_search)
     kst, vst = bits(cache.k), bits(cache.v)
     ka = cache.k if spec.dtype == "float32" else kst
     va = cache.v if spec.v_dtype == "float32" else vst

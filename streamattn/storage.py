@@ -167,13 +167,87 @@ def quantize_rows(x, out, q4):
     return bad
 
 
+@intrinsic
+def f16_to_f32(typingctx, bits):
+    """float16 bits (uint16, or the low 16 bits of another integer) -> float32 by LLVM's fpext: exact, inf
+    and NaN kept; vectorises to vcvtph2ps."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        b16 = args[0] if bits.bitwidth == 16 else builder.trunc(args[0], ir.IntType(16))
+        return builder.fpext(builder.bitcast(b16, ir.HalfType()), ir.FloatType())
+    return types.float32(bits), codegen
+
+
+#: The scales a q4_0 block is tried at by :func:`quantize_rows_searched`: fractions of gguf's (signed max
+#: / -8), 1.0 (gguf's own) among them, so the search never does worse than gguf's rule on a block.
+SCALE_STEPS = np.linspace(0.70, 1.0, 16).astype(np.float32)
+
+
 @njit(cache=True)
-def _f16_value(h):
-    """float16 bits (an int) -> their value as float64 (finite bits only). Written out here rather than
-    backends.cpu_simd.f16_to_f32: importing the backends package from this module would be circular."""
-    e, m = (h >> 10) & 0x1F, h & 0x3FF
-    v = math.ldexp(float(m), -24) if e == 0 else math.ldexp(float(m | 0x400), e - 25)
-    return -v if h & 0x8000 else v
+def _q4_code(v, inv):
+    """The q4_0 code 0..15 (as float32) of float32 v under 1 / scale ``inv``, to nearest (value = scale *
+    (code - 8)); float32 arithmetic, as :func:`quantize_rows`'s."""
+    return min(np.float32(15.0), max(np.float32(0.0), np.floor(v * inv + np.float32(8.5))))
+
+
+@njit(cache=True)
+def _q4_error(blk, d, sq):
+    """Squared error of the 32 values blk rounded to nearest q4_0 codes under scale d (a float16 value, as
+    float32): float32, summed by a fixed pairwise tree (so the same in every caller; sq: scratch [32])."""
+    inv = np.float32(1.0 / d)
+    for i in range(32):
+        e = blk[i] - d * (_q4_code(blk[i], inv) - np.float32(8.0))
+        sq[i] = e * e
+    for w in (16, 8, 4, 2, 1):
+        for i in range(w):
+            sq[i] += sq[i + w]
+    return sq[0]
+
+
+@njit(cache=True)
+def quantize_rows_searched(x, out, q4):
+    """:func:`quantize_rows`, then, for q4_0 (``q4``), each block's scale chosen again among
+    :data:`SCALE_STEPS` times gguf's as the one (in float16, as stored) whose codes, rounded to nearest,
+    leave the least squared error over the block's 32 values. gguf's scale puts the block's largest value
+    exactly on a code and gives the other 31 the steps left over; a smaller scale can clip that value
+    and still lose less in all. Same q4_0 layout, read by the same kernels; q8_0 rows, blocks of NaN or inf
+    (the marker) and all-zero blocks keep :func:`quantize_rows`'s bytes. Returns its ``bad`` count.
+    The errors are float32 sums in a fixed order (a pairwise tree), so every caller that compiles this
+    gets the same choice."""
+    bad = quantize_rows(x, out, q4)
+    if not q4:
+        return bad
+    n = x.shape[0]
+    nb = out.shape[1] // 18
+    blk = np.empty(32, np.float32)
+    sq = np.empty(32, np.float32)
+    for r in range(n):
+        for b in range(nb):
+            o = b * 18
+            if (np.int64(out[r, o]) | (np.int64(out[r, o + 1]) << 8)) & 0x7C00 == 0x7C00:
+                continue                                          # NaN marker or overflow: as it is
+            d0 = _block_scale(x, r, b, q4, blk)[0]
+            if d0 == 0:
+                continue
+            best, best_h = np.float32(np.inf), -1
+            for s in SCALE_STEPS:
+                h = np.int64(f32_to_f16(d0 * s))
+                d = f16_to_f32(h)
+                if d == 0 or h & 0x7C00 == 0x7C00:
+                    continue
+                err = _q4_error(blk, d, sq)
+                if err < best:
+                    best, best_h = err, h
+            if best_h < 0:
+                continue
+            inv = np.float32(1.0 / f16_to_f32(best_h))
+            out[r, o] = best_h & 0xFF
+            out[r, o + 1] = best_h >> 8
+            for j in range(16):
+                out[r, o + 2 + j] = np.uint8(_q4_code(blk[j], inv)) | (np.uint8(_q4_code(blk[j + 16], inv)) << 4)
+    return bad
 
 
 @njit(cache=True)
@@ -200,7 +274,7 @@ def quantize_rows_fed(x, out, q4, U):
             finite = finite and h & 0x7C00 != 0x7C00            # NaN marker or overflow: left as it is
             d = _block_scale(x, r, b, q4, blk)[0]                # the scale quantize_rows rounded with
             inv[b] = np.float32(0.0) if d == 0 else np.float32(1.0) / d
-            dq[b] = _f16_value(h)                                # the scale the kernels read
+            dq[b] = f16_to_f32(h)                                # the scale the kernels read
         if not finite:
             continue
         for i in range(D):
@@ -247,11 +321,12 @@ def quantize_fed(x, dtype: str, U):
     return out, int(_quantize_heads_fed(x, out, dtype == "q4_0", U))
 
 
-def quantize(x, dtype: str):
+def quantize(x, dtype: str, search: bool = False):
     """float rows ``x`` [..., D] -> uint8 [..., row bytes] of ``dtype`` "q8_0" or "q4_0" blocks (numpy).
 
     Returns (blocks, bad): bad counts the blocks whose float16 scale is NaN or inf (NaN or inf input, or
-    a scale past 65504). Byte-compatible with gguf.quants.quantize of the rows zero-padded to a multiple of 32.
+    a scale past 65504). Byte-compatible with gguf.quants.quantize of the rows zero-padded to a multiple of 32;
+    ``search``: q4_0 block scales searched for the least error (:func:`quantize_rows_searched`) instead.
 
     >>> q, bad = quantize(np.linspace(-1, 1, 64, dtype=np.float32), "q8_0")
     >>> q.shape, bad
@@ -261,7 +336,7 @@ def quantize(x, dtype: str):
     D = x.shape[-1]
     flat = np.ascontiguousarray(x.reshape(-1, D), np.float32)
     out = np.empty((flat.shape[0], row_width(dtype, D)), np.uint8)
-    bad = quantize_rows(flat, out, dtype == "q4_0")
+    bad = (quantize_rows_searched if search else quantize_rows)(flat, out, dtype == "q4_0")
     return out.reshape(x.shape[:-1] + (out.shape[1],)), int(bad)
 
 
@@ -293,19 +368,20 @@ def quantized_bad_rows(a, dtype: str, xp=np):
     return ((scale & 0x7C00) == 0x7C00).any(axis=-1)
 
 
-def to_storage(x, dtype: str, xp, rounding=None):
+def to_storage(x, dtype: str, xp, rounding=None, search: bool = False):
     """Cast a float array [..., head_dim] to the spec's storage (bf16: round-to-nearest-even raw bits;
     q8_0 / q4_0: uint8 rows of blocks, :func:`quantize`; on a device through the host). ``rounding``:
-    None, or float64 [kv_heads, D, D] factors for a quantized x [B, kv_heads, T, D] (:func:`quantize_fed`)."""
+    None, or float64 [kv_heads, D, D] factors for a quantized x [B, kv_heads, T, D] (:func:`quantize_fed`);
+    ``search``: q4_0 block scales searched (:func:`quantize_rows_searched`; not with ``rounding``)."""
     if dtype in QUANTIZED:
         if rounding is not None:
             from .arrays import to_host
             q = quantize_fed(to_host(x, copy=False), dtype, rounding)[0]
             return q if xp is np else xp.asarray(q)
         if xp is np:
-            return quantize(x, dtype)[0]
+            return quantize(x, dtype, search)[0]
         from .arrays import to_host
-        return xp.asarray(quantize(to_host(x, copy=False), dtype)[0])
+        return xp.asarray(quantize(to_host(x, copy=False), dtype, search)[0])
     if dtype == "bfloat16":
         if x.dtype.name == "bfloat16":  # ml_dtypes input: already bf16
             return x.view(xp.uint16)

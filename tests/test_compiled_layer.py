@@ -365,8 +365,8 @@ def test_16_bit_staging_is_numpys(dtype):
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
 def test_quantized_staging_is_the_caches(dtype):
     """stored_quantized gives the bytes storage.to_storage gives on every real row (ragged counts, a head_dim
-    that is no multiple of 32, a NaN and an overflow among them; rounded to nearest, or with V's rounding
-    factors), and first_not_finite finds the sequence
+    that is no multiple of 32, a NaN and an overflow among them; rounded to nearest, with V's rounding
+    factors, or with K's searched scales), and first_not_finite finds the sequence
     whose real rows hold a block that quantized_bad_rows calls bad, skipping padding rows."""
     from streamattn.storage import first_not_finite, quantized_bad_rows, rounding_factor
     rng = np.random.default_rng(2)
@@ -376,21 +376,26 @@ def test_quantized_staging_is_the_caches(dtype):
     counts = np.array([5, 0, 3], np.int64)
     want = to_storage(x, dtype, np)
     width = want.shape[-1]
-    got = compiled.stored_quantized(x, width, dtype == "q4_0", counts, compiled._NO_ROUNDING)
+    got = compiled.stored_quantized(x, width, dtype == "q4_0", counts, compiled._NO_ROUNDING, False)
     for b, n in enumerate(counts):
         np.testing.assert_array_equal(got[b, :, :n], want[b, :, :n])
     a = rng.standard_normal((2, 80, 80))                                # V's rounding factors, one per head
     factors = np.stack([rounding_factor(m @ m.T) for m in a])
     fed = to_storage(x, dtype, np, rounding=factors)
     assert (fed[0] != want[0]).any()                                    # another rounding, the same layout
-    got = compiled.stored_quantized(x, width, dtype == "q4_0", counts, factors)
+    got = compiled.stored_quantized(x, width, dtype == "q4_0", counts, factors, False)
     for b, n in enumerate(counts):
         np.testing.assert_array_equal(got[b, :, :n], fed[b, :, :n])
+    searched = to_storage(x, dtype, np, search=True)
+    assert (searched[0] != want[0]).any() == (dtype == "q4_0")          # q8_0 keeps gguf's scales
+    got = compiled.stored_quantized(x, width, dtype == "q4_0", counts, compiled._NO_ROUNDING, True)
+    for b, n in enumerate(counts):
+        np.testing.assert_array_equal(got[b, :, :n], searched[b, :, :n])
     kind = 3 if dtype == "q8_0" else 4
     assert first_not_finite(got, counts, kind, 0) == -1
     x[1, 0, 0, 3] = 1e30 if dtype == "q8_0" else np.inf                 # sequence 1: real only with counts 1
     x[2, 1, 1, 79] = np.nan
-    got = compiled.stored_quantized(x, width, dtype == "q4_0", np.array([5, 1, 3]), compiled._NO_ROUNDING)
+    got = compiled.stored_quantized(x, width, dtype == "q4_0", np.array([5, 1, 3]), compiled._NO_ROUNDING, False)
     assert first_not_finite(got, np.array([5, 0, 3]), kind, 0) == 2
     assert first_not_finite(got, np.array([5, 1, 3]), kind, 0) == 1
     assert quantized_bad_rows(got[1, 0, :1], dtype).all() and quantized_bad_rows(got[2, 1, 1:2], dtype).all()

@@ -614,6 +614,83 @@ def test_fed_rounding_leaves_non_finite_rows_marked():
     assert (fed[[0, 3]] != nearest[[0, 3]]).any()
 
 
+# -- q4_0 key block scales searched for the least error (storage.quantize_rows_searched) -------------------
+
+def _block_errors(q, x, dtype):
+    """Squared error of each block of 32 of the stored rows q against x [n, d], float64 [n, blocks]."""
+    d = x.shape[1]
+    e = np.zeros((x.shape[0], -(-d // 32) * 32))
+    e[:, :d] = (dequantize(q, dtype, d).astype(np.float64) - x) ** 2
+    return e.reshape(x.shape[0], -1, 32).sum(axis=2)
+
+
+@pytest.mark.parametrize("d", [64, 80, 256])
+def test_searched_q4_0_scales_never_lose_to_gguf_on_a_block(d):
+    """Each q4_0 block's searched scale is one of SCALE_STEPS times gguf's (in float16), its codes are the
+    nearest ones under that scale, and its squared error is at most gguf's; on rows whose blocks hold a
+    few large values (as keys do) a row's error falls by more than 3% on average. Zero rows keep gguf's
+    bytes, q8_0 ignores the search."""
+    from streamattn.storage import SCALE_STEPS
+    rng = np.random.default_rng(d)
+    x = rows(rng, 64, d)
+    x[4:] *= np.where(rng.random((60, d)) < 0.05, 6.0, 1.0).astype(np.float32)     # a few channels stand out
+    gguf, bad = quantize(x, "q4_0")
+    got, bad_s = quantize(x, "q4_0", search=True)
+    assert bad == bad_s == 0
+    eg, es = _block_errors(gguf, x, "q4_0"), _block_errors(got, x, "q4_0")
+    assert (es <= eg * (1 + 1e-6) + 1e-30).all()
+    assert np.mean(es[4:].sum(axis=1) / eg[4:].sum(axis=1)) < 0.97    # measured 0.94-0.95 a row
+    np.testing.assert_array_equal(got[0], gguf[0])                                 # the zero row
+    nb = got.shape[1] // 18
+    scale = lambda q: q.reshape(64, nb, 18)[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)  # noqa: E731
+    ss = scale(got)
+    blocks = np.concatenate([x, np.zeros((64, nb * 32 - d), np.float32)], axis=1).reshape(64, nb, 32)
+    signed_max = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[..., None], axis=2)[..., 0]
+    allowed = (signed_max / np.float32(-8))[..., None] * SCALE_STEPS               # float32, as the quantizer
+    assert (ss[..., None] == allowed.astype(np.float16)).any(axis=-1).all()
+    step = np.repeat(ss, 32, axis=1)[4:, :d]                           # rows 4.. have no zero block
+    codes = dequantize(got, "q4_0", d)[4:] / step + 8                  # exact: a float16 scale times -8..7
+    inv = (1.0 / step).astype(np.float32)                               # the quantizer's float32 arithmetic
+    np.testing.assert_array_equal(codes, np.clip(np.floor(x[4:] * inv + np.float32(8.5)), 0, 15))
+    np.testing.assert_array_equal(quantize(x, "q8_0", search=True)[0], quantize(x, "q8_0")[0])
+
+
+def test_searched_scales_leave_non_finite_rows_marked():
+    """A row holding NaN or inf keeps the quantizer's marker under the search, with the same bad count."""
+    rng = np.random.default_rng(6)
+    x = rows(rng, 4, 64)
+    x[1, 3], x[2, 40] = np.nan, np.inf
+    gguf, bad = quantize(x, "q4_0")
+    got, bad_s = quantize(x, "q4_0", search=True)
+    assert bad == bad_s == 2
+    np.testing.assert_array_equal(got[1, :18], gguf[1, :18])
+    np.testing.assert_array_equal(got[2, 18:], gguf[2, 18:])
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("rotate_k", [False, True])
+def test_model_searches_q4_0_key_scales(tiny, rotate_k):
+    """A model stores q4_0 keys with searched block scales (storage.quantize(..., search=True) of the keys
+    as the cache holds them: rotated for a rotate_k cache), and other key storages with gguf's rule."""
+    from streamattn.models.transformer import Transformer
+    tf, _ = tiny
+    c = tf.config
+    mk = lambda dt, dv: CacheSpec(batch=1, kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=dt, dtype_v=dv,  # noqa: E731
+                                  rotate_k=rotate_k)
+    assert Transformer.key_search(mk("q4_0", "q8_0")) and Transformer.key_search(mk("q4_0", None))
+    assert not Transformer.key_search(mk("q8_0", "q4_0")) and not Transformer.key_search(mk("float16", None))
+    spec = mk("q4_0", "q8_0")
+    seen = {}
+    caches = [KVCache(spec) for _ in range(c.n_layers)]
+    tf.forward(np.array([[3, 9, 17, 4, 30, 8, 2, 11]]), caches,          # a hook: the array layers
+               attn_hook=lambda i, q, k, v, o: seen.setdefault(i, np.array(k)))
+    from streamattn.rotation import rotate                           # (checked against scipy's elsewhere)
+    stored = {i: rotate(k, np) if rotate_k else k for i, k in seen.items()}
+    for i, cache in enumerate(caches):
+        np.testing.assert_array_equal(cache.k[:, :, :8], quantize(stored[i], "q4_0", search=True)[0])
+    assert any((cache.k[:, :, :8] != quantize(stored[i], "q4_0")[0]).any() for i, cache in enumerate(caches))
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_model_rounds_q4_0_values_for_its_output_projection(tiny):
     """A model's q4_0 V rows are stored as storage.quantize_fed rounds them with the layer's factors, which

@@ -14,7 +14,8 @@ float max reduction did not vectorise at all. Here the code generators emit LLVM
   than 8 FMA chains get a second set for odd keys (one row: 2.0 -> 1.2 ns per key).
 - ``row_max``: a vector max over a score row, four running vectors (llvm.maxnum; NaN operands are
   skipped, not propagated: a NaN score still makes its exp, and the output, NaN).
-- ``f16_to_f32``, ``bf16_to_f32``, ``pow2``: scalar bit conversions Numba lacks.
+- ``bf16_to_f32``, ``pow2``: scalar bit conversions Numba lacks (``f16_to_f32`` is streamattn.storage's,
+  whose quantizers read float16 scales too).
 
 kind: 0 float32 storage, 1 float16 bits, 2 bfloat16 bits (uint16), 3 q8_0 and 4 q4_0 blocks (uint8 rows,
 streamattn.storage); 16-bit rows are widened as loaded, quantized ones read in place: a chunk of 16
@@ -444,17 +445,6 @@ def row_max(typingctx, x, n, init):
             builder.store(builder.call(smax, [builder.load(best), v]), best)
         return builder.load(best)
     return types.float32(x, n, init), codegen
-
-
-@intrinsic
-def f16_to_f32(typingctx, bits):
-    """float16 bits (uint16) -> float32 with LLVM's fpext; vectorises to vcvtph2ps (exact, inf/NaN kept)."""
-    if bits != types.uint16:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), F32)
-    return types.float32(types.uint16), codegen
 
 
 @intrinsic

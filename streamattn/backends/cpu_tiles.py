@@ -14,7 +14,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .cpu_simd import I32, PV, QK, QK_KEYS, VF, W, const, bf16_to_f32, f16_to_f32
+from ..storage import f16_to_f32
+from .cpu_simd import I32, PV, QK, QK_KEYS, VF, W, const, bf16_to_f32
 
 # Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
 # masked scores are -inf on purpose.

@@ -50,7 +50,8 @@ from streamattn.quant.matmul import GELU, NORM, PLAIN, SILU
 from streamattn import rotation
 from streamattn.rotation import rotate_rows
 from streamattn.spec import QUANTIZED
-from streamattn.storage import EXPONENT_BITS, bits, first_not_finite, quantize_rows, quantize_rows_fed, write_rows
+from streamattn.storage import (EXPONENT_BITS, bits, first_not_finite, quantize_rows, quantize_rows_fed,
+                                quantize_rows_searched, write_rows)
 
 
 #: The model's numbers: heads, eps (the drivers take it as a float, the heads kernel as float32), RoPE
@@ -64,9 +65,10 @@ Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu softcap")
 #: K and V differ or are quantized, so the finite check runs per array (storage.first_not_finite), not in
 #: write_rows;
 #: ``rotate``: keys stored as ``k @ H`` and queries scored as ``q @ H`` (streamattn.rotation); ``vround``: the
-#: factors a q4_0 V is rounded with (float64 [Hk, D, D], ``Transformer.value_rounding``), else [0, 0, 0].
+#: factors a q4_0 V is rounded with (float64 [Hk, D, D], ``Transformer.value_rounding``), else [0, 0, 0];
+#: ``ksearch``: a q4_0 K's block scales searched (``Transformer.key_search``).
 Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len "
-                      "check expbits kind kind_v expbits_v mixed rotate vround")
+                      "check expbits kind kind_v expbits_v mixed rotate vround ksearch")
 #: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread,
 #: int64 [1] set to 1 by a layer whose chunk the cache refused (:func:`run_layer`), the real tokens of each
 #: sequence (counts: int64 [B], each in 0..T), and which rows of x [B*T] they are (real: int64 [n],
@@ -243,39 +245,42 @@ stored_16_parallel, heads_to_rows_parallel = (njit(parallel=True, cache=True)(f)
 
 
 @njit(cache=True)
-def stored_quantized(x, width, q4, counts, rounding):
+def stored_quantized(x, width, q4, counts, rounding, search):
     """float32 x [B, H, T, D] -> the q8_0 (or q4_0 when ``q4``) rows ``storage.to_storage`` stores, uint8
     [B, H, T, width]: :func:`streamattn.storage.quantize_rows` over each sequence's counts[b] real rows
-    (:func:`streamattn.storage.quantize_rows_fed` with rounding[h] when ``rounding`` has rows), the same
-    function on the same float32 values, so the same bytes (the padding rows are left unset: nothing
-    reads or writes them)."""
+    (:func:`streamattn.storage.quantize_rows_fed` with rounding[h] when ``rounding`` has rows,
+    :func:`streamattn.storage.quantize_rows_searched` when ``search``), the same function on the same
+    float32 values, so the same bytes (the padding rows are left unset: nothing reads or writes them)."""
     B, H, T, D = x.shape
     out = np.empty((B, H, T, width), np.uint8)
     for b in range(B):
         for h in range(H):
             if rounding.shape[0]:
                 quantize_rows_fed(x[b, h, :counts[b]], out[b, h, :counts[b]], q4, rounding[h])
+            elif search:
+                quantize_rows_searched(x[b, h, :counts[b]], out[b, h, :counts[b]], q4)
             else:
                 quantize_rows(x[b, h, :counts[b]], out[b, h, :counts[b]], q4)
     return out
 
 
 # K or V of a step as stored, by the storage's bits (x: float32 [B, Hk, T, D]; kind: cpu.KIND; width: the
-# storage row's elements; one: no parallel launch; rounding: Kv.vround or an empty one): float32 as it is,
+# storage row's elements; one: no parallel launch; rounding: Kv.vround or an empty one; search: Kv.ksearch
+# for K, False for V): float32 as it is,
 # 16-bit patterns, or quantized rows.
 @njit(cache=True)
-def _stage_32(x, kind, width, counts, one, rounding):
+def _stage_32(x, kind, width, counts, one, rounding, search):
     return x.view(np.uint32)
 
 
 @njit(cache=True)
-def _stage_16(x, kind, width, counts, one, rounding):
+def _stage_16(x, kind, width, counts, one, rounding, search):
     return stored_16(x, kind) if one else stored_16_parallel(x, kind)
 
 
 @njit(cache=True)
-def _stage_quantized(x, kind, width, counts, one, rounding):
-    return stored_quantized(x, width, kind == 4, counts, rounding)
+def _stage_quantized(x, kind, width, counts, one, rounding, search):
+    return stored_quantized(x, width, kind == 4, counts, rounding, search)
 
 
 _STAGE = {types.uint32: _stage_32, types.uint16: _stage_16, types.uint8: _stage_quantized}
@@ -311,8 +316,8 @@ def _attend(q, k, v, at):
         counts = step.counts
         if kv.rotate:                                 # streamattn.rotation: keys stored, queries scored as x @ H
             k, q = rotate_rows(np.ascontiguousarray(k)), rotate_rows(np.ascontiguousarray(q))
-        ks = stage_k(k, kv.kind, kv.kst.shape[3], counts, one, _NO_ROUNDING)
-        vs = stage_v(v, kv.kind_v, kv.vst.shape[3], counts, one, kv.vround)
+        ks = stage_k(k, kv.kind, kv.kst.shape[3], counts, one, _NO_ROUNDING, kv.ksearch)
+        vs = stage_v(v, kv.kind_v, kv.vst.shape[3], counts, one, kv.vround, False)
         refused = kv.check and kv.mixed and (first_not_finite(ks, counts, kv.kind, kv.expbits) >= 0
                                              or first_not_finite(vs, counts, kv.kind_v, kv.expbits_v) >= 0)
         if refused or write_rows(kv.kst, kv.vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks,
@@ -403,9 +408,9 @@ def _cache_sources(cache) -> tuple:
     return cache.k, cache.v, cache.lengths, cache.last_counts, cache.held_from
 
 
-def bind_cache(cache, vround=None) -> Kv:
+def bind_cache(cache, vround=None, ksearch=False) -> Kv:
     """The :class:`Kv` of a CPU cache (views of its arrays, its geometry); ``vround``: its layer's
-    ``Transformer.value_rounding`` (None: V rounded to nearest)."""
+    ``Transformer.value_rounding`` (None: V rounded to nearest); ``ksearch``: ``Transformer.key_search``."""
     spec = cache.spec
     kst, vst = bits(cache.k), bits(cache.v)
     ka = cache.k if spec.dtype == "float32" else kst
@@ -414,7 +419,7 @@ def bind_cache(cache, vround=None) -> Kv:
               spec.window or 0, spec.max_chunk, spec.max_len or 0, spec.check_finite,
               EXPONENT_BITS.get(spec.dtype, 0), cpu.KIND[spec.dtype], cpu.KIND[spec.v_dtype],
               EXPONENT_BITS.get(spec.v_dtype, 0), spec.dtype_v is not None or spec.dtype in QUANTIZED,
-              bool(spec.rotate_k), _NO_ROUNDING if vround is None else vround)
+              bool(spec.rotate_k), _NO_ROUNDING if vround is None else vround, bool(ksearch))
 
 
 class CompiledLayers:
@@ -436,16 +441,17 @@ class CompiledLayers:
         self.sources = [_sources(lw) for lw in tf.layers]
         self.weights = [bind_weights(lw, self.plan) for lw in tf.layers]
         self.caches = {}                            # id(cache) -> (weakref to it, its arrays bound, Kv)
-        self.value_rounding = tf.value_rounding
+        self.value_rounding, self.key_search = tf.value_rounding, tf.key_search
 
     def kv(self, cache, vround=None) -> Kv:
-        """The cache's :class:`Kv` (V rounded with ``vround``), bound now if it was not or any of its arrays
-        (or ``vround``) was replaced."""
+        """The cache's :class:`Kv` (V rounded with ``vround``, K as ``Transformer.key_search`` says for its
+        spec), bound now if it was not or any of its arrays (or ``vround``) was replaced."""
         b = self.caches.get(id(cache))   # an entry is this cache's: one of a cache that is gone has left
         src = _cache_sources(cache) + (vround,)
         if b is None or not all(map(operator.is_, b[1], src)):
             key, table = id(cache), self.caches
-            b = (weakref.ref(cache, lambda _, key=key: table.pop(key, None)), src, bind_cache(cache, vround))
+            b = (weakref.ref(cache, lambda _, key=key: table.pop(key, None)), src,
+                 bind_cache(cache, vround, self.key_search(cache.spec)))
             table[key] = b
         return b[2]
 

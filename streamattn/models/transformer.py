@@ -274,6 +274,14 @@ class Transformer:
             got = self._value_rounding[i] = (wo, u)
         return got[1]
 
+    @staticmethod
+    def key_search(spec: CacheSpec) -> bool:
+        """Whether K rows are stored in ``spec``'s storage with searched block scales: True for q4_0 keys
+        (:func:`streamattn.storage.quantize_rows_searched`: each block's scale the one of 16, 0.70-1.0 of
+        gguf's, that leaves the least squared error; docs/DESIGN.md §24), False (gguf's rule) otherwise.
+        A function of each row alone, so every chunking, fork, rewind and draft stores the same bytes."""
+        return spec.dtype == "q4_0"
+
     def _compiled_layers(self, backend, counts_ok, hook, positions, caches):
         """The compiled layers (:mod:`streamattn.models.compiled`) where this call may use them — CPU
         arrays, the CPU backend, counts [B] each in 0..T, no hook, no query rotated for sinks, no cache
