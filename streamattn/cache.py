@@ -246,7 +246,7 @@ class KVCache:
         ``v_rounding``: None (round to nearest), or float64 [kv_heads, D, D] factors with which a quantized V
         is rounded for the layer's output projection (:func:`streamattn.storage.quantize_rows_fed`; the model
         passes them, :meth:`streamattn.models.transformer.Transformer.value_rounding`). ``k_search``: a q4_0
-        K's block scales searched for the least error (:func:`streamattn.storage.quantize_rows_searched`;
+        K's block scales searched for the least error (:func:`streamattn.storage.quantize_rows`;
         the model asks for it, :meth:`~streamattn.models.transformer.Transformer.key_search`), else gguf's."""
         xp, spec = self.xp, self.spec
         if spec.rotate_k:                                # keys stored as k @ H (streamattn.rotation)

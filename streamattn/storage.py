@@ -131,42 +131,6 @@ def _block_scale(x, r, b, q4, blk):
     return (xm / np.float32(-8.0) if q4 else amax / np.float32(127.0)), finite
 
 
-@njit(cache=True)
-def quantize_rows(x, out, q4):
-    """Quantize float32 rows x [n, D] into out uint8 [n, row bytes] (q8_0, or q4_0 when ``q4``).
-    Returns the number of blocks whose scale is not finite (NaN or inf input, or an overflow)."""
-    n, D = x.shape
-    nb = out.shape[1] // (18 if q4 else 34)
-    blk = np.zeros(32, np.float32)
-    bad = 0
-    for r in range(n):
-        for b in range(nb):
-            o = b * (18 if q4 else 34)
-            d, finite = _block_scale(x, r, b, q4, blk)
-            if not finite:
-                out[r, o] = 0x00                 # scale 0x7E00: float16 quiet NaN
-                out[r, o + 1] = 0x7E
-                for i in range(2, 18 if q4 else 34):
-                    out[r, o + i] = 0x88 if q4 else 0
-                bad += 1
-                continue
-            inv = np.float32(0.0) if d == 0 else np.float32(1.0) / d
-            h = f32_to_f16(d)
-            out[r, o] = h & 0xFF
-            out[r, o + 1] = h >> 8
-            if h & 0x7C00 == 0x7C00:
-                bad += 1
-            if q4:
-                for j in range(16):
-                    lo = min(15, int(blk[j] * inv + np.float32(8.5)))
-                    hi = min(15, int(blk[j + 16] * inv + np.float32(8.5)))
-                    out[r, o + 2 + j] = lo | (hi << 4)
-            else:
-                for i in range(32):
-                    out[r, o + 2 + i] = np.uint8(np.int64(_roundf(blk[i] * inv)) & 0xFF)
-    return bad
-
-
 @intrinsic
 def f16_to_f32(typingctx, bits):
     """float16 bits (uint16, or the low 16 bits of another integer) -> float32 by LLVM's fpext: exact, inf
@@ -180,7 +144,7 @@ def f16_to_f32(typingctx, bits):
     return types.float32(bits), codegen
 
 
-#: The scales a q4_0 block is tried at by :func:`quantize_rows_searched`: fractions of gguf's (signed max
+#: The scales a q4_0 block is tried at by ``quantize_rows(..., search=True)``: fractions of gguf's (signed max
 #: / -8), 1.0 (gguf's own) among them, so the search never does worse than gguf's rule on a block.
 SCALE_STEPS = np.linspace(0.70, 1.0, 16).astype(np.float32)
 
@@ -207,46 +171,64 @@ def _q4_error(blk, d, sq):
 
 
 @njit(cache=True)
-def quantize_rows_searched(x, out, q4):
-    """:func:`quantize_rows`, then, for q4_0 (``q4``), each block's scale chosen again among
-    :data:`SCALE_STEPS` times gguf's as the one (in float16, as stored) whose codes, rounded to nearest,
-    leave the least squared error over the block's 32 values. gguf's scale puts the block's largest value
-    exactly on a code and gives the other 31 the steps left over; a smaller scale can clip that value
-    and still lose less in all. Same q4_0 layout, read by the same kernels; q8_0 rows, blocks of NaN or inf
-    (the marker) and all-zero blocks keep :func:`quantize_rows`'s bytes. Returns its ``bad`` count.
-    The errors are float32 sums in a fixed order (a pairwise tree), so every caller that compiles this
-    gets the same choice."""
-    bad = quantize_rows(x, out, q4)
-    if not q4:
-        return bad
-    n = x.shape[0]
-    nb = out.shape[1] // 18
-    blk = np.empty(32, np.float32)
+def _searched_scale(blk, d0, sq):
+    """The float16 bits of the scale among :data:`SCALE_STEPS` times ``d0`` (gguf's, float32) with the least
+    :func:`_q4_error` on the block blk [32]; -1 when every candidate rounds to zero. The errors are float32
+    sums in a fixed order, so every caller that compiles this makes the same choice."""
+    best, best_h = np.float32(np.inf), -1
+    for s in SCALE_STEPS:
+        h = np.int64(f32_to_f16(d0 * s))
+        d = f16_to_f32(h)
+        if d == 0 or h & 0x7C00 == 0x7C00:
+            continue
+        err = _q4_error(blk, d, sq)
+        if err < best:
+            best, best_h = err, h
+    return best_h
+
+
+@njit(cache=True)
+def quantize_rows(x, out, q4, search=False):
+    """Quantize float32 rows x [n, D] into out uint8 [n, row bytes] (q8_0, or q4_0 when ``q4``).
+    Returns the number of blocks whose scale is not finite (NaN or inf input, or an overflow).
+    ``search`` (q4_0 only): each block's scale chosen among :data:`SCALE_STEPS` times gguf's as the one
+    (in float16, as stored) whose codes, rounded to nearest, leave the least squared error over the
+    block's 32 values (:func:`_searched_scale`), instead of gguf's signed max / -8. gguf's scale puts the
+    block's largest value exactly on a code and gives the other 31 the steps left over; a smaller scale
+    can clip that value and still lose less in all. Same layout, read by the same kernels; blocks of NaN
+    or inf (the marker), overflows and zero scales are gguf's either way."""
+    n, D = x.shape
+    nb = out.shape[1] // (18 if q4 else 34)
+    blk = np.zeros(32, np.float32)
     sq = np.empty(32, np.float32)
+    bad = 0
     for r in range(n):
         for b in range(nb):
-            o = b * 18
-            if (np.int64(out[r, o]) | (np.int64(out[r, o + 1]) << 8)) & 0x7C00 == 0x7C00:
-                continue                                          # NaN marker or overflow: as it is
-            d0 = _block_scale(x, r, b, q4, blk)[0]
-            if d0 == 0:
+            o = b * (18 if q4 else 34)
+            d, finite = _block_scale(x, r, b, q4, blk)
+            if not finite:
+                out[r, o] = 0x00                 # scale 0x7E00: float16 quiet NaN
+                out[r, o + 1] = 0x7E
+                for i in range(2, 18 if q4 else 34):
+                    out[r, o + i] = 0x88 if q4 else 0
+                bad += 1
                 continue
-            best, best_h = np.float32(np.inf), -1
-            for s in SCALE_STEPS:
-                h = np.int64(f32_to_f16(d0 * s))
-                d = f16_to_f32(h)
-                if d == 0 or h & 0x7C00 == 0x7C00:
-                    continue
-                err = _q4_error(blk, d, sq)
-                if err < best:
-                    best, best_h = err, h
-            if best_h < 0:
-                continue
-            inv = np.float32(1.0 / f16_to_f32(best_h))
-            out[r, o] = best_h & 0xFF
-            out[r, o + 1] = best_h >> 8
-            for j in range(16):
-                out[r, o + 2 + j] = np.uint8(_q4_code(blk[j], inv)) | (np.uint8(_q4_code(blk[j + 16], inv)) << 4)
+            inv = np.float32(0.0) if d == 0 else np.float32(1.0) / d
+            h = np.int64(f32_to_f16(d))
+            if h & 0x7C00 == 0x7C00:
+                bad += 1
+            elif q4 and search and d != 0:
+                hs = _searched_scale(blk, d, sq)
+                if hs >= 0:
+                    h, inv = hs, np.float32(1.0 / f16_to_f32(hs))
+            out[r, o] = h & 0xFF
+            out[r, o + 1] = h >> 8
+            if q4:
+                for j in range(16):
+                    out[r, o + 2 + j] = np.uint8(_q4_code(blk[j], inv)) | (np.uint8(_q4_code(blk[j + 16], inv)) << 4)
+            else:
+                for i in range(32):
+                    out[r, o + 2 + i] = np.uint8(np.int64(_roundf(blk[i] * inv)) & 0xFF)
     return bad
 
 
@@ -326,7 +308,7 @@ def quantize(x, dtype: str, search: bool = False):
 
     Returns (blocks, bad): bad counts the blocks whose float16 scale is NaN or inf (NaN or inf input, or
     a scale past 65504). Byte-compatible with gguf.quants.quantize of the rows zero-padded to a multiple of 32;
-    ``search``: q4_0 block scales searched for the least error (:func:`quantize_rows_searched`) instead.
+    ``search``: q4_0 block scales searched for the least error (:func:`quantize_rows`) instead.
 
     >>> q, bad = quantize(np.linspace(-1, 1, 64, dtype=np.float32), "q8_0")
     >>> q.shape, bad
@@ -336,7 +318,7 @@ def quantize(x, dtype: str, search: bool = False):
     D = x.shape[-1]
     flat = np.ascontiguousarray(x.reshape(-1, D), np.float32)
     out = np.empty((flat.shape[0], row_width(dtype, D)), np.uint8)
-    bad = (quantize_rows_searched if search else quantize_rows)(flat, out, dtype == "q4_0")
+    bad = quantize_rows(flat, out, dtype == "q4_0", search)
     return out.reshape(x.shape[:-1] + (out.shape[1],)), int(bad)
 
 
@@ -372,7 +354,7 @@ def to_storage(x, dtype: str, xp, rounding=None, search: bool = False):
     """Cast a float array [..., head_dim] to the spec's storage (bf16: round-to-nearest-even raw bits;
     q8_0 / q4_0: uint8 rows of blocks, :func:`quantize`; on a device through the host). ``rounding``:
     None, or float64 [kv_heads, D, D] factors for a quantized x [B, kv_heads, T, D] (:func:`quantize_fed`);
-    ``search``: q4_0 block scales searched (:func:`quantize_rows_searched`; not with ``rounding``)."""
+    ``search``: q4_0 block scales searched (:func:`quantize_rows`; not with ``rounding``)."""
     if dtype in QUANTIZED:
         if rounding is not None:
             from .arrays import to_host

@@ -50,8 +50,7 @@ from streamattn.quant.matmul import GELU, NORM, PLAIN, SILU
 from streamattn import rotation
 from streamattn.rotation import rotate_rows
 from streamattn.spec import QUANTIZED
-from streamattn.storage import (EXPONENT_BITS, bits, first_not_finite, quantize_rows, quantize_rows_fed,
-                                quantize_rows_searched, write_rows)
+from streamattn.storage import EXPONENT_BITS, bits, first_not_finite, quantize_rows, quantize_rows_fed, write_rows
 
 
 #: The model's numbers: heads, eps (the drivers take it as a float, the heads kernel as float32), RoPE
@@ -248,8 +247,8 @@ stored_16_parallel, heads_to_rows_parallel = (njit(parallel=True, cache=True)(f)
 def stored_quantized(x, width, q4, counts, rounding, search):
     """float32 x [B, H, T, D] -> the q8_0 (or q4_0 when ``q4``) rows ``storage.to_storage`` stores, uint8
     [B, H, T, width]: :func:`streamattn.storage.quantize_rows` over each sequence's counts[b] real rows
-    (:func:`streamattn.storage.quantize_rows_fed` with rounding[h] when ``rounding`` has rows,
-    :func:`streamattn.storage.quantize_rows_searched` when ``search``), the same function on the same
+    (:func:`streamattn.storage.quantize_rows_fed` with rounding[h] when ``rounding`` has rows; the q4_0
+    scales searched when ``search``), the same function on the same
     float32 values, so the same bytes (the padding rows are left unset: nothing reads or writes them)."""
     B, H, T, D = x.shape
     out = np.empty((B, H, T, width), np.uint8)
@@ -257,10 +256,8 @@ def stored_quantized(x, width, q4, counts, rounding, search):
         for h in range(H):
             if rounding.shape[0]:
                 quantize_rows_fed(x[b, h, :counts[b]], out[b, h, :counts[b]], q4, rounding[h])
-            elif search:
-                quantize_rows_searched(x[b, h, :counts[b]], out[b, h, :counts[b]], q4)
             else:
-                quantize_rows(x[b, h, :counts[b]], out[b, h, :counts[b]], q4)
+                quantize_rows(x[b, h, :counts[b]], out[b, h, :counts[b]], q4, search)
     return out
 
 

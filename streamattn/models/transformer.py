@@ -277,7 +277,7 @@ class Transformer:
     @staticmethod
     def key_search(spec: CacheSpec) -> bool:
         """Whether K rows are stored in ``spec``'s storage with searched block scales: True for q4_0 keys
-        (:func:`streamattn.storage.quantize_rows_searched`: each block's scale the one of 16, 0.70-1.0 of
+        (``streamattn.storage.quantize_rows(..., search=True)``: each block's scale the one of 16, 0.70-1.0 of
         gguf's, that leaves the least squared error; docs/DESIGN.md §24), False (gguf's rule) otherwise.
         A function of each row alone, so every chunking, fork, rewind and draft stores the same bytes."""
         return spec.dtype == "q4_0"
