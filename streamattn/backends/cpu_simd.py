@@ -23,9 +23,10 @@ values is one 16-byte load (q8_0) or half of one block's nibbles (q4_0), widened
 registers and multiplied by the block's float16 scale (exact: an int8 times a float16 fits a float32).
 Every vector kernel needs head_dim % 16 == 0; the backend keeps a plain-Numba path for other sizes.
 
-Four-row kernels, and single-row kernels over 16-bit storage, prefetch every line they load
-PREFETCH_BYTES ahead (hint T0): from memory the hardware prefetcher alone left the GQA group waiting on
-misses. Measured variants, kept and dropped, with dates: docs/PERF.md.
+Four-row kernels, and kernels of any row count over 16-bit or quantized storage, prefetch every line
+they load PREFETCH_BYTES ahead (hint T0): from memory the hardware prefetcher alone left the GQA group
+waiting on misses (q8_0 / q4_0 rows of 68 / 36 bytes most: 1.1x -> 1.3x and 0.55x -> 1.08x float16's
+decode at 32k on one thread). Measured variants, kept and dropped, with dates: docs/PERF.md.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def load16(builder, ary, row, col, kind: int):
 
 def _prefetches(R: int, kind: int) -> bool:
     """Whether the kernel of R query rows over ``kind`` storage issues software prefetches."""
-    return R >= PREFETCH_MIN_ROWS or kind in (1, 2)
+    return R >= PREFETCH_MIN_ROWS or kind != 0
 
 
 def prefetch_line(builder, ary, row, col):
