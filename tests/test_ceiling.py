@@ -33,3 +33,18 @@ def test_probe_is_the_best_of_every_reader_and_thread_count():
     assert best == max(c.last.values()) > 0
     assert c.buf.size % ROW == 0 and c.rows.base is c.buf                  # the views share one buffer
     assert _parallel_sum(c.buf, 4, 1) == _vector_read(c.rows, 4, True) == c.buf.size
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_bracket_evicts_before_each_timed_call_when_cold(cold, monkeypatch):
+    """A cold bracket reads the probe buffer before every call (and only then), each call gets its own
+    index, and the ceiling filed is the better of the probes around the calls."""
+    c = Ceiling(4 << 20)
+    events = []
+    evict = c.evict
+    monkeypatch.setattr(c, "evict", lambda: (events.append("evict"), evict()))
+    monkeypatch.setattr(c, "probe", lambda repeats=3: (events.append("probe"), [5.0, 7.0][events.count("probe") - 1])[1])
+    med, ceiling = c.bracket(lambda i: events.append(i), 3, start=10, cold=cold)
+    calls = ["evict", 10, "evict", 11, "evict", 12] if cold else [10, 11, 12]
+    assert events == ["probe", *calls, "probe"]
+    assert ceiling == 7.0 and med >= 0

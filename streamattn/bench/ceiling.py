@@ -154,8 +154,15 @@ class Ceiling:
             numba.set_num_threads(before)
         return max(self.last.values())
 
-    def bracket(self, fn, calls: int, start: int = 0) -> tuple[float, float]:
-        """Time ``fn(i)`` for ``i = start .. start + calls - 1`` between two one-pass probes.
+    def evict(self) -> None:
+        """Read the whole buffer once (one vector pass at the current thread count), so that what the
+        next timed call reads comes from memory rather than from a last-level cache that kept it since an
+        earlier call (a buffer of twice the LLC evicts it; the default 1 GiB is that on every host seen)."""
+        self._read("vec", 4 * get_num_threads(), self.buf, self.rows)
+
+    def bracket(self, fn, calls: int, start: int = 0, cold: bool = False) -> tuple[float, float]:
+        """Time ``fn(i)`` for ``i = start .. start + calls - 1`` between two one-pass probes; ``cold``:
+        :meth:`evict` before each call (untimed).
 
         Returns
         -------
@@ -166,6 +173,8 @@ class Ceiling:
         before = self.probe(1)
         times = []
         for i in range(start, start + calls):
+            if cold:
+                self.evict()
             t = time.perf_counter()
             fn(i)
             times.append(time.perf_counter() - t)
