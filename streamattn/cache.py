@@ -50,7 +50,7 @@ from .arrays import check_sequence_index, to_host
 from .rotation import rotate
 from .spec import QUANTIZED, CacheSpec
 from .storage import (EXPONENT_BITS, bits, check_stored_finite, non_finite_error, ring_slots, slot_positions,
-                      storage_zeros, to_storage, widen, write_rows)
+                      recode_for_queries, storage_zeros, to_storage, widen, write_rows)
 
 
 _INITIAL_CAUSAL_SLOTS = 256
@@ -155,25 +155,25 @@ class KVCache:
         """
         self._write(k, v, self._validate_append(k, v, counts))
 
-    def append_trusted(self, k, v, counts=None, v_rounding=None, k_search=False) -> None:
+    def append_trusted(self, k, v, counts=None, v_rounding=None, k_search=False, k_queries=None) -> None:
         """:meth:`append` for a chunk its caller built with this cache's shape and device (the model).
 
         k, v: float [batch, kv_heads, T, head_dim] on this cache's device; counts: None or int [batch].
         Skips the checks of the arguments' types and shapes, which cannot fail for such a caller, and
         keeps those of their values, which can: counts in 0..T, max_chunk, max_len, and the stored
         values finite (``check_finite``). A refused chunk leaves the cache unchanged, as in append.
-        ``v_rounding``, ``k_search``: how a quantized V and K are rounded (:meth:`stage`).
+        ``v_rounding``, ``k_search``, ``k_queries``: how a quantized V and K are rounded (:meth:`stage`).
         """
         T = k.shape[2]
         counts = np.full(self.spec.batch, T, np.int64) if counts is None else self._check_counts(counts, T)
         self.check_room(counts)
-        self._write(k, v, counts, v_rounding, k_search)
+        self._write(k, v, counts, v_rounding, k_search, k_queries)
 
-    def _write(self, k, v, counts, v_rounding=None, k_search=False) -> None:
+    def _write(self, k, v, counts, v_rounding=None, k_search=False, k_queries=None) -> None:
         """Store a validated chunk: cast, check finite as stored (before writing), grow, write, count (on
         the CPU the check, write and count are one compiled call, :func:`streamattn.storage.write_rows`)."""
         xp, spec = self.xp, self.spec
-        ks, vs = self.stage(k, v, counts, v_rounding, k_search)
+        ks, vs = self.stage(k, v, counts, v_rounding, k_search, k_queries)
         if self.sink_k is not None:
             return self._write_split(k, v, ks, vs, counts)
         if xp is np:                              # one compiled call: check as stored, write, count
@@ -239,7 +239,7 @@ class KVCache:
         self.lengths += counts
         self.last_counts[:] = counts
 
-    def stage(self, k, v, counts, v_rounding=None, k_search=False):
+    def stage(self, k, v, counts, v_rounding=None, k_search=False, k_queries=None):
         """A validated chunk cast to the storage (ks, vs), with room made for it: a causal cache grows,
         after refusing a chunk that is not finite as stored (so a refused chunk changes nothing). A
         ``rotate_k`` spec rotates the keys first (:func:`streamattn.rotation.rotate`), before they are cast.
@@ -247,7 +247,11 @@ class KVCache:
         is rounded for the layer's output projection (:func:`streamattn.storage.quantize_rows_fed`; the model
         passes them, :meth:`streamattn.models.transformer.Transformer.value_rounding`). ``k_search``: a q4_0
         K's block scales searched for the least error (:func:`streamattn.storage.quantize_rows`;
-        the model asks for it, :meth:`~streamattn.models.transformer.Transformer.key_search`), else gguf's."""
+        the model asks for it, :meth:`~streamattn.models.transformer.Transformer.key_search`), else gguf's.
+        ``k_queries``: None, or float32 [batch, heads, T, head_dim] queries of the chunk's own tokens in the frame
+        the keys are stored in (rotated with them): a q4_0 K on the CPU then has its codes rounded for them,
+        each row for its own token's query group (:func:`streamattn.storage.recode_for_queries`; the model
+        asks for it, :meth:`~streamattn.models.transformer.Transformer.key_queries`)."""
         xp, spec = self.xp, self.spec
         if spec.rotate_k:                                # keys stored as k @ H (streamattn.rotation)
             k = rotate(k, xp)                            # [batch, kv_heads, T, head_dim] float32
@@ -257,6 +261,8 @@ class KVCache:
             with np.errstate(over="ignore"):      # an overflow to inf is caught just below, by name
                 ks = to_storage(k, spec.dtype, xp, search=k_search)  # [batch, kv_heads, T, k_width]
                 vs = to_storage(v, spec.v_dtype, xp, v_rounding)  # [batch, kv_heads, T, v_width]
+            if k_queries is not None and spec.dtype == "q4_0":
+                ks = _recode_keys(k, ks, k_queries, xp)
         if spec.window is None:
             need = int(self.lengths[0] + counts[0]) if spec.batch == 1 else int((self.lengths + counts).max())
             if need > self.slots:
@@ -569,3 +575,19 @@ def _check_sinks(cache: KVCache, sink_k, sink_v, where: str, batch: tuple) -> in
             raise ValueError(f"{where}{name} must be {s.sink_dtype} {list(shape)} for a cache with {s.sink_dtype} "
                              f"sinks (got {None if x is None else (x.dtype, tuple(x.shape))})")
     return s.sinks
+
+
+def _recode_keys(k, ks, q, xp):
+    """q4_0 rows ks [B, kv_heads, T, row bytes] of keys k [B, kv_heads, T, D] re-rounded for the queries q
+    [B, heads, T, D] of the same tokens, each kv head for its group of query heads
+    (:func:`streamattn.storage.recode_for_queries`; on the host, as the quantizer runs): returns ks."""
+    from .arrays import to_host
+    k, q = (np.ascontiguousarray(to_host(a, copy=False), np.float32) for a in (k, q))
+    out = np.ascontiguousarray(to_host(ks, copy=False))
+    B, Hk, T, D = k.shape
+    G = q.shape[1] // Hk
+    for b in range(B):
+        for h in range(Hk):
+            group = np.ascontiguousarray(q[b, h * G:(h + 1) * G].transpose(1, 0, 2))   # [T, G, D]
+            recode_for_queries(k[b, h], group, out[b, h])
+    return out if xp is np else xp.asarray(out)

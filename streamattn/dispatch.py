@@ -114,12 +114,13 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
 
 
 def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts=None, q_sink=None,
-                  softcap: float | None = None, v_rounding=None, k_search=False):
+                  softcap: float | None = None, v_rounding=None, k_search=False, k_for_queries=False):
     """``cache.append(k, v, counts)`` then ``attend(q, cache, ...)`` for the model, which built q, k, v
     itself: float [batch, heads, T, head_dim] arrays of the cache's shape and device, scale a finite
     float, counts None or int [batch], q_sink None or like q, softcap None or a finite float > 0 (see
     :func:`attend` for the arguments); ``v_rounding``, ``k_search``: how a q4_0 V and K are rounded
-    (``KVCache.stage``).
+    (``KVCache.stage``); ``k_for_queries``: a q4_0 K's codes rounded for q, each key for its own token's
+    queries (``KVCache.stage``'s ``k_queries``).
 
     Skips the checks that cannot fail for such a caller (types, shapes, dtypes, scale, counts against
     the lengths just appended) and keeps those that can: what ``KVCache.append_trusted`` keeps (counts
@@ -129,10 +130,11 @@ def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts
     """
     spec = cache.spec
     q, q_sink = _frame(q, q_sink if spec.sinks else None, cache)
+    kq = q if k_for_queries else None                  # in the keys' frame, as the cache stores them
     if (counts is None and spec.window is None and spec.sinks == 0 and cache.device == "cpu"
             and backend in ("cpu", "auto") and q.dtype == np.float32 and q.flags.c_contiguous):
-        return _append_attend_cpu(q, k, v, cache, scale, softcap, v_rounding, k_search)
-    cache.append_trusted(k, v, counts, v_rounding, k_search)
+        return _append_attend_cpu(q, k, v, cache, scale, softcap, v_rounding, k_search, kq)
+    cache.append_trusted(k, v, counts, v_rounding, k_search, kq)
     counts = cache.last_counts if counts is None else counts
     _check_answerable(cache, counts)
     return _run(backends.get(backend, cache.device), q, cache, scale, counts, q_sink if spec.sinks else None,
@@ -147,7 +149,7 @@ def _frame(q, q_sink, cache: KVCache):
     return rotate(q, cache.xp), None if q_sink is None else rotate(q_sink, cache.xp)
 
 
-def _append_attend_cpu(q, k, v, cache: KVCache, scale: float, softcap, v_rounding, k_search):
+def _append_attend_cpu(q, k, v, cache: KVCache, scale: float, softcap, v_rounding, k_search, k_queries=None):
     """:func:`append_attend` for a causal CPU cache without sinks, every row real: the cache's own
     staging (cast, refuse before growing, grow), then one compiled call for the write and the attention
     (:func:`streamattn.backends.cpu.write_attend`: the same kernels, the same bits)."""
@@ -155,7 +157,7 @@ def _append_attend_cpu(q, k, v, cache: KVCache, scale: float, softcap, v_roundin
     counts = np.full(spec.batch, k.shape[2], np.int64)
     if spec.max_len is not None:
         cache.check_room(counts)
-    ks, vs = cache.stage(k, v, counts, v_rounding, k_search)
+    ks, vs = cache.stage(k, v, counts, v_rounding, k_search, k_queries)
     kst, vst = bits(cache.k), bits(cache.v)
     ka = cache.k if spec.dtype == "float32" else kst
     va = cache.v if spec.v_dtype == "float32" else vst

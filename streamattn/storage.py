@@ -350,6 +350,109 @@ def quantized_bad_rows(a, dtype: str, xp=np):
     return ((scale & 0x7C00) == 0x7C00).any(axis=-1)
 
 
+#: Damping of the queries' second moment when q4_0 keys are rounded for them (:func:`recode_for_queries`): the
+#: diagonal gets this times its mean. SmolLM2, issue 28's run over 8,192 tokens (docs/PERF.md, 2026-12-04
+#: 19:50): 1 / 3 / 10 gave +3.19% / +2.96% / +3.52% perplexity against float16 (to nearest: +6.18%).
+QUERY_DAMPING = 3.0
+
+
+@njit(cache=True)
+def _spd_inverse(M, out):
+    """out = M^-1 for a small symmetric positive definite M (Gauss-Jordan without pivoting, float64): a G x G
+    system per key row, where a LAPACK call cost more than the row's own arithmetic."""
+    n = M.shape[0]
+    A = M.copy()
+    out[:, :] = 0.0
+    for i in range(n):
+        out[i, i] = 1.0
+    for i in range(n):
+        p = 1.0 / A[i, i]
+        for j in range(n):
+            A[i, j] *= p
+            out[i, j] *= p
+        for k in range(n):
+            if k != i:
+                f = A[k, i]
+                for j in range(n):
+                    A[k, j] -= f * A[i, j]
+                    out[k, j] -= f * out[i, j]
+
+
+@njit(cache=True)
+def recode_for_queries(x, qs, out, damping=QUERY_DAMPING):
+    """Re-round q4_0 rows ``out`` [n, row bytes] of float32 rows ``x`` [n, D] for the queries that come with
+    them, ``qs`` [n, G, D] (row r's own token's G query heads, in the frame the keys are stored in): each
+    block keeps its stored scale, and the codes, one element after the other, are rounded to nearest with
+    the error of those before pushed onto those not yet rounded so that the queries' scores move least —
+    GPTQ's order and update (Frantar et al., 2022) for the objective e^T H e, H = sum_g q_g q_g^T plus
+    ``damping`` times its mean diagonal. With G << D, H^-1 over the elements not yet rounded is applied
+    through the G x G matrix M = lambda I + Q_R Q_R^T (Woodbury), downdated by Sherman-Morrison as each
+    element is rounded: O(D^2 G) a row instead of O(D^3). A function of the row and its own queries
+    alone (no state): every chunking, batch, fork, rewind and draft stores the same bytes. Rows with a
+    non-finite or zero scale, or queries of zero norm or not finite, keep their codes."""
+    n, D = x.shape
+    G = qs.shape[1]
+    nb = D // 32
+    M = np.empty((G, G))
+    Minv = np.empty((G, G))
+    u = np.empty(G)
+    w = np.empty(D)
+    Q = np.empty((G, D))
+    d = np.empty(nb)
+    for r in range(n):
+        ok = True
+        for b in range(nb):
+            d[b] = f16_to_f32(np.uint16(np.int64(out[r, 18 * b]) | (np.int64(out[r, 18 * b + 1]) << 8)))
+            if not np.isfinite(d[b]):
+                ok = False
+        tr = 0.0
+        for g in range(G):
+            for i in range(D):
+                Q[g, i] = qs[r, g, i]
+                tr += Q[g, i] * Q[g, i]
+        lam = damping * tr / D
+        if not ok or not (lam > 0.0) or not np.isfinite(lam):
+            continue
+        for a in range(G):                         # M = lam I + Q Q^T over every element, inverted once
+            for c in range(G):
+                acc = lam if a == c else 0.0
+                for i in range(D):
+                    acc += Q[a, i] * Q[c, i]
+                M[a, c] = acc
+        _spd_inverse(M, Minv)
+        for i in range(D):
+            w[i] = x[r, i]
+        for i in range(D):
+            db = d[i // 32]
+            if db == 0.0:
+                code = 8
+            else:
+                code = min(15, max(0, np.int64(np.round(w[i] / db)) + 8))
+            b, j = i // 32, i % 32
+            o = 18 * b + 2 + j % 16
+            if j < 16:
+                out[r, o] = (out[r, o] & 0xF0) | code
+            else:
+                out[r, o] = (out[r, o] & 0x0F) | (code << 4)
+            e = w[i] - (code - 8) * db
+            s = 1.0                                # 1 - q_i^T M^-1 q_i, q_i = Q[:, i]
+            for a in range(G):
+                acc = 0.0
+                for c in range(G):
+                    acc += Minv[a, c] * Q[c, i]
+                u[a] = acc
+                s -= Q[a, i] * acc
+            rest = w[i + 1:]                       # w[j] += e (q_j . u) / s over the elements left
+            for a in range(G):
+                fu = e * u[a] / s
+                qa = Q[a, i + 1:]
+                for t in range(rest.shape[0]):     # (indices from 0: the loop vectorises)
+                    rest[t] += fu * qa[t]
+            for a in range(G):                     # element i leaves: M -= q_i q_i^T (Sherman-Morrison)
+                for c in range(G):
+                    Minv[a, c] += u[a] * u[c] / s
+
+
 def to_storage(x, dtype: str, xp, rounding=None, search: bool = False):
     """Cast a float array [..., head_dim] to the spec's storage (bf16: round-to-nearest-even raw bits;
     q8_0 / q4_0: uint8 rows of blocks, :func:`quantize`; on a device through the host). ``rounding``:

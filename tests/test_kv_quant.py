@@ -669,26 +669,97 @@ def test_searched_scales_leave_non_finite_rows_marked():
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("rotate_k", [False, True])
-def test_model_searches_q4_0_key_scales(tiny, rotate_k):
+def test_model_rounds_q4_0_keys_for_their_queries(tiny, rotate_k):
     """A model stores q4_0 keys with searched block scales (storage.quantize(..., search=True) of the keys
-    as the cache holds them: rotated for a rotate_k cache), and other key storages with gguf's rule."""
+    as the cache holds them: rotated for a rotate_k cache) and codes rounded for each token's own query group
+    (storage.recode_for_queries, queries in the same frame); other key storages with gguf's rule."""
     from streamattn.models.transformer import Transformer
+    from streamattn.storage import recode_for_queries
     tf, _ = tiny
     c = tf.config
     mk = lambda dt, dv: CacheSpec(batch=1, kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=dt, dtype_v=dv,  # noqa: E731
                                   rotate_k=rotate_k)
-    assert Transformer.key_search(mk("q4_0", "q8_0")) and Transformer.key_search(mk("q4_0", None))
-    assert not Transformer.key_search(mk("q8_0", "q4_0")) and not Transformer.key_search(mk("float16", None))
+    for check in (Transformer.key_search, Transformer.key_queries):
+        assert check(mk("q4_0", "q8_0")) and check(mk("q4_0", None))
+        assert not check(mk("q8_0", "q4_0")) and not check(mk("float16", None))
     spec = mk("q4_0", "q8_0")
     seen = {}
     caches = [KVCache(spec) for _ in range(c.n_layers)]
     tf.forward(np.array([[3, 9, 17, 4, 30, 8, 2, 11]]), caches,          # a hook: the array layers
-               attn_hook=lambda i, q, k, v, o: seen.setdefault(i, np.array(k)))
+               attn_hook=lambda i, q, k, v, o: seen.setdefault(i, (np.array(q), np.array(k))))
     from streamattn.rotation import rotate                           # (checked against scipy's elsewhere)
-    stored = {i: rotate(k, np) if rotate_k else k for i, k in seen.items()}
+    G = c.n_heads // c.n_kv_heads
     for i, cache in enumerate(caches):
-        np.testing.assert_array_equal(cache.k[:, :, :8], quantize(stored[i], "q4_0", search=True)[0])
-    assert any((cache.k[:, :, :8] != quantize(stored[i], "q4_0")[0]).any() for i, cache in enumerate(caches))
+        q, k = (rotate(a, np) if rotate_k else a for a in seen[i])
+        searched = quantize(k, "q4_0", search=True)[0]                # [1, Hk, 8, row bytes]
+        want = searched.copy()
+        for h in range(c.n_kv_heads):
+            recode_for_queries(np.ascontiguousarray(k[0, h]), np.ascontiguousarray(
+                q[0, h * G:(h + 1) * G].transpose(1, 0, 2)), want[0, h])
+        np.testing.assert_array_equal(cache.k[:, :, :8], want)
+        assert (want[..., 0::18] == searched[..., 0::18]).all()        # the scales stay the searched ones
+    assert any((cache.k[:, :, :8] != quantize(rotate(seen[i][1], np) if rotate_k else seen[i][1], "q4_0",
+                                              search=True)[0]).any() for i, cache in enumerate(caches))
+
+
+def _gptq_reference(x, qg, d, damping):
+    """float64 GPTQ codes (0..15) of one row x [D] for the queries qg [G, D], block scales d [D // 32]: the
+    Cholesky form (Frantar et al.): H = qg^T qg + damping * mean diag, U = chol(H^-1) upper, then per
+    element nearest code and w[j>i] -= (w_i - code) / U_ii * U_ij."""
+    D = x.shape[0]
+    H = qg.astype(np.float64).T @ qg.astype(np.float64)
+    H += np.eye(D) * damping * np.trace(H) / D
+    U = np.linalg.cholesky(np.linalg.inv(H)).T
+    w = x.astype(np.float64).copy()
+    codes = np.empty(D, np.int64)
+    for i in range(D):
+        s = d[i // 32]
+        codes[i] = 8 if s == 0 else min(15, max(0, int(np.round(w[i] / s)) + 8))
+        e = (w[i] - (codes[i] - 8) * s) / U[i, i]
+        w[i + 1:] -= e * U[i, i + 1:]
+    return codes
+
+
+@pytest.mark.parametrize("D,G", [(64, 3), (128, 1), (256, 4)])
+def test_keys_recoded_for_queries_match_gptq_and_lower_the_score_error(D, G):
+    """storage.recode_for_queries (the Woodbury form, O(D^2 G) a row) gives the codes of the textbook GPTQ
+    in float64 (Cholesky of H^-1) under the same block scales, keeps the scales, and lowers the queries'
+    mean squared score error below rounding to nearest on average (measured ~0.3x on random rows)."""
+    from streamattn.storage import QUERY_DAMPING, recode_for_queries
+    rng = np.random.default_rng(D + G)
+    n = 24
+    x = rows(rng, n, D)
+    qs = (rng.standard_normal((n, G, D)) * np.where(rng.random(D) < 0.1, 5.0, 1.0)).astype(np.float32)
+    nearest = quantize(x, "q4_0", search=True)[0]
+    got = nearest.copy()
+    recode_for_queries(x, qs, got)
+    nb = D // 32
+    assert (got.reshape(n, nb, 18)[..., :2] == nearest.reshape(n, nb, 18)[..., :2]).all()
+    blocks = got.reshape(n, nb, 18)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    codes = np.concatenate([blocks[..., 2:] & 15, blocks[..., 2:] >> 4], axis=2).reshape(n, D).astype(np.int64)
+    for r in range(n):
+        np.testing.assert_array_equal(codes[r], _gptq_reference(x[r], qs[r], scales[r], QUERY_DAMPING))
+    err = lambda q: ((np.einsum("ngd,nd->ng", qs.astype(np.float64),  # noqa: E731
+                                dequantize(q, "q4_0", D).astype(np.float64) - x)) ** 2).mean()
+    assert err(got) < 0.7 * err(nearest)
+
+
+def test_keys_recoded_for_queries_leave_what_they_cannot_weigh():
+    """Rows with a non-finite block (the quantizer's marker), rows whose queries are all zero or not finite
+    keep their bytes; the others change."""
+    from streamattn.storage import recode_for_queries
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    x[1, 3] = np.nan
+    qs = rng.standard_normal((5, 3, 64)).astype(np.float32)
+    qs[2] = 0.0
+    qs[3, 1, 7] = np.inf
+    nearest = quantize(x, "q4_0", search=True)[0]
+    got = nearest.copy()
+    recode_for_queries(x, qs, got)
+    np.testing.assert_array_equal(got[1:4], nearest[1:4])
+    assert (got[0] != nearest[0]).any() and (got[4] != nearest[4]).any()
 
 
 @pytest.mark.usefixtures("one_thread")

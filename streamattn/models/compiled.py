@@ -50,7 +50,8 @@ from streamattn.quant.matmul import GELU, NORM, PLAIN, SILU
 from streamattn import rotation
 from streamattn.rotation import rotate_rows
 from streamattn.spec import QUANTIZED
-from streamattn.storage import EXPONENT_BITS, bits, first_not_finite, quantize_rows, quantize_rows_fed, write_rows
+from streamattn.storage import (EXPONENT_BITS, bits, first_not_finite, quantize_rows, quantize_rows_fed,
+                                recode_for_queries, write_rows)
 
 
 #: The model's numbers: heads, eps (the drivers take it as a float, the heads kernel as float32), RoPE
@@ -65,7 +66,8 @@ Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu softcap")
 #: write_rows;
 #: ``rotate``: keys stored as ``k @ H`` and queries scored as ``q @ H`` (streamattn.rotation); ``vround``: the
 #: factors a q4_0 V is rounded with (float64 [Hk, D, D], ``Transformer.value_rounding``), else [0, 0, 0];
-#: ``ksearch``: a q4_0 K's block scales searched (``Transformer.key_search``).
+#: ``ksearch``: a q4_0 K's block scales searched (``Transformer.key_search``) and its codes rounded for the step's
+#: queries (``Transformer.key_queries``).
 Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len "
                       "check expbits kind kind_v expbits_v mixed rotate vround ksearch")
 #: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread,
@@ -244,11 +246,12 @@ stored_16_parallel, heads_to_rows_parallel = (njit(parallel=True, cache=True)(f)
 
 
 @njit(cache=True)
-def stored_quantized(x, width, q4, counts, rounding, search):
+def stored_quantized(x, width, q4, counts, rounding, search, queries=None):
     """float32 x [B, H, T, D] -> the q8_0 (or q4_0 when ``q4``) rows ``storage.to_storage`` stores, uint8
     [B, H, T, width]: :func:`streamattn.storage.quantize_rows` over each sequence's counts[b] real rows
     (:func:`streamattn.storage.quantize_rows_fed` with rounding[h] when ``rounding`` has rows; the q4_0
-    scales searched when ``search``), the same function on the same
+    scales searched when ``search``, and with ``queries`` [B, Hq, T, D] the codes then rounded for each row's
+    own query group, :func:`streamattn.storage.recode_for_queries`), the same function on the same
     float32 values, so the same bytes (the padding rows are left unset: nothing reads or writes them)."""
     B, H, T, D = x.shape
     out = np.empty((B, H, T, width), np.uint8)
@@ -258,26 +261,30 @@ def stored_quantized(x, width, q4, counts, rounding, search):
                 quantize_rows_fed(x[b, h, :counts[b]], out[b, h, :counts[b]], q4, rounding[h])
             else:
                 quantize_rows(x[b, h, :counts[b]], out[b, h, :counts[b]], q4, search)
+                if queries is not None and search and q4:
+                    G = queries.shape[1] // H
+                    group = np.ascontiguousarray(queries[b, h * G:(h + 1) * G, :counts[b]].transpose(1, 0, 2))
+                    recode_for_queries(np.ascontiguousarray(x[b, h, :counts[b]]), group, out[b, h, :counts[b]])
     return out
 
 
 # K or V of a step as stored, by the storage's bits (x: float32 [B, Hk, T, D]; kind: cpu.KIND; width: the
 # storage row's elements; one: no parallel launch; rounding: Kv.vround or an empty one; search: Kv.ksearch
-# for K, False for V): float32 as it is,
+# for K, False for V; queries: the step's queries in the keys' frame, for K's q4_0 codes): float32 as it is,
 # 16-bit patterns, or quantized rows.
 @njit(cache=True)
-def _stage_32(x, kind, width, counts, one, rounding, search):
+def _stage_32(x, kind, width, counts, one, rounding, search, queries):
     return x.view(np.uint32)
 
 
 @njit(cache=True)
-def _stage_16(x, kind, width, counts, one, rounding, search):
+def _stage_16(x, kind, width, counts, one, rounding, search, queries):
     return stored_16(x, kind) if one else stored_16_parallel(x, kind)
 
 
 @njit(cache=True)
-def _stage_quantized(x, kind, width, counts, one, rounding, search):
-    return stored_quantized(x, width, kind == 4, counts, rounding, search)
+def _stage_quantized(x, kind, width, counts, one, rounding, search, queries):
+    return stored_quantized(x, width, kind == 4, counts, rounding, search, queries)
 
 
 _STAGE = {types.uint32: _stage_32, types.uint16: _stage_16, types.uint8: _stage_quantized}
@@ -313,8 +320,8 @@ def _attend(q, k, v, at):
         counts = step.counts
         if kv.rotate:                                 # streamattn.rotation: keys stored, queries scored as x @ H
             k, q = rotate_rows(np.ascontiguousarray(k)), rotate_rows(np.ascontiguousarray(q))
-        ks = stage_k(k, kv.kind, kv.kst.shape[3], counts, one, _NO_ROUNDING, kv.ksearch)
-        vs = stage_v(v, kv.kind_v, kv.vst.shape[3], counts, one, kv.vround, False)
+        ks = stage_k(k, kv.kind, kv.kst.shape[3], counts, one, _NO_ROUNDING, kv.ksearch, q)
+        vs = stage_v(v, kv.kind_v, kv.vst.shape[3], counts, one, kv.vround, False, q)
         refused = kv.check and kv.mixed and (first_not_finite(ks, counts, kv.kind, kv.expbits) >= 0
                                              or first_not_finite(vs, counts, kv.kind_v, kv.expbits_v) >= 0)
         if refused or write_rows(kv.kst, kv.vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks,

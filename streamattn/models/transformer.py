@@ -282,6 +282,17 @@ class Transformer:
         A function of each row alone, so every chunking, fork, rewind and draft stores the same bytes."""
         return spec.dtype == "q4_0"
 
+    @staticmethod
+    def key_queries(spec: CacheSpec) -> bool:
+        """Whether K rows written to a cache of ``spec`` get their codes rounded for their own token's
+        queries: True for q4_0 keys (``KVCache.stage``'s ``k_queries``, the compiled layer's ``Kv.ksearch``,
+        :func:`streamattn.storage.recode_for_queries`), after the block scales :meth:`key_search` chose.
+        Attention pays a key's error e as q·e over the queries that read it; the token's own query group
+        is the nearest sample of those, and rounding for it took issue 28's q4_0 run from +6.2% to +3.0%
+        perplexity (docs/PERF.md). A function of the token's own k and q alone: every chunking, fork,
+        rewind and draft stores the same bytes."""
+        return spec.dtype == "q4_0"
+
     def _compiled_layers(self, backend, counts_ok, hook, positions, caches):
         """The compiled layers (:mod:`streamattn.models.compiled`) where this call may use them — CPU
         arrays, the CPU backend, counts [B] each in 0..T, no hook, no query rotated for sinks, no cache
