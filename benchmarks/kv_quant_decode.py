@@ -11,8 +11,8 @@ the higher one. Each call starts cold: the probe's 1 GiB buffer is read before i
 (``Ceiling.evict``), as a model's other layers evict a layer's K/V between steps. Rotating caches alone
 did not do that on a host whose LLC (480 MiB here) holds all of a kind's copies: float16's 3 copies at
 32k were read from the LLC after the first visits while q4_0's 10 were read from memory, and the ratios
-measured the LLC (``--warm`` keeps that mode). Reported per point: medians over rounds of tok/s, GB/s of K/V read, % of the ceiling,
-and the tok/s ratio to the float16 timing of the same round. Every point is checked against the float64
+measured the LLC (``--warm`` keeps that mode). Reported per point: medians over rounds of tok/s, GB/s of
+K/V read, % of the ceiling, and the tok/s ratio to the float16 timing of the same round. Every point is checked against the float64
 oracle over its stored values first (float32 tolerance).
 """
 

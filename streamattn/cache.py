@@ -249,9 +249,9 @@ class KVCache:
         K's block scales searched for the least error (:func:`streamattn.storage.quantize_rows`;
         the model asks for it, :meth:`~streamattn.models.transformer.Transformer.key_search`), else gguf's.
         ``k_queries``: None, or float32 [batch, heads, T, head_dim] queries of the chunk's own tokens in the frame
-        the keys are stored in (rotated with them): a q4_0 K on the CPU then has its codes rounded for them,
-        each row for its own token's query group (:func:`streamattn.storage.recode_for_queries`; the model
-        asks for it, :meth:`~streamattn.models.transformer.Transformer.key_queries`)."""
+        the keys are stored in (rotated with them): a q4_0 K then has its codes rounded for them, each row
+        for its own token's query group (:func:`streamattn.storage.recode_for_queries`; the model passes
+        them with ``k_search``, :meth:`~streamattn.models.transformer.Transformer.key_search`)."""
         xp, spec = self.xp, self.spec
         if spec.rotate_k:                                # keys stored as k @ H (streamattn.rotation)
             k = rotate(k, xp)                            # [batch, kv_heads, T, head_dim] float32
@@ -588,6 +588,5 @@ def _recode_keys(k, ks, q, xp):
     G = q.shape[1] // Hk
     for b in range(B):
         for h in range(Hk):
-            group = np.ascontiguousarray(q[b, h * G:(h + 1) * G].transpose(1, 0, 2))   # [T, G, D]
-            recode_for_queries(k[b, h], group, out[b, h])
+            recode_for_queries(k[b, h], q[b, h * G:(h + 1) * G], out[b, h])
     return out if xp is np else xp.asarray(out)

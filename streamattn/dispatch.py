@@ -114,13 +114,13 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
 
 
 def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts=None, q_sink=None,
-                  softcap: float | None = None, v_rounding=None, k_search=False, k_for_queries=False):
+                  softcap: float | None = None, v_rounding=None, k_search=False):
     """``cache.append(k, v, counts)`` then ``attend(q, cache, ...)`` for the model, which built q, k, v
     itself: float [batch, heads, T, head_dim] arrays of the cache's shape and device, scale a finite
     float, counts None or int [batch], q_sink None or like q, softcap None or a finite float > 0 (see
     :func:`attend` for the arguments); ``v_rounding``, ``k_search``: how a q4_0 V and K are rounded
-    (``KVCache.stage``); ``k_for_queries``: a q4_0 K's codes rounded for q, each key for its own token's
-    queries (``KVCache.stage``'s ``k_queries``).
+    (``KVCache.stage``; ``k_search`` also hands it q as ``k_queries``, each key's codes rounded for its own
+    token's queries).
 
     Skips the checks that cannot fail for such a caller (types, shapes, dtypes, scale, counts against
     the lengths just appended) and keeps those that can: what ``KVCache.append_trusted`` keeps (counts
@@ -130,7 +130,7 @@ def append_attend(q, k, v, cache: KVCache, *, backend: str, scale: float, counts
     """
     spec = cache.spec
     q, q_sink = _frame(q, q_sink if spec.sinks else None, cache)
-    kq = q if k_for_queries else None                  # in the keys' frame, as the cache stores them
+    kq = q if k_search else None                       # in the keys' frame, as the cache stores them
     if (counts is None and spec.window is None and spec.sinks == 0 and cache.device == "cpu"
             and backend in ("cpu", "auto") and q.dtype == np.float32 and q.flags.c_contiguous):
         return _append_attend_cpu(q, k, v, cache, scale, softcap, v_rounding, k_search, kq)

@@ -381,7 +381,7 @@ def _spd_inverse(M, out):
 @njit(cache=True)
 def recode_for_queries(x, qs, out, damping=QUERY_DAMPING):
     """Re-round q4_0 rows ``out`` [n, row bytes] of float32 rows ``x`` [n, D] for the queries that come with
-    them, ``qs`` [n, G, D] (row r's own token's G query heads, in the frame the keys are stored in): each
+    them, ``qs`` [G, n, D] (row r's own token's G query heads, in the frame the keys are stored in): each
     block keeps its stored scale, and the codes, one element after the other, are rounded to nearest with
     the error of those before pushed onto those not yet rounded so that the queries' scores move least —
     GPTQ's order and update (Frantar et al., 2022) for the objective e^T H e, H = sum_g q_g q_g^T plus
@@ -391,7 +391,7 @@ def recode_for_queries(x, qs, out, damping=QUERY_DAMPING):
     alone (no state): every chunking, batch, fork, rewind and draft stores the same bytes. Rows with a
     non-finite or zero scale, or queries of zero norm or not finite, keep their codes."""
     n, D = x.shape
-    G = qs.shape[1]
+    G = qs.shape[0]
     nb = D // 32
     M = np.empty((G, G))
     Minv = np.empty((G, G))
@@ -408,7 +408,7 @@ def recode_for_queries(x, qs, out, damping=QUERY_DAMPING):
         tr = 0.0
         for g in range(G):
             for i in range(D):
-                Q[g, i] = qs[r, g, i]
+                Q[g, i] = qs[g, r, i]
                 tr += Q[g, i] * Q[g, i]
         lam = damping * tr / D
         if not ok or not (lam > 0.0) or not np.isfinite(lam):

@@ -162,8 +162,7 @@ class ArrayOps:
         o, _ = append_attend(q, k, v, self.cache, backend=self.backend, scale=float(self.c.attn_scale),
                               counts=self.counts, q_sink=self.q_sink, softcap=self.c.attn_softcap,
                               v_rounding=self.tf.value_rounding(self.i, self.cache.spec),
-                              k_search=self.tf.key_search(self.cache.spec),
-                              k_for_queries=self.tf.key_queries(self.cache.spec))           # write, then attend
+                              k_search=self.tf.key_search(self.cache.spec))                  # write, then attend
         if self.hook is not None:
             self.hook(self.i, q, k, v, o)
         B, H, T, hd = o.shape

@@ -66,8 +66,8 @@ Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu softcap")
 #: write_rows;
 #: ``rotate``: keys stored as ``k @ H`` and queries scored as ``q @ H`` (streamattn.rotation); ``vround``: the
 #: factors a q4_0 V is rounded with (float64 [Hk, D, D], ``Transformer.value_rounding``), else [0, 0, 0];
-#: ``ksearch``: a q4_0 K's block scales searched (``Transformer.key_search``) and its codes rounded for the step's
-#: queries (``Transformer.key_queries``).
+#: ``ksearch``: a q4_0 K's block scales searched and its codes rounded for the step's queries
+#: (``Transformer.key_search``).
 Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len "
                       "check expbits kind kind_v expbits_v mixed rotate vround ksearch")
 #: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread,
@@ -263,8 +263,8 @@ def stored_quantized(x, width, q4, counts, rounding, search, queries=None):
                 quantize_rows(x[b, h, :counts[b]], out[b, h, :counts[b]], q4, search)
                 if queries is not None and search and q4:
                     G = queries.shape[1] // H
-                    group = np.ascontiguousarray(queries[b, h * G:(h + 1) * G, :counts[b]].transpose(1, 0, 2))
-                    recode_for_queries(np.ascontiguousarray(x[b, h, :counts[b]]), group, out[b, h, :counts[b]])
+                    recode_for_queries(x[b, h, :counts[b]], queries[b, h * G:(h + 1) * G, :counts[b]],
+                                       out[b, h, :counts[b]])
     return out
 
 

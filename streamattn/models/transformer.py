@@ -276,21 +276,14 @@ class Transformer:
 
     @staticmethod
     def key_search(spec: CacheSpec) -> bool:
-        """Whether K rows are stored in ``spec``'s storage with searched block scales: True for q4_0 keys
-        (``streamattn.storage.quantize_rows(..., search=True)``: each block's scale the one of 16, 0.70-1.0 of
-        gguf's, that leaves the least squared error; docs/DESIGN.md §24), False (gguf's rule) otherwise.
-        A function of each row alone, so every chunking, fork, rewind and draft stores the same bytes."""
-        return spec.dtype == "q4_0"
-
-    @staticmethod
-    def key_queries(spec: CacheSpec) -> bool:
-        """Whether K rows written to a cache of ``spec`` get their codes rounded for their own token's
-        queries: True for q4_0 keys (``KVCache.stage``'s ``k_queries``, the compiled layer's ``Kv.ksearch``,
-        :func:`streamattn.storage.recode_for_queries`), after the block scales :meth:`key_search` chose.
-        Attention pays a key's error e as q·e over the queries that read it; the token's own query group
-        is the nearest sample of those, and rounding for it took issue 28's q4_0 run from +6.2% to +3.0%
-        perplexity (docs/PERF.md). A function of the token's own k and q alone: every chunking, fork,
-        rewind and draft stores the same bytes."""
+        """Whether K rows are stored in ``spec``'s storage with searched block scales and codes rounded for
+        their own token's queries: True for q4_0 keys (``streamattn.storage.quantize_rows(..., search=True)``:
+        each block's scale the one of 16, 0.70-1.0 of gguf's, that leaves the least squared error; then
+        :func:`streamattn.storage.recode_for_queries`: attention pays a key's error e as q·e over the queries
+        that read it, and the token's own query group is the nearest sample of those, which took issue 28's
+        q4_0 run from +6.2% to +3.0% perplexity; docs/DESIGN.md §24), False (gguf's rule) otherwise. A
+        function of each token's own k and q alone, so every chunking, fork, rewind and draft stores the
+        same bytes."""
         return spec.dtype == "q4_0"
 
     def _compiled_layers(self, backend, counts_ok, hook, positions, caches):
