@@ -1,13 +1,14 @@
 """How fast does a real model prefill on packed weights, by kernel group rows R and threads? (issue 13, item 4)
 
     PYTHONPATH=. python benchmarks/prefill_rows.py [--repeats 3] [--rows 1,4] [--threads 1,2] [--chunk 64]
-        [--model smollm2-135m] [--no-f32]
+        [--model smollm2-135m] [--no-f32] [--amx off|on|both]
 
 One process, the model loaded once per weight kind. Each variant prefills the ~700-token prompt of
 benchmarks/data/prompt_rome.txt (the llama.cpp peer's prompt) from fresh caches, in chunks of ``--chunk``
 tokens, through ``Generator.prefill`` (what ``streamattn generate`` times): quant weights with
-a model of ``KernelPlan(rows=R)`` (activation rows per weight-block unpacking; R = 1 is the one-row kernel) and the
-float32 reference (OpenBLAS), at each thread count. Variants alternate within each repeat, in an order
+a model of ``KernelPlan(rows=R)`` (activation rows per weight-block unpacking; R = 1 is the one-row kernel; with
+``--amx both``, the default where AMX is usable, each R also with ``amx=True``: rows in 16s on the tile unit)
+and the float32 reference (OpenBLAS), at each thread count. Variants alternate within each repeat, in an order
 that flips every repeat; a warm-up prefill of each runs first (JIT). Before timing, the last-token logits
 of every R are checked bit-identical. Prints median prefill tok/s per variant, the share of time in the
 packed matmul kernels (``qmatmul``, activation quantization excluded), ratios, and the process's CPU
@@ -64,13 +65,17 @@ def main():
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--no-f32", action="store_true", help="skip the float32 reference")
+    ap.add_argument("--amx", choices=("off", "on", "both"), default="off" if not qm.amx_kernels.AVAILABLE else "both",
+                    help="prompt rows on AMX tiles (KernelPlan amx); default: both where AMX is usable")
     args = ap.parse_args()
     path = resolve_model(args.model, quiet=True)
     quant = load_gguf(str(path), weights="quant")
     tok = Tokenizer.from_metadata(quant.metadata)
     ids = tok.encode(PROMPT.read_text())
-    gens = {f"quant R={r}": (Generator(Transformer(quant, plan=qm.KernelPlan(rows=r)), tok, prefill_chunk=args.chunk), r)
-            for r in (int(v) for v in args.rows.split(","))}
+    amx = {"both": (False, True), "on": (True,), "off": (False,)}[args.amx]
+    gens = {f"quant R={r}{' amx' if a else ''}": (Generator(Transformer(quant, plan=qm.KernelPlan(rows=r, amx=a)), tok,
+                                                            prefill_chunk=args.chunk), r)
+            for r in (int(v) for v in args.rows.split(",")) for a in amx}
     if not args.no_f32:
         gens["f32"] = (Generator(Transformer(load_gguf(str(path), weights="f32")), tok, prefill_chunk=args.chunk),
                        None)

@@ -402,12 +402,12 @@ def test_quantized_staging_is_the_caches(dtype):
 
 
 def test_tags_name_every_driver_spec():
-    specs = list(itertools.product(compiled._KINDS, (32, 16), (16, 8), (1, 2, 4, 8), (False, True)))
+    specs = list(itertools.product(compiled._KINDS, (32, 16), (16, 8), (1, 2, 4, 8), (False, True), (False, True)))
     types_ = {numba.typeof(compiled._tag(*s)) for s in specs}
     assert len(types_) == len(specs)
     for s in specs:
-        kind, group, lanes, R, vnni = s
-        assert compiled._untag(numba.typeof(compiled._tag(*s))) == (kind, group, R, lanes, vnni)
+        kind, group, lanes, R, vnni, amx = s
+        assert compiled._untag(numba.typeof(compiled._tag(*s))) == (kind, group, R, lanes, vnni, amx)
 
 
 @need_smollm2

@@ -13,6 +13,8 @@ from gguf.quants import dequantize, quantize
 from _model_util import RANDOM_BLOCKS, random_blocks
 from streamattn.quant.matmul import (GROUP_ROWS, HAVE_KERNELS, glu_quantize_rows, norm_quantize_rows, qmatmul,
                                        quantize_activations)
+from streamattn.quant import amx
+from streamattn.quant import matmul as qm
 from streamattn.quant.kernels import LANES, LANES_VNNI
 from streamattn.quant.weights import (INT_KINDS, SUPPORTED_TYPES, QWeight, UnsupportedWeightType, compact, concat_rows,
                                      floats, interleave, move_planes, pack, row_slice, widen_q5_0)
@@ -173,6 +175,37 @@ def test_vnni_route_gives_the_same_bits(type_name):
                                       qmatmul(x, w, parallel=False, group_rows=r, vnni=False), err_msg=f"R={r}")
 
 
+@pytest.mark.skipif(not amx.AVAILABLE, reason="this CPU or OS has no usable AMX-INT8: only the vector kernels run")
+@pytest.mark.parametrize("type_name", [t for t in SUPPORTED_TYPES if t not in ("F32", "F16", "BF16")])
+def test_amx_route_gives_the_same_bits(type_name):
+    """Tile multiplies give the vector kernels' integer block sums, then the same epilogue: the same bits
+    for every integer kind (Q8 at -128, 16-column scales, int8 sub-scales, IQ4 levels, fifth bits), for
+    16 rows and more with remainders of every size, serial and over threads."""
+    data, _ = gguf_bytes(type_name, 37, 768, seed=7)
+    w = pack("t", type_name, _with_minus_128(type_name, data), (37, 768))
+    x = np.random.default_rng(8).standard_normal((53, 768)).astype(np.float32) * 5
+    x[3, :32] = [127.0] * 16 + [-127.0] * 16                  # a block at full scale: |x| reaches 127
+    x[20, 64:96] = -127.0
+    want = qmatmul(x, w, parallel=False, amx=False)
+    for m in (16, 17, 31, 32, 41, 53):
+        np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, amx=True), want[:m], err_msg=f"M={m}")
+    for r in GROUP_ROWS:
+        np.testing.assert_array_equal(qmatmul(x, w, parallel=False, group_rows=r, amx=True), want, err_msg=f"R={r}")
+    np.testing.assert_array_equal(qmatmul(x, w, parallel=True, amx=True), want)
+    assert qm.KernelPlan().amx == amx.DEFAULT            # models take them by default
+
+
+def test_amx_plan_errors():
+    with pytest.raises(ValueError, match="amx must be True or False"):
+        qm.KernelPlan(amx="yes")
+    if not amx.AVAILABLE:
+        with pytest.raises(ValueError, match="amx=True needs AMX-INT8"):
+            qm.KernelPlan(amx=True)
+    with pytest.raises(ValueError, match="amx=True needs"):
+        qm.KernelPlan(vnni=False, amx=True)
+    assert not qm.KernelPlan(vnni=False).amx and not qm.KernelPlan(lanes=8).amx
+
+
 #: Bytes of a block of each nibble type before its quantized bits (scales, mins; Q5's fifth bits are set too).
 _HEAD_BYTES = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q5_0": (22, 2), "Q5_1": (24, 4), "Q4_K": (144, 16), "Q5_K": (176, 16)}
 
@@ -225,7 +258,6 @@ def test_rows_bounds_lanes_and_rebinding():
     """rows() refuses ids past either end and counts negative ones from the end; interleave takes only the
     kernels' widths; the model's one-call matmul gives the same bits under another kernel plan (what
     benchmarks/prefill_rows.py builds) and looks its drivers up again when a plane is replaced."""
-    from streamattn.quant import matmul as qm
     data, w64 = gguf_bytes("Q8_0", 21, 64, seed=9)
     w = pack("t", "Q8_0", data, (21, 64))
     np.testing.assert_array_equal(w.rows(np.array([-1, 0])), w64[[20, 0]].astype(np.float32))

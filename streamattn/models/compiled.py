@@ -45,7 +45,7 @@ from streamattn.kernel_cache import drop_when_changed
 from streamattn.models import heads_kernel, layer
 from streamattn.models.heads_kernel import heads_rope_alloc, heads_rope_rows_parallel, rms_row
 from streamattn.models.layer import LayerWeights
-from streamattn.quant import activations, kernels, matmul as qmatmul
+from streamattn.quant import activations, amx, kernels, matmul as qmatmul
 from streamattn.quant.matmul import GELU, NORM, PLAIN, SILU
 from streamattn import rotation
 from streamattn.rotation import rotate_rows
@@ -83,21 +83,22 @@ _EMPTY2 = np.zeros((1, 1), np.float32)
 _NO_ROUNDING = np.zeros((0, 0, 0), np.float64)
 
 
-def _tag(kind: str, group: int, lanes: int, R: int, vnni: bool) -> tuple:
-    """A tuple of ``code + 1`` Nones, code numbering (kind, group, lanes, R, vnni): its Numba type
+def _tag(kind: str, group: int, lanes: int, R: int, vnni: bool, amx: bool) -> tuple:
+    """A tuple of ``code + 1`` Nones, code numbering (kind, group, lanes, R, vnni, amx): its Numba type
     (``UniTuple(none, code + 1)``) is what the matmul ops read the drivers from, at compile time, and
     it is the same in every process (a compiled layer's cache key)."""
     code = (((_KINDS.index(kind) * 2 + _GROUPS.index(group)) * 2 + _LANES.index(lanes)) * 4
             + _ROWS.index(R)) * 2 + int(vnni)
-    return (None,) * (code + 1)
+    return (None,) * (code * 2 + int(amx) + 1)
 
 
 def _untag(tag_type) -> tuple:
     code = tag_type.count - 1
+    amx, code = bool(code % 2), code // 2
     vnni, code = bool(code % 2), code // 2
     R, code = _ROWS[code % 4], code // 4
     lanes, code = _LANES[code % 2], code // 2
-    return _KINDS[code // 2], _GROUPS[code % 2], R, lanes, vnni
+    return _KINDS[code // 2], _GROUPS[code % 2], R, lanes, vnni, amx
 
 
 def _matmul(w_type):
@@ -362,8 +363,8 @@ def run_layer(x, w, at):
 def _drop_stale() -> None:
     """Numba keys compiled_layer's cache file on layer.py alone; drop it once when what it compiles in
     changes (this module's ops, the kernels they call: :func:`streamattn.kernel_cache.drop_when_changed`)."""
-    files = [m.__file__ for m in (layer, qmatmul, kernels, activations, heads_kernel, cpu, cpu_simd, cpu_tiles,
-                                  storage, rotation)] + [__file__]
+    files = [m.__file__ for m in (layer, qmatmul, kernels, amx, activations, heads_kernel, cpu, cpu_simd,
+                                  cpu_tiles, storage, rotation)] + [__file__]
 
     def delete(directory):                       # the layer, and this module's functions that link it in
         for f in [*directory.glob("layer.decoder_layer-*.nb[ic]"), *directory.glob("compiled.*.nb[ic]")]:
@@ -390,7 +391,7 @@ def _matrix(w, plan: qmatmul.KernelPlan):
             and w.lanes <= plan.lanes and w.group in _GROUPS):
         return None
     return (w.qs, w.scale, _EMPTY2 if w.minv is None else w.minv, w.shape[0],
-            _tag(w.kind, w.group, w.lanes, plan.rows, plan.vnni))
+            _tag(w.kind, w.group, w.lanes, plan.rows, plan.vnni, plan.amx and w.lanes == 16))
 
 
 def bind_weights(lw: LayerWeights, plan: qmatmul.KernelPlan | None = None):

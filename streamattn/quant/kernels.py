@@ -238,14 +238,7 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
                     for p in planes:
                         _prefetch(builder, addr(builder, p, g0, ahead, I8))
                 signs = None
-                if nibbles:
-                    ws = q4_steps(builder, qa, g0, wcol, G)
-                    if kind == "nl":
-                        ws = nl_values(builder, ws, G)
-                    elif kind == "q5":
-                        ws = q5_steps(builder, ws, _load(builder, qa, g0, builder.add(wcol, _i64(16 * G)), VB))
-                else:
-                    ws = [_load(builder, qa, g0, builder.add(wcol, _i64(4 * G * s)), VB) for s in range(steps)]
+                ws = block_steps(builder, kind, group, qa, g0, wcol, G)
                 if biased and not vnni:                # back to signed w; |w| <= 128 for vpmaddubsw
                     signs = [builder.xor(v, ir.Constant(VB, [-128] * (4 * G))) for v in ws]
                     ws = [builder.call(llvm_fn(builder, f"llvm.abs.v{4 * G}i8", VB, [VB, I1]),
@@ -282,6 +275,21 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
             return context.get_dummy_value()
         return types.void(qs, scale, minv, g, xq, xd, xs, xc, m, out), codegen
     return _stable(qdot, f"qdot:{kind}:{group}:{R}:{G}:{int(vnni)}:{prefetch}:{run16}:psign")
+
+
+def block_steps(builder, kind: str, group: int, qa, g, wcol, G):
+    """The step vectors (<4G x i8>, lane n: four consecutive weights of row n, as the unsigned bytes
+    ``vpdpbusd`` takes) of the block at byte ``wcol`` of group row g of a packed weight of ``kind``:
+    unpacked nibbles (:func:`q4_steps`, looked up for "nl", fifth bits for "q5") or the stored bytes."""
+    VB = ir.VectorType(I8, 4 * G)
+    if kind in ("q4", "nl", "q5", "q4s"):
+        ws = q4_steps(builder, qa, g, wcol, G)
+        if kind == "nl":
+            return nl_values(builder, ws, G)
+        if kind == "q5":
+            return q5_steps(builder, ws, _load(builder, qa, g, builder.add(wcol, _i64(16 * G)), VB))
+        return ws
+    return [_load(builder, qa, g, builder.add(wcol, _i64(4 * G * s)), VB) for s in range(group // 4)]
 
 
 def q4_steps(builder, qa, g, wcol, G):

@@ -34,6 +34,7 @@ from numba import njit, prange
 from streamattn.backends import cpu_simd
 from streamattn.kernel_cache import drop_when_changed
 from streamattn.quant import activations, kernels
+from streamattn.quant import amx as amx_kernels
 from streamattn.quant.activations import (glu_quantize_rows, glu_quantize_rows_parallel, norm_quantize_rows,  # noqa: F401
                                       norm_quantize_rows_parallel, quantize_rows)
 from streamattn.quant.kernels import LANES, LANES_VNNI, host_cpu_has, make_fdot_rows, make_qdot
@@ -69,11 +70,16 @@ class KernelPlan:
     vnni : bool
         Integer dot products by ``vpdpbusd`` (default: where the CPU has it at the kernels' width,
         :data:`~streamattn.quant.kernels.LANES_VNNI`) or by ``vpmaddubsw`` + ``vpmaddwd``.
+    amx : bool, optional
+        Activation rows in whole 16s (prompt chunks) by AMX tile multiplies; needs ``vnni`` and 16 lanes.
+        Default (None): where this CPU and OS allow it (:data:`streamattn.quant.amx.AVAILABLE`) and the
+        environment does not say ``STREAMATTN_AMX=0``, with ``vnni`` and 16 lanes. The result is the same.
     """
 
     rows: int = ROWS
     lanes: int = LANES
     vnni: bool = LANES_VNNI
+    amx: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.rows, bool) or self.rows not in GROUP_ROWS:
@@ -86,18 +92,35 @@ class KernelPlan:
         if self.vnni and not LANES_VNNI:
             raise ValueError(f"vnni=True needs vpdpbusd at {LANES} lanes (AVX512-VNNI, or AVX-VNNI for 8 lanes); "
                              "this CPU has none")
+        if self.amx is None:
+            object.__setattr__(self, "amx", amx_kernels.DEFAULT and self.vnni and self.lanes == 16)
+        if not isinstance(self.amx, bool):
+            raise ValueError(f"amx must be True or False (got {self.amx!r})")
+        if self.amx and not (amx_kernels.AVAILABLE and self.vnni and self.lanes == 16):
+            raise ValueError("amx=True needs AMX-INT8 with the OS's permission for the tile state, vnni=True and "
+                             f"lanes=16 (this CPU and OS: AMX {'usable' if amx_kernels.AVAILABLE else 'unusable'})")
 
 
 def _drop_stale_cache() -> None:
     """Delete this module's and activations' cache files once when what their cached code inlines or calls
-    changed (kernels.py, cpu_simd.py, activations.py: :func:`streamattn.kernel_cache.drop_when_changed`).
+    changed (kernels.py, cpu_simd.py, activations.py, amx.py: :func:`streamattn.kernel_cache.drop_when_changed`).
     The drivers are closures made on demand, so their files go by name rather than by dispatcher."""
     def delete(directory):
         for module in (__name__, activations.__name__):
             for f in directory.glob(f"{module.rsplit('.', 1)[-1]}.*.nb[ic]"):
                 f.unlink()
-    drop_when_changed([m.__file__ for m in (kernels, cpu_simd, activations)], "streamattn_qmatmul_kernels.sha256",
-                      lambda: quantize_rows._cache._cache_path, delete)
+    drop_when_changed([m.__file__ for m in (kernels, cpu_simd, activations, amx_kernels)],
+                      "streamattn_qmatmul_kernels.sha256", lambda: quantize_rows._cache._cache_path, delete)
+
+
+@njit(cache=True)
+def _lines(rows, cols):
+    """uint8 [rows, cols] whose first byte starts a 64-byte cache line (a tile's rows are then whole
+    lines; Numba's allocations are only 16-byte aligned, and tile stores across lines made a call up
+    to 2x slower from one allocation to the next)."""
+    raw = np.empty(rows * cols + 64, np.uint8)
+    off = (64 - raw.ctypes.data % 64) % 64
+    return raw[off:off + rows * cols].reshape((rows, cols))
 
 
 def _njit_drivers(loops):
@@ -113,14 +136,15 @@ GIVEN, PLAIN, NORM, SILU, GELU = -1, 0, 1, 2, 3
 
 
 @functools.cache
-def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LANES_VNNI):
+def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LANES_VNNI, amx: bool = False):
     """Serial and group-parallel drivers ``run(mode, x, nw, eps, xq, xd, xs, xc, qs, scale, minv, out)
     -> out``: unless ``mode`` is GIVEN, first quantize ``x`` (see :data:`GIVEN`; norm weight ``nw``,
     ``eps``) into new activations and a new ``out`` (the arguments are then placeholders); then loop over
     the weight's interleaved groups g: activation rows in groups of R, then the rest in groups of 4 and 2
     (where smaller than R) and one by one, out[b, lanes g + n] = dot(qs, scale, minv, g, xq, xd, xs, xc,
     b). ``vnni``: which integer dot product (:func:`~streamattn.quant.kernels.make_qdot`; the same
-    results). The kernel that reads a group's weights first prefetches them (:data:`PREFETCH_BYTES`; the
+    results); ``amx``: the rows in whole 16s by tile multiplies first where the kind takes them
+    (:func:`streamattn.quant.amx.tiled`; the same results). The kernel that reads a group's weights first prefetches them (:data:`PREFETCH_BYTES`; the
     R-row kernel's later passes find them in cache), as a decode batch of R rows reads them once. Under
     R = 4 (the AVX2 plan) a decode batch of 8-15 rows takes its first 8 in one 8-row pass (the 8-row step
     2-4% faster; prompt chunks keep R = 4, where 8 rows a pass measured slower: docs/PERF.md).
@@ -135,6 +159,13 @@ def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LAN
     dot_4 = make_qdot(kind, group, min(R, 4), lanes, vnni, PREFETCH_BYTES)
     dot_2 = make_qdot(kind, group, min(R, 2), lanes, vnni, PREFETCH_BYTES)
     dot_1 = make_qdot(kind, group, 1, lanes, vnni, PREFETCH_BYTES)
+    amx = amx and amx_kernels.tiled(kind, group)
+    if amx:                                    # (None otherwise: the branch below is pruned, never compiled)
+        tiles, dot_t, unpack = (amx_kernels.make_config(), amx_kernels.make_qdot_tiles(kind),
+                                amx_kernels.make_unpack(kind))
+    else:
+        tiles = dot_t = unpack = None
+    T, STEPS, CHUNK = amx_kernels.ROWS, amx_kernels.STEP_BYTES, amx_kernels.CHUNK
 
     def loops(rows):
         split = rows is prange                  # the parallel driver: prompt rows quantized over threads too
@@ -143,7 +174,7 @@ def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LAN
             if mode != GIVEN:
                 M = x.shape[0]
                 K = x.shape[1] // 2 if mode >= SILU else x.shape[1]
-                xq = np.empty((M, K), np.int8)
+                xq = _lines(M, K).view(np.int8)            # (tile loads read its rows)
                 xd = np.empty((M, K // 32), np.float32)
                 xs = np.empty((M, K // 32), np.float32)
                 xc = np.empty((M, K // 16), np.int32)
@@ -163,13 +194,25 @@ def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LAN
                 out = np.empty((M, qs.shape[0] * lanes), np.float32)
             M = xq.shape[0]
             eight = batch and 8 <= M < 16
-            full = 8 if eight else M - M % R
             for g in rows(qs.shape[0]):
+                t = 0
+                if amx:                        # rows 0 .. t - 1 in 16s on the tile unit
+                    t = M - M % T
+                    if t > 0:
+                        nblk = xq.shape[1] // 32
+                        wbuf = _lines(nblk, STEPS)                         # the group's steps
+                        cbuf = _lines(min(nblk, CHUNK), 64 * T)            # a phase's sums
+                        tiles(True)
+                        unpack(qs, g, wbuf)
+                        for m in range(0, t, T):
+                            dot_t(qs, wbuf, scale, minv, g, xq, xd, xs, xc, m, out, cbuf)
+                        tiles(False)
+                full = 8 if eight else t + (M - t) - (M - t) % R
                 if eight:
                     dot_8p(qs, scale, minv, g, xq, xd, xs, xc, 0, out)
-                elif full > 0:                 # the first pass over the group's weights reads memory
-                    dot_rp(qs, scale, minv, g, xq, xd, xs, xc, 0, out)
-                    for b in range(R, full, R):
+                elif full > t:                 # the first pass over the group's weights reads memory
+                    dot_rp(qs, scale, minv, g, xq, xd, xs, xc, t, out)
+                    for b in range(t + R, full, R):
                         dot_r(qs, scale, minv, g, xq, xd, xs, xc, b, out)
                 b = full                       # the rest (< R rows, < 8 after 8): 4, 2, then 1 at a time
                 if (R > 4 or eight) and M - b >= 4:
@@ -246,7 +289,7 @@ class Matmuls:
 
     def drivers(self, w: QWeight) -> tuple:
         """The plan's (serial, group-parallel) drivers for w's kind (:func:`qdrivers`)."""
-        return qdrivers(w.kind, w.group, self.plan.rows, w.lanes, self.plan.vnni)
+        return qdrivers(w.kind, w.group, self.plan.rows, w.lanes, self.plan.vnni, self.plan.amx and w.lanes == 16)
 
     def _fused(self, mode, x, nw, eps, w):
         """One driver call that quantizes x (``mode``) and multiplies (:func:`qdrivers`): ~120 calls a
@@ -292,23 +335,24 @@ def _check_runs_here(w: QWeight, lanes: int = LANES) -> None:
                          f"of 8{' or 16' if lanes == 16 else ''} (pack it with lanes=None)")
 
 
-def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=None, vnni=None):
+def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=None, vnni=None, amx=None):
     """``x @ W.T`` for a "q4"/"q8" weight and activations already quantized (the layout of
     :func:`quantize_activations`), options already checked: :func:`qmatmul`'s work without its checks."""
     group_rows = ROWS if group_rows is None else group_rows
     vnni = LANES_VNNI if vnni is None else vnni
+    amx = (amx_kernels.DEFAULT and vnni if amx is None else amx) and w.lanes == 16
     _check_runs_here(w)
     M, N = xq.shape[0], w.shape[0]
     out = np.empty((M, w.qs.shape[0] * w.lanes), np.float32)
     par = many_threads() if parallel is None else parallel
     minv = w.minv if w.minv is not None else _EMPTY
-    qdrivers(w.kind, w.group, group_rows, w.lanes, vnni)[par](mode=GIVEN, x=_EMPTY, nw=_EMPTY1, eps=0.0, xq=xq, xd=xd,
+    qdrivers(w.kind, w.group, group_rows, w.lanes, vnni, amx)[par](mode=GIVEN, x=_EMPTY, nw=_EMPTY1, eps=0.0, xq=xq, xd=xd,
                                                               xs=xs, xc=xc, qs=w.qs, scale=w.scale, minv=minv, out=out)
     return _real_rows(out, N)
 
 
 def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_rows: int | None = None,
-            vnni: bool | None = None):
+            vnni: bool | None = None, amx: bool | None = None):
     """``x @ W.T`` for a packed weight.
 
     Parameters
@@ -326,6 +370,10 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
         Integer dot products by ``vpdpbusd`` (default: where the CPU has it at the kernels' width,
         :data:`~streamattn.quant.kernels.LANES_VNNI`) or by ``vpmaddubsw`` + ``vpmaddwd``.
         The result is the same; True on a CPU without it raises.
+    amx : bool, optional
+        Rows in whole 16s by AMX tile multiplies (default: as ``KernelPlan().amx``; needs ``vnni``; weights
+        interleaved by 8 lanes take the vector kernels). The result is the same; True where AMX is not
+        usable raises.
 
     Returns
     -------
@@ -351,6 +399,9 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
     if vnni and not LANES_VNNI:
         raise ValueError(f"vnni=True needs vpdpbusd at {LANES} lanes (AVX512-VNNI, or AVX-VNNI for 8 lanes); "
                          "this CPU has none")
+    if amx and not (amx_kernels.AVAILABLE and vnni):
+        raise ValueError("amx=True needs AMX-INT8 with the OS's permission for the tile state, and vnni "
+                         f"(this CPU and OS: AMX {'usable' if amx_kernels.AVAILABLE else 'unusable'}, vnni={vnni})")
     lead = x.shape[:-1]
     x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)
     par = many_threads() if parallel is None else parallel
@@ -359,5 +410,5 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
         _fdrivers(w.kind, group_rows)[par](w.qs, x2, out)
     else:
         acts = quantize_activations(x2) if acts is None else acts
-        out = _quantized_matmul(w, *acts, parallel=par, group_rows=group_rows, vnni=vnni)
+        out = _quantized_matmul(w, *acts, parallel=par, group_rows=group_rows, vnni=vnni, amx=amx)
     return out.reshape(*lead, N)
