@@ -433,6 +433,32 @@ def test_fused_gated_activation_quantization(gelu):
     _check_quantized(glu_quantize_rows, (gu, gelu), want, rel=1e-5)
 
 
+def test_activation_blocks_are_rounded_as_defined():
+    """The vectorised block quantizer gives, bit for bit, the float32 definition it replaced: d = amax /
+    127, q = rint(y * (1 / d)) with ties to even, 0 where the block is 0; also for a row of a column slice
+    (not C-contiguous as a whole)."""
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((6, 192)) * rng.random((6, 1)) * 40).astype(np.float32)
+    x[1, :32] = 0.0                                                  # a zero block: d = 0, q = 0
+    x[2, :32] = [127.0] + [k + 0.5 for k in range(-15, 16)]           # d = 1: exact ties, to even
+    x[3, 32:64] *= np.float32(1e-30)                                  # tiny but normal
+    x[4, 64:96] = -np.float32(3e38)
+    for src in (x, np.concatenate([x, x], axis=1)[:, 7:7 + 192]):
+        xq, xd, xs, xc = quantize_activations(src)
+        blocks = src.reshape(6, -1, 32)
+        d = np.abs(blocks).max(-1) / np.float32(127.0)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+        q = np.rint(blocks * inv[..., None]).astype(np.int32)
+        np.testing.assert_array_equal(xd, d)
+        np.testing.assert_array_equal(xq, q.reshape(6, 192).astype(np.int8))
+        with np.errstate(over="ignore"):                             # the 3e38 block's xs is -inf, both ways
+            np.testing.assert_array_equal(xs, d * q.sum(-1).astype(np.float32))
+        np.testing.assert_array_equal(xc, -128 * q.reshape(6, -1, 16).sum(-1))
+        if src is x:
+            assert list(xq[2, 1:32]) == [round(k + 0.5) for k in range(-15, 16)]      # Python's round: to even
+
+
 def test_fused_norm_quantization():
     x = (np.random.default_rng(9).standard_normal((4, 576)) * [[1], [1e-3], [30], [1]]).astype(np.float32)
     w = np.random.default_rng(10).standard_normal(576).astype(np.float32)

@@ -1,35 +1,67 @@
 """Activations of :mod:`streamattn.quant.matmul` quantized to 8 bits (llama.cpp's Q8_1 layout), with the
-elementwise work fused in front of it (RMSNorm, the gated activation). Plain Numba; the dot products
-themselves are in streamattn.quant.kernels."""
+elementwise work fused in front of it (RMSNorm, the gated activation). Plain Numba, but for a block's
+quantization (LLVM IR, as streamattn.backends.cpu_simd); the dot products themselves are in
+streamattn.quant.kernels."""
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from streamattn.backends.cpu_simd import pow2
+from streamattn.backends.cpu_simd import Rows, addr, c_arrays, llvm_fn, pow2
 
 
-@njit(cache=True, inline="always")
-def _quantize_row(y, b, xq, xd, xs, xc):
-    """Quantize y: float32 [K] into row b of xq, xd, xs, xc, per 32 columns (see :func:`quantize_rows`)."""
-    for i in range(y.shape[0] // 32):
-        amax = np.float32(0.0)
-        for j in range(32):
-            amax = max(amax, abs(y[i * 32 + j]))
-        d = amax / np.float32(127.0)
-        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-        s = 0
-        for h in range(2):
-            sh = 0
-            for j in range(16 * h, 16 * h + 16):
-                q = np.int32(np.rint(y[i * 32 + j] * inv))
-                xq[b, i * 32 + j] = q
-                sh += q
-            xc[b, 2 * i + h] = -128 * sh
-            s += sh
-        xd[b, i] = d
-        xs[b, i] = d * np.float32(s)
+@intrinsic
+def _quantize_row(typingctx, y, b, xq, xd, xs, xc):
+    """Quantize y: float32 [K] into row b of xq, xd, xs, xc, per 32 columns (see :func:`quantize_rows`):
+    per block d = amax / 127, q = rint(y * (1 / d)) (0 where d is 0), as two 16-lane vectors. The same
+    float operations as the scalar loop this replaced (max and integer sums are exact in any order), which
+    LLVM left scalar: 1.6-1.8 ns an element, ~20% of a SmolLM2 prefill's matmul calls (docs/PERF.md)."""
+    if not (isinstance(y, types.Array) and y.ndim == 1 and y.layout == "C" and c_arrays(xq, xd, xs, xc)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ya = context.make_array(sig.args[0])(context, builder, value=args[0])
+        K = cgutils.unpack_tuple(builder, ya.shape)[0]
+        yp = builder.bitcast(ya.data, ir.IntType(8).as_pointer())
+        qa, da, sa, ca = (Rows(context, builder, sig.args[i], args[i]) for i in (2, 3, 4, 5))
+        row = context.cast(builder, args[1], sig.args[1], types.int64)
+        f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+        vf, vi, vb = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(ir.IntType(8), 16)
+        fabs = llvm_fn(builder, "llvm.fabs.v16f32", vf, [vf])
+        vmax = llvm_fn(builder, "llvm.maxnum.v16f32", vf, [vf, vf])
+        rmax = llvm_fn(builder, "llvm.vector.reduce.fmax.v16f32", f32, [vf])
+        rint = llvm_fn(builder, "llvm.rint.v16f32", vf, [vf])
+        radd = llvm_fn(builder, "llvm.vector.reduce.add.v16i32", i32, [vi])
+        with cgutils.for_range(builder, builder.udiv(K, ir.Constant(i64, 32))) as loop:
+            i = loop.index
+            at = builder.mul(i, ir.Constant(i64, 128))                      # byte offset of block i in y
+            vs = [builder.load(builder.bitcast(builder.gep(yp, [builder.add(at, ir.Constant(i64, 64 * h))],
+                                                           source_etype=ir.IntType(8)), vf.as_pointer()),
+                               align=4, typ=vf) for h in (0, 1)]
+            amax = builder.call(rmax, [builder.call(vmax, [builder.call(fabs, [v]) for v in vs])])
+            d = builder.fdiv(amax, ir.Constant(f32, 127.0))
+            inv = builder.select(builder.fcmp_ordered(">", d, ir.Constant(f32, 0.0)),
+                                 builder.fdiv(ir.Constant(f32, 1.0), d), ir.Constant(f32, 0.0))
+            invv = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), inv,
+                                                                 ir.Constant(i32, 0)),
+                                          ir.Constant(vf, ir.Undefined), ir.Constant(vi, [0] * 16))
+            total = ir.Constant(i32, 0)
+            for h in (0, 1):
+                q = builder.fptosi(builder.call(rint, [builder.fmul(vs[h], invv)]), vi)
+                col = builder.add(builder.mul(i, ir.Constant(i64, 32)), ir.Constant(i64, 16 * h))
+                builder.store(builder.trunc(q, vb), addr(builder, qa, row, col, vb), align=1)
+                sh = builder.call(radd, [q])
+                c = builder.add(builder.mul(i, ir.Constant(i64, 2)), ir.Constant(i64, h))
+                builder.store(builder.mul(sh, ir.Constant(i32, -128)), addr(builder, ca, row, c, i32), align=4)
+                total = builder.add(total, sh)
+            builder.store(d, addr(builder, da, row, i, f32), align=4)
+            builder.store(builder.fmul(d, builder.sitofp(total, f32)), addr(builder, sa, row, i, f32), align=4)
+        return context.get_dummy_value()
+    return types.void(y, b, xq, xd, xs, xc), codegen
 
 
 @njit(cache=True)
@@ -38,7 +70,7 @@ def quantize_rows(x, xq, xd, xs, xc):
     (float32 [B, K/32]), and xc = -128 * sum(xq) per 16 columns (int32 [B, K/16]: what the kernels take
     back out of the dot products of the "q8" weights' biased bytes)."""
     for b in range(x.shape[0]):
-        _quantize_row(x[b], b, xq, xd, xs, xc)
+        _quantize_row(np.ascontiguousarray(x[b]), b, xq, xd, xs, xc)   # (a row of a column slice: no copy)
 
 
 @njit(cache=True)
