@@ -401,6 +401,35 @@ def test_quantized_staging_is_the_caches(dtype):
     assert quantized_bad_rows(got[1, 0, :1], dtype).all() and quantized_bad_rows(got[2, 1, 1:2], dtype).all()
 
 
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_quantized_staging_over_threads_gives_the_serial_bytes(dtype):
+    """A prompt chunk's K/V rows are quantized in pieces of STAGE_ROWS over the threads: every real row
+    the serial bytes (ragged counts across a piece boundary; rounded to nearest, with V's rounding
+    factors, and q4_0 keys with searched scales recoded for their queries), with 1 and 2 threads."""
+    from streamattn.storage import rounding_factor
+    rng = np.random.default_rng(3)
+    B, H, T, D, G = 2, 3, 2 * compiled.STAGE_ROWS + 5, 64, 3
+    x = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    q = rng.standard_normal((B, H * G, T, D)).astype(np.float32)
+    counts = np.array([T, compiled.STAGE_ROWS + 3], np.int64)
+    a = rng.standard_normal((H, D, D))
+    factors = np.stack([rounding_factor(m @ m.T) for m in a])
+    width = to_storage(x[:1, :1, :1], dtype, np).shape[-1]
+    q4 = dtype == "q4_0"
+    before = numba.get_num_threads()
+    try:
+        for rounding, search, queries in ((compiled._NO_ROUNDING, False, None), (factors, False, None),
+                                          (compiled._NO_ROUNDING, True, q)):
+            want = compiled.stored_quantized(x, width, q4, counts, rounding, search, queries)
+            for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+                numba.set_num_threads(n)
+                got = compiled.stored_quantized_parallel(x, width, q4, counts, rounding, search, queries)
+                for b, c in enumerate(counts):
+                    np.testing.assert_array_equal(got[b, :, :c], want[b, :, :c])
+    finally:
+        numba.set_num_threads(before)
+
+
 def test_tags_name_every_driver_spec():
     specs = list(itertools.product(compiled._KINDS, (32, 16), (16, 8), (1, 2, 4, 8), (False, True), (False, True)))
     types_ = {numba.typeof(compiled._tag(*s)) for s in specs}

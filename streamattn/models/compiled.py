@@ -246,27 +246,43 @@ stored_16, heads_to_rows = (njit(cache=True)(f) for f in _staging_kernels(range)
 stored_16_parallel, heads_to_rows_parallel = (njit(parallel=True, cache=True)(f) for f in _staging_kernels(prange))
 
 
-@njit(cache=True)
-def stored_quantized(x, width, q4, counts, rounding, search, queries=None):
-    """float32 x [B, H, T, D] -> the q8_0 (or q4_0 when ``q4``) rows ``storage.to_storage`` stores, uint8
-    [B, H, T, width]: :func:`streamattn.storage.quantize_rows` over each sequence's counts[b] real rows
-    (:func:`streamattn.storage.quantize_rows_fed` with rounding[h] when ``rounding`` has rows; the q4_0
-    scales searched when ``search``, and with ``queries`` [B, Hq, T, D] the codes then rounded for each row's
-    own query group, :func:`streamattn.storage.recode_for_queries`), the same function on the same
-    float32 values, so the same bytes (the padding rows are left unset: nothing reads or writes them)."""
-    B, H, T, D = x.shape
-    out = np.empty((B, H, T, width), np.uint8)
-    for b in range(B):
-        for h in range(H):
+#: Rows per work item of :func:`stored_quantized_parallel` (a prompt chunk's rows of a kv head in pieces).
+STAGE_ROWS = 16
+
+
+def _quantized_kernel(items):
+    """:func:`stored_quantized` with its work items (sequence, kv head, piece of STAGE_ROWS rows) in
+    ``items``: ``range`` or ``prange``. Every row is quantized (and recoded) by the same row-wise
+    functions, so pieces and threads give the same bytes."""
+
+    def stored_quantized(x, width, q4, counts, rounding, search, queries=None):
+        """float32 x [B, H, T, D] -> the q8_0 (or q4_0 when ``q4``) rows ``storage.to_storage`` stores, uint8
+        [B, H, T, width]: :func:`streamattn.storage.quantize_rows` over each sequence's counts[b] real rows
+        (:func:`streamattn.storage.quantize_rows_fed` with rounding[h] when ``rounding`` has rows; the q4_0
+        scales searched when ``search``, and with ``queries`` [B, Hq, T, D] the codes then rounded for each
+        row's own query group, :func:`streamattn.storage.recode_for_queries`), the same function on the same
+        float32 values, so the same bytes (the padding rows are left unset: nothing reads or writes them)."""
+        B, H, T, D = x.shape
+        out = np.empty((B, H, T, width), np.uint8)
+        pieces = (T + STAGE_ROWS - 1) // STAGE_ROWS
+        for item in items(B * H * pieces):
+            b, h, p = item // (H * pieces), (item // pieces) % H, item % pieces
+            lo, hi = p * STAGE_ROWS, min(counts[b], (p + 1) * STAGE_ROWS)
+            if lo >= hi:
+                continue
             if rounding.shape[0]:
-                quantize_rows_fed(x[b, h, :counts[b]], out[b, h, :counts[b]], q4, rounding[h])
+                quantize_rows_fed(x[b, h, lo:hi], out[b, h, lo:hi], q4, rounding[h])
             else:
-                quantize_rows(x[b, h, :counts[b]], out[b, h, :counts[b]], q4, search)
+                quantize_rows(x[b, h, lo:hi], out[b, h, lo:hi], q4, search)
                 if queries is not None and search and q4:
                     G = queries.shape[1] // H
-                    recode_for_queries(x[b, h, :counts[b]], queries[b, h * G:(h + 1) * G, :counts[b]],
-                                       out[b, h, :counts[b]])
-    return out
+                    recode_for_queries(x[b, h, lo:hi], queries[b, h * G:(h + 1) * G, lo:hi], out[b, h, lo:hi])
+        return out
+    return stored_quantized
+
+
+stored_quantized = njit(cache=True)(_quantized_kernel(range))
+stored_quantized_parallel = njit(parallel=True, cache=True)(_quantized_kernel(prange))
 
 
 # K or V of a step as stored, by the storage's bits (x: float32 [B, Hk, T, D]; kind: cpu.KIND; width: the
@@ -285,7 +301,9 @@ def _stage_16(x, kind, width, counts, one, rounding, search, queries):
 
 @njit(cache=True)
 def _stage_quantized(x, kind, width, counts, one, rounding, search, queries):
-    return stored_quantized(x, width, kind == 4, counts, rounding, search, queries)
+    if one:
+        return stored_quantized(x, width, kind == 4, counts, rounding, search, queries)
+    return stored_quantized_parallel(x, width, kind == 4, counts, rounding, search, queries)
 
 
 _STAGE = {types.uint32: _stage_32, types.uint16: _stage_16, types.uint8: _stage_quantized}
