@@ -181,17 +181,21 @@ def test_amx_route_gives_the_same_bits(type_name):
     """Tile multiplies give the vector kernels' integer block sums, then the same epilogue: the same bits
     for every integer kind (Q8 at -128, 16-column scales, int8 sub-scales, IQ4 levels, fifth bits), for
     16 rows and more with remainders of every size, serial and over threads."""
-    data, _ = gguf_bytes(type_name, 37, 768, seed=7)
-    w = pack("t", type_name, _with_minus_128(type_name, data), (37, 768))
-    x = np.random.default_rng(8).standard_normal((53, 768)).astype(np.float32) * 5
-    x[3, :32] = [127.0] * 16 + [-127.0] * 16                  # a block at full scale: |x| reaches 127
-    x[20, 64:96] = -127.0
-    want = qmatmul(x, w, parallel=False, amx=False)
-    for m in (16, 17, 31, 32, 41, 53):
-        np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, amx=True), want[:m], err_msg=f"M={m}")
-    for r in GROUP_ROWS:
-        np.testing.assert_array_equal(qmatmul(x, w, parallel=False, group_rows=r, amx=True), want, err_msg=f"R={r}")
-    np.testing.assert_array_equal(qmatmul(x, w, parallel=True, amx=True), want)
+    super_blocks = type_name.endswith("_K") or type_name == "IQ4_XS"
+    for cols in (768,) if super_blocks else (768, 736):           # 24 blocks (16 + 8), 23 (an odd tail)
+        data, _ = gguf_bytes(type_name, 37, cols, seed=7)
+        w = pack("t", type_name, _with_minus_128(type_name, data), (37, cols))
+        x = np.random.default_rng(8).standard_normal((53, cols)).astype(np.float32) * 5
+        x[3, :32] = [127.0] * 16 + [-127.0] * 16                  # a block at full scale: |x| reaches 127
+        x[20, 64:96] = -127.0
+        want = qmatmul(x, w, parallel=False, amx=False)
+        for m in (16, 17, 31, 32, 41, 53):
+            np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, amx=True), want[:m],
+                                          err_msg=f"K={cols} M={m}")
+        for r in GROUP_ROWS:
+            np.testing.assert_array_equal(qmatmul(x, w, parallel=False, group_rows=r, amx=True), want,
+                                          err_msg=f"K={cols} R={r}")
+        np.testing.assert_array_equal(qmatmul(x, w, parallel=True, amx=True), want)
     assert qm.KernelPlan().amx == amx.DEFAULT            # models take them by default
 
 
@@ -433,10 +437,16 @@ def test_fused_gated_activation_quantization(gelu):
     _check_quantized(glu_quantize_rows, (gu, gelu), want, rel=1e-5)
 
 
+def _q4_0_eye(n):
+    """(data, shape) of an n x n Q4_0 identity (every row one 1.0: its block's scale 1/7 x 7 codes)."""
+    return quantize(np.eye(n, dtype=np.float32), gguf.GGMLQuantizationType.Q4_0), (n, n)
+
+
 def test_activation_blocks_are_rounded_as_defined():
     """The vectorised block quantizer gives, bit for bit, the float32 definition it replaced: d = amax /
     127, q = rint(y * (1 / d)) with ties to even, 0 where the block is 0; also for a row of a column slice
-    (not C-contiguous as a whole)."""
+    (not C-contiguous as a whole). A block holding a NaN or an infinity: d = xs = NaN, q = 0, the other
+    blocks as before, and the row's matmul outputs NaN."""
     rng = np.random.default_rng(12)
     x = (rng.standard_normal((6, 192)) * rng.random((6, 1)) * 40).astype(np.float32)
     x[1, :32] = 0.0                                                  # a zero block: d = 0, q = 0
@@ -457,6 +467,19 @@ def test_activation_blocks_are_rounded_as_defined():
         np.testing.assert_array_equal(xc, -128 * q.reshape(6, -1, 16).sum(-1))
         if src is x:
             assert list(xq[2, 1:32]) == [round(k + 0.5) for k in range(-15, 16)]      # Python's round: to even
+    y = x.copy()
+    y[0, 3], y[1, 40], y[2, 64:96], y[5, 100] = np.nan, np.inf, np.nan, -np.inf     # blocks 0, 1, 2, 3
+    xq, xd, xs, xc = quantize_activations(y)
+    bad = [(0, 0), (1, 1), (2, 2), (5, 3)]                               # (row, block): d = xs = NaN, q = 0
+    for r, blk in bad:
+        assert np.isnan(xd[r, blk]) and np.isnan(xs[r, blk]) and (xc[r, 2 * blk:2 * blk + 2] == 0).all()
+        assert (xq[r, 32 * blk:32 * blk + 32] == 0).all()
+    good = np.ones(xd.shape, bool)
+    good[tuple(zip(*bad))] = False
+    want = quantize_activations(x)
+    np.testing.assert_array_equal(xd[good], want[1][good])
+    np.testing.assert_array_equal(xs[good], want[2][good])
+    assert np.isnan(qmatmul(y, pack("t", "Q4_0", *_q4_0_eye(192)), parallel=False)[[0, 1, 2, 5]]).all()
 
 
 def test_fused_norm_quantization():

@@ -84,9 +84,9 @@ _NO_ROUNDING = np.zeros((0, 0, 0), np.float64)
 
 
 def _tag(kind: str, group: int, lanes: int, R: int, vnni: bool, amx: bool) -> tuple:
-    """A tuple of ``code + 1`` Nones, code numbering (kind, group, lanes, R, vnni, amx): its Numba type
-    (``UniTuple(none, code + 1)``) is what the matmul ops read the drivers from, at compile time, and
-    it is the same in every process (a compiled layer's cache key)."""
+    """A tuple of ``code + 1`` Nones, code numbering (kind, group, lanes, R, vnni, amx; amx the lowest
+    bit): its Numba type (``UniTuple(none, code + 1)``) is what the matmul ops read the drivers from, at
+    compile time, and it is the same in every process (a compiled layer's cache key)."""
     code = (((_KINDS.index(kind) * 2 + _GROUPS.index(group)) * 2 + _LANES.index(lanes)) * 4
             + _ROWS.index(R)) * 2 + int(vnni)
     return (None,) * (code * 2 + int(amx) + 1)

@@ -17,9 +17,11 @@ from streamattn.backends.cpu_simd import Rows, addr, c_arrays, llvm_fn, pow2
 @intrinsic
 def _quantize_row(typingctx, y, b, xq, xd, xs, xc):
     """Quantize y: float32 [K] into row b of xq, xd, xs, xc, per 32 columns (see :func:`quantize_rows`):
-    per block d = amax / 127, q = rint(y * (1 / d)) (0 where d is 0), as two 16-lane vectors. The same
-    float operations as the scalar loop this replaced (max and integer sums are exact in any order), which
-    LLVM left scalar: 1.6-1.8 ns an element, ~20% of a SmolLM2 prefill's matmul calls (docs/PERF.md)."""
+    per block d = amax / 127, q = rint(y * (1 / d)) (0 where d is 0), as two 16-lane vectors. For finite
+    blocks the float operations of the scalar loop this replaced (max and integer sums are exact in any
+    order), which LLVM left scalar: 1.6-1.8 ns an element, ~30% of a SmolLM2 prefill chunk's matmul calls
+    (docs/PERF.md). A block holding a NaN or an infinity gets d = xs = NaN and q = 0, so every output of
+    its row is NaN (the loop's max skipped NaN, and the conversion of a NaN was undefined)."""
     if not (isinstance(y, types.Array) and y.ndim == 1 and y.layout == "C" and c_arrays(xq, xd, xs, xc)):
         return None
 
@@ -36,6 +38,7 @@ def _quantize_row(typingctx, y, b, xq, xd, xs, xc):
         rmax = llvm_fn(builder, "llvm.vector.reduce.fmax.v16f32", f32, [vf])
         rint = llvm_fn(builder, "llvm.rint.v16f32", vf, [vf])
         radd = llvm_fn(builder, "llvm.vector.reduce.add.v16i32", i32, [vi])
+        any_of = llvm_fn(builder, "llvm.vector.reduce.or.v16i1", ir.IntType(1), [ir.VectorType(ir.IntType(1), 16)])
         with cgutils.for_range(builder, builder.udiv(K, ir.Constant(i64, 32))) as loop:
             i = loop.index
             at = builder.mul(i, ir.Constant(i64, 128))                      # byte offset of block i in y
@@ -43,7 +46,9 @@ def _quantize_row(typingctx, y, b, xq, xd, xs, xc):
                                                            source_etype=ir.IntType(8)), vf.as_pointer()),
                                align=4, typ=vf) for h in (0, 1)]
             amax = builder.call(rmax, [builder.call(vmax, [builder.call(fabs, [v]) for v in vs])])
-            d = builder.fdiv(amax, ir.Constant(f32, 127.0))
+            nan = [builder.fcmp_unordered("uno", z, z) for z in (builder.fsub(v, v) for v in vs)]  # NaN, inf
+            bad = builder.call(any_of, [builder.or_(*nan)])
+            d = builder.select(bad, ir.Constant(f32, float("nan")), builder.fdiv(amax, ir.Constant(f32, 127.0)))
             inv = builder.select(builder.fcmp_ordered(">", d, ir.Constant(f32, 0.0)),
                                  builder.fdiv(ir.Constant(f32, 1.0), d), ir.Constant(f32, 0.0))
             invv = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), inv,
@@ -51,7 +56,8 @@ def _quantize_row(typingctx, y, b, xq, xd, xs, xc):
                                           ir.Constant(vf, ir.Undefined), ir.Constant(vi, [0] * 16))
             total = ir.Constant(i32, 0)
             for h in (0, 1):
-                q = builder.fptosi(builder.call(rint, [builder.fmul(vs[h], invv)]), vi)
+                q = builder.select(bad, ir.Constant(vi, [0] * 16),
+                                   builder.fptosi(builder.call(rint, [builder.fmul(vs[h], invv)]), vi))
                 col = builder.add(builder.mul(i, ir.Constant(i64, 32)), ir.Constant(i64, 16 * h))
                 builder.store(builder.trunc(q, vb), addr(builder, qa, row, col, vb), align=1)
                 sh = builder.call(radd, [q])

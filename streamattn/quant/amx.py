@@ -11,10 +11,10 @@ same float operations in the same order, so AMX and vector kernels give identica
 invariance holds across them; tests/test_quant_kernels.py).
 
 A kernel call runs in phases over one weight group and 16 rows: the group's blocks are unpacked once
-per group into a buffer of step vectors (nibble kinds; "q8" bytes are read in place), every scale
-group's tile multiply stores its C to a buffer, then the epilogue reads the sums back, 8 rows at a time
-(its 16 accumulators stay in registers). Interleaving the tile work with the epilogue block by block
-measured slower (docs/PERF.md).
+per group into a buffer of step vectors (:func:`tiled` kinds: nibbles at 32 columns a scale), and per
+chunk of 16 blocks every block's tile multiply stores its C to a buffer, then the epilogue reads the
+sums back, 8 rows at a time (their accumulators stay in registers). Interleaving the tile work with the
+epilogue block by block measured slower (docs/PERF.md).
 
 Linux hands out the tile state on request only (``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``): without
 it the first tile instruction is SIGILL. :data:`AVAILABLE` is whether this CPU has AMX-INT8 and the
@@ -51,7 +51,8 @@ def _request_tiles() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+        return libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM),
+                            ctypes.c_long(_XFEATURE_XTILEDATA)) == 0
     except (OSError, AttributeError):
         return False
 

@@ -159,7 +159,7 @@ def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LAN
     dot_4 = make_qdot(kind, group, min(R, 4), lanes, vnni, PREFETCH_BYTES)
     dot_2 = make_qdot(kind, group, min(R, 2), lanes, vnni, PREFETCH_BYTES)
     dot_1 = make_qdot(kind, group, 1, lanes, vnni, PREFETCH_BYTES)
-    amx = amx and amx_kernels.tiled(kind, group)
+    amx = amx and lanes == 16 and vnni and amx_kernels.AVAILABLE and amx_kernels.tiled(kind, group)
     if amx:                                    # (None otherwise: the branch below is pruned, never compiled)
         tiles, dot_t, unpack = (amx_kernels.make_config(), amx_kernels.make_qdot_tiles(kind),
                                 amx_kernels.make_unpack(kind))
@@ -257,7 +257,7 @@ def quantize_activations(x):
     """x: float32 [M, K] -> (xq int8 [M, K], xd, xs float32 [M, K/32], xc int32 [M, K/16]) for
     :func:`qmatmul` (:func:`streamattn.quant.activations.quantize_rows`)."""
     M, K = x.shape
-    acts = (np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32),
+    acts = (_lines(M, K).view(np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32),
             np.empty((M, K // 16), np.int32))
     quantize_rows(x, *acts)
     return acts
