@@ -357,11 +357,10 @@ QUERY_DAMPING = 3.0
 
 
 @njit(cache=True)
-def _spd_inverse(M, out):
-    """out = M^-1 for a small symmetric positive definite M (Gauss-Jordan without pivoting, float64): a G x G
-    system per key row, where a LAPACK call cost more than the row's own arithmetic."""
-    n = M.shape[0]
-    A = M.copy()
+def _spd_inverse(A, out):
+    """out = A^-1 for a small symmetric positive definite A (Gauss-Jordan without pivoting, float64; A is
+    overwritten): a G x G system per key row, where a LAPACK call cost more than the row's own arithmetic."""
+    n = A.shape[0]
     out[:, :] = 0.0
     for i in range(n):
         out[i, i] = 1.0
@@ -419,7 +418,7 @@ def recode_for_queries(x, qs, out, damping=QUERY_DAMPING):
                 for i in range(D):
                     acc += Q[a, i] * Q[c, i]
                 M[a, c] = acc
-        _spd_inverse(M, Minv)
+        _spd_inverse(M, Minv)                      # (M is rebuilt for every row)
         for i in range(D):
             w[i] = x[r, i]
         for i in range(D):

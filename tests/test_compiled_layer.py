@@ -403,9 +403,11 @@ def test_quantized_staging_is_the_caches(dtype):
 
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
 def test_quantized_staging_over_threads_gives_the_serial_bytes(dtype):
-    """A prompt chunk's K/V rows are quantized in pieces of STAGE_ROWS over the threads: every real row
-    the serial bytes (ragged counts across a piece boundary; rounded to nearest, with V's rounding
-    factors, and q4_0 keys with searched scales recoded for their queries), with 1 and 2 threads."""
+    """A prompt chunk's K/V rows are quantized in pieces of STAGE_ROWS, serially or over the threads: every
+    real row the bytes the cache's own staging gives the whole chunk (ragged counts across a piece
+    boundary; rounded to nearest, with V's rounding factors, and q4_0 keys with searched scales recoded
+    for their queries), with 1 and 2 threads."""
+    from streamattn.cache import _recode_keys
     from streamattn.storage import rounding_factor
     rng = np.random.default_rng(3)
     B, H, T, D, G = 2, 3, 2 * compiled.STAGE_ROWS + 5, 64, 3
@@ -420,10 +422,14 @@ def test_quantized_staging_over_threads_gives_the_serial_bytes(dtype):
     try:
         for rounding, search, queries in ((compiled._NO_ROUNDING, False, None), (factors, False, None),
                                           (compiled._NO_ROUNDING, True, q)):
-            want = compiled.stored_quantized(x, width, q4, counts, rounding, search, queries)
+            want = to_storage(x, dtype, np, rounding=rounding if rounding.shape[0] else None, search=search)
+            if queries is not None and q4:
+                want = _recode_keys(x, want, queries, np)
+            runs = [compiled.stored_quantized(x, width, q4, counts, rounding, search, queries)]
             for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
                 numba.set_num_threads(n)
-                got = compiled.stored_quantized_parallel(x, width, q4, counts, rounding, search, queries)
+                runs.append(compiled.stored_quantized_parallel(x, width, q4, counts, rounding, search, queries))
+            for got in runs:
                 for b, c in enumerate(counts):
                     np.testing.assert_array_equal(got[b, :, :c], want[b, :, :c])
     finally:

@@ -175,16 +175,21 @@ def test_vnni_route_gives_the_same_bits(type_name):
                                       qmatmul(x, w, parallel=False, group_rows=r, vnni=False), err_msg=f"R={r}")
 
 
+#: The types whose packed kind runs on the tile unit (amx.tiled); the rest keep the vector kernels.
+TILED_TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"]
+
+
 @pytest.mark.skipif(not amx.AVAILABLE, reason="this CPU or OS has no usable AMX-INT8: only the vector kernels run")
-@pytest.mark.parametrize("type_name", [t for t in SUPPORTED_TYPES if t not in ("F32", "F16", "BF16")])
+@pytest.mark.parametrize("type_name", TILED_TYPES)
 def test_amx_route_gives_the_same_bits(type_name):
     """Tile multiplies give the vector kernels' integer block sums, then the same epilogue: the same bits
-    for every integer kind (Q8 at -128, 16-column scales, int8 sub-scales, IQ4 levels, fifth bits), for
-    16 rows and more with remainders of every size, serial and over threads."""
+    for every kind the tiles take (nibbles with mins, fifth bits, IQ4 levels with their -128 correction),
+    for 16 rows and more with remainders of every size, serial and over threads."""
     super_blocks = type_name.endswith("_K") or type_name == "IQ4_XS"
     for cols in (768,) if super_blocks else (768, 736):           # 24 blocks (16 + 8), 23 (an odd tail)
         data, _ = gguf_bytes(type_name, 37, cols, seed=7)
-        w = pack("t", type_name, _with_minus_128(type_name, data), (37, cols))
+        w = pack("t", type_name, data, (37, cols))
+        assert amx.tiled(w.kind, w.group)                         # (else both sides ran the vector kernels)
         x = np.random.default_rng(8).standard_normal((53, cols)).astype(np.float32) * 5
         x[3, :32] = [127.0] * 16 + [-127.0] * 16                  # a block at full scale: |x| reaches 127
         x[20, 64:96] = -127.0
@@ -197,6 +202,17 @@ def test_amx_route_gives_the_same_bits(type_name):
                                           err_msg=f"K={cols} R={r}")
         np.testing.assert_array_equal(qmatmul(x, w, parallel=True, amx=True), want)
     assert qm.KernelPlan().amx == amx.DEFAULT            # models take them by default
+
+
+def test_only_the_tiled_kinds_take_the_tiles():
+    """Every integer type either takes the tile kernels or is left on the vector ones by choice."""
+    kinds = {}
+    for t in SUPPORTED_TYPES:
+        if t not in ("F32", "F16", "BF16"):
+            data, _ = gguf_bytes(t, 16, 768)
+            w = pack("t", t, data, (16, 768))
+            kinds[t] = amx.tiled(w.kind, w.group)
+    assert [t for t, on in kinds.items() if on] == TILED_TYPES
 
 
 def test_amx_plan_errors():

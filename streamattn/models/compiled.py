@@ -409,7 +409,7 @@ def _matrix(w, plan: qmatmul.KernelPlan):
             and w.lanes <= plan.lanes and w.group in _GROUPS):
         return None
     return (w.qs, w.scale, _EMPTY2 if w.minv is None else w.minv, w.shape[0],
-            _tag(w.kind, w.group, w.lanes, plan.rows, plan.vnni, plan.amx and w.lanes == 16))
+            _tag(w.kind, w.group, w.lanes, plan.rows, plan.vnni, plan.amx))
 
 
 def bind_weights(lw: LayerWeights, plan: qmatmul.KernelPlan | None = None):

@@ -105,9 +105,9 @@ def make_config():
 
 def tiled(kind: str, group: int) -> bool:
     """Whether weights of ``kind`` and ``group`` take the tile kernels: the nibble kinds at 32 columns a
-    scale ("q4s" has 16). Measured against the vector kernels (256 rows, docs/PERF.md): "q4" 1.3-1.6x, "q5" 1.1x; "q8"
-    (its bytes need no unpacking, so the vector kernel is cheaper) 0.86x, and scales every 16 columns,
-    which double the tile stores, 0.6x."""
+    scale ("q4s" has 16). Measured against the vector kernels (256 rows, docs/PERF.md): "q4" 1.3-1.6x,
+    "q5" 1.1-1.3x; "q8" (its bytes need no unpacking, so the vector kernel is cheaper) 0.86x, and scales
+    every 16 columns, which double the tile stores, 0.6x."""
     return kind in ("q4", "q5", "nl") and group == 32
 
 
@@ -145,27 +145,27 @@ def make_unpack(kind: str):
 
 @functools.cache
 def make_qdot_tiles(kind: str):
-    """Intrinsic dot(qs, wbuf, scale, minv, g, xq, xd, xs, xc, m, out, cbuf) -> None: what
+    """Intrinsic dot(wbuf, scale, minv, g, xq, xd, xs, xc, m, out, cbuf) -> None: what
     ``make_qdot(kind, 32, 16)`` computes (``out[m + j, 16 g + n]``, j < 16, n < 16; arguments as its),
     the integer sums by tile multiplies, for a :func:`tiled` kind. wbuf: group g's step vectors
-    (:func:`make_unpack`); cbuf: uint8 [CHUNK, 1024] scratch for the sums. The thread's tiles must be
-    configured (:func:`make_config`)."""
+    (:func:`make_unpack`), read in place of the packed weight; cbuf: uint8 [CHUNK, 1024] scratch for the
+    sums. The thread's tiles must be configured (:func:`make_config`)."""
     G, R = 16, ROWS
     VG, VGI = ir.VectorType(F32, G), ir.VectorType(I32, G)
     mins, biased = kind in ("q4", "q5"), kind == "nl"
 
     @intrinsic
-    def dot(typingctx, qs, wbuf, scale, minv, g, xq, xd, xs, xc, m, out, cbuf):
-        if not c_arrays(qs, wbuf, scale, minv, xq, xd, xs, xc, out, cbuf):
+    def dot(typingctx, wbuf, scale, minv, g, xq, xd, xs, xc, m, out, cbuf):
+        if not c_arrays(wbuf, scale, minv, xq, xd, xs, xc, out, cbuf):
             return None
         if any(p.dtype not in (types.float32, types.uint16) for p in (scale, minv)):
             return None
 
         def codegen(context, builder, sig, args):
-            qa, wa, sa, ma, xa, da, ua, ca, oa, cb = (Rows(context, builder, sig.args[i], args[i])
-                                                      for i in (0, 1, 2, 3, 5, 6, 7, 8, 10, 11))
-            g0 = context.cast(builder, args[4], sig.args[4], types.int64)
-            m0 = context.cast(builder, args[9], sig.args[9], types.int64)
+            wa, sa, ma, xa, da, ua, ca, oa, cb = (Rows(context, builder, sig.args[i], args[i])
+                                                  for i in (0, 1, 2, 4, 5, 6, 7, 9, 10))
+            g0 = context.cast(builder, args[3], sig.args[3], types.int64)
+            m0 = context.cast(builder, args[8], sig.args[8], types.int64)
             rows = [builder.add(m0, _i64(j)) for j in range(R)]
             tload, tstore, tzero, tdp = _tile_fns(builder)
             nblk = builder.udiv(xa.cols, _i64(32))
@@ -208,5 +208,5 @@ def make_qdot_tiles(kind: str):
             for j in range(R):
                 store_outputs(builder, oa, rows[j], g0, accs[j], accms[j] if mins else None)
             return context.get_dummy_value()
-        return types.void(qs, wbuf, scale, minv, g, xq, xd, xs, xc, m, out, cbuf), codegen
+        return types.void(wbuf, scale, minv, g, xq, xd, xs, xc, m, out, cbuf), codegen
     return _stable(dot, f"amx-qdot:{kind}")

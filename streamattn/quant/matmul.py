@@ -96,9 +96,16 @@ class KernelPlan:
             object.__setattr__(self, "amx", amx_kernels.DEFAULT and self.vnni and self.lanes == 16)
         if not isinstance(self.amx, bool):
             raise ValueError(f"amx must be True or False (got {self.amx!r})")
-        if self.amx and not (amx_kernels.AVAILABLE and self.vnni and self.lanes == 16):
-            raise ValueError("amx=True needs AMX-INT8 with the OS's permission for the tile state, vnni=True and "
-                             f"lanes=16 (this CPU and OS: AMX {'usable' if amx_kernels.AVAILABLE else 'unusable'})")
+        if self.amx:
+            _check_amx(self.vnni, self.lanes)
+
+
+def _check_amx(vnni: bool, lanes: int = 16) -> None:
+    """ValueError unless an ``amx=True`` request can run: AMX usable here, ``vnni`` and 16 lanes."""
+    if not (amx_kernels.AVAILABLE and vnni and lanes == 16):
+        raise ValueError("amx=True needs AMX-INT8 with the OS's permission for the tile state, vnni=True and "
+                         f"lanes=16 (this CPU and OS: AMX {'usable' if amx_kernels.AVAILABLE else 'unusable'}; "
+                         f"vnni={vnni}, lanes={lanes})")
 
 
 def _drop_stale_cache() -> None:
@@ -135,8 +142,16 @@ def _njit_drivers(loops):
 GIVEN, PLAIN, NORM, SILU, GELU = -1, 0, 1, 2, 3
 
 
-@functools.cache
 def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LANES_VNNI, amx: bool = False):
+    """:func:`_qdrivers` with ``amx`` kept only where the tile kernels run: 16 lanes, VNNI, AMX usable here
+    and a :func:`~streamattn.quant.amx.tiled` kind (so a request that cannot be met shares the vector
+    drivers, not a second compiled copy of them)."""
+    return _qdrivers(kind, group, R, lanes, vnni,
+                     bool(amx and lanes == 16 and vnni and amx_kernels.AVAILABLE and amx_kernels.tiled(kind, group)))
+
+
+@functools.cache
+def _qdrivers(kind: str, group: int, R: int, lanes: int, vnni: bool, amx: bool):
     """Serial and group-parallel drivers ``run(mode, x, nw, eps, xq, xd, xs, xc, qs, scale, minv, out)
     -> out``: unless ``mode`` is GIVEN, first quantize ``x`` (see :data:`GIVEN`; norm weight ``nw``,
     ``eps``) into new activations and a new ``out`` (the arguments are then placeholders); then loop over
@@ -159,7 +174,6 @@ def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LAN
     dot_4 = make_qdot(kind, group, min(R, 4), lanes, vnni, PREFETCH_BYTES)
     dot_2 = make_qdot(kind, group, min(R, 2), lanes, vnni, PREFETCH_BYTES)
     dot_1 = make_qdot(kind, group, 1, lanes, vnni, PREFETCH_BYTES)
-    amx = amx and lanes == 16 and vnni and amx_kernels.AVAILABLE and amx_kernels.tiled(kind, group)
     if amx:                                    # (None otherwise: the branch below is pruned, never compiled)
         tiles, dot_t, unpack = (amx_kernels.make_config(), amx_kernels.make_qdot_tiles(kind),
                                 amx_kernels.make_unpack(kind))
@@ -205,9 +219,9 @@ def qdrivers(kind: str, group: int, R: int, lanes: int = LANES, vnni: bool = LAN
                         tiles(True)
                         unpack(qs, g, wbuf)
                         for m in range(0, t, T):
-                            dot_t(qs, wbuf, scale, minv, g, xq, xd, xs, xc, m, out, cbuf)
+                            dot_t(wbuf, scale, minv, g, xq, xd, xs, xc, m, out, cbuf)
                         tiles(False)
-                full = 8 if eight else t + (M - t) - (M - t) % R
+                full = 8 if eight else M - (M - t) % R
                 if eight:
                     dot_8p(qs, scale, minv, g, xq, xd, xs, xc, 0, out)
                 elif full > t:                 # the first pass over the group's weights reads memory
@@ -289,7 +303,7 @@ class Matmuls:
 
     def drivers(self, w: QWeight) -> tuple:
         """The plan's (serial, group-parallel) drivers for w's kind (:func:`qdrivers`)."""
-        return qdrivers(w.kind, w.group, self.plan.rows, w.lanes, self.plan.vnni, self.plan.amx and w.lanes == 16)
+        return qdrivers(w.kind, w.group, self.plan.rows, w.lanes, self.plan.vnni, self.plan.amx)
 
     def _fused(self, mode, x, nw, eps, w):
         """One driver call that quantizes x (``mode``) and multiplies (:func:`qdrivers`): ~120 calls a
@@ -340,7 +354,7 @@ def _quantized_matmul(w: QWeight, xq, xd, xs, xc, *, parallel=None, group_rows=N
     :func:`quantize_activations`), options already checked: :func:`qmatmul`'s work without its checks."""
     group_rows = ROWS if group_rows is None else group_rows
     vnni = LANES_VNNI if vnni is None else vnni
-    amx = (amx_kernels.DEFAULT and vnni if amx is None else amx) and w.lanes == 16
+    amx = amx_kernels.DEFAULT if amx is None else amx
     _check_runs_here(w)
     M, N = xq.shape[0], w.shape[0]
     out = np.empty((M, w.qs.shape[0] * w.lanes), np.float32)
@@ -399,9 +413,8 @@ def qmatmul(x, w: QWeight, *, acts=None, parallel: bool | None = None, group_row
     if vnni and not LANES_VNNI:
         raise ValueError(f"vnni=True needs vpdpbusd at {LANES} lanes (AVX512-VNNI, or AVX-VNNI for 8 lanes); "
                          "this CPU has none")
-    if amx and not (amx_kernels.AVAILABLE and vnni):
-        raise ValueError("amx=True needs AMX-INT8 with the OS's permission for the tile state, and vnni "
-                         f"(this CPU and OS: AMX {'usable' if amx_kernels.AVAILABLE else 'unusable'}, vnni={vnni})")
+    if amx:
+        _check_amx(vnni)
     lead = x.shape[:-1]
     x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)
     par = many_threads() if parallel is None else parallel
