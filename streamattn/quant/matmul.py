@@ -46,9 +46,10 @@ from streamattn.threads import many_threads
 ROWS = 8 if LANES == 16 else 4
 GROUP_ROWS = (1, 2, 4, 8)
 #: How far ahead of the weights being read the one-row kernel prefetches (measured: docs/PERF.md; the
-#: hardware prefetcher alone left a decode step's weight reads ~45% under a plain read's). Read when
-#: a weight kind's drivers are first built (:func:`qdrivers` is cached).
-PREFETCH_BYTES = 4096
+#: hardware prefetcher alone left a decode step's weight reads ~45% under a plain read's). Not a multiple
+#: of 4 KiB: exactly one page ahead read Gemma-3's 178 MB head 6-8% slower on one thread than 2.5-3.5 KiB
+#: (alternated in one process). Read when a weight kind's drivers are first built (:func:`qdrivers` is cached).
+PREFETCH_BYTES = 3584
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
