@@ -4,6 +4,9 @@ from . import threads as _threads  # first: sets the thread runtimes' wait polic
 from .memory import import_numba_arraymath as _import_numba_arraymath
 
 _import_numba_arraymath()          # before the first kernel: see streamattn/memory.py
+from .kernel_cache import lock_cache_saves as _lock_cache_saves
+
+_lock_cache_saves()                # before the first cached kernel is saved: see streamattn/kernel_cache.py
 from .spec import CacheSpec
 from .cache import KVCache
 from .dispatch import attend

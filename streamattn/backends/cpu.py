@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import storage
-from ..kernel_cache import drop_when_changed
+from ..kernel_cache import drop_when_changed, variant
 from ..storage import write_rows
 from ..threads import many_threads
 from . import cpu_simd, cpu_tiles
@@ -65,8 +65,8 @@ def _main_pages(L, nq, window, sinks):
 def _pages_kernels(items):
     """:func:`attend_pages` and :func:`_merge_splits` with their work items in ``items`` (``prange``: over
     Numba's threads; ``range``: serially). One source for both; a call on one thread takes the serial
-    pair (:func:`attend_all`): the parallel launch cost 3-10 us a decode call (docs/PERF.md). Numba keys
-    a cached closure on its cells, so the two never share a cache entry."""
+    pair (:func:`attend_all`): the parallel launch cost 3-10 us a decode call (docs/PERF.md). Each copy is
+    compiled under its own name (:func:`streamattn.kernel_cache.variant`)."""
 
     def attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out,
                      part_lse, rb=ROW_BLOCK):
@@ -238,9 +238,10 @@ def _pages_kernels(items):
     return attend_pages, _merge_splits
 
 
-attend_pages, _merge_splits = (njit(parallel=True, fastmath=FASTMATH, cache=True)(f)
+attend_pages, _merge_splits = (njit(parallel=True, fastmath=FASTMATH, cache=True)(variant(f, "parallel"))
                                 for f in _pages_kernels(prange))
-_attend_pages_serial, _merge_splits_serial = (njit(fastmath=FASTMATH, cache=True)(f) for f in _pages_kernels(range))
+_attend_pages_serial, _merge_splits_serial = (njit(fastmath=FASTMATH, cache=True)(variant(f, "serial"))
+                                              for f in _pages_kernels(range))
 
 
 @njit(cache=True)

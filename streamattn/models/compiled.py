@@ -41,7 +41,7 @@ from numba.extending import intrinsic, overload
 
 from streamattn import storage
 from streamattn.backends import cpu, cpu_simd, cpu_tiles
-from streamattn.kernel_cache import drop_when_changed
+from streamattn.kernel_cache import drop_when_changed, variant
 from streamattn.models import heads_kernel, layer
 from streamattn.models.heads_kernel import heads_rope_alloc, heads_rope_rows_parallel, rms_row
 from streamattn.models.layer import LayerWeights
@@ -242,8 +242,9 @@ def _staging_kernels(items):
     return stored_16, heads_to_rows
 
 
-stored_16, heads_to_rows = (njit(cache=True)(f) for f in _staging_kernels(range))
-stored_16_parallel, heads_to_rows_parallel = (njit(parallel=True, cache=True)(f) for f in _staging_kernels(prange))
+stored_16, heads_to_rows = (njit(cache=True)(variant(f, "serial")) for f in _staging_kernels(range))
+stored_16_parallel, heads_to_rows_parallel = (njit(parallel=True, cache=True)(variant(f, "parallel"))
+                                              for f in _staging_kernels(prange))
 
 
 #: Rows per work item of :func:`stored_quantized_parallel` (a prompt chunk's rows of a kv head in pieces).
@@ -281,8 +282,8 @@ def _quantized_kernel(items):
     return stored_quantized
 
 
-stored_quantized = njit(cache=True)(_quantized_kernel(range))
-stored_quantized_parallel = njit(parallel=True, cache=True)(_quantized_kernel(prange))
+stored_quantized = njit(cache=True)(variant(_quantized_kernel(range), "serial"))
+stored_quantized_parallel = njit(parallel=True, cache=True)(variant(_quantized_kernel(prange), "parallel"))
 
 
 # K or V of a step as stored, by the storage's bits (x: float32 [B, Hk, T, D]; kind: cpu.KIND; width: the

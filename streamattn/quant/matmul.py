@@ -32,7 +32,7 @@ import numpy as np
 from numba import njit, prange
 
 from streamattn.backends import cpu_simd
-from streamattn.kernel_cache import drop_when_changed
+from streamattn.kernel_cache import drop_when_changed, variant
 from streamattn.quant import activations, kernels
 from streamattn.quant import amx as amx_kernels
 from streamattn.quant.activations import (glu_quantize_rows, glu_quantize_rows_parallel, norm_quantize_rows,  # noqa: F401
@@ -131,11 +131,12 @@ def _lines(rows, cols):
     return raw[off:off + rows * cols].reshape((rows, cols))
 
 
-def _njit_drivers(loops):
+def _njit_drivers(loops, tag: str):
     """The serial and the row-parallel driver from one source: ``loops(rows)`` returns the loop over
-    weight rows, ``rows`` being ``range`` or ``prange``. Numba keys a cached closure on its cells, so
-    the two (which differ in that cell) never share an entry, though its key ignores the parallel flag."""
-    return njit(cache=True)(loops(range)), njit(parallel=True, cache=True)(loops(prange))
+    weight rows, ``rows`` being ``range`` or ``prange``; ``tag`` names the drivers' variant (each copy
+    is compiled under its own name: :func:`streamattn.kernel_cache.variant`)."""
+    return (njit(cache=True)(variant(loops(range), f"{tag}_serial")),
+            njit(parallel=True, cache=True)(variant(loops(prange), f"{tag}_parallel")))
 
 
 #: What a driver quantizes first (its ``mode``): nothing (the activations are given), plain rows, RMSNorm
@@ -240,7 +241,7 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int, vnni: bool, amx: bool):
                     dot_1(qs, scale, minv, g, xq, xd, xs, xc, b, out)
             return out
         return run
-    return _njit_drivers(loops)
+    return _njit_drivers(loops, f"q_{kind}_{group}_{R}_{lanes}_{int(vnni)}_{int(amx)}")
 
 
 @functools.cache
@@ -258,7 +259,7 @@ def _fdrivers(kind: str, R: int):
                 for b in range(full, M):
                     dot_1(w, r, x, b, out)
         return body
-    return _njit_drivers(loops)
+    return _njit_drivers(loops, f"f_{kind}_{R}")
 
 
 _drop_stale_cache()
