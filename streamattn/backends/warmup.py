@@ -20,7 +20,7 @@ def kernels_cached() -> bool:
     """Whether Numba's on-disk cache already holds the attention kernel (False: the first call compiles it,
     ~10 s after a fresh install)."""
     try:
-        return any(Path(cpu.attend_pages._cache._cache_path).glob("*attend_pages-*.nbi"))
+        return Path(cpu.attend_pages._cache._cache_file._index_path).exists()
     except (AttributeError, OSError):   # no cache, or numba internals moved: say nothing
         return True
 
