@@ -68,7 +68,6 @@ def lock_cache_saves() -> bool:
             os.close(fd)                     # (releases the lock)
 
     locked_save.locked_by_streamattn = True
-    locked_save.__wrapped__ = save
     cls.save = locked_save
     return True
 

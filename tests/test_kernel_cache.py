@@ -13,21 +13,19 @@ from streamattn.kernel_cache import lock_cache_saves
 KEYS = 40
 
 
-def _save_many(path, tag, locked, start):
+def _save_many(path, tag, start):
     from numba.core import caching
-    if locked:
-        lock_cache_saves()
+    assert lock_cache_saves() and caching.IndexDataCacheFile.save.locked_by_streamattn
     cache = caching.IndexDataCacheFile(path, "f", ("stamp", 1))
-    save = caching.IndexDataCacheFile.save if locked else caching.IndexDataCacheFile.save.__wrapped__
     start.wait()
     for i in range(KEYS):
-        save(cache, (tag, i), f"{tag}:{i}")
+        cache.save((tag, i), f"{tag}:{i}")
 
 
-def _run_savers(path, locked):
+def _run_savers(path):
     ctx = multiprocessing.get_context("fork")
     start = ctx.Barrier(2)
-    ps = [ctx.Process(target=_save_many, args=(str(path), tag, locked, start)) for tag in "ab"]
+    ps = [ctx.Process(target=_save_many, args=(str(path), tag, start)) for tag in "ab"]
     for p in ps:
         p.start()
     for p in ps:
@@ -41,7 +39,7 @@ def _run_savers(path, locked):
 def test_saves_from_two_processes_keep_every_entry(tmp_path):
     """Two processes saving 40 entries each into one function's cache at once: every key loads back
     its own data (unlocked, they pick the same data-file numbers and overwrite each other)."""
-    got = _run_savers(tmp_path, locked=True)
+    got = _run_savers(tmp_path)
     assert got == {(tag, i): f"{tag}:{i}" for tag in "ab" for i in range(KEYS)}
     assert (tmp_path / "f.nbi.lock").exists()
 
