@@ -454,3 +454,95 @@ def test_smollm2_compiled_layers_give_the_array_layers_bits():
         assert_same(run(tf, True, ids, 4, dtype="float16"), want)
     finally:
         tf.compile_layers = True
+
+
+WAVE_CASES = [("llama", "float16", "full"), ("llama", "q8_0", "window"), ("gemma3", "float16", "sinks"),
+              ("gemma3", "q4_0", "full"), ("llama", "bfloat16", "window")]
+
+
+def wave_run(tf, monkeypatch, lanes, prompt, steps, **cache_kw):
+    """``run`` with the thread count the wavefront reads set to ``lanes`` (its blocks are Python threads,
+    so any count runs on any host; Numba itself stays on one thread); returns the result and how many
+    chunks ran as a wavefront."""
+    from streamattn.models import transformer
+    calls, real = [], Transformer._wavefront
+
+    def spy(self, *a):
+        calls.append(a[-1])
+        return real(self, *a)
+    monkeypatch.setattr(transformer, "thread_count", lambda: lanes)
+    monkeypatch.setattr(transformer, "WAVEFRONT_MAX_LANES", max(lanes, 2))
+    monkeypatch.setattr(Transformer, "_wavefront", spy)
+    try:
+        return run(tf, True, prompt, steps, **cache_kw), calls
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("lanes", [2, 3])
+@pytest.mark.parametrize("arch,dtype,mode", WAVE_CASES)
+def test_a_wavefront_chunk_gives_the_one_call_bits(tmp_path, monkeypatch, arch, dtype, mode, lanes):
+    """A 100-token prompt in row blocks on 2 or 3 threads (block k entering a layer after block k - 1
+    left it): the logits and every cache's bytes, lengths and bookkeeping equal one call's, then decode
+    steps (one row: no wavefront) continue from the same state."""
+    tf = tiny(tmp_path, arch)
+    kw = dict(dtype=dtype, mode=mode, window=None if mode == "full" else 37, sinks=3 if mode == "sinks" else 0)
+    prompt = [list(np.arange(100) * 7 % 60 + 3)]
+    for steps in (0, 3):                                          # the caches right after the chunk, and later
+        want = run(tf, True, prompt, steps, **kw)
+        got, calls = wave_run(tf, monkeypatch, lanes, prompt, steps, **kw)
+        assert calls == [lanes]
+        assert_same(got, want)
+
+
+def test_a_layer_handed_back_inside_a_wavefront_runs_as_array_code(tmp_path, monkeypatch):
+    """Layer 2 handed back to the array layer in every block: each block runs it as array code on its
+    own rows, with the one-call bits."""
+    tf = tiny(tmp_path, "llama")
+    real = compiled.CompiledLayers.run
+    monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, i, *a: i != 2 and real(self, i, *a))
+    prompt = [list(np.arange(80) % 50 + 3)]
+    want = run(tf, True, prompt, 2, dtype="float16")
+    got, calls = wave_run(tf, monkeypatch, 2, prompt, 2, dtype="float16")
+    assert calls == [2]
+    assert_same(got, want)
+
+
+def test_a_chunk_the_cache_refuses_or_must_grow_for_never_starts_a_wavefront(tmp_path, monkeypatch):
+    """max_len: refused before anything is written (state unchanged, the one-call error); a causal ring
+    too small for the chunk grows as in one call. Neither runs in blocks."""
+    tf = tiny(tmp_path, "llama")
+    tf.compile_layers = True
+    caches = tf.new_caches(max_chunk=80, max_len=100, dtype="float16", **PLAIN)
+    tf.forward(np.arange(30)[None] + 3, caches)
+    before = [clone(c) for c in caches]
+    from streamattn.models import transformer
+    monkeypatch.setattr(transformer, "thread_count", lambda: 2)
+    with pytest.raises(ValueError, match="max_len"):
+        tf.forward(np.arange(80)[None] % 50 + 3, caches)
+    assert_same(([], caches), ([], before))
+    monkeypatch.undo()
+    prompt = [list(np.arange(300) % 50 + 3)]                       # 300 tokens: past the first 256 slots
+    want = run(tf, True, prompt, 1)
+    got, calls = wave_run(tf, monkeypatch, 2, prompt, 1)
+    assert calls == [] and got[1][0].slots == want[1][0].slots
+    assert_same(got, want)
+
+
+def test_an_error_in_a_later_block_reaches_the_caller_after_every_block_stopped(tmp_path, monkeypatch):
+    import threading
+    tf = tiny(tmp_path, "llama")
+    real = compiled.CompiledLayers.run
+
+    def run_or_fail(self, i, *a):
+        if i == 3 and threading.current_thread().name == "streamattn-lane-1":
+            raise RuntimeError("block 1 failed")
+        return real(self, i, *a)
+    from streamattn.models import transformer
+    monkeypatch.setattr(transformer, "thread_count", lambda: 2)
+    monkeypatch.setattr(compiled.CompiledLayers, "run", run_or_fail)
+    tf.compile_layers = True
+    with pytest.raises(RuntimeError, match="block 1 failed"):
+        tf.forward(np.arange(70)[None] % 50 + 3, tf.new_caches(max_chunk=70, dtype="float16", **PLAIN))
+    assert not [t for t in threading.enumerate() if t.name.startswith("streamattn-lane")]
+    assert numba.get_num_threads() == 1

@@ -479,6 +479,13 @@ class CompiledLayers:
             table[key] = b
         return b[2]
 
+    def accepts(self, caches: list, T: int) -> bool:
+        """Whether every layer's cache takes a chunk of T more tokens of its one sequence as it is: no
+        ring to grow, nothing the array layer would refuse before writing (``Transformer._wavefront``
+        runs only then, so that such a chunk fails, or grows, before any block is written)."""
+        counts = np.array([T], np.int64)
+        return not any(_refuses(self.kv(c, self.value_rounding(i, c.spec)), counts) for i, c in enumerate(caches))
+
     def run(self, i: int, x, cache, step: Step) -> bool:
         """Layer i on the residual rows x [B*T, d] (float32, in place) and its CPU cache; False where it
         did nothing and the array layer must run it (see the module docstring)."""

@@ -29,8 +29,10 @@ Model (pre-norm; gemma3 extras in brackets)::
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable
 
+import numba
 import numpy as np
 
 from streamattn import CacheSpec, KVCache
@@ -45,7 +47,13 @@ from streamattn.models.layer import LayerWeights, decoder_layer
 from streamattn.models.rope import RopeTables, inverse_frequencies, rope_tables, yarn_divisors
 from streamattn.quant.matmul import KernelPlan, Matmuls
 from streamattn.quant.weights import QWeight, concat_rows
-from streamattn.threads import many_threads
+from streamattn.threads import many_threads, thread_count
+
+#: Prompt chunks run as a wavefront of row blocks, one Python thread each (:meth:`Transformer._wavefront`),
+#: when the thread count is at most WAVEFRONT_MAX_LANES and every block gets WAVEFRONT_MIN_ROWS rows.
+WAVEFRONT = True
+WAVEFRONT_MIN_ROWS = 32
+WAVEFRONT_MAX_LANES = 2                  # measured on 2 (docs/DESIGN.md §22); more keep the parallel kernels
 
 CACHE_MODES = ("full", "window", "sinks")
 POSITIONS = ("absolute", "cache")
@@ -299,6 +307,73 @@ class Transformer:
             self._compiled = compiled.CompiledLayers(self)
         return self._compiled
 
+    @staticmethod
+    def _lanes(B: int, T: int, attn_counts) -> int:
+        """How many row blocks a chunk runs in as a wavefront: the thread count, where that is 2..
+        :data:`WAVEFRONT_MAX_LANES` and each block gets :data:`WAVEFRONT_MIN_ROWS` rows of one sequence
+        whose rows are all real; else 1 (the layers' own parallel kernels)."""
+        n = thread_count()
+        if not WAVEFRONT or B != 1 or attn_counts is not None or not 2 <= n <= WAVEFRONT_MAX_LANES:
+            return 1
+        return n if T >= n * WAVEFRONT_MIN_ROWS else 1
+
+    def _wavefront(self, x, pos, caches, fast, backend: str, positions: str, lanes: int) -> None:
+        """Every layer on the rows of x [1, T, d] (in place), cut into ``lanes`` blocks of consecutive
+        rows, each block on its own thread with serial kernels, block k entering layer i once block
+        k - 1 has left it (its K/V rows are then in layer i's cache). A block's rows see the same keys in
+        the same cache slots as in one call, so logits and caches are the same bits (attention does not
+        depend on how rows are chunked; matmuls and norms work row by row). Why (docs/DESIGN.md §22): a
+        chunk's layers otherwise make ~10 parallel regions a layer, and beside a busy neighbour each one's
+        join waits for the slowed thread; here threads meet once per layer, and only the later block waits.
+        The first exception on any thread is raised after all have stopped."""
+        T = x.shape[1]
+        cuts = [T * k // lanes for k in range(lanes + 1)]
+        done, failed = [0] * lanes, []                 # layers each block has left; exceptions
+        cond = threading.Condition()
+
+        def lane(k: int) -> None:
+            try:
+                numba.set_num_threads(1)               # (this thread's count: nothing inside forks)
+                r0, r1 = cuts[k], cuts[k + 1]
+                n, xb, posb = r1 - r0, x[:, r0:r1], pos[:, r0:r1]          # xb: a view (one sequence)
+                tables = self._rope(posb)
+                ops = ArrayOps(self, caches, tables, posb, backend, None, None, positions)
+                status, cnt, real = np.zeros(1, np.int64), np.array([n], np.int64), np.arange(n, dtype=np.int64)
+                steps = {base: fast.step(cos.reshape(n, -1), sin.reshape(n, -1), 1, True, status, cnt, real)
+                         for base, (cos, sin) in tables.items()}
+                x2 = xb.reshape(n, x.shape[2])
+                for i, lw in enumerate(self.layers):
+                    if k:
+                        with cond:
+                            cond.wait_for(lambda: done[k - 1] > i or failed)
+                    if failed:                             # another block raised: stop at a layer's edge
+                        return
+                    if not fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):
+                        decoder_layer(xb, lw, ops.at_layer(i))
+                    with cond:
+                        done[k] = i + 1
+                        cond.notify_all()
+            except BaseException as e:                 # noqa: B036 (re-raised by the caller's thread)
+                with cond:
+                    failed.append(e)
+                    cond.notify_all()
+
+        count = numba.get_num_threads()
+        workers = [threading.Thread(target=lane, args=(k,), name=f"streamattn-lane-{k}", daemon=True)
+                   for k in range(1, lanes)]
+        for w in workers:
+            w.start()
+        try:
+            lane(0)
+        finally:
+            for w in workers:
+                w.join()
+            numba.set_num_threads(count)
+        if failed:
+            raise failed[0]
+        for cache in caches:                           # the last append was the whole chunk, as in one call
+            cache.last_counts[:] = T
+
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
                 logits_at=None, attn_hook: Callable | None = None, positions: str = "absolute", head_threads=None):
         """Run T new tokens per sequence through every layer, appending their K/V to ``caches``.
@@ -362,10 +437,14 @@ class Transformer:
             steps = {base: fast.step(cos.reshape(B * T, -1), sin.reshape(B * T, -1), B, serial, status, cnt, real)
                      for base, (cos, sin) in tables.items()}
             x2 = x.reshape(B * T, c.d_model)
-        for i, lw in enumerate(self.layers):
-            if fast is not None and fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):
-                continue
-            decoder_layer(x, lw, ops.at_layer(i))
+        lanes = self._lanes(B, T, attn_counts) if fast is not None else 1
+        if lanes > 1 and fast.accepts(caches, T):
+            self._wavefront(x, pos, caches, fast, backend, positions, lanes)
+        else:
+            for i, lw in enumerate(self.layers):
+                if fast is not None and fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):
+                    continue
+                decoder_layer(x, lw, ops.at_layer(i))
         if last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
         elif logits_at is not None:
