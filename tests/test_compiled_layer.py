@@ -508,24 +508,28 @@ def test_a_layer_handed_back_inside_a_wavefront_runs_as_array_code(tmp_path, mon
     assert_same(got, want)
 
 
-def test_a_chunk_the_cache_refuses_or_must_grow_for_never_starts_a_wavefront(tmp_path, monkeypatch):
-    """max_len: refused before anything is written (state unchanged, the one-call error); a causal ring
-    too small for the chunk grows as in one call. Neither runs in blocks."""
+def test_a_refused_chunk_starts_no_wavefront_and_a_small_ring_grows_first(tmp_path, monkeypatch):
+    """max_len: refused before anything is written (state unchanged, the one-call error), no block run;
+    a causal ring too small for the chunk grows first, to what one call grows it to, and the chunk then
+    runs in blocks with the one-call bits (a 705-token prompt in chunks of 256 grows at chunks 2 and 3)."""
     tf = tiny(tmp_path, "llama")
     tf.compile_layers = True
     caches = tf.new_caches(max_chunk=80, max_len=100, dtype="float16", **PLAIN)
     tf.forward(np.arange(30)[None] + 3, caches)
     before = [clone(c) for c in caches]
     from streamattn.models import transformer
+    calls, real = [], Transformer._wavefront
     monkeypatch.setattr(transformer, "thread_count", lambda: 2)
+    monkeypatch.setattr(Transformer, "_wavefront", lambda self, *a: calls.append(a[-1]) or real(self, *a))
     with pytest.raises(ValueError, match="max_len"):
         tf.forward(np.arange(80)[None] % 50 + 3, caches)
     assert_same(([], caches), ([], before))
+    assert calls == []
     monkeypatch.undo()
     prompt = [list(np.arange(300) % 50 + 3)]                       # 300 tokens: past the first 256 slots
     want = run(tf, True, prompt, 1)
     got, calls = wave_run(tf, monkeypatch, 2, prompt, 1)
-    assert calls == [] and got[1][0].slots == want[1][0].slots
+    assert calls == [2] and got[1][0].slots == want[1][0].slots == 512
     assert_same(got, want)
 
 

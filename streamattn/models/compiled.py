@@ -480,11 +480,20 @@ class CompiledLayers:
         return b[2]
 
     def accepts(self, caches: list, T: int) -> bool:
-        """Whether every layer's cache takes a chunk of T more tokens of its one sequence as it is: no
-        ring to grow, nothing the array layer would refuse before writing (``Transformer._wavefront``
-        runs only then, so that such a chunk fails, or grows, before any block is written)."""
+        """Whether every layer's cache takes a chunk of T more tokens of its one sequence: a causal ring
+        too small for it is grown first (as :meth:`run` grows it), unless some cache refuses the chunk
+        (max_len, a window that could not answer it), which then changes nothing. ``Transformer._wavefront``
+        runs only where this holds, so that a refused chunk fails before any block is written."""
         counts = np.array([T], np.int64)
-        return not any(_refuses(self.kv(c, self.value_rounding(i, c.spec)), counts) for i, c in enumerate(caches))
+
+        def refuses(i, c):
+            return _refuses(self.kv(c, self.value_rounding(i, c.spec)), counts)
+        small = [c for c in caches if not c.spec.window and int((c.lengths + T).max()) > c.slots]
+        if any(refuses(i, c) for i, c in enumerate(caches) if not any(c is s for s in small)):
+            return False
+        if not all(self._grow(c, counts) for c in small):
+            return False
+        return not any(refuses(i, c) for i, c in enumerate(caches))
 
     def run(self, i: int, x, cache, step: Step) -> bool:
         """Layer i on the residual rows x [B*T, d] (float32, in place) and its CPU cache; False where it
