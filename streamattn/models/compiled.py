@@ -484,15 +484,22 @@ class CompiledLayers:
         too small for it is grown first (as :meth:`run` grows it), unless some cache refuses the chunk
         (max_len, a window that could not answer it), which then changes nothing. ``Transformer._wavefront``
         runs only where this holds, so that a refused chunk fails before any block is written."""
+        if any(c.xp is not np for c in caches):      # (run hands such a layer to the array code)
+            return False
         counts = np.array([T], np.int64)
 
         def refuses(i, c):
             return _refuses(self.kv(c, self.value_rounding(i, c.spec)), counts)
-        small = [c for c in caches if not c.spec.window and int((c.lengths + T).max()) > c.slots]
-        if any(refuses(i, c) for i, c in enumerate(caches) if not any(c is s for s in small)):
+        need = [int((c.lengths + T).max()) for c in caches]
+        small = [not c.spec.window and n > c.slots for c, n in zip(caches, need)]
+        if any(refuses(i, c) for i, c in enumerate(caches) if not small[i]):
             return False
-        if not all(self._grow(c, counts) for c in small):
-            return False
+        if any(s and (c.view_of is not None or (c.spec.max_len is not None and n > c.spec.max_len))
+               for c, n, s in zip(caches, need, small)):
+            return False                              # one could not grow: grow none
+        for c, s in zip(caches, small):
+            if s:
+                self._grow(c, counts)
         return not any(refuses(i, c) for i, c in enumerate(caches))
 
     def run(self, i: int, x, cache, step: Step) -> bool:

@@ -325,7 +325,9 @@ class Transformer:
         depend on how rows are chunked; matmuls and norms work row by row). Why (docs/DESIGN.md §22): a
         chunk's layers otherwise make ~10 parallel regions a layer, and beside a busy neighbour each one's
         join waits for the slowed thread; here threads meet once per layer, and only the later block waits.
-        The first exception on any thread is raised after all have stopped."""
+        The first exception on any thread is raised after all have stopped, each at a layer's edge; the
+        caches are then part-written, as after one call that fails at a layer (there every layer below it
+        holds the chunk; here an earlier block may be a few layers further than a later one)."""
         T = x.shape[1]
         cuts = [T * k // lanes for k in range(lanes + 1)]
         done, failed = [0] * lanes, []                 # layers each block has left; exceptions
@@ -366,8 +368,14 @@ class Transformer:
         try:
             lane(0)
         finally:
-            for w in workers:
-                w.join()
+            for w in workers:                          # an interrupt here still stops and waits for them
+                while w.is_alive():
+                    try:
+                        w.join()
+                    except BaseException as e:         # noqa: B036 (raised below)
+                        with cond:
+                            failed.append(e)
+                            cond.notify_all()
             numba.set_num_threads(count)
         if failed:
             raise failed[0]
