@@ -500,7 +500,7 @@ class CompiledLayers:
         for c, s in zip(caches, small):
             if s:
                 self._grow(c, counts)
-        return not any(refuses(i, c) for i, c in enumerate(caches))
+        return not any(refuses(i, c) for i, c in enumerate(caches) if small[i])   # the others: checked above
 
     def run(self, i: int, x, cache, step: Step) -> bool:
         """Layer i on the residual rows x [B*T, d] (float32, in place) and its CPU cache; False where it

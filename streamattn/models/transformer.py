@@ -317,8 +317,9 @@ class Transformer:
             return 1
         return n if T >= n * WAVEFRONT_MIN_ROWS else 1
 
-    def _wavefront(self, x, pos, caches, fast, backend: str, positions: str, lanes: int) -> None:
-        """Every layer on the rows of x [1, T, d] (in place), cut into ``lanes`` blocks of consecutive
+    def _wavefront(self, x, pos, tables, caches, fast, backend: str, positions: str, lanes: int) -> None:
+        """Every layer on the rows of x [1, T, d] (in place; ``pos``, ``tables``: the chunk's positions and
+        RoPE tables, as :meth:`forward` made them), cut into ``lanes`` blocks of consecutive
         rows, each block on its own thread with serial kernels, block k entering layer i once block
         k - 1 has left it (its K/V rows are then in layer i's cache). A block's rows see the same keys in
         the same cache slots as in one call, so logits and caches are the same bits (attention does not
@@ -337,12 +338,12 @@ class Transformer:
             try:
                 numba.set_num_threads(1)               # (this thread's count: nothing inside forks)
                 r0, r1 = cuts[k], cuts[k + 1]
-                n, xb, posb = r1 - r0, x[:, r0:r1], pos[:, r0:r1]          # xb: a view (one sequence)
-                tables = self._rope(posb)
-                ops = ArrayOps(self, caches, tables, posb, backend, None, None, positions)
+                n, xb, posb = r1 - r0, x[:, r0:r1], pos[:, r0:r1]          # views (one sequence)
+                tab = {base: (cos[:, r0:r1], sin[:, r0:r1]) for base, (cos, sin) in tables.items()}
+                ops = ArrayOps(self, caches, tab, posb, backend, None, None, positions)
                 status, cnt, real = np.zeros(1, np.int64), np.array([n], np.int64), np.arange(n, dtype=np.int64)
                 steps = {base: fast.step(cos.reshape(n, -1), sin.reshape(n, -1), 1, True, status, cnt, real)
-                         for base, (cos, sin) in tables.items()}
+                         for base, (cos, sin) in tab.items()}
                 x2 = xb.reshape(n, x.shape[2])
                 for i, lw in enumerate(self.layers):
                     if k:
@@ -447,7 +448,7 @@ class Transformer:
             x2 = x.reshape(B * T, c.d_model)
         lanes = self._lanes(B, T, attn_counts) if fast is not None else 1
         if lanes > 1 and fast.accepts(caches, T):
-            self._wavefront(x, pos, caches, fast, backend, positions, lanes)
+            self._wavefront(x, pos, tables, caches, fast, backend, positions, lanes)
         else:
             for i, lw in enumerate(self.layers):
                 if fast is not None and fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):
