@@ -1,17 +1,22 @@
 """GPU decode bandwidth: split-K decode (+ merge) vs a device-to-device copy measured in the same run.
 
-Question: how close does one decode step come to the memory bandwidth the device shows on a plain copy?
-For L in {4k, 32k, 128k}, B in {1, 16}, GQA 32/8, head_dim 128, fp16 and bf16 storage:
-- correctness first: sequence 0 of every config against a float32 CuPy reference;
+Question: how close does one decode step come to the memory bandwidth the device shows on a plain copy,
+and how much faster do quantized K/V rows (q8_0, q4_0: 1.0625 / 0.5625 bytes a value against float16's 2)
+make it? For L in {4k, 32k, 128k}, B in {1, 16}, GQA 32/8, head_dim 128, float16, bfloat16, q8_0 and q4_0
+storage, each (L, B) point's kinds timed back to back:
+- correctness first: sequence 0 of every config against a float32 CuPy reference over the stored values
+  (quantized rows dequantized: streamattn.storage.dequantize);
 - the launches the backend makes (decode, merge) are captured once and replayed, so host-side Python
   does not enter the timing; a spin kernel holds the GPU while the replays are queued;
 - median over >= 50 launches, each between two CUDA events, rotating over enough cache copies that
   each launch starts with a cold L2;
-- achieved GB/s = K+V bytes read (2 * L * kv_heads * head_dim * bytes * B) / time, and its % of the
-  copy bandwidth ((read + written bytes) / time of a large cudaMemcpy D2D).
-Prints one table, writes JSON. Needs CuPy and a CUDA device; no network.
+- achieved GB/s = K+V bytes read (2 * L * kv_heads * row bytes * B) / time, and its % of the copy
+  bandwidth ((read + written bytes) / time of a large cudaMemcpy D2D);
+- per point, each kind's tok/s against float16's (issue 28 asks q8_0 >= 1.7x float16 at L = 32k).
+Prints two tables, writes JSON. Needs CuPy and a CUDA device; no network.
 
 Usage: python benchmarks/gpu_decode.py [--json out/gpu_decode.json] [--launches 60] [--lengths ...] [--batches ...]
+    [--dtypes float16 bfloat16 q8_0 q4_0]
 """
 from __future__ import annotations
 
@@ -28,6 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from streamattn.backends import gpu, gpu_plan  # noqa: E402
 from streamattn.reference import TOLERANCE  # noqa: E402
+from streamattn.spec import BLOCK_BYTES, QBLOCK, QUANTIZED, row_width  # noqa: E402
+from streamattn.storage import dequantize  # noqa: E402
+
+DTYPES = ("float16", "bfloat16", "q8_0", "q4_0")
+# q8_0 / q4_0 block scales are drawn as c * (|N(0, 1)| + 1/2): stored values of about unit size, as the
+# float kinds' N(0, 1) values (an int8 times ~1/64, a nibble minus 8 times ~1/4)
+QUANT_SCALE = {"q8_0": 1 / 64, "q4_0": 1 / 4}
 
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -38,7 +50,19 @@ extern "C" __global__ void spin(long long cycles) {
 
 
 def fill(cp, shape, dtype: str):
-    """Random normal values in storage dtype (bf16 as uint16 bits), generated one sequence at a time."""
+    """Random storage of ``dtype`` for a cache [batch, kv_heads, slots, head_dim], one sequence at a time:
+    normal values as float16 or bfloat16 (uint16 bits), or uint8 rows of q8_0 / q4_0 blocks with random
+    quants and float16 scales of :data:`QUANT_SCALE` (written on the device: no host quantizer)."""
+    if dtype in QUANTIZED:
+        batch, heads, slots, head_dim = shape
+        nb, nbytes = head_dim // QBLOCK, BLOCK_BYTES[dtype]
+        out = cp.empty((batch, heads, slots, nb * nbytes), cp.uint8)
+        for b in range(batch):
+            blocks = cp.random.randint(0, 256, size=(heads, slots, nb, nbytes), dtype=cp.uint8)
+            d = cp.abs(cp.random.standard_normal((heads, slots, nb, 1), dtype=cp.float32)) + 0.5
+            blocks[..., :2] = (d * QUANT_SCALE[dtype]).astype(cp.float16).view(cp.uint8)
+            out[b] = blocks.reshape(heads, slots, nb * nbytes)
+        return out
     out = cp.empty(shape, cp.float16 if dtype == "float16" else cp.uint16)
     for b in range(shape[0]):
         x = cp.random.standard_normal(shape[1:], dtype=cp.float32)
@@ -50,7 +74,9 @@ def fill(cp, shape, dtype: str):
     return out
 
 
-def to_float(cp, a, dtype: str):
+def to_float(cp, a, dtype: str, head_dim: int):
+    if dtype in QUANTIZED:
+        return dequantize(a, dtype, head_dim, xp=cp)
     if dtype == "float16":
         return a.astype(cp.float32)
     return (a.astype(cp.uint32) << 16).view(cp.float32)
@@ -59,8 +85,9 @@ def to_float(cp, a, dtype: str):
 def check(cp, q, k, v, out, lse, dtype, scale) -> float:
     """Relative error of sequence 0 against a float32 reference (causal, every key visible)."""
     group = q.shape[1] // k.shape[1]
-    kf = cp.repeat(to_float(cp, k[0], dtype), group, axis=0)  # [q_heads, L, d]
-    vf = cp.repeat(to_float(cp, v[0], dtype), group, axis=0)
+    head_dim = q.shape[3]
+    kf = cp.repeat(to_float(cp, k[0], dtype, head_dim), group, axis=0)  # [q_heads, L, d]
+    vf = cp.repeat(to_float(cp, v[0], dtype, head_dim), group, axis=0)
     s = cp.einsum("hd,hld->hl", q[0, :, 0].astype(cp.float32), kf) * scale  # [q_heads, L]
     m = s.max(axis=1, keepdims=True)
     w = cp.exp(s - m)
@@ -89,7 +116,7 @@ def copy_bandwidth(cp, nbytes: int, launches: int) -> float:
 
 def bench_config(cp, spin, *, length, batch, dtype, launches, l2_bytes, sm_count, q_heads, kv_heads, head_dim):
     scale = head_dim ** -0.5
-    cache_bytes = 2 * batch * kv_heads * length * head_dim * 2  # K + V, 2 bytes each
+    cache_bytes = 2 * batch * kv_heads * length * (row_width(dtype, head_dim) if dtype in QUANTIZED else 2 * head_dim)
     sets = max(2, min(16, math.ceil(3 * l2_bytes / cache_bytes)))  # rotate: every launch starts L2-cold
     lengths = np.full(batch, length)
     counts = np.ones(batch, np.int64)
@@ -108,7 +135,7 @@ def bench_config(cp, spin, *, length, batch, dtype, launches, l2_bytes, sm_count
                                         sm_count=sm_count)
         if i == 0:
             err = check(cp, q, k, v, out, lse, dtype, scale)
-            tol = TOLERANCE[dtype]
+            tol = max(TOLERANCE[dtype], TOLERANCE["float16"])  # out comes back in q's dtype, float16
             if not err <= tol:
                 raise AssertionError(f"decode L={length} B={batch} {dtype}: error {err:.2e} > {tol}")
         plans.append((captured, k, v, q, out, lse))
@@ -144,6 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", default="32/8", help="q_heads/kv_heads")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
     parser.add_argument("--copy-bytes", type=int, default=2 << 30, help="size of the D2D copy probe")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
+                        help="K/V storage kinds, timed back to back per (L, B)")
     args = parser.parse_args(argv)
     q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
     if not gpu.available():
@@ -159,9 +188,9 @@ def main(argv=None) -> int:
     started = time.time()
     copy_before = copy_bandwidth(cp, args.copy_bytes, 20)
     rows = []
-    for dtype in ("float16", "bfloat16"):
-        for length in args.lengths:
-            for batch in args.batches:
+    for length in args.lengths:
+        for batch in args.batches:
+            for dtype in args.dtypes:
                 rows.append(bench_config(cp, spin, length=length, batch=batch, dtype=dtype, launches=args.launches,
                                          l2_bytes=l2_bytes, sm_count=sm_count, q_heads=q_heads,
                                          kv_heads=kv_heads, head_dim=args.head_dim))
@@ -174,6 +203,17 @@ def main(argv=None) -> int:
         r["pct_of_copy"] = 100 * r["gbps"] / copy_bw
         print(f"{r['dtype']:9s} {r['length']:7d} {r['batch']:3d} {r['splits']:6d} {r['median_us']:10.1f} "
               f"{r['gbps']:8.0f} {r['pct_of_copy']:6.1f}% {r['error']:9.1e}")
+    base = {(r["length"], r["batch"]): r["median_us"] for r in rows if r["dtype"] == "float16"}
+    if base:
+        others = [d for d in args.dtypes if d != "float16"]
+        print(f"tok/s against float16, same run:\n{'L':>7s} {'B':>3s}  " + "  ".join(f"{d:>9s}" for d in others))
+        for (length, batch), f16 in base.items():
+            cells = []
+            for d in others:
+                r = next(r for r in rows if (r["length"], r["batch"], r["dtype"]) == (length, batch, d))
+                r["vs_float16"] = f16 / r["median_us"]
+                cells.append(f"{r['vs_float16']:8.2f}x")
+            print(f"{length:7d} {batch:3d}  " + "  ".join(cells))
     result = dict(device=name, sm_count=sm_count, l2_bytes=l2_bytes, copy_gbps_before=copy_before,
                   copy_gbps_after=copy_after, copy_note=f"(read + written bytes) / median time of a {args.copy_bytes} B D2D memcpy",
                   q_heads=q_heads, kv_heads=kv_heads, head_dim=args.head_dim, launches=args.launches,

@@ -58,8 +58,14 @@ def storage(a, dtype: str):
         stored = np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
         return stored.view(np.uint16), stored.astype(np.float64)
     if dtype in ("q8_0", "q4_0"):   # gguf-py's blocks and their values (head_dim a multiple of 32 here)
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize, quantize
+        try:
+            from gguf import GGMLQuantizationType
+            from gguf.quants import dequantize, quantize
+        except ImportError:         # a GPU image without gguf (scripts/gpu_check.sh installs nothing): our
+            from streamattn import storage   # quantizer, the same bytes (tests/test_kv_quant.py checks them)
+            stored = storage.quantize(np.asarray(a, np.float32), dtype)[0]
+            return stored, storage.dequantize(stored, dtype, stored.shape[-1] // storage.BLOCK_BYTES[dtype] * 32
+                                              ).astype(np.float64)
         qt = GGMLQuantizationType[dtype.upper()]
         stored = quantize(np.asarray(a, np.float32), qt)
         return stored, dequantize(stored, qt).astype(np.float64)

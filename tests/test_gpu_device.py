@@ -18,8 +18,9 @@ import cupy  # noqa: E402
 
 # Collected again here, with the device runner below in place of the emulator.
 from test_gpu_emu import (  # noqa: E402,F401
-    test_decode, test_every_padding_row, test_float16_queries_and_many_empty_splits, test_gqa_groups,
-    test_prefill_chunk, test_streaming_chunks_through_the_ring,
+    test_cuda_kernels_emulated, test_cuda_kernels_emulated_k_and_v_apart, test_decode, test_every_padding_row,
+    test_float16_queries_and_many_empty_splits, test_gqa_groups, test_prefill_chunk,
+    test_streaming_chunks_through_the_ring,
 )
 
 pytestmark = pytest.mark.gpu
@@ -50,7 +51,7 @@ def runner():
     return DeviceRunner()
 
 
-@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16", "q8_0", "q4_0"))
 @pytest.mark.parametrize("window,sinks", [(0, 0), (4096, 4)])
 def test_long_cache_default_splits(runner, dtype, window, sinks):
     """A 20k-token cache, GQA 32/8, head_dim 128: the split heuristic and the merge at real size."""

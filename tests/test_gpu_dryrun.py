@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cuda_emu import emu
+from streamattn.reference import TOLERANCE
 from gpu_fixtures import emu_library  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +44,10 @@ def test_benchmark_runs_through_the_fake(fake_env, tmp_path):
                            "--json", str(out)], cwd=ROOT, env=fake_env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert [r["dtype"] for r in result["rows"]] == ["float16", "bfloat16"]
-    assert all(r["splits"] == 2 and r["error"] < 2e-3 for r in result["rows"])
-    assert "% copy" in done.stdout
+    assert [r["dtype"] for r in result["rows"]] == ["float16", "bfloat16", "q8_0", "q4_0"]
+    assert all(r["splits"] == 2 and r["error"] < max(TOLERANCE[r["dtype"]], TOLERANCE["float16"]) for r in result["rows"])
+    rows = {r["dtype"]: r for r in result["rows"]}
+    assert rows["q8_0"]["bytes"] * 64 == rows["float16"]["bytes"] * 34    # 2 x 34-byte blocks against 128 bytes
+    assert rows["q4_0"]["bytes"] * 64 == rows["float16"]["bytes"] * 18
+    assert all(r["vs_float16"] > 0 for r in result["rows"] if r["dtype"] != "float16")
+    assert "% copy" in done.stdout and "tok/s against float16" in done.stdout

@@ -173,3 +173,50 @@ def test_window_one_sees_only_the_current_token(runner, T):
             pos = c["lengths"][b] - T + t
             own = c["v"][b, 0, go.slot_of(pos, window=1, sinks=0, slots=slots)]
             np.testing.assert_allclose(out[b, :, t], np.broadcast_to(own, out[b, :, t].shape), rtol=1e-6, atol=1e-6)
+
+
+# -- kernels/*.cu over quantized rows: the CPU emulation of the same text, against the oracle ---------------
+
+@pytest.mark.parametrize("dtype", ("q8_0", "q4_0"))
+@pytest.mark.parametrize("T,window,sinks", [(1, 0, 0), (1, 5, 2), (3, 5, 2)])
+def test_cuda_kernels_emulated(runner, dtype, T, window, sinks):
+    """decode (split-K 1 and 3 + merge) and prefill over q8_0 / q4_0 rows, ragged, GQA 6/2, a wrapped ring:
+    within float32 tolerance of the oracle over gguf-py's dequantized values."""
+    rng = np.random.default_rng(T + window)
+    c = go.case(rng, batch=3, q_heads=6, kv_heads=2, head_dim=64, lengths=[29, 3, 19], counts=[T, 1, 0], T=T,
+                window=window, sinks=sinks, dtype=dtype)
+    for splits in ((1, 3) if T == 1 else (None,)):
+        out, lse = runner.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=window, sinks=sinks,
+                                 scale=c["scale"], splits=splits)
+        assert runner.launches[-1 if splits in (1, None) else -2] == \
+            f"{'decode' if T == 1 else 'prefill'}_{dtype[:2]}_hd64"
+        assert go.rel_err(out, c["ref_out"]) <= go.TOL["float32"] and go.lse_err(lse, c["ref_lse"]) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype,dtype_v", [("float16", "q8_0"), ("float16", "q4_0"), ("q8_0", "float16"),
+                                           ("q4_0", "float16"), ("q8_0", "q4_0"), ("q4_0", "q8_0")])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("T,window,sinks", [(1, 0, 0), (1, 5, 2), (3, 5, 2)])
+def test_cuda_kernels_emulated_k_and_v_apart(runner, dtype, dtype_v, head_dim, T, window, sinks):
+    """K and V of different storage (each GPU thread reads V at K's positions: V's vectors wider than K's,
+    float16 K beside q8_0 V, and narrower, the reverse): decode with 1 and 3 splits and a chunk, against the
+    oracle over each side's stored values; the launch names both kinds."""
+    rng = np.random.default_rng(head_dim + T + window + len(dtype) * 7 + len(dtype_v))
+    c = go.case(rng, batch=3, q_heads=6, kv_heads=2, head_dim=head_dim, lengths=[29, 3, 19], counts=[T, 1, 0],
+                T=T, window=window, sinks=sinks, dtype=dtype, dtype_v=dtype_v)
+    assert c["k"].dtype != c["v"].dtype or c["k"].shape != c["v"].shape
+    tag = {"float16": "f16", "q8_0": "q8", "q4_0": "q4"}
+    for splits in ((1, 3) if T == 1 else (None,)):
+        out, lse = runner.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=window, sinks=sinks,
+                                 scale=c["scale"], splits=splits)
+        assert runner.launches[-1 if splits in (1, None) else -2] == \
+            f"{'decode' if T == 1 else 'prefill'}_{tag[dtype]}_{tag[dtype_v]}_hd{head_dim}"
+        assert go.rel_err(out, c["ref_out"]) <= go.TOL["float32"] and go.lse_err(lse, c["ref_lse"]) <= 1e-4
+
+
+def test_cuda_plan_refuses_pairs_without_kernels(runner):
+    """bfloat16 or float32 beside another kind has no kernel: a TypeError names both sides and the pairs."""
+    c = go.case(np.random.default_rng(0), batch=1, q_heads=2, kv_heads=1, head_dim=64, lengths=[5], counts=[1], T=1,
+                window=0, sinks=0, dtype="bfloat16", dtype_v="q8_0")
+    with pytest.raises(TypeError, match=r"stored as uint16 \(bf16\) and uint8 \(q8\).*f16/q8"):
+        runner.attend(c["q"], c["k"], c["v"], c["lengths"], c["counts"], window=0, sinks=0, scale=c["scale"])

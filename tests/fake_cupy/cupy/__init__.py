@@ -66,7 +66,8 @@ for _name in ("repeat", "einsum", "exp", "log", "abs", "zeros", "zeros_like", "f
 
 _rng = _np.random.default_rng(0)
 random = types.SimpleNamespace(
-    standard_normal=lambda shape, dtype=float32: _dev(_rng.standard_normal(shape, dtype=_np.float32).astype(dtype)))
+    standard_normal=lambda shape, dtype=float32: _dev(_rng.standard_normal(shape, dtype=_np.float32).astype(dtype)),
+    randint=lambda low, high=None, size=None, dtype=int64: _dev(_rng.integers(low, high, size=size, dtype=dtype)))
 
 
 def _emulator():
