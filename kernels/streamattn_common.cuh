@@ -61,17 +61,23 @@ template <int KIND, int HD> struct SaRow {
 };
 
 // Unpack one vector of storage KIND into float lanes out[0 .. E).
+// Quantized values become floats without an int-to-float conversion: the byte u (q8_0's int8 q offset
+// by 128, or q4_0's nibble) is written under the exponent bits of 2^23, giving the float 2^23 + u exactly,
+// and 2^23 + 128 (q8_0) or 2^23 + 8 (q4_0) is subtracted, exactly: the same float q as (float)q, so the
+// same bits. Conversions (I2F) issue at 16 per clock per SM on sm_80/sm_90, against 64 for the bit
+// operations and 128 for float adds and multiplies (CUDA C++ Programming Guide, "Arithmetic
+// Instructions" throughput table): at two per K/V value pair they, not the memory, would bound the
+// quantized decode loop on an H100 (the estimate: docs/PERF.md, 2026-12-05).
 template <int KIND> __device__ __forceinline__ void sa_unpack(const SaRaw r, float* out) {
     const unsigned w[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         if (KIND >= 3) {  // four values a word: int8 (q8_0) or a nibble in 0..15 (q4_0), times the scale
+            const unsigned u = KIND == 3 ? w[i] ^ 0x80808080u : w[i];          // q8_0: q + 128 per byte
+            const float bias = KIND == 3 ? 8388736.0f : 8388616.0f;          // 2^23 + 128, 2^23 + 8
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int byte = (int)((w[i] >> (8 * j)) & 0xffu);
-                const int q = KIND == 3 ? (byte ^ 0x80) - 0x80 : byte - 8;
-                out[4 * i + j] = (float)q * r.d;
-            }
+            for (int j = 0; j < 4; ++j)
+                out[4 * i + j] = (__uint_as_float(0x4B000000u | ((u >> (8 * j)) & 0xffu)) - bias) * r.d;
         } else if (KIND == 0) {
             out[i] = __uint_as_float(w[i]);
         } else if (KIND == 1) {
