@@ -4,6 +4,7 @@ Runs only with the optional ``peer`` extra (torch, transformers, accelerate): ``
 Agreement metric: max |ours - theirs| / max |theirs| over all teacher-forced positions.
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -16,11 +17,32 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """transformers parses a GGUF file three times to load it (tokenizer, config, weights: a new
+    ``gguf.GGUFReader`` each time), ~16 s a parse for Gemma-3's 262k-token vocabulary here; inside this
+    block a path is parsed once and its (read-only) reader handed out again."""
+    import gguf
+    real, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real(path, *args, **kwargs)
+        return readers[key]
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def hf_model(path):
     d, f = os.path.split(path)
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32,
-                                                              attn_implementation="eager")
+    with gguf_parsed_once():
+        tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32,
+                                                                  attn_implementation="eager")
     return tok, model.eval()
 
 
