@@ -117,7 +117,8 @@ def copy_bandwidth(cp, nbytes: int, launches: int) -> float:
 def bench_config(cp, spin, *, length, batch, dtype, launches, l2_bytes, sm_count, q_heads, kv_heads, head_dim):
     scale = head_dim ** -0.5
     cache_bytes = 2 * batch * kv_heads * length * (row_width(dtype, head_dim) if dtype in QUANTIZED else 2 * head_dim)
-    sets = max(2, min(16, math.ceil(3 * l2_bytes / cache_bytes)))  # rotate: every launch starts L2-cold
+    # rotate: every launch starts L2-cold (3x the L2 in copies; up to 64: q4_0 at 4k is 4.7 MB a copy)
+    sets = max(2, min(64, math.ceil(3 * l2_bytes / cache_bytes)))
     lengths = np.full(batch, length)
     counts = np.ones(batch, np.int64)
     plans = []

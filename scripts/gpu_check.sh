@@ -2,7 +2,7 @@
 # GPU check: the oracle tests through real CuPy, then the decode bandwidth benchmark (table + JSON):
 # float16, bfloat16, q8_0 and q4_0 K/V, each kind's tok/s against float16's in the same run.
 # For a machine with an NVIDIA GPU and CuPy (+ pytest) preinstalled: no network, no pip installs,
-# nothing but this repository's files. Under 5 minutes on an H100/H200 class device.
+# nothing but this repository's files. The two steps stop at 200 s and 300 s (not yet run on a device).
 #   bash scripts/gpu_check.sh            # results in out/gpu_decode.json
 #   OUT=/some/dir bash scripts/gpu_check.sh
 set -euo pipefail

@@ -12,8 +12,6 @@ from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
 from streamattn import CacheSpec, KVCache, attend, snapshot, state
 from streamattn.storage import dequantize, quantize
-import gpu_oracle as go
-from gpu_fixtures import runner  # noqa: F401  (fixture)
 from oracle import as_stored, rotation
 from test_oracle import stream   # every output against the oracle over the values as stored
 
