@@ -64,8 +64,7 @@ def storage(a, dtype: str):
         except ImportError:         # a GPU image without gguf (scripts/gpu_check.sh installs nothing): our
             from streamattn import storage   # quantizer, the same bytes (tests/test_kv_quant.py checks them)
             stored = storage.quantize(np.asarray(a, np.float32), dtype)[0]
-            return stored, storage.dequantize(stored, dtype, stored.shape[-1] // storage.BLOCK_BYTES[dtype] * 32
-                                              ).astype(np.float64)
+            return stored, storage.dequantize(stored, dtype, a.shape[-1]).astype(np.float64)
         qt = GGMLQuantizationType[dtype.upper()]
         stored = quantize(np.asarray(a, np.float32), qt)
         return stored, dequantize(stored, qt).astype(np.float64)

@@ -460,10 +460,10 @@ WAVE_CASES = [("llama", "float16", "full"), ("llama", "q8_0", "window"), ("gemma
               ("gemma3", "q4_0", "full"), ("llama", "bfloat16", "window")]
 
 
-def wave_run(tf, monkeypatch, lanes, prompt, steps, **cache_kw):
-    """``run`` with the thread count the wavefront reads set to ``lanes`` (its blocks are Python threads,
-    so any count runs on any host; Numba itself stays on one thread); returns the result and how many
-    chunks ran as a wavefront."""
+def wavefront_on(monkeypatch, lanes):
+    """The thread count the wavefront reads set to ``lanes`` (its blocks are Python threads, so any count
+    runs on any host; Numba itself stays on one thread); returns the list each wavefront call appends
+    its block count to."""
     from streamattn.models import transformer
     calls, real = [], Transformer._wavefront
 
@@ -473,6 +473,12 @@ def wave_run(tf, monkeypatch, lanes, prompt, steps, **cache_kw):
     monkeypatch.setattr(transformer, "thread_count", lambda: lanes)
     monkeypatch.setattr(transformer, "WAVEFRONT_MAX_LANES", max(lanes, 2))
     monkeypatch.setattr(Transformer, "_wavefront", spy)
+    return calls
+
+
+def wave_run(tf, monkeypatch, lanes, prompt, steps, **cache_kw):
+    """``run`` under :func:`wavefront_on`; returns the result and how many blocks each wavefront had."""
+    calls = wavefront_on(monkeypatch, lanes)
     try:
         return run(tf, True, prompt, steps, **cache_kw), calls
     finally:
@@ -517,10 +523,7 @@ def test_a_refused_chunk_starts_no_wavefront_and_a_small_ring_grows_first(tmp_pa
     caches = tf.new_caches(max_chunk=80, max_len=100, dtype="float16", **PLAIN)
     tf.forward(np.arange(30)[None] + 3, caches)
     before = [clone(c) for c in caches]
-    from streamattn.models import transformer
-    calls, real = [], Transformer._wavefront
-    monkeypatch.setattr(transformer, "thread_count", lambda: 2)
-    monkeypatch.setattr(Transformer, "_wavefront", lambda self, *a: calls.append(a[-1]) or real(self, *a))
+    calls = wavefront_on(monkeypatch, 2)
     with pytest.raises(ValueError, match="max_len"):
         tf.forward(np.arange(80)[None] % 50 + 3, caches)
     assert_same(([], caches), ([], before))
@@ -542,11 +545,11 @@ def test_an_error_in_a_later_block_reaches_the_caller_after_every_block_stopped(
         if i == 3 and threading.current_thread().name == "streamattn-lane-1":
             raise RuntimeError("block 1 failed")
         return real(self, i, *a)
-    from streamattn.models import transformer
-    monkeypatch.setattr(transformer, "thread_count", lambda: 2)
+    calls = wavefront_on(monkeypatch, 2)
     monkeypatch.setattr(compiled.CompiledLayers, "run", run_or_fail)
     tf.compile_layers = True
     with pytest.raises(RuntimeError, match="block 1 failed"):
         tf.forward(np.arange(70)[None] % 50 + 3, tf.new_caches(max_chunk=70, dtype="float16", **PLAIN))
+    assert calls == [2]
     assert not [t for t in threading.enumerate() if t.name.startswith("streamattn-lane")]
     assert numba.get_num_threads() == 1
