@@ -391,7 +391,7 @@ def recode_for_queries(x, qs, out, damping=QUERY_DAMPING):
     non-finite or zero scale, or queries of zero norm or not finite, keep their codes."""
     n, D = x.shape
     G = qs.shape[0]
-    nb = D // 32
+    nb = (D + 31) // 32                            # a last block padded with zeros counts (head_dim 16, 80)
     M = np.empty((G, G))
     Minv = np.empty((G, G))
     u = np.empty(G)
