@@ -32,8 +32,7 @@ from .. import storage
 from ..kernel_cache import drop_when_changed, variant
 from ..storage import write_rows
 from ..threads import many_threads
-from . import cpu_q8, cpu_simd, cpu_tiles
-from .cpu_q8 import limbs_for, tile_scores_q8
+from . import cpu_simd, cpu_tiles
 from .cpu_simd import row_max
 from .cpu_tiles import FASTMATH, KIND, accumulate, exp_tile, soft_cap, tile_sum, scores, tile_accumulate, tile_scores
 
@@ -131,7 +130,6 @@ def _pages_kernels(items):
                 qf[i] = qs[b, h * G + g, t] if sink_page else q[b, h * G + g, t]
                 qpos[i] = p_first + t
                 qlo[i] = max(0, p_first + t - window + 1) if (window > 0 and not sink_page) else 0
-            ql, qcor, qexp = limbs_for(qf, kind)             # q8_0 keys: integer scores (cpu_q8)
             m = np.full(rows, -np.inf, np.float32)           # [rows] running max
             # Sums in float64 across tiles; a tile is summed in float32 (tacc), then folded in.
             l = np.zeros(rows, np.float64)                   # [rows] running sum of exp
@@ -161,9 +159,7 @@ def _pages_kernels(items):
                     slot = slot0 + (pos - run)
                     n = t1 - pos
                     kt = k[b, h, slot:slot + n]                     # [n, D] storage
-                    if ql.shape[0]:
-                        tile_scores_q8(ql, qcor, qexp, kt, n, sc, kpad, stail)
-                    elif vector:
+                    if vector:
                         tile_scores(qf, kt, n, sc, kind, kpad, stail)
                     else:
                         for r in range(rows):
@@ -355,12 +351,12 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
 
 def _drop_stale_kernels(kernels=None, source=None) -> None:
     """Flush ``kernels`` (default: the cached kernels of this module and of cpu_tiles) once when
-    cpu_simd.py, cpu_tiles.py, cpu_q8.py or storage.py (write_attend calls its write_rows) changed, or ``source``
+    cpu_simd.py, cpu_tiles.py or storage.py (write_attend calls its write_rows) changed, or ``source``
     (one path) does: :func:`streamattn.kernel_cache.drop_when_changed`."""
     if kernels is None:
-        kernels = [f for mod in (globals(), vars(cpu_tiles), vars(cpu_q8)) for f in mod.values()
+        kernels = [f for mod in (globals(), vars(cpu_tiles)) for f in mod.values()
                    if getattr(f, "_cache", None) is not None and hasattr(f._cache, "flush")]
-    files = [source] if source else [cpu_simd.__file__, cpu_tiles.__file__, cpu_q8.__file__, storage.__file__]
+    files = [source] if source else [cpu_simd.__file__, cpu_tiles.__file__, storage.__file__]
 
     def flush(_directory):
         for f in kernels:

@@ -22,7 +22,6 @@ streamattn.storage); 16-bit rows are widened as loaded, quantized ones read in p
 values is one 16-byte load (q8_0) or half of one block's nibbles (q4_0), widened to <16 x float> in
 registers and multiplied by the block's float16 scale (exact: an int8 times a float16 fits a float32).
 Every vector kernel needs head_dim % 16 == 0; the backend keeps a plain-Numba path for other sizes.
-Where the CPU has AVX512-VNNI, q8_0 keys are scored by :mod:`.cpu_q8` instead (integer dot products).
 
 Four-row kernels, and kernels of any row count over 16-bit or quantized storage, prefetch every line
 they load PREFETCH_BYTES ahead (hint T0): from memory the hardware prefetcher alone left the GQA group
@@ -163,8 +162,8 @@ def _prefetches(R: int, kind: int) -> bool:
     return R >= PREFETCH_MIN_ROWS or kind != 0
 
 
-def prefetch_line(builder, ary, row, col, distance: int = PREFETCH_BYTES):
-    """Prefetch the line ``distance`` bytes past &ary[row, col] for reading, hint T0; never faults, even
+def prefetch_line(builder, ary, row, col):
+    """Prefetch the line PREFETCH_BYTES past &ary[row, col] for reading, hint T0; never faults, even
     past the array's end. The rows are contiguous (C arrays), so that is the same column some rows on,
     however wide a row is, and ``col`` may run past the row's end into the rows after it. ``col`` is a
     multiple of 16: for 16-bit storage two chunks share a 64-byte line, so only chunks that start a line
@@ -174,7 +173,7 @@ def prefetch_line(builder, ary, row, col, distance: int = PREFETCH_BYTES):
                                         const(0))   # always true for float32 (LLVM folds the test away)
     with builder.if_then(starts_line):
         here = addr(builder, ary, row, col, ir.IntType(8))
-        builder.call(fn, [builder.gep(here, [const(distance)], source_etype=ir.IntType(8)),
+        builder.call(fn, [builder.gep(here, [const(PREFETCH_BYTES)], source_etype=ir.IntType(8)),
                           ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 

@@ -40,7 +40,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from streamattn import storage
-from streamattn.backends import cpu, cpu_q8, cpu_simd, cpu_tiles
+from streamattn.backends import cpu, cpu_simd, cpu_tiles
 from streamattn.kernel_cache import drop_when_changed, variant
 from streamattn.models import heads_kernel, layer
 from streamattn.models.heads_kernel import heads_rope_alloc, heads_rope_rows_parallel, rms_row
@@ -383,7 +383,7 @@ def _drop_stale() -> None:
     """Numba keys compiled_layer's cache file on layer.py alone; drop it once when what it compiles in
     changes (this module's ops, the kernels they call: :func:`streamattn.kernel_cache.drop_when_changed`)."""
     files = [m.__file__ for m in (layer, qmatmul, kernels, amx, activations, heads_kernel, cpu, cpu_simd,
-                                  cpu_tiles, cpu_q8, storage, rotation)] + [__file__]
+                                  cpu_tiles, storage, rotation)] + [__file__]
 
     def delete(directory):                       # the layer, and this module's functions that link it in
         for f in [*directory.glob("layer.decoder_layer-*.nb[ic]"), *directory.glob("compiled.*.nb[ic]")]:
