@@ -13,7 +13,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from . import cpu_target
 from .spec import BLOCK_BYTES, QBLOCK, QUANTIZED, row_width
+
+cpu_target.check()                 # float16 conversions need F16C (a clear error, not LLVM's abort)
 
 STORAGE_ALIGN = 64  # bytes: one cache line, one AVX-512 vector
 

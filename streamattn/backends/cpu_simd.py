@@ -36,6 +36,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .. import cpu_target
+
 W = 16                      # lanes per vector
 PREFETCH_BYTES = 8192       # how far ahead of each load to prefetch, hint T0 (32 rows of float32 K at head_dim 64)
 PREFETCH_MIN_ROWS = 4       # float32 kernels of fewer query rows do not prefetch (see the module docstring)
@@ -256,12 +258,7 @@ def _kernel(body, arrays, storage):
     return kernel
 
 
-def _host_has_avx512() -> bool:
-    import llvmlite.binding as llvm
-    return "+avx512f" in llvm.get_host_cpu_features().flatten().split(",")
-
-
-_AVX512 = _host_has_avx512()
+_AVX512 = cpu_target.has("avx512f")            # what Numba compiles for (NUMBA_CPU_FEATURES), not the host
 
 #: Keys per call of ``QK[R]``: R * keys dot products of 16 lanes, summed by one transpose. With 32 vector
 #: registers (AVX-512) 16 sums fit: 16 // R keys (three rows: 4, the transpose padded with zeros). AVX2

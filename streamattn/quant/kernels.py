@@ -21,6 +21,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from streamattn import cpu_target
 from streamattn.backends.cpu_simd import addr, c_arrays, fmuladd, llvm_fn, load16, Rows
 from streamattn.quant.levels import IQ4_VALUES
 
@@ -34,9 +35,8 @@ for _t in (I1, I8, I16, I32, I64, F32, V16I8, V32I8, V16I16, V8I32, V8F, V16F, V
 
 
 def host_cpu_has(feature: str) -> bool:
-    """Whether LLVM reports ``feature`` (e.g. "avx2") for this CPU: what Numba compiles for."""
-    import llvmlite.binding as llvm
-    return "+" + feature in llvm.get_host_cpu_features().flatten().split(",")
+    """Whether Numba compiles for a CPU with ``feature`` (e.g. "avx2"): :func:`streamattn.cpu_target.has`."""
+    return cpu_target.has(feature)
 
 
 #: Whether this CPU has the VNNI byte dot product (AVX-VNNI, or AVX512-VNNI with VL): then a block's four-byte
