@@ -35,9 +35,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from streamattn import cpu_target
 from streamattn.backends.cpu_simd import addr, c_arrays, llvm_fn, Rows
 from streamattn.quant.kernels import (WIDE_VNNI, I8, I32, I64, F32, _i64, _load_floats, _splat_int, _stable,
-                                      block_epilogue, block_steps, host_cpu_has, q8_correction,
+                                      block_epilogue, block_steps, q8_correction,
                                       store_outputs)
 
 ROWS = 16                   # activation rows per tile multiply (the tile's 16 rows)
@@ -58,8 +59,8 @@ def _request_tiles() -> bool:
 
 
 #: Whether the prompt matmuls can run on AMX here: 16-lane VNNI kernels (the same packed layout), AMX-TILE
-#: and AMX-INT8 as LLVM reports them, and Linux's permission for the tile state.
-AVAILABLE = WIDE_VNNI and host_cpu_has("amx-tile") and host_cpu_has("amx-int8") and _request_tiles()
+#: and AMX-INT8 in what Numba compiles for (streamattn.cpu_target), and Linux's permission for the tile state.
+AVAILABLE = WIDE_VNNI and cpu_target.has("amx-tile") and cpu_target.has("amx-int8") and _request_tiles()
 #: Whether models use them by default (``KernelPlan().amx``): where available, unless ``STREAMATTN_AMX=0``.
 DEFAULT = AVAILABLE and os.environ.get("STREAMATTN_AMX", "1") != "0"
 

@@ -34,19 +34,14 @@ for _t in (I1, I8, I16, I32, I64, F32, V16I8, V32I8, V16I16, V8I32, V8F, V16F, V
     str(_t)                                       # cache each str() now: see _stable
 
 
-def host_cpu_has(feature: str) -> bool:
-    """Whether Numba compiles for a CPU with ``feature`` (e.g. "avx2"): :func:`streamattn.cpu_target.has`."""
-    return cpu_target.has(feature)
-
-
 #: Whether this CPU has the VNNI byte dot product (AVX-VNNI, or AVX512-VNNI with VL): then a block's four-byte
 #: sums are one ``vpdpbusd`` instead of ``vpmaddubsw`` + ``vpmaddwd``, with the same integer results.
-VNNI = host_cpu_has("avxvnni") or (host_cpu_has("avx512vnni") and host_cpu_has("avx512vl"))
+VNNI = cpu_target.has("avxvnni") or (cpu_target.has("avx512vnni") and cpu_target.has("avx512vl"))
 
 
 #: Whether this CPU has AVX-512 F and BW (16-lane kernels: :data:`LANES`).
-WIDE = host_cpu_has("avx512bw") and host_cpu_has("avx512f")
-WIDE_VNNI = WIDE and host_cpu_has("avx512vnni")
+WIDE = cpu_target.has("avx512bw") and cpu_target.has("avx512f")
+WIDE_VNNI = WIDE and cpu_target.has("avx512vnni")
 
 
 def _i64(n):

@@ -31,13 +31,14 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from streamattn import cpu_target
 from streamattn.backends import cpu_simd
 from streamattn.kernel_cache import drop_when_changed, variant
 from streamattn.quant import activations, kernels
 from streamattn.quant import amx as amx_kernels
 from streamattn.quant.activations import (glu_quantize_rows, glu_quantize_rows_parallel, norm_quantize_rows,  # noqa: F401
                                       norm_quantize_rows_parallel, quantize_rows)
-from streamattn.quant.kernels import LANES, LANES_VNNI, host_cpu_has, make_fdot_rows, make_qdot
+from streamattn.quant.kernels import LANES, LANES_VNNI, make_fdot_rows, make_qdot
 from streamattn.quant.weights import QWeight
 from streamattn.threads import many_threads
 
@@ -53,7 +54,7 @@ PREFETCH_BYTES = 3584
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
-HAVE_KERNELS = host_cpu_has("avx2")
+HAVE_KERNELS = cpu_target.has("avx2")
 
 
 @dataclass(frozen=True)
