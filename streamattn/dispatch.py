@@ -12,7 +12,7 @@ from .sink_parts import attend_parts
 from .rotation import rotate
 from .spec import QUANTIZED
 from .storage import EXPONENT_BITS, bits, check_stored_finite, non_finite_error
-from .threads import many_threads
+from .threads import serial_kernels
 
 
 def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = None, counts=None,
@@ -169,7 +169,7 @@ def _append_attend_cpu(q, k, v, cache: KVCache, scale: float, softcap, v_roundin
                                              cache.last_counts, cache.held_from, cache.ring,
                                              spec.check_finite and not mixed, EXPONENT_BITS.get(spec.dtype, 0),
                                              cpu.KIND[spec.dtype], cpu.KIND[spec.v_dtype],
-                                             None if softcap is None else np.float32(softcap), not many_threads())
+                                             None if softcap is None else np.float32(softcap), serial_kernels())
     if bad >= 0:
         raise non_finite_error("kv"[bad % 2], bad // 2, spec.dtype)
     return (out, lse) if finite else _poison_non_finite(out, lse, counts, np)

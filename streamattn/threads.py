@@ -23,6 +23,7 @@ import ctypes
 import glob
 import os
 import sys
+import threading
 import time
 
 #: Environment defaults applied at import (``os.environ.setdefault``: an exported value wins).
@@ -128,6 +129,7 @@ def set_threads(n: int) -> dict:
     import numba
     n_numba = min(n, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(n_numba)
+    _local.ceiling = n_numba
     setter = _openblas()
     if setter is not None:
         setter(n)
@@ -155,21 +157,53 @@ def many_threads() -> bool:
     return thread_count() > 1
 
 
+def ceiling() -> int:
+    """The most Numba threads this Python thread runs on: the count :func:`set_threads` set last (inside
+    :func:`threads`, its ``n``), or Numba's pool size where it was never called. A
+    :class:`ThreadChooser` step on one thread runs under it, and so does :func:`threads` with
+    ``ceiling=False``."""
+    c = getattr(_local, "ceiling", None)
+    if c is None:
+        import numba
+        c = numba.config.NUMBA_NUM_THREADS
+    return c
+
+
+def serial_kernels():
+    """The ``serial`` argument of the kernels that have a serial and a parallel variant
+    (:func:`streamattn.backends.cpu.attend_all`, the compiled layer's ``Step``): None where this thread's
+    :func:`ceiling` is 1, a value Numba types ``none``, so the choice is made when the caller is compiled
+    and the parallel variants are never compiled (a one-thread SmolLM2's first compile 72 -> 41 s,
+    docs/PERF.md); else whether it runs on one thread now (True: a ThreadChooser's step down, which must
+    not compile a second, serial-only specialization beside the one with both), and a call with False
+    still keeps a small step on one thread."""
+    if thread_count() > 1:
+        return False
+    return None if ceiling() <= 1 else True
+
+
 _thread_count = None
+_local = threading.local()                  # .ceiling: set_threads' count for this Python thread
 
 
 @contextlib.contextmanager
-def threads(n: int):
-    """Context manager: :func:`set_threads` ``(n)`` inside, the previous counts restored after."""
+def threads(n: int, *, ceiling: bool = True):
+    """Context manager: :func:`set_threads` ``(n)`` inside, the previous counts (and :func:`ceiling`)
+    restored after. ``ceiling=False``: the calling thread's ceiling stays what it was (a run set to more
+    threads stepping down, as a :class:`ThreadChooser` step does)."""
     import numba
     getter = _openblas(tuple(s.replace("set_", "get_") for s in _SETTERS))
     old_blas = int(getter()) if getter is not None else None
     old_numba = numba.get_num_threads()
+    old_ceiling = getattr(_local, "ceiling", None)
     set_threads(n)
+    if not ceiling:
+        _local.ceiling = old_ceiling
     try:
         yield
     finally:
         numba.set_num_threads(old_numba)
+        _local.ceiling = old_ceiling
         if old_blas is not None:
             _openblas()(old_blas)
 

@@ -300,3 +300,61 @@ def test_warm_model_loads_the_one_thread_decode_step_too():
         m = Recorder()
         warm_model(m, "float32")
         assert m.calls == [(4, 1, False), (1, 1, False), (2, 1, True)]
+
+
+def test_serial_kernels_follow_the_ceiling_not_the_count():
+    """None (typed ``none``: serial kernels chosen when compiled) only under a ceiling of 1; a step down
+    to one thread under a higher ceiling (ThreadChooser, warm_model) says True, so a 2-thread run
+    compiles one specialization, not a second serial-only one."""
+    import numba
+    from streamattn.threads import ceiling, serial_kernels, threads
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("Numba has one thread on this host")
+    with threads(2):
+        assert ceiling() == 2 and serial_kernels() is False
+        with threads(1, ceiling=False):
+            assert ceiling() == 2 and serial_kernels() is True
+        with threads(1):
+            assert ceiling() == 1 and serial_kernels() is None
+        assert ceiling() == 2 and serial_kernels() is False
+
+
+_ONE_THREAD_PROBE = """
+import json, numpy as np
+from streamattn.backends import cpu
+from streamattn.models import compiled, heads_kernel
+from streamattn.threads import serial_kernels, set_threads
+set_threads(1)
+assert serial_kernels() is None
+rng = np.random.default_rng(0)
+q = rng.standard_normal((1, 2, 40, 16)).astype(np.float32)        # 40 rows: a bool would choose at run time
+k, v = (rng.standard_normal((1, 1, 64, 16)).astype(np.float32) for _ in range(2))
+out, lse = cpu.attend(q, k, v, [40], [40], window=0, sinks=0, scale=0.25, kind="float32")
+compiled._stage_16(k[:, :, :40], 1, 16, np.array([40]), None, None, False, q)
+compiled._rows(out, lse, None)
+M, hd = 40, 16
+h = rng.standard_normal((M, 4 * hd)).astype(np.float32)
+cos, sin = (np.ones((M, hd), np.float32) for _ in range(2))
+compiled._heads(h, cos, sin, True, heads_kernel.NO_NORM, np.float32(1e-6), 1, 2, 1, None)
+fns = {"attend_pages": cpu.attend_pages, "merge_splits": cpu._merge_splits,
+       "stored_16_parallel": compiled.stored_16_parallel, "heads_to_rows_parallel": compiled.heads_to_rows_parallel,
+       "heads_rope_rows_parallel": compiled.heads_rope_rows_parallel,
+       "attend_pages_serial": cpu._attend_pages_serial, "stored_16": compiled.stored_16,
+       "heads_to_rows": compiled.heads_to_rows, "heads_rope_alloc": compiled.heads_rope_alloc}
+print(json.dumps({name: len(f.signatures) for name, f in fns.items()}))
+"""
+
+
+def test_one_thread_compiles_no_parallel_kernel(tmp_path):
+    """Under a ceiling of 1 the attention and the compiled layer's staging, heads and rows kernels are
+    compiled without their parallel variants (a fresh interpreter and an empty Numba cache, so nothing is
+    loaded instead of compiled): the parallel dispatchers have no signature, the serial ones do."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-c", _ONE_THREAD_PROBE], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    sigs = json.loads(p.stdout.strip().splitlines()[-1])
+    assert {n: c for n, c in sigs.items() if "parallel" in n or n in ("attend_pages", "merge_splits")} == {
+        "attend_pages": 0, "merge_splits": 0, "stored_16_parallel": 0, "heads_to_rows_parallel": 0,
+        "heads_rope_rows_parallel": 0}
+    assert all(sigs[n] > 0 for n in ("attend_pages_serial", "stored_16", "heads_to_rows", "heads_rope_alloc"))

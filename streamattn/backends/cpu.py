@@ -31,7 +31,7 @@ from numba import njit, prange
 from .. import storage
 from ..kernel_cache import drop_when_changed, variant
 from ..storage import write_rows
-from ..threads import many_threads
+from ..threads import serial_kernels
 from . import cpu_simd, cpu_tiles
 from .cpu_simd import row_max
 from .cpu_tiles import FASTMATH, KIND, accumulate, exp_tile, soft_cap, tile_sum, scores, tile_accumulate, tile_scores
@@ -260,25 +260,26 @@ def _grid(lengths, counts, window, sinks, group):
 def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, kind_v, softcap, serial):
     """:func:`attend_pages` then :func:`_merge_splits`, with their buffers: one call from Python instead
     of two calls and four allocations (~3 us less per decode call). Arguments as for attend_pages;
-    ``serial``: take the serial pair (one thread set: :func:`streamattn.threads.many_threads`); returns
-    out [B, Hq, T, D], lse [B, Hq, T] float32."""
+    ``serial``: True takes the serial pair (one thread set: :func:`streamattn.threads.many_threads`), False
+    the parallel one; None (:func:`streamattn.threads.serial_kernels`) the serial pair, decided when the
+    call is typed: the parallel pair is then never compiled (a quarter of a one-thread model's first
+    compile, docs/PERF.md). Returns out [B, Hq, T, D], lse [B, Hq, T] float32."""
     B, Hq, T, D = q.shape
     npages, nblocks = _grid(lengths, counts, window, sinks, Hq // k.shape[1])
     rb, rows = ROW_BLOCK, (Hq // k.shape[1]) * counts.max()
-    if not serial and B * k.shape[1] * npages * nblocks == 1 and rows >= 2:
-        nblocks, rb = 2, (rows + 1) // 2            # one item (a decode step, one kv head): its rows in two
     part_out = np.empty((B, Hq, T, npages, D), np.float32)      # [B, Hq, T, npages, D]
     part_lse = np.empty((B, Hq, T, npages), np.float32)         # [B, Hq, T, npages]
     out = np.empty((B, Hq, T, D), np.float32)                   # [B, Hq, T, D]
     lse = np.empty((B, Hq, T), np.float32)                      # [B, Hq, T]
-    if not serial:
-        attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out, part_lse,
-                     rb)
-        _merge_splits(part_out, part_lse, out, lse)
-    else:
+    if serial is None or serial:                  # (Numba prunes the test of a None argument when typing)
         _attend_pages_serial(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out,
                              part_lse)
         _merge_splits_serial(part_out, part_lse, out, lse)
+        return out, lse
+    if B * k.shape[1] * npages * nblocks == 1 and rows >= 2:
+        nblocks, rb = 2, (rows + 1) // 2            # one item (a decode step, one kv head): its rows in two
+    attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out, part_lse, rb)
+    _merge_splits(part_out, part_lse, out, lse)
     return out, lse
 
 
@@ -345,7 +346,7 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
     counts = np.ascontiguousarray(counts, dtype=np.int64)
     cap = None if softcap is None else np.float32(softcap)
     out, lse = attend_all(qs, qss, kb, vb, lengths, counts, window, sinks, KIND[kind], KIND[kind_v], cap,
-                          not many_threads())
+                          serial_kernels())
     return out.astype(q.dtype, copy=False), lse
 
 

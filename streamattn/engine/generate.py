@@ -314,11 +314,12 @@ def warm_model(model, kind: str, kind_v: str | None = None) -> float:
 
 
 def _on_each_count(call) -> None:
-    """``call()`` on the Numba thread count set, then, where it is above 1, on one thread
-    (:func:`streamattn.threads.threads`: the counts put back after, also when it raises)."""
+    """``call()`` on the Numba thread count set, then, where it is above 1, on one thread under the same
+    ceiling, as a ThreadChooser's step runs (:func:`streamattn.threads.threads`: the counts put back after,
+    also when it raises)."""
     import numba
     from streamattn.threads import threads
     call()
     if numba.get_num_threads() > 1:
-        with threads(1):
+        with threads(1, ceiling=False):
             call()

@@ -70,8 +70,9 @@ Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu softcap")
 #: (``Transformer.key_search``).
 Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len "
                       "check expbits kind kind_v expbits_v mixed rotate vround ksearch")
-#: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread,
-#: int64 [1] set to 1 by a layer whose chunk the cache refused (:func:`run_layer`), the real tokens of each
+#: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread
+#: (True / False, or None: one thread, decided when the layer is typed, so that its parallel kernels are
+#: never compiled: :func:`streamattn.threads.serial_kernels`), int64 [1] set to 1 by a layer whose chunk the cache refused (:func:`run_layer`), the real tokens of each
 #: sequence (counts: int64 [B], each in 0..T), and which rows of x [B*T] they are (real: int64 [n],
 #: ascending; all B*T of them when every row is real). The matmuls see only the real rows.
 Step = namedtuple("Step", "cos sin B serial status counts real")
@@ -112,7 +113,7 @@ def _matmul(w_type):
     @njit
     def drive(mode, x, nw, eps, w, one_thread):
         e = x[:0]                    # placeholders of the types Matmuls passes (the driver makes its own)
-        if one_thread:
+        if one_thread is None or one_thread:          # (None: pruned when typed, see Step)
             out = serial(mode=mode, x=x, nw=nw, eps=eps, xq=e.view(np.int8), xd=e, xs=e, xc=e.view(np.int32),
                          qs=w[0], scale=w[1], minv=w[2], out=e)
         else:
@@ -167,10 +168,17 @@ def _glu_linear(gu, w, at):
 def _heads_rope(h, qk_norm, at):
     def impl(h, qk_norm, at):
         cfg, step = at[0], at[2]
-        if step.serial or h.shape[0] < 32:
-            return heads_rope_alloc(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk)
-        return heads_rope_rows_parallel(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk)
+        return _heads(h, step.cos, step.sin, cfg.neox, qk_norm, cfg.eps32, step.B, cfg.H, cfg.Hk, step.serial)
     return impl
+
+
+@njit(cache=True)
+def _heads(h, cos, sin, neox, qk_norm, eps, B, H, Hk, serial):
+    """The heads/RoPE kernel of a step: one thread where ``serial`` (None: decided when typed, see Step) or
+    the step is under 32 rows."""
+    if serial is None or serial or h.shape[0] < 32:
+        return heads_rope_alloc(h, cos, sin, neox, qk_norm, eps, B, H, Hk)
+    return heads_rope_rows_parallel(h, cos, sin, neox, qk_norm, eps, B, H, Hk)
 
 
 @overload(layer.bias)
@@ -287,24 +295,34 @@ stored_quantized_parallel = njit(parallel=True, cache=True)(variant(_quantized_k
 
 
 # K or V of a step as stored, by the storage's bits (x: float32 [B, Hk, T, D]; kind: cpu.KIND; width: the
-# storage row's elements; one: no parallel launch; rounding: Kv.vround or an empty one; search: Kv.ksearch
-# for K, False for V; queries: the step's queries in the keys' frame, for K's q4_0 codes): float32 as it is,
-# 16-bit patterns, or quantized rows.
+# storage row's elements; serial: Step.serial, and a step of under 32 rows stays on one thread too;
+# rounding: Kv.vround or an empty one; search: Kv.ksearch for K, False for V; queries: the step's queries
+# in the keys' frame, for K's q4_0 codes): float32 as it is, 16-bit patterns, or quantized rows.
 @njit(cache=True)
-def _stage_32(x, kind, width, counts, one, rounding, search, queries):
+def _stage_32(x, kind, width, counts, serial, rounding, search, queries):
     return x.view(np.uint32)
 
 
 @njit(cache=True)
-def _stage_16(x, kind, width, counts, one, rounding, search, queries):
-    return stored_16(x, kind) if one else stored_16_parallel(x, kind)
+def _stage_16(x, kind, width, counts, serial, rounding, search, queries):
+    if serial is None or serial or x.shape[0] * x.shape[2] < 32:
+        return stored_16(x, kind)
+    return stored_16_parallel(x, kind)
 
 
 @njit(cache=True)
-def _stage_quantized(x, kind, width, counts, one, rounding, search, queries):
-    if one:
+def _stage_quantized(x, kind, width, counts, serial, rounding, search, queries):
+    if serial is None or serial or x.shape[0] * x.shape[2] < 32:
         return stored_quantized(x, width, kind == 4, counts, rounding, search, queries)
     return stored_quantized_parallel(x, width, kind == 4, counts, rounding, search, queries)
+
+
+@njit(cache=True)
+def _rows(out, lse, serial):
+    """heads_to_rows of out [B, H, T, D], on one thread where ``serial`` or the step is under 32 rows."""
+    if serial is None or serial or out.shape[0] * out.shape[2] < 32:
+        return heads_to_rows(out, lse)
+    return heads_to_rows_parallel(out, lse)
 
 
 _STAGE = {types.uint32: _stage_32, types.uint16: _stage_16, types.uint8: _stage_quantized}
@@ -336,12 +354,11 @@ def _attend(q, k, v, at):
     def impl(q, k, v, at):
         cfg, kv, step = at
         B, Hk, T, D = k.shape
-        one = step.serial or B * T < 32               # a decode step: no parallel launch
         counts = step.counts
         if kv.rotate:                                 # streamattn.rotation: keys stored, queries scored as x @ H
             k, q = rotate_rows(np.ascontiguousarray(k)), rotate_rows(np.ascontiguousarray(q))
-        ks = stage_k(k, kv.kind, kv.kst.shape[3], counts, one, _NO_ROUNDING, kv.ksearch, q)
-        vs = stage_v(v, kv.kind_v, kv.vst.shape[3], counts, one, kv.vround, False, q)
+        ks = stage_k(k, kv.kind, kv.kst.shape[3], counts, step.serial, _NO_ROUNDING, kv.ksearch, q)
+        vs = stage_v(v, kv.kind_v, kv.vst.shape[3], counts, step.serial, kv.vround, False, q)
         refused = kv.check and kv.mixed and (first_not_finite(ks, counts, kv.kind, kv.expbits) >= 0
                                              or first_not_finite(vs, counts, kv.kind_v, kv.expbits_v) >= 0)
         if refused or write_rows(kv.kst, kv.vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks,
@@ -351,7 +368,7 @@ def _attend(q, k, v, at):
         qs = q * np.float32(cfg.scale)
         out, lse = cpu.attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind, kv.kind_v,
                                    cfg.softcap, step.serial)
-        return heads_to_rows(out, lse) if one else heads_to_rows_parallel(out, lse)
+        return _rows(out, lse, step.serial)
     return impl
 
 

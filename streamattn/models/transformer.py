@@ -47,7 +47,7 @@ from streamattn.models.layer import LayerWeights, decoder_layer
 from streamattn.models.rope import RopeTables, inverse_frequencies, rope_tables, yarn_divisors
 from streamattn.quant.matmul import KernelPlan, Matmuls
 from streamattn.quant.weights import QWeight, concat_rows
-from streamattn.threads import many_threads, thread_count
+from streamattn.threads import many_threads, serial_kernels, thread_count
 
 #: Prompt chunks run as a wavefront of row blocks, one Python thread each (:meth:`Transformer._wavefront`),
 #: when the thread count is at most WAVEFRONT_MAX_LANES and every block gets WAVEFRONT_MIN_ROWS rows.
@@ -441,7 +441,7 @@ class Transformer:
             and cnt.min() >= 0 and cnt.max() <= T
         fast = self._compiled_layers(backend, counts_ok, attn_hook, positions, caches)
         if fast is not None:                          # the compiled layers' RoPE rows, per base: [B*T, hd]
-            serial, status = not many_threads(), np.zeros(1, np.int64)
+            serial, status = serial_kernels(), np.zeros(1, np.int64)
             real = np.flatnonzero(np.arange(T)[None, :] < cnt[:, None])   # [n] real rows of [B*T]
             steps = {base: fast.step(cos.reshape(B * T, -1), sin.reshape(B * T, -1), B, serial, status, cnt, real)
                      for base, (cos, sin) in tables.items()}
