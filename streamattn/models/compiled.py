@@ -373,8 +373,9 @@ def _attend(q, k, v, at):
 
 
 #: The compiled layer (one specialization per block kinds and cache storage: the model's sizes are
-#: numbers in ``at``).
-compiled_layer = njit(cache=True)(layer.decoder_layer)
+#: numbers in ``at``), inlined into :func:`run_layer` as Numba IR: compiled on its own, its whole module
+#: was optimized once for it and again inside run_layer's (4-5 s of a first run's ~40, docs/PERF.md).
+compiled_layer = njit(cache=True, inline="always")(layer.decoder_layer)
 
 
 @njit(cache=True, nogil=True)
@@ -397,8 +398,9 @@ def run_layer(x, w, at):
 
 
 def _drop_stale() -> None:
-    """Numba keys compiled_layer's cache file on layer.py alone; drop it once when what it compiles in
-    changes (this module's ops, the kernels they call: :func:`streamattn.kernel_cache.drop_when_changed`)."""
+    """Numba keys a cache file on its function's own source file alone: run_layer's (the layer inlined) on
+    this module; drop it once when what it compiles in changes (layer.py, this module's ops, the kernels
+    they call: :func:`streamattn.kernel_cache.drop_when_changed`)."""
     files = [m.__file__ for m in (layer, qmatmul, kernels, amx, activations, heads_kernel, cpu, cpu_simd,
                                   cpu_tiles, storage, rotation)] + [__file__]
 
@@ -413,9 +415,9 @@ _drop_stale()
 
 def layers_cached() -> bool:
     """Whether Numba's on-disk cache holds a compiled layer (False: the first model call compiles one,
-    ~15 s a block-kind and storage combination after a fresh install)."""
+    35-70 s of one CPU after a fresh install, docs/PERF.md)."""
     try:
-        return any(Path(compiled_layer._cache._cache_path).glob("layer.decoder_layer-*.nbi"))
+        return any(Path(run_layer._cache._cache_path).glob("compiled.run_layer-*.nbi"))
     except (AttributeError, OSError):   # no cache, or numba internals moved: say nothing
         return True
 
