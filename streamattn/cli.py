@@ -59,21 +59,19 @@ def _warm_kernels(args, model=None) -> None:
     from streamattn.backends import gpu
     if args.backend == "auto" and gpu.available():
         return
-    from streamattn.backends import warmup
-    if not args.quiet and not warmup.kernels_cached():
-        print("compiling attention kernels (once after an install; Numba caches them) ...", file=sys.stderr,
-              flush=True)
+    from streamattn.backends import cpu, warmup
+    lines = {} if args.quiet else {cpu.attend_all: warmup.ATTENTION, cpu.write_attend: warmup.ATTENTION}
     if not args.quiet and model is not None and getattr(args, "weights", "quant") == "quant":
         from streamattn.models import compiled
-        if not compiled.layers_cached() and compiled.bind_weights(model.layers[0]) is not None:
-            print("compiling the decoder layer (once after an install; Numba caches it) ...", file=sys.stderr,
-                  flush=True)
+        lines[compiled.run_layer] = ("compiling the decoder layer (once per model kind and thread ceiling; "
+                                     "Numba caches it) ...")
     kind = getattr(args, "cache_dtype_k", None) or args.cache_dtype
     kind_v = getattr(args, "cache_dtype_v", None) or args.cache_dtype
-    warmup.warm(kind, kind_v)
-    if model is not None:
-        from streamattn.engine.generate import warm_model
-        warm_model(model, kind, kind_v)
+    with warmup.notices(lines):                 # said when a compile starts, not guessed from the cache's files
+        warmup.warm(kind, kind_v)
+        if model is not None:
+            from streamattn.engine.generate import warm_model
+            warm_model(model, kind, kind_v)
 
 
 # ---------------------------------------------------------------------------------------- shared

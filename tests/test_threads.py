@@ -270,7 +270,7 @@ def test_warm_model_loads_the_one_thread_decode_step_too():
     import numba
     from types import SimpleNamespace
     from streamattn.engine.generate import warm_model
-    from streamattn.threads import threads
+    from streamattn.threads import serial_kernels, threads
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("Numba has one thread on this host")
 
@@ -278,13 +278,14 @@ def test_warm_model_loads_the_one_thread_decode_step_too():
         plan = SimpleNamespace(rows=4)
 
         def __init__(self, fail_at=None):
-            self.calls, self.fail_at = [], fail_at
+            self.calls, self.serial, self.fail_at = [], [], fail_at
 
         def new_caches(self, **kw):
             return []
 
         def forward(self, tokens, caches, **kw):
             self.calls.append((tokens.shape[1], numba.get_num_threads(), "attn_hook" in kw))
+            self.serial.append(serial_kernels())
             if len(self.calls) == self.fail_at:
                 raise RuntimeError("boom")
 
@@ -292,6 +293,7 @@ def test_warm_model_loads_the_one_thread_decode_step_too():
         m = Recorder()
         warm_model(m, "float32")
         assert m.calls == [(4, 2, False), (1, 2, False), (1, 1, False), (2, 2, True), (2, 1, True)]
+        assert m.serial == [False, False, True, False, True]   # one thread under the ceiling of 2: not None
         assert numba.get_num_threads() == 2
         with pytest.raises(RuntimeError, match="boom"):
             warm_model(Recorder(fail_at=3), "float32")          # raises on the one-thread decode step
@@ -299,7 +301,7 @@ def test_warm_model_loads_the_one_thread_decode_step_too():
     with threads(1):
         m = Recorder()
         warm_model(m, "float32")
-        assert m.calls == [(4, 1, False), (1, 1, False), (2, 1, True)]
+        assert m.calls == [(4, 1, False), (1, 1, False), (2, 1, True)] and m.serial == [None] * 3
 
 
 def test_serial_kernels_follow_the_ceiling_not_the_count():
@@ -349,7 +351,8 @@ def test_one_thread_compiles_no_parallel_kernel(tmp_path):
     """Under a ceiling of 1 the attention and the compiled layer's staging, heads and rows kernels are
     compiled without their parallel variants (a fresh interpreter and an empty Numba cache, so nothing is
     loaded instead of compiled): the parallel dispatchers have no signature, the serial ones do."""
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": root}
     p = subprocess.run([sys.executable, "-c", _ONE_THREAD_PROBE], env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -260,10 +260,10 @@ def _grid(lengths, counts, window, sinks, group):
 def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, kind_v, softcap, serial):
     """:func:`attend_pages` then :func:`_merge_splits`, with their buffers: one call from Python instead
     of two calls and four allocations (~3 us less per decode call). Arguments as for attend_pages;
-    ``serial``: True takes the serial pair (one thread set: :func:`streamattn.threads.many_threads`), False
-    the parallel one; None (:func:`streamattn.threads.serial_kernels`) the serial pair, decided when the
-    call is typed: the parallel pair is then never compiled (a quarter of a one-thread model's first
-    compile, docs/PERF.md). Returns out [B, Hq, T, D], lse [B, Hq, T] float32."""
+    ``serial`` (:func:`streamattn.threads.serial_kernels`): True takes the serial pair (one thread now,
+    under a higher ceiling), False the parallel one; None the serial pair, decided when the call is typed:
+    the parallel pair is then never compiled (a quarter of a one-thread model's first compile,
+    docs/PERF.md). Returns out [B, Hq, T, D], lse [B, Hq, T] float32."""
     B, Hq, T, D = q.shape
     npages, nblocks = _grid(lengths, counts, window, sinks, Hq // k.shape[1])
     rb, rows = ROW_BLOCK, (Hq // k.shape[1]) * counts.max()

@@ -7,8 +7,9 @@ before the clock starts.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -16,13 +17,34 @@ from ..spec import STORAGE, row_width
 from . import cpu
 
 
-def kernels_cached() -> bool:
-    """Whether Numba's on-disk cache already holds the attention kernel (False: the first call compiles it,
-    ~10 s after a fresh install)."""
-    try:
-        return Path(cpu.attend_pages._cache._cache_file._index_path).exists()
-    except (AttributeError, OSError):   # no cache, or numba internals moved: say nothing
-        return True
+ATTENTION = "compiling attention kernels (once after an install; Numba caches them) ..."
+
+
+@contextlib.contextmanager
+def notices(lines: dict, out=None):
+    """Context manager: while inside, the first time Numba starts compiling one of the dispatchers in
+    ``lines`` (``{dispatcher: line}``; a compile, not a load from its disk cache, which fires no event),
+    write its line to ``out`` (default: stderr) and flush; each distinct line once. What the CLI says
+    before a long first compile: guessing from the cache's files missed a model's other weight kinds and
+    thread ceilings, and one kernel's index file existed, empty, before anything was compiled."""
+    from numba.core import event
+    pending, said = {id(d): line for d, line in lines.items()}, set()
+
+    class _Notice(event.Listener):
+        def on_start(self, ev):
+            d = ev.data.get("dispatcher") if isinstance(ev.data, dict) else None
+            line = pending.get(id(d))
+            if line is not None and line not in said:
+                said.add(line)
+                print(line, file=sys.stderr if out is None else out, flush=True)
+
+        def on_end(self, ev):
+            pass
+    if not pending:
+        yield
+        return
+    with event.install_listener("numba:compile", _Notice()):
+        yield
 
 
 def warm(kind: str, kind_v: str | None = None) -> float:

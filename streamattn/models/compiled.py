@@ -32,7 +32,6 @@ import dataclasses
 import operator
 import weakref
 from collections import namedtuple
-from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
@@ -72,9 +71,10 @@ Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring wi
                       "check expbits kind kind_v expbits_v mixed rotate vround ksearch")
 #: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread
 #: (True / False, or None: one thread, decided when the layer is typed, so that its parallel kernels are
-#: never compiled: :func:`streamattn.threads.serial_kernels`), int64 [1] set to 1 by a layer whose chunk the cache refused (:func:`run_layer`), the real tokens of each
-#: sequence (counts: int64 [B], each in 0..T), and which rows of x [B*T] they are (real: int64 [n],
-#: ascending; all B*T of them when every row is real). The matmuls see only the real rows.
+#: never compiled: :func:`streamattn.threads.serial_kernels`), int64 [1] set to 1 by a layer whose chunk
+#: the cache refused (:func:`run_layer`), the real tokens of each sequence (counts: int64 [B], each in
+#: 0..T), and which rows of x [B*T] they are (real: int64 [n], ascending; all B*T of them when every row
+#: is real). The matmuls see only the real rows.
 Step = namedtuple("Step", "cos sin B serial status counts real")
 Weights = namedtuple("Weights", [f.name for f in dataclasses.fields(LayerWeights)])
 
@@ -411,15 +411,6 @@ def _drop_stale() -> None:
 
 
 _drop_stale()
-
-
-def layers_cached() -> bool:
-    """Whether Numba's on-disk cache holds a compiled layer (False: the first model call compiles one,
-    35-70 s of one CPU after a fresh install, docs/PERF.md)."""
-    try:
-        return any(Path(run_layer._cache._cache_path).glob("compiled.run_layer-*.nbi"))
-    except (AttributeError, OSError):   # no cache, or numba internals moved: say nothing
-        return True
 
 
 def _matrix(w, plan: qmatmul.KernelPlan):

@@ -47,7 +47,7 @@ from streamattn.models.layer import LayerWeights, decoder_layer
 from streamattn.models.rope import RopeTables, inverse_frequencies, rope_tables, yarn_divisors
 from streamattn.quant.matmul import KernelPlan, Matmuls
 from streamattn.quant.weights import QWeight, concat_rows
-from streamattn.threads import many_threads, serial_kernels, thread_count
+from streamattn.threads import serial_kernels, thread_count
 
 #: Prompt chunks run as a wavefront of row blocks, one Python thread each (:meth:`Transformer._wavefront`),
 #: when the thread count is at most WAVEFRONT_MAX_LANES and every block gets WAVEFRONT_MIN_ROWS rows.
