@@ -161,7 +161,7 @@ def ceiling() -> int:
     """The most Numba threads this Python thread runs on: the count :func:`set_threads` set last (inside
     :func:`threads`, its ``n``), or Numba's pool size where it was never called. A
     :class:`ThreadChooser` step on one thread runs under it, and so does :func:`threads` with
-    ``ceiling=False``."""
+    ``step_down``."""
     c = getattr(_local, "ceiling", None)
     if c is None:
         import numba
@@ -173,8 +173,8 @@ def serial_kernels():
     """The ``serial`` argument of the kernels that have a serial and a parallel variant
     (:func:`streamattn.backends.cpu.attend_all`, the compiled layer's ``Step``): None where this thread's
     :func:`ceiling` is 1, a value Numba types ``none``, so the choice is made when the caller is compiled
-    and the parallel variants are never compiled (a one-thread SmolLM2's first compile 72 -> 41 s,
-    docs/PERF.md); else whether it runs on one thread now (True: a ThreadChooser's step down, which must
+    and the parallel variants are never compiled (with the layer inlined, a one-thread SmolLM2's first
+    run 75 -> 38 s, docs/PERF.md); else whether it runs on one thread now (True: a ThreadChooser's step down, which must
     not compile a second, serial-only specialization beside the one with both), and a call with False
     still keeps a small step on one thread."""
     if thread_count() > 1:
@@ -187,9 +187,9 @@ _local = threading.local()                  # .ceiling: set_threads' count for t
 
 
 @contextlib.contextmanager
-def threads(n: int, *, ceiling: bool = True):
+def threads(n: int, *, step_down: bool = False):
     """Context manager: :func:`set_threads` ``(n)`` inside, the previous counts (and :func:`ceiling`)
-    restored after. ``ceiling=False``: the calling thread's ceiling stays what it was (a run set to more
+    restored after. ``step_down``: the calling thread's ceiling stays what it was (a run set to more
     threads stepping down, as a :class:`ThreadChooser` step does)."""
     import numba
     getter = _openblas(tuple(s.replace("set_", "get_") for s in _SETTERS))
@@ -197,7 +197,7 @@ def threads(n: int, *, ceiling: bool = True):
     old_numba = numba.get_num_threads()
     old_ceiling = getattr(_local, "ceiling", None)
     set_threads(n)
-    if not ceiling:
+    if step_down:
         _local.ceiling = old_ceiling
     try:
         yield

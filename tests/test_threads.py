@@ -314,7 +314,7 @@ def test_serial_kernels_follow_the_ceiling_not_the_count():
         pytest.skip("Numba has one thread on this host")
     with threads(2):
         assert ceiling() == 2 and serial_kernels() is False
-        with threads(1, ceiling=False):
+        with threads(1, step_down=True):
             assert ceiling() == 2 and serial_kernels() is True
         with threads(1):
             assert ceiling() == 1 and serial_kernels() is None

@@ -40,9 +40,6 @@ def notices(lines: dict, out=None):
 
         def on_end(self, ev):
             pass
-    if not pending:
-        yield
-        return
     with event.install_listener("numba:compile", _Notice()):
         yield
 

@@ -321,5 +321,5 @@ def _on_each_count(call) -> None:
     from streamattn.threads import threads
     call()
     if numba.get_num_threads() > 1:
-        with threads(1, ceiling=False):
+        with threads(1, step_down=True):
             call()
