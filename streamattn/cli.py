@@ -175,6 +175,9 @@ def _generate_run(args) -> int:
     for ev in gen.stream(ids, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop), chat=chat,
                          progress=progress, ignore_eos=args.ignore_eos, speculative=speculative,
                          grammar=grammar):
+        if ev.error is not None:                          # the grammar could not go on: one line, exit 2
+            from streamattn.engine.grammar import GrammarError
+            raise GrammarError(ev.error)
         sys.stdout.write(ev.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -191,10 +194,13 @@ def _generate_run(args) -> int:
 
 def _grammar(gen, args):
     """The Grammar of ``--json-schema FILE`` / ``--json`` (None without them); errors name the file."""
+    if args.json_schema is None and not args.json:
+        return None
+    if args.stop:           # the grammar decides where the output ends: a stop string would cut it short
+        raise UsageError(f"--stop {args.stop[0]!r} cannot be used with --json or --json-schema: the output ends "
+                         "where the JSON does; drop --stop")
     if args.json:
         return gen.grammars.json_object()
-    if args.json_schema is None:
-        return None
     from streamattn.engine.grammar import GrammarError
     from pathlib import Path
     path = Path(args.json_schema)
@@ -324,6 +330,7 @@ def main(argv=None) -> int:
         print("streamattn: interrupted", file=sys.stderr)
         return 130
     except (ModelFileError, ValueError, OSError) as e:
+        _finish_line()
         _err(str(e) or type(e).__name__)
         return 2
     except MemoryError as e:

@@ -443,7 +443,7 @@ class Engine:
     def _free(self, s: Sequence, outcome: str | None) -> None:
         """Give ``s``'s slot back at once: its rows are zeroed in every layer (kept: ``reset_finished``)."""
         if s.slot >= 0 and self.slots[s.slot] is s:
-            if self.reset_finished or outcome == "error":
+            if self.reset_finished or (outcome or s.finish_reason) == "error":
                 for c in self.caches:
                     c.reset(s.slot)
             self.slots[s.slot] = None

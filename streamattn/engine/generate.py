@@ -33,7 +33,9 @@ class TokenEvent:
     string, or mid-character; the held text comes with a later token or the last one);
     step_s : wall seconds of the engine step that produced it (the whole prefill for step 0);
     finish : None, or why this sequence stopped after this token: "stop" (end of sequence or a stop
-    string) | "length" (``max_tokens``).
+    string) | "length" (``max_tokens``) | "error": then the event carries no token (``token_id`` -1,
+    ``step`` = the tokens generated before it) and ``error`` says, in one line, why this sequence alone
+    ended (its grammar could not go on); the other sequences of the batch go on.
     """
 
     seq: int
@@ -42,6 +44,7 @@ class TokenEvent:
     text: str
     step_s: float
     finish: str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -233,9 +236,10 @@ class Generator:
         self.caches = engine.caches
         texts = [{} for _ in range(B)]                                  # token index -> text it released
         done = [None] * B                                               # finish reason, once finished
+        errors = [None] * B                                             # a failed sequence's message
         mine: list = []
         for b, j in enumerate(jobs):
-            mine.append(Sequence(job=j, emit=self._collect(texts[b], done, mine, b), tok=self.tok))
+            mine.append(Sequence(job=j, emit=self._collect(texts[b], done, errors, mine, b), tok=self.tok))
         if seqs is not None:
             seqs.extend(mine)
         seqs = mine
@@ -259,27 +263,40 @@ class Generator:
                 stats.decode_tokens += sum(len(s.generated) for s in seqs) - sum(made)
             for b, s in enumerate(seqs):
                 n = len(s.generated)
+                last = done[b] if errors[b] is None else None
                 for i in range(made[b], n):                             # several with speculation
                     yield TokenEvent(seq=b, step=i, token_id=int(s.generated[i]), text=texts[b].pop(i, ""),
-                                     step_s=step_s, finish=done[b] if i == n - 1 else None)
+                                     step_s=step_s, finish=last if i == n - 1 else None)
                 made[b] = n
+                if errors[b] is not None:
+                    yield TokenEvent(seq=b, step=n, token_id=-1, text="", step_s=step_s, finish="error",
+                                     error=errors[b])
+                    errors[b] = None                                    # said once
 
     @staticmethod
-    def _collect(texts: dict, done: list, seqs: list, b: int):
-        """The emit callback of ``seqs[b]``: the text each of its tokens released, and its finish reason."""
+    def _collect(texts: dict, done: list, errors: list, seqs: list, b: int):
+        """The emit callback of ``seqs[b]``: the text each of its tokens released, its finish reason, and
+        the message of a sequence that failed (the engine raises everything else itself)."""
         def emit(ev):
             if ev.kind == "delta":
                 i = len(seqs[b].generated) - 1
                 texts[i] = texts.get(i, "") + ev.text
-            elif ev.kind == "done":
-                done[b] = ev.finish
-            else:                                                       # not raised by the engine itself
-                raise RuntimeError(ev.message)
+            else:
+                done[b] = ev.finish if ev.kind == "done" else "error"
+                if ev.kind == "error":
+                    errors[b] = ev.message
         return emit
 
     def generate(self, prompt, **kw) -> str:
-        """The whole completion of one prompt as a string (see :meth:`stream`)."""
-        return "".join(ev.text for ev in self.stream(prompt, **kw))
+        """The whole completion of one prompt as a string (see :meth:`stream`); GrammarError (one line)
+        if its grammar could not go on."""
+        from streamattn.engine.grammar import GrammarError
+        out = []
+        for ev in self.stream(prompt, **kw):
+            if ev.error is not None:
+                raise GrammarError(ev.error)
+            out.append(ev.text)
+        return "".join(out)
 
 
 def warm_model(model, kind: str, kind_v: str | None = None) -> float:

@@ -6,8 +6,12 @@ distinct schema once (a cache keyed by the schema's canonical JSON). A compiled 
 matcher that masks the logits before every draw (disallowed tokens get -inf, so greedy and sampling can
 only pick allowed ones) and is advanced by every token the sequence takes, drafted ones included.
 
-A schema llguidance cannot compile, or that uses a keyword it does not enforce, raises
-:class:`GrammarError` naming it: nothing is ever decoded unconstrained in its place.
+A schema llguidance cannot compile, that uses a keyword it does not enforce, or that admits no finite
+document (:func:`streamattn.engine.schema_finite.finite_documents`), raises :class:`GrammarError` naming it:
+nothing is ever decoded unconstrained in its place. Every compiled grammar is probed once (a matcher's first
+mask must allow some token). A grammar that still cannot go on while decoding (llguidance's parser limits)
+ends that one sequence with a one-line error. Error messages are one line of at most :data:`MAX_MESSAGE`
+characters and never quote the schema or the generated text.
 
 >>> g = Grammars(tok).json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})  # doctest: +SKIP
 >>> gen.generate("Give me JSON", grammar=g)                                                      # doctest: +SKIP
@@ -25,8 +29,36 @@ import numpy as np
 from numba import njit
 
 
+MAX_MESSAGE = 300              # characters of a grammar error, on one line
+
+
 class GrammarError(ValueError):
-    """A schema or grammar that cannot be enforced exactly; the message names what and why."""
+    """A schema or grammar that cannot be enforced exactly; the message (one line, bounded) names what
+    and why."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
+    """The first line of ``message`` (llguidance appends its parser state and the grammar on later lines),
+    cut to ``limit`` characters."""
+    first = str(message).strip().split("\n", 1)[0].strip()
+    return first if len(first) <= limit else first[:limit - 3] + "..."
+
+
+def check_schema(schema) -> None:
+    """Refuse (GrammarError) a JSON schema that admits no finite document."""
+    from streamattn.engine.schema_finite import finite_documents
+    try:
+        finite = finite_documents(schema)
+    except RecursionError:
+        raise GrammarError("the JSON schema is nested too deeply to check") from None
+    if not finite:
+        raise GrammarError("the JSON schema admits no finite document: every value it allows must contain "
+                           "another (a required property or minItems >= 1 whose schema refers back to it, or "
+                           "a $ref cycle with no content); give the recursion a way out, e.g. make the "
+                           "property optional")
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,6 +105,7 @@ class Grammars:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"a JSON schema must be an object (got {type(schema).__name__})")
+        check_schema(schema)
         return self._compile("json_schema", json.dumps(schema))          # property order is meaningful
 
     def json_object(self) -> Grammar:
@@ -101,6 +134,11 @@ class Grammars:
         if bad:
             raise GrammarError(f"the {how.replace('_', ' ')} cannot be enforced: {msgs[0]}")
         g = Grammar(kind=kind or how, text=text, lltok=self.lltok)
+        try:                                                 # the probe: its first token must exist
+            if not g.constraint(self.lltok.vocab_size).allowed().any():
+                raise GrammarError("no first token is allowed")
+        except GrammarError as e:
+            raise GrammarError(f"the {how.replace('_', ' ')} matches no text: {e}") from None
         with self._lock:
             if len(self._cache) >= 256:                      # bounded: drop the oldest
                 self._cache.pop(next(iter(self._cache)))
@@ -133,37 +171,45 @@ class ResponseFormatError(GrammarError):
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
-def response_format_grammar(fmt, grammars):
-    """The Grammar of ``response_format`` (None for ``{"type": "text"}`` or absent)."""
+def check_response_format(fmt):
+    """The shape of an OpenAI ``response_format``, checked without compiling: ("text", None),
+    ("json_object", None) or ("json_schema", schema); ResponseFormatError naming the field otherwise."""
     if fmt is None:
-        return None
+        return "text", None
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
         raise ResponseFormatError("response_format must be an object with a 'type'", "response_format")
     kind = fmt["type"]
+    if kind in ("text", "json_object"):
+        return kind, None
+    if kind != "json_schema":
+        raise ResponseFormatError(f"response_format.type must be 'text', 'json_object' or 'json_schema' (got "
+                                  f"{kind[:40]!r})", "response_format.type")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ResponseFormatError("response_format.json_schema must be an object with 'name' and 'schema'",
+                                  "response_format.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ResponseFormatError("response_format.json_schema.name must be 1..64 characters of a-z, A-Z, 0-9, "
+                                  f"_ and - (got {str(name)[:40]!r})", "response_format.json_schema.name")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise ResponseFormatError("response_format.json_schema.schema must be a JSON schema object",
+                                  "response_format.json_schema.schema")
+    return kind, schema
+
+
+def response_format_grammar(fmt, grammars):
+    """The Grammar of ``response_format`` (None for ``{"type": "text"}`` or absent)."""
+    kind, schema = check_response_format(fmt)
     if kind == "text":
         return None
     if kind == "json_object":
         return grammars.json_object()
-    if kind != "json_schema":
-        raise ResponseFormatError(f"response_format.type must be 'text', 'json_object' or 'json_schema' (got "
-                              f"{kind[:40]!r})", "response_format.type")
-    spec = fmt.get("json_schema")
-    if not isinstance(spec, dict):
-        raise ResponseFormatError("response_format.json_schema must be an object with 'name' and 'schema'",
-                              "response_format.json_schema")
-    name = spec.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ResponseFormatError("response_format.json_schema.name must be 1..64 characters of a-z, A-Z, 0-9, _ "
-                              f"and - (got {str(name)[:40]!r})", "response_format.json_schema.name")
-    schema = spec.get("schema", {})
-    if not isinstance(schema, dict):
-        raise ResponseFormatError("response_format.json_schema.schema must be a JSON schema object",
-                              "response_format.json_schema.schema")
     try:
         return grammars.json_schema(schema)
     except GrammarError as e:
         raise ResponseFormatError(f"response_format.json_schema.schema: {e}", "response_format.json_schema.schema")
-
 
 
 class Constraint:
@@ -172,7 +218,7 @@ class Constraint:
     def __init__(self, grammar: Grammar, vocab: int):
         from llguidance import LLMatcher
         from llguidance.numpy import allocate_token_bitmask
-        self.matcher = LLMatcher(grammar.lltok, grammar.text)
+        self.matcher = LLMatcher(grammar.lltok, grammar.text, log_level=0)     # errors come back here
         if self.matcher.is_error():
             raise GrammarError(f"the grammar cannot be enforced: {self.matcher.get_error()}")
         self.vocab = vocab
@@ -182,6 +228,8 @@ class Constraint:
     def _fill(self) -> None:
         from llguidance.numpy import fill_next_token_bitmask
         fill_next_token_bitmask(self.matcher, self.bits, 0)
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar cannot go on: {self.matcher.get_error()}")
 
     def allowed(self) -> np.ndarray:
         """bool [vocab]: the tokens the grammar allows next."""
@@ -198,7 +246,10 @@ class Constraint:
         self._fill()
         if extra:
             self.matcher.rollback(len(extra))
-        return _masked(np.asarray(logits, np.float32), self.bits[0], self.n)
+        out = _masked(np.asarray(logits, np.float32), self.bits[0], self.n)
+        if not extra and not np.isfinite(out).any():
+            raise GrammarError("the grammar allows no next token here")
+        return out
 
     def take(self, token_id: int) -> None:
         """Advance by a taken token; GrammarError if the grammar forbade it (never after :meth:`mask`)."""

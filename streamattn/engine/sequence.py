@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from streamattn.engine.grammar import GrammarError
 from streamattn.engine.sampling import SamplingParams, apply_repetition_penalty, sample
 from streamattn.engine.speculative import DraftLength, SpecParams, make_proposer, verify
 from streamattn.text.tokenizer import StreamDecoder, Tokenizer
@@ -120,7 +121,8 @@ class StopFilter:
 @dataclass(frozen=True)
 class Event:
     """Engine -> HTTP handler. kind "delta": ``text`` (+ ``logprobs`` entries); "done": ``finish`` and
-    ``usage``; "error": ``message``."""
+    ``usage``; "error": ``message`` and ``code`` ("grammar": the request's own grammar could not go on, a
+    client error; "engine": anything else)."""
 
     kind: str
     text: str = ""
@@ -128,6 +130,7 @@ class Event:
     finish: str | None = None
     usage: dict | None = None
     message: str = ""
+    code: str = "engine"
 
 
 @dataclass(eq=False)
@@ -212,13 +215,17 @@ class Sequence:
         token and after each drafted one) and emit the tokens it yields; returns (ended, rejected), the
         drafted tokens the caches must drop."""
         draft = self.draft
-        toks = verify(rows, draft, self.job.sampling, self.rng, lambda i, z: self._prepare(z, draft[:i]))
-        a = len(toks) - 1                                   # drafted tokens accepted
-        self.drafted, self.accepted, self.draft = self.drafted + len(draft), self.accepted + a, []
-        self.draft_length.update(len(draft), a)
-        for i, tid in enumerate(toks):
-            if self._take(tid, rows[i]):
-                return True, len(draft) - a
+        try:
+            toks = verify(rows, draft, self.job.sampling, self.rng, lambda i, z: self._prepare(z, draft[:i]))
+            a = len(toks) - 1                               # drafted tokens accepted
+            self.drafted, self.accepted, self.draft = self.drafted + len(draft), self.accepted + a, []
+            self.draft_length.update(len(draft), a)
+            for i, tid in enumerate(toks):
+                if self._take(tid, rows[i]):
+                    return True, len(draft) - a
+        except GrammarError as e:
+            self._grammar_failed(e)
+            return True, 0                                  # its slot is cleared: nothing to rewind
         return False, len(draft) - a
 
     def score(self, logits, start: int) -> None:
@@ -239,17 +246,27 @@ class Sequence:
             self.last_logits = np.array(logits)
             self.finish("length")
             return True
-        return self._take(sample(self._prepare(logits), job.sampling, self.rng), logits)
+        try:
+            return self._take(sample(self._prepare(logits), job.sampling, self.rng), logits)
+        except GrammarError as e:
+            self._grammar_failed(e)
+            return True
+
+    def _grammar_failed(self, e) -> None:
+        """The request's grammar cannot go on (llguidance's parser limits): this sequence alone ends with
+        a one-line error; nothing of the grammar or the text is quoted."""
+        self.fail(f"the output grammar could not go on after {len(self.generated)} generated tokens: {e}",
+                  code="grammar")
 
     def _take(self, tid: int, logits) -> bool:
         """Append token ``tid`` (drawn from ``logits``), emit what the stop rule releases; True when the
         sequence ended."""
         job = self.job
+        if self.constraint is not None:
+            self.constraint.take(tid)                       # raises before the token is counted
         self.generated.append(tid)
         self.next_token = tid
         lp = (self._logprobs(logits, tid),) if job.logprobs else ()
-        if self.constraint is not None:
-            self.constraint.take(tid)
         eos = tid in self.tok.stop_ids and not job.ignore_eos
         text, hit = self.stops.push(self.decoder.flush() if eos else self.decoder.push(tid))
         if hit:
@@ -274,9 +291,9 @@ class Sequence:
         self.finished, self.finish_reason = True, reason
         self.emit(Event("done", finish=reason, usage=self.usage()))
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, code: str = "engine") -> None:
         self.finished, self.finish_reason = True, "error"
-        self.emit(Event("error", message=message))
+        self.emit(Event("error", message=message, code=code))
 
     def _logprobs(self, logits, tid: int) -> dict:
         z = np.asarray(logits, np.float64)

@@ -30,7 +30,8 @@ def complete(gen, requests: list, opts: ModelOptions) -> list:
     dict per request, in the input order.
 
     Each result is ``{"line", "record"}`` with the output record, or ``{"line", "id", "error"}`` when the
-    request could not run (e.g. its chat messages do not fit the template); the other requests still run.
+    request could not run (e.g. its chat messages do not fit the template) or its grammar could not go on
+    while decoding (a one-line message); the other requests still run.
     A record's text depends on its own line only, never on which lines share its batch.
     """
     from streamattn.engine.grammar import response_format_grammar
@@ -57,6 +58,9 @@ def complete(gen, requests: list, opts: ModelOptions) -> list:
         texts[ev.seq].append(ev.text)
         last[ev.seq] = ev
     for (r, job), t, ev in zip(runs, texts, last):
+        if ev.error is not None:                    # this line's grammar could not go on: its error record
+            results[r.line] = {"line": r.line, "id": r.id, "error": ev.error}
+            continue
         results[r.line] = {"line": r.line, "record": {
             "id": r.id, "text": "".join(t), "prompt_tokens": len(job.prompt), "completion_tokens": ev.step + 1,
             "finish_reason": ev.finish}}

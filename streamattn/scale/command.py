@@ -6,6 +6,7 @@ Its own module so that batch.py and ray_batch.py import in one direction only (r
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from streamattn.engine.options import ModelOptions, add_arguments as add_model_arguments
@@ -39,14 +40,18 @@ def prompt_measure(opts: ModelOptions):
     template included) with the model's tokenizer, read from the file's metadata without its weights, and
     must leave one token of the model's context to generate. The encoding stops early (bounded by the
     context, not by the line) for a prompt too long to fit."""
+    from streamattn.engine.grammar import Grammars, response_format_grammar
     from streamattn.gguf.hub import resolve_model
     from streamattn.gguf.loader import load_header
     from streamattn.text.tokenizer import Tokenizer
 
     md, config = load_header(resolve_model(opts.model, quiet=True))
     tok, context = Tokenizer.from_metadata(md), int(config.context_length)
+    grammars = Grammars(tok)
 
     def measure(r) -> int:
+        if r.response_format is not None:      # compiled and probed now, before any line decodes
+            response_format_grammar(json.loads(r.response_format), grammars)
         if r.messages is not None:
             text = tok.apply_chat([dict(m) for m in r.messages])
         elif opts.chat:

@@ -38,6 +38,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
+from streamattn.engine.grammar import ResponseFormatError, check_response_format
 from streamattn.engine.sampling import SamplingParams
 from streamattn.files import BadFile, kind, open_regular, short
 
@@ -167,9 +168,13 @@ def parse_line(text: str, line: int, *, max_tokens: int, sampling: SamplingParam
     except (ValueError, TypeError) as e:
         raise BadLine(line, short(str(e), 200).strip("'\"")) from None
     fmt = d.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object", "json_schema")):
-        raise BadLine(line, f"response_format must be an object with type 'text', 'json_object' or 'json_schema' "
-                            f"(got {short(fmt)})")
+    try:
+        constrained = check_response_format(fmt)[0] != "text"      # compiled by ``measure``, before decoding
+    except ResponseFormatError as e:
+        raise BadLine(line, str(e)) from None
+    if constrained and st:
+        raise BadLine(line, "stop cannot be used with a JSON response_format: the output ends where the JSON "
+                            "does; drop stop (or the run's --stop)")
     return Request(line=line, id=rid, prompt=prompt, messages=messages, max_tokens=n, sampling=sp,
                    stop=tuple(st), response_format=None if fmt is None else json.dumps(fmt))
 
