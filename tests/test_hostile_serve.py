@@ -4,7 +4,6 @@ sends is answered 500, and /health answers within 1 s while other requests are p
 rendered (that work runs off the event loop). A hypothesis fuzzer sends arbitrary JSON bodies."""
 
 import json
-import socket
 import threading
 import time
 
@@ -23,32 +22,7 @@ STATUS: dict = {}
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 
 
-@pytest.fixture(scope="module")
-def url():
-    from streamattn.serve.app import build_app
-    from streamattn.serve.config import ServeConfig
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = build_app(ServeConfig(model=smollm2_path(), model_id=MODEL, parallel=2, max_queue=64, threads=1,
-                                prompt_cache_mb=0, max_body_mb=1.0))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    else:
-        raise RuntimeError("the in-process server did not become healthy in 600 s")
-    yield base
-    server.should_exit = True
-    thread.join(30)
+SERVER_CONFIG = dict(max_body_mb=1.0)                  # the conftest `url` fixture's server
 
 
 def post(url, path, body, timeout=60):

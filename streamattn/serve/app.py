@@ -217,7 +217,7 @@ async def _complete(st: ServerState, request: Request, kind: str):
                 text[i].append(ev.text)
                 lps[i].extend(ev.logprobs)
             elif ev.kind == "error":
-                raise APIError(500, ev.message, type="server_error", code="engine_error")
+                raise _engine_error(ev)
             else:
                 done[i] = ev
         choices = []
@@ -229,6 +229,14 @@ async def _complete(st: ServerState, request: Request, kind: str):
         watcher.cancel()
         for s in seqs:
             st.engine.cancel(s)                       # a no-op once finished
+
+
+def _engine_error(ev) -> APIError:
+    """A sequence's error event as an API error: the request's own grammar that could not go on is the
+    client's (400, one line); anything else is the server's (500)."""
+    if ev.code == "grammar":
+        return APIError(400, ev.message, param="response_format", code="grammar_error")
+    return APIError(500, ev.message, type="server_error", code="engine_error")
 
 
 def _usage(usages: list) -> dict:
@@ -268,7 +276,7 @@ async def _sse(st, seqs, reply: Reply, events, watcher, meta: dict):
                 if not held[i] and (ev.text or ev.logprobs) and (calls != "auto" or text[i].strip()):
                     yield data(reply.chunk(ev.text, ev.logprobs, index=i))
             elif ev.kind == "error":
-                yield data(APIError(500, ev.message, type="server_error", code="engine_error").body())
+                yield data(_engine_error(ev).body())
                 return
             else:
                 found = tool_calls(text[i], calls)

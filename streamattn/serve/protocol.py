@@ -17,12 +17,16 @@ contents are text: control-token strings typed into them stay text (``Tokenizer.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
+
+import numpy as np
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from streamattn.engine.grammar import one_line
 from streamattn.engine.sampling import SamplingParams
 from streamattn.engine.sequence import Job, check_logit_bias
 from streamattn.engine.speculative import SpecParams
@@ -53,9 +57,59 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"          # OpenAI's function names
+MAX_TOOLS = 64                  # functions a request may offer
+MAX_CALLS = 64                  # tool calls one history message may hold
+
+
+class FunctionCall(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    arguments: str                                  # JSON text: parsed with the body's bounds (loads_bounded)
+
+
+class ToolCall(_Strict):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
+    """One chat message; ``tool_calls`` only on assistant messages, ``tool_call_id`` only on tool ones (a
+    field the rendering would drop is refused, never ignored)."""
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list, None] = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, max_length=MAX_CALLS)
+    tool_call_id: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belongs to assistant messages (this one's role is {self.role!r})")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to tool messages (this one's role is {self.role!r})")
+        return self
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: Optional[str] = Field(None, max_length=8192)
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class _Common(_Strict):
@@ -86,9 +140,18 @@ class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[list] = None
-    tool_choice: Union[str, dict, None] = None
+    tools: Optional[list[Tool]] = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None      # accepted; one call per completion is made
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, v):
+        if v is None or v in ("none", "auto", "required") or (
+                isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict)):
+            return v
+        raise ValueError("must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+                         "{\"name\": <a function of tools>}}")
 
 
 class CompletionRequest(_Common):
@@ -97,12 +160,58 @@ class CompletionRequest(_Common):
     echo: Optional[bool] = False
 
 
-def _validation_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    param = ".".join(str(x) for x in err["loc"]) or None
+def _validation_error(e: ValidationError, obj) -> APIError:
+    """The most specific error as a 400 naming the field: its path in the request (pydantic's
+    union-member tags, such as ``str`` or a model's name, dropped; of a union's errors, the one reaching
+    deepest into the value) and at most 80 characters of the value."""
+    def path_of(err) -> list:
+        path, node = [], obj
+        for part in err["loc"]:
+            if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int) \
+                    and 0 <= part < len(node):
+                path.append(str(part))
+                node = node[part]
+            elif err["type"] == "missing" and part == err["loc"][-1]:
+                path.append(str(part))
+        return path
+    errors = e.errors(include_url=False)
+    paths = [path_of(x) for x in errors]
+    k = max(range(len(errors)), key=lambda i: (len(paths[i]), -i))
+    err, param = errors[k], ".".join(paths[k]) or None
     got = err.get("input")
-    got = "" if isinstance(got, dict) and err["type"] == "missing" else f" (got {json.dumps(got)[:80]})"
-    return APIError(400, f"{param}: {err['msg']}{got}", param=param, code=err["type"])
+    try:
+        got = "" if isinstance(got, dict) and err["type"] in ("missing", "value_error") else \
+            f" (got {json.dumps(got)[:80]})"
+    except (TypeError, ValueError, RecursionError):
+        got = ""
+    msg = err["msg"].removeprefix("Value error, ")
+    return APIError(400, one_line(f"{param}: {msg}{got}"), param=param, code=err["type"])
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of JSON ``text`` nest (strings skipped), in linear time and no
+    recursion, so that a nesting bound is checked before ``json.loads`` recurses."""
+    bare = _STRINGS.sub("", text).encode("utf-8", "surrogatepass")
+    b = np.frombuffer(bare, np.uint8)
+    step = np.isin(b, _OPEN).astype(np.int64) - np.isin(b, _CLOSE)
+    return int(np.cumsum(step).max(initial=0))
+
+
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+
+
+def loads_bounded(text: str, param: str):
+    """JSON text inside a request's strings (tool-call arguments), with the body's own bounds: at most
+    MAX_DEPTH levels; APIError 400 naming ``param`` otherwise."""
+    if json_depth(text) > MAX_DEPTH:
+        raise APIError(400, f"{param}: JSON nested more than {MAX_DEPTH} levels deep", param=param,
+                       code="invalid_value")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise APIError(400, f"{param} must be JSON text (got {len(text)} characters that do not parse)",
+                       param=param, code="invalid_value") from None
 
 
 MAX_N = 8
@@ -131,7 +240,8 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
     try:
         req = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(obj)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise _validation_error(e, obj) from None
+    _refuse_fields(obj, kind)
     if req.model != model_id:
         raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_id!r}",
                        param="model", code="model_not_found")
@@ -158,6 +268,13 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
         raise APIError(400, f"stop: at most {MAX_STOP} strings of 1..{MAX_STOP_CHARS} characters each (got "
                        f"{len(stop)}, the longest {max(map(len, stop), default=0)} characters)", param="stop",
                        code="invalid_value")
+    if stop and structured.grammar is not None:
+        raise APIError(400, "stop cannot be used with response_format json_object / json_schema or with tools: "
+                       "the grammar decides where the output ends, and a stop string would cut it short of a "
+                       "valid document; drop stop", param="stop", code="unsupported_value")
+    if req.speculative == "none" and req.draft_max is not None:
+        raise APIError(400, f"draft_max={req.draft_max} with speculative 'none': nothing is drafted; drop "
+                       "draft_max or ask for speculative 'ngram'", param="draft_max", code="invalid_value")
     text = _prompt_text(req, kind, tok, structured.tools_message)
     if kind == "text" and isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
         ids = list(req.prompt)
@@ -219,6 +336,32 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
     return job, meta
 
 
+#: Fields of the other endpoint, or of OpenAI's older API, that would change the output: refused by name
+#: (accepting them would drop them silently).
+_REFUSED = {
+    "chat": {"prompt": "prompt belongs to /v1/completions; send messages",
+             "suffix": "suffix is not supported",
+             "functions": "functions (the legacy API) is not supported; send tools",
+             "function_call": "function_call (the legacy API) is not supported; send tool_choice"},
+    "text": {"messages": "messages belongs to /v1/chat/completions; send prompt",
+             "tools": "tools belongs to /v1/chat/completions (a completion has no tool calls)",
+             "tool_choice": "tool_choice belongs to /v1/chat/completions",
+             "parallel_tool_calls": "parallel_tool_calls belongs to /v1/chat/completions",
+             "functions": "functions belongs to /v1/chat/completions' legacy API; send tools there",
+             "function_call": "function_call belongs to /v1/chat/completions' legacy API",
+             "suffix": "suffix is not supported"},
+}
+
+
+def _refuse_fields(obj: dict, kind: str) -> None:
+    for name, why in _REFUSED[kind].items():
+        if obj.get(name) is not None:
+            raise APIError(400, why, param=name, code="unsupported_value")
+    if kind == "text" and obj.get("best_of") not in (None, 1):
+        raise APIError(400, "best_of is not supported (only 1); use n for several completions", param="best_of",
+                       code="unsupported_value")
+
+
 def _check_tree(obj) -> None:
     """Nesting at most MAX_DEPTH deep and no lone surrogate in any string or key (iterative: any depth)."""
     todo = [(obj, 1, "")]
@@ -264,14 +407,11 @@ def _prompt_text(req, kind: str, tok, tools_message: str | None = None) -> str:
                                    f"{json.dumps(part)[:80]})", param=f"messages.{i}.content", code="invalid_type")
                 parts.append(part["text"])
             content = "".join(parts)
-        calls = getattr(m, "tool_calls", None)
-        if m.role == "assistant" and not content and isinstance(calls, list) and calls:
-            try:                                  # an earlier call, in the form the model was asked for
-                f = calls[0]["function"]
-                content = json.dumps({"name": f["name"], "arguments": json.loads(f["arguments"])})
-            except (KeyError, TypeError, ValueError):
-                raise APIError(400, f"messages.{i}.tool_calls: each needs function.name and function.arguments "
-                               "(a JSON string)", param=f"messages.{i}.tool_calls", code="invalid_value") from None
+        if m.tool_calls:                          # every earlier call, in the form the model was asked for
+            calls = [json.dumps({"name": c.function.name, "arguments": loads_bounded(
+                c.function.arguments, f"messages.{i}.tool_calls.{k}.function.arguments")})
+                for k, c in enumerate(m.tool_calls)]
+            content = "\n".join(([content] if content else []) + calls)
         msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     if tools_message:
         if msgs and msgs[0]["role"] == "system":

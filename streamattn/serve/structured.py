@@ -21,18 +21,15 @@ A completion that is a call comes back as ``message.tool_calls`` with ``finish_r
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
-from streamattn.engine.grammar import GrammarError, ResponseFormatError, response_format_grammar
+from streamattn.engine.grammar import GrammarError, ResponseFormatError, check_schema, response_format_grammar
 
 TOOLS_PREAMBLE = ("You can call these functions (each: name, description, parameters as a JSON schema):\n"
                   "{functions}\n"
                   "To call a function, answer with exactly one JSON object and nothing else: "
                   '{{"name": <the function name>, "arguments": <an object matching its parameters>}}.')
-_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-MAX_TOOLS = 64
 
 
 StructuredError = ResponseFormatError         # the same error for tools and tool_choice
@@ -49,19 +46,16 @@ class Plan:
 
 
 def _functions(tools) -> list:
-    if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
-        raise StructuredError(f"tools must be a list of 1..{MAX_TOOLS} function tools", "tools")
+    """The offered functions as dicts, from the request's validated ``tools`` (protocol.Tool models)."""
     out = []
     for i, t in enumerate(tools):
-        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not _NAME.match(f["name"]):
-            raise StructuredError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": "
-                                  "1..64 of a-z A-Z 0-9 _ -, \"parameters\": a JSON schema}}}}", f"tools.{i}")
-        params = f.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise StructuredError(f"tools[{i}].function.parameters must be a JSON schema object",
-                                  f"tools.{i}.function.parameters")
-        out.append({"name": f["name"], "description": str(f.get("description", ""))[:2000], "parameters": params})
+        f = t.function
+        params = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
+        try:
+            check_schema(params)
+        except GrammarError as e:
+            raise StructuredError(f"tools[{i}].function.parameters: {e}", f"tools.{i}.function.parameters")
+        out.append({"name": f.name, "description": (f.description or "")[:2000], "parameters": params})
     if len({f["name"] for f in out}) != len(out):
         raise StructuredError("tools: function names must be unique", "tools")
     return out
@@ -90,16 +84,12 @@ def plan(req, grammars) -> Plan:
         raise StructuredError("response_format with tools: give tool_choice 'none', or drop response_format",
                               "response_format")
     message = TOOLS_PREAMBLE.format(functions="\n".join(json.dumps(f) for f in functions))
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        chosen = [f for f in functions if f["name"] == name]
+    if not isinstance(choice, str):                  # {"type": "function", "function": {"name": N}}
+        chosen = [f for f in functions if f["name"] == choice.function.name]
         if not chosen:
-            raise StructuredError(f"tool_choice names no function of tools (got {json.dumps(choice)[:80]})",
-                                  "tool_choice")
+            raise StructuredError(f"tool_choice names {choice.function.name!r}, which is no function of tools",
+                                  "tool_choice.function.name")
         functions = chosen
-    elif choice not in ("auto", "required"):
-        raise StructuredError(f"tool_choice must be 'none', 'auto', 'required' or a named function (got "
-                              f"{str(choice)[:40]!r})", "tool_choice")
     schema = json.dumps(_call_schema(functions))
     try:
         if choice == "auto":
