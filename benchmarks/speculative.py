@@ -1,15 +1,18 @@
 """Speculative decoding's speed-up: copy-heavy and ordinary prompts, with and without n-gram drafts.
 
     PYTHONPATH=. python benchmarks/speculative.py [--models smollm2 gemma3] [--threads 1 2] [--tokens 256]
-                                                  [--repeats 1] [--tag DATE_WHAT]
+                                                  [--repeats 3] [--split heldout|tune|all] [--tag DATE_WHAT]
 
-Each prompt (chat-wrapped, greedy, at most ``--tokens`` new tokens) runs without and with
-``--speculative ngram`` in the same process, alternated, on fresh caches; the token ids must be equal
-(the run stops if they are not: speculation here is exact). Decode tok/s = tokens after the first /
-decode time (Generator stats; prefill excluded). The copy-heavy set: rename a variable across a 60-line
-function, extract fields from a document into JSON, fix a typo in a paragraph and repeat it, summarise
-with quotations; the ordinary set: short chat questions. Writes
-benchmarks/results/speculative_<tag>.{json,md,png}.
+The prompts are benchmarks/data/speculative_prompts.json: 20 copy-heavy (code renames in Python,
+JavaScript, SQL and shell; CSV/JSON/YAML/table conversions; typo fixes; summaries that quote; a poem
+repeated with one word changed; multi-turn chats that ask for an earlier answer again) and 20 ordinary
+(explanations, stories, lists, advice, multi-turn chat), split into a tuning half and a held-out half
+before any tuning of the drafting policy; the default reports the held-out half. Each prompt (its chat
+messages rendered by the model's template, greedy, at most ``--tokens`` new tokens) runs without and with
+``--speculative ngram`` in the same process, ``--repeats`` alternated pairs, on fresh caches; the token
+ids must be equal (the run stops if they are not: speculation here is exact). Decode tok/s = tokens after
+the first / decode time (Generator stats; prefill excluded). A prompt's speed-up is the median of its
+pairs' ratios, with their range beside it. Writes benchmarks/results/speculative_<tag>.{json,md,png}.
 
 ``--peer llama-server`` adds llama.cpp's n-gram speculation on the same prompts in the same run: two
 llama-server processes (built by ``scripts/install_llamacpp_native.sh``; ``--peer-bin`` for another),
@@ -37,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from streamattn import cpu_target
+from streamattn.bench.report import machine
 from streamattn.bench.llama_server import PEER_BIN, PEER_STATUS, LlamaServer, find_binary, server_version
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,48 +49,15 @@ MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
 PEER_SPEC = "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m {draft_max}"
 
 
-def _function() -> str:
-    """A 60-line Python function whose variable ``total`` the rename task renames."""
-    body = ["def summarize(records, limit=None):", '    """Totals per category of the first `limit` records."""',
-            "    total = {}", "    seen = 0"]
-    for i, cat in enumerate(["apples", "pears", "plums", "figs", "dates", "limes", "kiwis", "grapes",
-                             "lemons", "cherries", "melons", "peaches", "mangos"]):
-        body += [f"    # category {i}: {cat}",
-                 f"    for r in records:",
-                 f"        if r.get('kind') == '{cat}':",
-                 f"            total['{cat}'] = total.get('{cat}', 0) + r['count']"]
-    body += ["    for k in sorted(total):", "        seen += 1",
-             "        if limit is not None and seen > limit:", "            break",
-             "    return total"]
-    return "\n".join(body)
+PROMPTS = ROOT / "benchmarks" / "data" / "speculative_prompts.json"
 
 
-DOCUMENT = ("Invoice 2291 was issued on 14 March 2025 by Northwind Traders, 12 Harbour Road, Bristol, to "
-            "Contoso Ltd of 8 Mill Lane, Leeds. It lists 40 units of part A-113 at 2.50 each and 12 units of "
-            "part B-07 at 11.00 each, a total of 232.00 pounds, due within 30 days. The contact is Dana "
-            "Whitfield, dana.whitfield@northwind.example, telephone 0117 496 0321.")
-PARAGRAPH = ("The ring buffer keeps the most recent keys and values of every layer, so the memory of a long "
-             "conversation stays flat. When a new token arrives, its key overwrites the oldest slot, and the "
-             "attention kernel reads the slots in place without copying them. Because softmax does not "
-             "depend on the order of the keys, the kernal may visit the slots in any order it likes.")
-QUOTES = ('In the talk, the speaker said: "Caches are where latency goes to hide." Later she added: "A ring '
-          'buffer never forgets to forget." Asked about speed, she answered: "Measure first, then measure '
-          'again, and only then change the code." She closed with: "Exact is a feature."')
-
-COPY = {
-    "rename": "Rename the variable `total` to `counts` everywhere in this function and print the whole "
-              "function again, nothing else:\n\n" + _function(),
-    "extract": "Extract these fields from the document as JSON with keys invoice, date, seller, buyer, "
-               "total, contact_email. Quote the values exactly as they appear.\n\n" + DOCUMENT,
-    "typo": "Fix the one spelling mistake in this paragraph and repeat the whole paragraph:\n\n" + PARAGRAPH,
-    "quotes": "Summarise this passage in a few sentences, repeating each quotation word for word:\n\n" + QUOTES,
-}
-ORDINARY = {
-    "capital": "What is the capital of France, and what is it known for?",
-    "colours": "Name five colours and describe each in one sentence.",
-    "sky": "Why is the sky blue? Explain it to a ten-year-old.",
-    "haiku": "Write three haiku about the sea.",
-}
+def load_prompts(split: str) -> list:
+    """The prompt set's entries of ``split`` ("tune", "heldout" or "all"), copy-heavy first: dicts with
+    name, kind ("copy" | "ordinary"), split and messages (chat messages, multi-turn for some)."""
+    entries = json.loads(PROMPTS.read_text())["prompts"]
+    chosen = [e for e in entries if split == "all" or e["split"] == split]
+    return sorted(chosen, key=lambda e: (e["kind"] != "copy", e["name"]))
 
 
 def common_prefix(a: list, b: list) -> int:
@@ -98,21 +70,24 @@ def common_prefix(a: list, b: list) -> int:
 
 
 
-def run_one(gen, prompt: str, tokens: int, spec):
+def run_one(gen, ids: list, tokens: int, spec):
+    """One greedy completion of ``ids`` (plain when ``spec`` is None) on fresh caches."""
+    from streamattn.engine.sequence import Job
     t0 = time.perf_counter()
-    evs = list(gen.stream(prompt, chat=True, max_tokens=tokens, speculative=spec))
+    seqs: list = []
+    evs = list(gen.stream_jobs([Job(prompt=tuple(ids), max_tokens=tokens, cache_prompt=False, speculative=spec)],
+                               seqs=seqs))
     s = gen.stats
     decode_s = sum(s.decode_steps_s)
     return {"ids": [e.token_id for e in evs], "tokens": len(evs), "decode_s": decode_s,
             "decode_tok_s": (len(evs) - 1) / max(decode_s, 1e-9), "steps": len(s.decode_steps_s),
-            "wall_s": time.perf_counter() - t0}
+            "wall_s": time.perf_counter() - t0, "drafted": seqs[0].drafted, "accepted": seqs[0].accepted}
 
 
-def bench_model(name: str, threads: int, tokens: int, repeats: int, draft_max: int, peer=None,
+def bench_model(name: str, threads: int, tokens: int, repeats: int, draft_max: int, prompts: list, peer=None,
                 peer_info=None) -> list:
     from streamattn.engine.options import ModelOptions
     from streamattn.engine.generate import warm_model
-    from streamattn.engine.sequence import Job
     from streamattn.engine.speculative import SpecParams
     from streamattn.threads import threads as use_threads
     opts = ModelOptions(model=MODELS[name], threads=threads, cache_dtype="float16", prefill_chunk=256)
@@ -134,44 +109,45 @@ def bench_model(name: str, threads: int, tokens: int, repeats: int, draft_max: i
                     {"model": name, "threads": threads, "gguf": str(gguf), "cpu_variant": variant,
                      "plain": shlex.join(servers[False].cmd), "speculative": shlex.join(servers[True].cmd)})
             print(f"llama-server {name} t{threads}: CPU variant {variant}", file=sys.stderr, flush=True)
-        for kind, prompts in (("copy", COPY), ("ordinary", ORDINARY)):
-            for pname, prompt in prompts.items():
-                plain, fast, acc, peer_runs = [], [], [], []
-                for r in range(repeats):
-                    order = (None, spec) if r % 2 == 0 else (spec, None)
-                    got = {}
-                    for sp in order:
-                        got[sp is not None] = run_one(gen, prompt, tokens, sp)
-                    if got[True]["ids"] != got[False]["ids"]:
-                        raise SystemExit(f"{name} {pname}: speculation changed the tokens")
-                    plain.append(got[False]["decode_tok_s"])
-                    fast.append(got[True]["decode_tok_s"])
-                    seqs = []
-                    list(gen.stream_jobs([Job(prompt=tuple(gen.encode_prompt(prompt, chat=True)), max_tokens=tokens,
-                                              speculative=spec)], seqs=seqs))
-                    acc.append(seqs[0].accepted / max(seqs[0].drafted, 1))
-                    if servers is not None:
-                        ids = gen.encode_prompt(prompt, chat=True)
-                        for sp in order:
-                            got["peer", sp is not None] = servers[sp is not None].complete(ids, tokens)
-                        peer_runs.append((got["peer", False], got["peer", True]))
-                row = {"model": name, "threads": threads, "kind": kind, "prompt": pname,
-                       "tokens": got[False]["tokens"], "plain_tok_s": statistics.median(plain),
-                       "spec_tok_s": statistics.median(fast), "acceptance": statistics.median(acc),
-                       "steps_plain": got[False]["steps"], "steps_spec": got[True]["steps"]}
-                row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
-                line = (f"{name} t{threads} {kind:8s} {pname:8s} {row['tokens']:4d} tok  plain "
-                        f"{row['plain_tok_s']:6.1f}  spec {row['spec_tok_s']:6.1f} tok/s  x{row['speedup']:.2f}  "
-                        f"accept {row['acceptance']:.2f}  steps {row['steps_plain']} -> {row['steps_spec']}")
+        for entry in prompts:
+            kind, pname = entry["kind"], entry["name"]
+            ids = tok.encode(tok.apply_chat(entry["messages"]))
+            plain, fast, acc, peer_runs, ratios = [], [], [], [], []
+            for r in range(repeats):
+                order = (None, spec) if r % 2 == 0 else (spec, None)
+                got = {}
+                for sp in order:
+                    got[sp is not None] = run_one(gen, ids, tokens, sp)
+                if got[True]["ids"] != got[False]["ids"]:
+                    raise SystemExit(f"{name} {pname}: speculation changed the tokens")
+                plain.append(got[False]["decode_tok_s"])
+                fast.append(got[True]["decode_tok_s"])
+                ratios.append(fast[-1] / plain[-1])
+                acc.append(got[True]["accepted"] / max(got[True]["drafted"], 1))
                 if servers is not None:
-                    row.update(peer_row(peer_runs, got[False]["ids"]))
-                    row["ours_vs_peer_spec"] = row["spec_tok_s"] / max(row["peer_spec_tok_s"], 1e-9)
-                    line += (f"  | llama-server {row['peer_tokens']:4d} tok plain {row['peer_plain_tok_s']:6.1f}  "
-                             f"spec {row['peer_spec_tok_s']:6.1f}  x{row['peer_speedup']:.2f}  accept "
-                             f"{row['peer_acceptance']:.2f}  same {row['peer_same']}  "
-                             f"~ours {row['peer_match_ours']:.2f}")
-                rows.append(row)
-                print(line, file=sys.stderr, flush=True)
+                    for sp in order:
+                        got["peer", sp is not None] = servers[sp is not None].complete(ids, tokens)
+                    peer_runs.append((got["peer", False], got["peer", True]))
+            row = {"model": name, "threads": threads, "kind": kind, "prompt": pname,
+                   "tokens": got[False]["tokens"], "plain_tok_s": statistics.median(plain),
+                   "spec_tok_s": statistics.median(fast), "acceptance": statistics.median(acc),
+                   "steps_plain": got[False]["steps"], "steps_spec": got[True]["steps"]}
+            row["speedup"] = statistics.median(ratios)            # of the alternated pairs
+            row["speedup_min"], row["speedup_max"] = min(ratios), max(ratios)
+            row["drafted"] = got[True]["drafted"]
+            line = (f"{name} t{threads} {kind:8s} {pname:8s} {row['tokens']:4d} tok  plain "
+                    f"{row['plain_tok_s']:6.1f}  spec {row['spec_tok_s']:6.1f} tok/s  x{row['speedup']:.2f} "
+                    f"({row['speedup_min']:.2f}-{row['speedup_max']:.2f})  "
+                    f"accept {row['acceptance']:.2f}  steps {row['steps_plain']} -> {row['steps_spec']}")
+            if servers is not None:
+                row.update(peer_row(peer_runs, got[False]["ids"]))
+                row["ours_vs_peer_spec"] = row["spec_tok_s"] / max(row["peer_spec_tok_s"], 1e-9)
+                line += (f"  | llama-server {row['peer_tokens']:4d} tok plain {row['peer_plain_tok_s']:6.1f}  "
+                         f"spec {row['peer_spec_tok_s']:6.1f}  x{row['peer_speedup']:.2f}  accept "
+                         f"{row['peer_acceptance']:.2f}  same {row['peer_same']}  "
+                         f"~ours {row['peer_match_ours']:.2f}")
+            rows.append(row)
+            print(line, file=sys.stderr, flush=True)
     return rows
 
 
@@ -196,8 +172,10 @@ def summary(rows: list) -> list:
         for kind in ("copy", "ordinary"):
             sel = [r for r in rows if (r["model"], r["threads"], r["kind"]) == (m, t, kind)]
             if sel:
-                s = {"model": m, "threads": t, "kind": kind,
+                s = {"model": m, "threads": t, "kind": kind, "prompts": len(sel),
                      "median_speedup": statistics.median(r["speedup"] for r in sel),
+                     "min_speedup": min(r["speedup"] for r in sel),
+                     "max_speedup": max(r["speedup"] for r in sel),
                      "median_plain_tok_s": statistics.median(r["plain_tok_s"] for r in sel),
                      "median_spec_tok_s": statistics.median(r["spec_tok_s"] for r in sel)}
                 if all("peer_spec_tok_s" in r for r in sel):
@@ -211,28 +189,33 @@ def markdown(rows: list, summ: list, tag: str, draft_max: int, command: str, pee
     """The .md report: a summary per (model, threads, set) and one row per prompt; llama-server's
     columns where the run had ``--peer``."""
     with_peer = bool(rows) and all("peer_spec_tok_s" in r for r in rows)
-    lines = [f"# Speculative decoding (n-gram, draft_max {draft_max}), {tag}", "", f"`{command}`", ""]
+    m = machine()
+    lines = [f"# Speculative decoding (n-gram, draft_max {draft_max}), {tag}", "", f"`{command}`", "",
+             f"Host: {m['cpu']} ({m['cores']} cores; {'AVX-512' if cpu_target.has('avx512f') else 'AVX2'}), "
+             f"load average at the end {m['loadavg'][0]:.1f}", ""]
     if with_peer and peer_info:
         variants = sorted({str(s.get("cpu_variant")) for s in peer_info.get("servers", [])})
         lines += [f"Peer: llama-server ({peer_info.get('build') or 'build unknown'}; llama-cpp-python "
                   f"{peer_info.get('llama_cpp_python') or '?'} sources), CPU variant {', '.join(variants) or '?'}, "
                   f"speculation `{peer_info.get('spec', '')}`; same prompt token ids, greedy, same max tokens; "
                   f"decode tok/s from its `timings.predicted_per_second`.", ""]
-    head = "| model | threads | set | median speed-up | plain tok/s | speculative tok/s |"
-    rule = "|---|---:|---|---:|---:|---:|"
+    head = "| model | threads | set | prompts | median speed-up | lowest | highest | plain tok/s | speculative tok/s |"
+    rule = "|---|---:|---|---:|---:|---:|---:|---:|---:|"
     if with_peer:
         head += " llama-server plain | llama-server n-gram | its speed-up | ours / its (speculative) |"
         rule += "---:|---:|---:|---:|"
     lines += [head, rule]
     for s in summ:
-        line = (f"| {s['model']} | {s['threads']} | {s['kind']} | {s['median_speedup']:.2f}x | "
+        line = (f"| {s['model']} | {s['threads']} | {s['kind']} | {s['prompts']} | {s['median_speedup']:.2f}x | "
+                f"{s['min_speedup']:.2f}x | {s['max_speedup']:.2f}x | "
                 f"{s['median_plain_tok_s']:.1f} | {s['median_spec_tok_s']:.1f} |")
         if with_peer:
             line += (f" {s['median_peer_plain_tok_s']:.1f} | {s['median_peer_spec_tok_s']:.1f} | "
                      f"{s['median_peer_speedup']:.2f}x | {s['median_ours_vs_peer_spec']:.2f}x |")
         lines.append(line)
-    head = "| model | threads | prompt | tokens | plain | speculative | speed-up | acceptance | steps |"
-    rule = "|---|---:|---|---:|---:|---:|---:|---:|---|"
+    head = ("| model | threads | prompt | tokens | plain | speculative | speed-up (pairs' median) | pairs' range "
+            "| acceptance | drafted | steps |")
+    rule = "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---|"
     if with_peer:
         head += (" peer tokens | peer plain | peer n-gram | peer speed-up | peer acceptance | peer same |"
                  " peer ~ ours |")
@@ -240,8 +223,8 @@ def markdown(rows: list, summ: list, tag: str, draft_max: int, command: str, pee
     lines += ["", head, rule]
     for r in rows:
         line = (f"| {r['model']} | {r['threads']} | {r['prompt']} | {r['tokens']} | {r['plain_tok_s']:.1f} | "
-                f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['acceptance']:.2f} | {r['steps_plain']} -> "
-                f"{r['steps_spec']} |")
+                f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_min']:.2f}-{r['speedup_max']:.2f} | "
+                f"{r['acceptance']:.2f} | {r['drafted']} | {r['steps_plain']} -> {r['steps_spec']} |")
         if with_peer:
             line += (f" {r['peer_tokens']} | {r['peer_plain_tok_s']:.1f} | {r['peer_spec_tok_s']:.1f} | "
                      f"{r['peer_speedup']:.2f}x | {r['peer_acceptance']:.2f} | {'yes' if r['peer_same'] else 'NO'} | "
@@ -291,7 +274,10 @@ def main() -> int:
     p.add_argument("--models", nargs="+", default=["smollm2", "gemma3"], choices=sorted(MODELS))
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="alternated plain/speculative pairs per prompt")
+    p.add_argument("--split", choices=["heldout", "tune", "all"], default="heldout",
+                   help="which half of benchmarks/data/speculative_prompts.json (default: the held-out half)")
+    p.add_argument("--only", nargs="*", default=None, help="prompt names to run (default: the whole split)")
     p.add_argument("--draft-max", type=int, default=8)
     p.add_argument("--tag", default=datetime.date.today().isoformat())
     p.add_argument("--peer", choices=["llama-server"], help="also run llama.cpp's n-gram speculation (llama-server)")
@@ -313,10 +299,11 @@ def main() -> int:
         peer_info = {"engine": "llama-server", "bin": args.peer_bin, "spec": spec,
                      "build": server_version(args.peer_bin) or None,
                      "llama_cpp_python": status.get("llama_cpp_python"), "install": status or None}
+    prompts = [e for e in load_prompts(args.split) if not args.only or e["name"] in args.only]
     rows = []
     for m in args.models:
         for t in args.threads:
-            rows += bench_model(m, t, args.tokens, args.repeats, args.draft_max, peer, peer_info)
+            rows += bench_model(m, t, args.tokens, args.repeats, args.draft_max, prompts, peer, peer_info)
     out = write(rows, args.tag, args, peer_info)
     print(out.with_suffix(".md").read_text())
     return 0
