@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/peer_llamacpp.py        # defaults: both models, 1 and 2 threads, 3 repeats
     PYTHONPATH=. python benchmarks/peer_llamacpp.py --ours-args "--prefill-chunk 512 --weights f32"   # the f32 path
     PYTHONPATH=. python benchmarks/peer_llamacpp.py --noise both   # quiet and beside a 50% busy neighbour
+    PYTHONPATH=. python benchmarks/peer_llamacpp.py --models /work/fixtures/llama-3.2-1b-q4_k_m.gguf  # any GGUF
 
 Both engines get the same GGUF file, the same prompt text (benchmarks/data/prompt_rome.txt, ~700 tokens),
 greedy decoding of exactly ``--tokens`` new tokens (ours: ``generate --ignore-eos``; llama.cpp: the
@@ -271,6 +272,23 @@ def resolve_path(name: str) -> Path:
     return Path(out.stdout.strip())
 
 
+def model_labels(models: list) -> dict:
+    """``--models`` entry -> its label in the results: a short name of :data:`MODELS` as it is, a GGUF file
+    by its name without ``.gguf``. ValueError naming an entry that is neither, or two with one label."""
+    out = {}
+    for m in models:
+        if m in MODELS:
+            out[m] = m
+        elif Path(m).is_file():
+            out[m] = Path(m).name.removesuffix(".gguf")
+        else:
+            raise ValueError(f"--models: {m!r} is neither a short name ({', '.join(MODELS)}) nor a file; give "
+                             "a GGUF path, e.g. one written by scripts/make_real_size_gguf.py")
+    if len(set(out.values())) < len(out):
+        raise ValueError(f"--models: two entries share a label ({', '.join(out.values())}); rename a file")
+    return out
+
+
 def child_json(args: list, env: dict | None = None, timeout: float = 600.0) -> dict:
     """The JSON line ``python -m streamattn.bench.memory_wall ARGS`` prints (a child: Numba stays out)."""
     out = subprocess.run([sys.executable, "-m", "streamattn.bench.memory_wall", *args], cwd=ROOT, check=True,
@@ -338,7 +356,9 @@ def _communicate_wait4(proc, timeout: float) -> tuple:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=list(MODELS), metavar="NAME|PATH.gguf",
+                    help=f"short names ({', '.join(MODELS)}) or GGUF files, e.g. the fixtures of "
+                         "scripts/make_real_size_gguf.py (labelled by the file name without .gguf)")
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per run (exactly: EOS ignored)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine/model/threads (medians)")
@@ -369,16 +389,21 @@ def main(argv=None) -> int:
                  f"{args.tokens}, {args.repeats})")
     if args.ceiling_mb < 0:
         ap.error(f"--ceiling-mb must be >= 0 (got {args.ceiling_mb}; 0 skips the probe)")
+    try:
+        labels = model_labels(args.models)
+    except ValueError as e:
+        ap.error(str(e))
 
     if not (args.peer_dir / "node_modules" / "node-llama-cpp").is_dir():
         print(f"peer_llamacpp: node-llama-cpp not found under {args.peer_dir}; run "
               f"bash scripts/install_llamacpp_peer.sh first", file=sys.stderr)
         return 2
     shutil.copy(DRIVER, args.peer_dir / DRIVER.name)     # ESM resolves packages from the script's folder
-    paths = {m: resolve_path(MODELS[m]) for m in args.models}
-    profiles = {m: child_json(["profile", str(paths[m])]) for m in args.models} if args.ceiling_mb else {}
+    paths = {m: resolve_path(MODELS[m]) if m in MODELS else Path(m).resolve() for m in args.models}
+    paths = {labels[m]: p for m, p in paths.items()}
+    profiles = {m: child_json(["profile", str(paths[m])]) for m in paths} if args.ceiling_mb else {}
     ours_args = shlex.split(args.ours_args)
-    plan = [(m, t, d, e) for m in args.models for t in args.threads for d in levels for e in ENGINES]
+    plan = [(m, t, d, e) for m in paths for t in args.threads for d in levels for e in ENGINES]
     runs, probes, t_start, load_start = [], [], time.time(), os.getloadavg()
     lifetime = args.timeout + 60                         # the neighbour outlives no run by more than this
     for rep in range(args.repeats):

@@ -154,3 +154,13 @@ def _gone(pid: int) -> bool:
 def test_missing_peer_is_a_clear_error(tmp_path, capsys):
     assert peer.main(["--peer-dir", str(tmp_path)]) == 2
     assert "scripts/install_llamacpp_peer.sh" in capsys.readouterr().err
+
+
+def test_models_take_short_names_and_files(tmp_path):
+    f = tmp_path / "llama-3.2-1b-q4_k_m.gguf"
+    f.write_bytes(b"GGUF")
+    assert peer.model_labels(["smollm2", str(f)]) == {"smollm2": "smollm2", str(f): "llama-3.2-1b-q4_k_m"}
+    with pytest.raises(ValueError, match="neither a short name"):
+        peer.model_labels([str(tmp_path / "absent.gguf")])
+    with pytest.raises(SystemExit):
+        peer.main(["--models", "nosuchmodel"])
