@@ -76,6 +76,11 @@ KINDS = (*INT_KINDS, "f32", "f16", "bf16")
 NIBBLE_KINDS = ("q4", "nl", "q5", "q4s")
 
 
+#: The types :func:`pack` repacks with compiled kernels (:mod:`streamattn.quant.repack`); the others
+#: through numpy (``_PACKERS``, then :func:`interleave`), which gives the same planes for these too.
+REPACKED = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
+
+
 class UnsupportedWeightType(ValueError):
     """A GGUF tensor's type has no packed kernel here."""
 
@@ -123,8 +128,9 @@ class QWeight:
 
     def finite(self) -> bool:
         """Whether every value is finite (scales and mins; float kinds: the values)."""
-        if self.kind in INT_KINDS:
-            return all(np.isfinite(floats(p)).all() for p in (self.scale, self.minv) if p is not None)
+        if self.kind in INT_KINDS:        # float16 bits: finite unless the exponent field is all ones
+            return all(bool(((p & 0x7C00) != 0x7C00).all()) if p.dtype == np.uint16 else bool(np.isfinite(p).all())
+                       for p in (self.scale, self.minv) if p is not None)
         return bool(np.isfinite(self.dequantize()).all())
 
     def rows(self, ids) -> np.ndarray:
@@ -360,7 +366,14 @@ def pack(name: str, type_name: str, data: np.ndarray, shape: tuple, lanes: int |
         return QWeight(type_name.lower(), shape, raw.copy(), source=type_name)
     u8 = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
     from streamattn.quant.kernels import LANES      # the kernels' vector width (imports LLVM's)
-    return interleave(_PACKERS[type_name](u8.reshape(n, k // block, -1), shape), LANES if lanes is None else lanes)
+    lanes = LANES if lanes is None else lanes
+    if type_name in REPACKED and lanes in (8, 16):  # compiled, parallel, the same planes (quant/repack.py)
+        from streamattn.quant import repack
+        qs, scale, minv = repack.repack(type_name, u8.reshape(n, k // block, -1), shape, lanes)
+        kind, _, group, _, _ = repack.TYPES[type_name]
+        return QWeight(kind, shape, qs, repack.compact(scale), None if minv is None else repack.compact(minv), group,
+                       type_name, lanes)
+    return interleave(_PACKERS[type_name](u8.reshape(n, k // block, -1), shape), lanes)
 
 
 def _q4_0(b, shape):
