@@ -35,7 +35,7 @@ Sinks apart (``spec.sink_dtype`` "float16" or "float32": a sinks cache with quan
 tokens live in ``sink_k``, ``sink_v`` (of that dtype, row j = position j) and ``k``, ``v`` hold only the ring:
 R = n_c + C - 1 slots, position j >= n_s in slot (j - n_s) mod R, the slot rule of a window cache without
 sinks over positions shifted by n_s. So each part is a cache the backends already attend, and
-``streamattn.dispatch`` merges the two answers by their log-sum-exps (docs/DESIGN.md §24). ``slots`` and
+``streamattn.dispatch`` merges the two answers by their log-sum-exps (docs/DESIGN.md §6). ``slots`` and
 ``ring`` keep their meaning (n_s + R and R); the state dicts (export_state, write_sequence) keep the
 layout of a cache with its sinks inside, sink slots zero, plus the sink store's rows.
 """

@@ -35,7 +35,7 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
     q_sink : [batch, q_heads, T, head_dim], optional
         The queries scored against the sink keys instead of q (sinks caches; ignored otherwise). A model
         that positions keys within the cache passes q rotated at its cache position here (see
-        docs/DESIGN.md §13); default q, i.e. absolute positions throughout.
+        docs/DESIGN.md §5); default q, i.e. absolute positions throughout.
 
     A ``rotate_k`` cache (a quantized K by default) stores its keys as ``k @ H``; q and q_sink are rotated by
     the same H here, before any backend sees them (:mod:`streamattn.rotation`), so callers pass q as for any
@@ -200,7 +200,7 @@ def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, softcap, *, edge: 
     spec = cache.spec
 
     def call(fn):
-        if cache.sink_k is not None:           # sinks apart: two parts, merged exactly (docs/DESIGN.md §24)
+        if cache.sink_k is not None:           # sinks apart: two parts, merged exactly (docs/DESIGN.md §6)
             return attend_parts(fn, q, cache, scale=scale, counts=counts, q_sink=q_sink, softcap=softcap)
         return fn(q, cache.k, cache.v, cache.lengths, counts, window=spec.window or 0, sinks=spec.sinks,
                   scale=scale, kind=spec.dtype, q_sink=q_sink, kind_v=spec.v_dtype, softcap=softcap)

@@ -43,7 +43,7 @@ def lock_cache_saves() -> bool:
     workers, Ray workers, two CLIs after an upgrade) both pick the same number; the index then names
     one's key beside the other's code, and a later process loads the wrong machine code under that
     key — seen here as ``'descr' is NULL`` when a packed-matmul driver of one weight kind ran with
-    another kind's environment (docs/DESIGN.md §29). Loads need no lock: the data file is written to
+    another kind's environment (docs/DESIGN.md §14). Loads need no lock: the data file is written to
     a temporary name and renamed, and an entry whose file is not there yet is a cache miss."""
     if fcntl is None:
         return False
@@ -82,7 +82,7 @@ def variant(fn, tag: str):
     Copies of one closure (the serial and parallel loops, the packed-matmul drivers of each weight
     kind) share qualname and argument types, so two of them compiled by different processes at the
     same counter value collided once both were loaded: a driver then read another's constants
-    (``'descr' is NULL`` under pytest's two workers, docs/DESIGN.md §29). ``tag`` must tell the copies
+    (``'descr' is NULL`` under pytest's two workers, docs/DESIGN.md §14). ``tag`` must tell the copies
     of a closure apart and be usable in a file name (it also names the copy's cache files)."""
     fn.__qualname__ = f"{fn.__qualname__}__{tag}"
     return fn

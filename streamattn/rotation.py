@@ -5,7 +5,7 @@ and attention scores it with ``q @ H``. H is orthonormal, so ``(q @ H) · (k @ H
 arithmetic: only the quantization error changes. Post-RoPE keys carry a few outlier channels (SmolLM2:
 channels 44–51 and 60–63 reach 15–21 against an rms of 2); a 32-value block with one of them gets a scale
 that crushes its 31 other values to a few levels. H spreads each outlier over its whole block, so the block's
-values look alike and its 4-bit grid fits them (docs/DESIGN.md §24; llama.cpp did the same for its K cache,
+values look alike and its 4-bit grid fits them (docs/DESIGN.md §6; llama.cpp did the same for its K cache,
 PR #21038). V is not rotated: it is averaged, not dotted, and its error was measured small (docs/PERF.md).
 
 H is block diagonal: a Sylvester Hadamard matrix of 32 (GGUF's block size) per quantization block, scaled by
@@ -57,7 +57,7 @@ def rotate(x, xp=np):
     and one rounding to x's dtype: every output element is the same fixed sequence of element-wise
     operations on its own row, so a row's result does not depend on how many rows share the call (a
     matrix product would: BLAS picks its kernel and summation order by shape), which the batch invariance
-    of docs/DESIGN.md §5 and exact speculation (§17) need. The float64 sums of ±float32 values are exact
+    of docs/DESIGN.md §7 and exact speculation (§24) need. The float64 sums of ±float32 values are exact
     for rows whose values span less than 2^29, so the result is x @ H rounded once. float32 numpy arrays go
     through :func:`rotate_rows` (compiled, one pass per row), others through array butterflies on ``xp``:
     the same operations in the same order, so the same bits.

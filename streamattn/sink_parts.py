@@ -10,7 +10,7 @@ the ring part a window call over the ring, and softmax over the union of two dis
     out = (e^(lse_s - m) out_s + e^(lse_r - m) out_r) / (e^(lse_s - m) + e^(lse_r - m)),
     lse = m + log(e^(lse_s - m) + e^(lse_r - m)),   m = max(lse_s, lse_r),
 
-the merge the split-K kernels use. Why this and not a kernel that reads two dtypes: docs/DESIGN.md §24.
+the merge the split-K kernels use. Why this and not a kernel that reads two dtypes: docs/DESIGN.md §6.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def attend_parts(fn, q, cache, *, scale: float, counts, q_sink, softcap):
         kind, q_sink, kind_v, softcap) -> (out, lse)``
     q : [batch, q_heads, T, head_dim] on the cache's device; query t < counts[b] at position
         ``lengths[b] - counts[b] + t``
-    q_sink : like q or None (q): the queries scored against the sinks (docs/DESIGN.md §13)
+    q_sink : like q or None (q): the queries scored against the sinks (docs/DESIGN.md §5)
     scale, softcap : as :func:`streamattn.dispatch.attend` (resolved: a float, None or a float)
 
     Returns

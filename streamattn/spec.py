@@ -73,7 +73,7 @@ class CacheSpec:
     sink_dtype : {"auto", "float16", "float32", None}
         Sinks caches whose K or V is quantized: "float16" / "float32" keeps the n_s sink tokens' K and V
         in a store of that dtype beside the quantized ring (rounded once, when written; attention merges
-        the two parts exactly, docs/DESIGN.md §24); None stores them like every other token. "auto"
+        the two parts exactly, docs/DESIGN.md §6); None stores them like every other token. "auto"
         (default) becomes "float32" for such caches where K or V is float32 (so no side's sinks are kept
         coarser than its ring), "float16" for the others, and None for every other cache (where it means
         nothing); "float16" or "float32" elsewhere is refused.

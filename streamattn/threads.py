@@ -11,7 +11,7 @@ loaded before streamattn was imported (e.g. numpy imported first: OpenBLAS keeps
 :func:`runtime_report` says what took effect. :func:`set_threads` sets one count for both pools,
 :func:`threads` does so inside a ``with`` block.
 
-Why a short spin rather than a long one or none: docs/DESIGN.md §15; the measurements: docs/PERF.md
+Why a short spin rather than a long one or none: docs/DESIGN.md §11; the measurements: docs/PERF.md
 (figures once in module docstrings) and docs/END_TO_END.md.
 """
 
@@ -138,7 +138,7 @@ def set_threads(n: int) -> dict:
 
 def thread_count() -> int:
     """Numba's thread count for this Python thread. After the first call it reads Numba's own ctypes
-    getter, which does not check the pool as ``numba.get_num_threads()`` does (docs/DESIGN.md §16)."""
+    getter, which does not check the pool as ``numba.get_num_threads()`` does (docs/DESIGN.md §23)."""
     global _thread_count
     if _thread_count is None:
         import numba
@@ -243,7 +243,7 @@ class ThreadChooser:
 
     Why: every parallel region of a step is a fork/join, ~30 layers x several a decode step, and on a host
     whose vCPUs are shared a descheduled worker costs a time slice at each join: there two threads decoded
-    slower than one (docs/DESIGN.md §22; docs/PERF.md). Results do not depend on the thread count (the
+    slower than one (docs/DESIGN.md §12; docs/PERF.md). Results do not depend on the thread count (the
     kernels split work, never a reduction), so the choice changes speed only, never a token.
 
     How: the first ``first`` steps of a kind alternate the two counts (one thread first), and the count

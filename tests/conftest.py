@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
 
     Why: a worker takes the next scope in this order whenever it runs low, so the long scopes should start
     at once and the short ones fill in at the end; a long scope handed out last runs alone while the
-    other worker idles (docs/DESIGN.md §26).
+    other worker idles (docs/DESIGN.md §29).
     Tests keep their order within a scope. A run in one process (no xdist) keeps the collected order, in
     which a module's fixtures are built once.
     """

@@ -4,7 +4,7 @@ The same query at the same position over the same keys must give the same bits w
 alone (T = 1), sits anywhere inside a prefill chunk, shares the call with other sequences of other
 lengths and chunk sizes, or runs on 1 or 2 threads. Packed weights quantize activations to 8 bits per
 matmul, so a last-bit difference in attention can flip a rounding and change greedy text; the server's
-prompt cache and continuous batching rely on this (docs/DESIGN.md §5). Head dims that are multiples of
+prompt cache and continuous batching rely on this (docs/DESIGN.md §7). Head dims that are multiples of
 16 (the vector kernels); keys past a page boundary (PAGE = 2048) and around ring wraps.
 """
 

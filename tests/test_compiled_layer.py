@@ -47,7 +47,7 @@ class Spy:
 
 
 #: The compiled layer keeps the sinks inside the ring, so these tests ask for quantized caches without the
-#: float16 sinks that are the default (docs/DESIGN.md §24; such a cache runs the array layer:
+#: float16 sinks that are the default (docs/DESIGN.md §6; such a cache runs the array layer:
 #: test_default_quantized_caches), and for unrotated keys unless a test says otherwise.
 PLAIN = dict(rotate_k=False, sink_dtype=None)
 

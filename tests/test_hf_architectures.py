@@ -209,7 +209,7 @@ def test_yarn_keys_llama_cpp_would_not_run_are_refused(tmp_path, kv, match):
 def test_phi3_short_rope_factors_match_transformers(tmp_path):
     """Original context 48: a model run for 48 positions (``context=48``) uses the short factors, as HF on
     48 tokens; the default context (the file's 256) uses the long ones, as HF on 49 tokens or more. Those
-    differ where HF has not yet switched (a 48-token sequence): the one difference (docs/DESIGN.md §27)."""
+    differ where HF has not yet switched (a 48-token sequence): the one difference (docs/DESIGN.md §21)."""
     model = hf_model(**{**CASES["phi3_longrope"], "original_max_position_embeddings": N,
                         "max_position_embeddings": 256}, seed=5)
     ids = np.random.default_rng(7).integers(3, model.config.vocab_size, N).tolist()

@@ -276,7 +276,7 @@ def test_prompt_cache_and_generator_on_quantized_caches(tiny, cache):
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_a_row_does_not_depend_on_its_group(dtype, head_dim):
     """The 1-, 2-, 3- and 4-row kernels read a block the same way: each query row's bits are the same
-    whether its GQA group has 1..5 rows (batch invariance, docs/DESIGN.md §5; three rows take the 3-row
+    whether its GQA group has 1..5 rows (batch invariance, docs/DESIGN.md §7; three rows take the 3-row
     kernels, for every storage), at 80 through the half-block tail."""
     rng = np.random.default_rng(head_dim)
     cache = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=head_dim, dtype=dtype, max_chunk=64))
@@ -290,7 +290,7 @@ def test_a_row_does_not_depend_on_its_group(dtype, head_dim):
             assert np.array_equal(group[r], alone[r]), (g, r)
 
 
-# -- float16 sinks: a sinks cache with quantized K or V keeps its n_s sink tokens in float16 (docs/DESIGN.md §24)
+# -- float16 sinks: a sinks cache with quantized K or V keeps its n_s sink tokens in float16 (docs/DESIGN.md §6)
 
 SPLIT = [("q4_0", None), ("q8_0", None), ("q4_0", "float32"), ("float32", "q8_0")]   # K and V apart too
 
@@ -314,7 +314,7 @@ def test_float16_sinks_every_step(backend, dtype, dtype_v):
 
 
 def _stream_with_q_sink(spec, backend, steps, chunks, seed):
-    """Like test_oracle.stream with a second query for the sink keys (positions within the cache, §13),
+    """Like test_oracle.stream with a second query for the sink keys (positions within the cache, §5),
     checked against reference.attention(q_sink=...) over the stored values."""
     from oracle import TOL, History
     from streamattn.reference import attention
@@ -346,7 +346,7 @@ def _stream_with_q_sink(spec, backend, steps, chunks, seed):
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("dtype,dtype_v", [("q4_0", None), ("q8_0", "q4_0")])
 def test_float16_sinks_with_queries_at_cache_positions(backend, dtype, dtype_v):
-    """The sink part is scored with q_sink, the ring part with q (docs/DESIGN.md §13), ragged, GQA 6/2,
+    """The sink part is scored with q_sink, the ring part with q (docs/DESIGN.md §5), ragged, GQA 6/2,
     chunks 1..3 through >= 3 wraps; the keys rotated (the default for a quantized K), sinks included."""
     spec = CacheSpec(batch=2, kv_heads=2, head_dim=64, dtype=dtype, dtype_v=dtype_v, window=4, sinks=2, max_chunk=3)
     _stream_with_q_sink(spec, backend, 3 * spec.slots + 4, [1, 3, 2, 3, 1], seed=11)
@@ -394,7 +394,7 @@ def test_float16_sinks_spec():
 
 
 def test_float16_sinks_rows_do_not_depend_on_the_chunk():
-    """Batch invariance (docs/DESIGN.md §5) through the two parts: a query's bits are the same whether it
+    """Batch invariance (docs/DESIGN.md §7) through the two parts: a query's bits are the same whether it
     is decoded alone or arrives in a chunk, and whatever the other sequence of the call does."""
     rng = np.random.default_rng(8)
     spec = CacheSpec(batch=2, kv_heads=1, head_dim=64, dtype="q4_0", window=6, sinks=2, max_chunk=4)

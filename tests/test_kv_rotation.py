@@ -182,7 +182,7 @@ def test_the_flag_reaches_the_caches():
 
 @pytest.mark.parametrize("head_dim", [24, 64, 80])
 def test_a_rows_rotation_does_not_depend_on_the_other_rows(head_dim):
-    """Batch invariance (docs/DESIGN.md §5): a row rotated alone has the bits it has inside any batch or
+    """Batch invariance (docs/DESIGN.md §7): a row rotated alone has the bits it has inside any batch or
     chunk (a matrix product would not promise that), and equals x @ H rounded once from float64. The
     compiled rows (float32 numpy arrays, and the compiled layer) and the array butterflies (other devices
     and dtypes) give the same bits, strided input included."""

@@ -7,7 +7,7 @@ logits and a few fixed ids (tests/data/golden_*.npz; command, versions and file 
 tests/data/golden.json). This test reads nothing from our model config: only token ids in, logits out.
 
 Tolerance: max |ours - theirs| / max |theirs| <= 1e-4 over the stored logits (measured ~2e-6: both sides
-dequantise the same blocks to float32 and run float32 arithmetic; docs/DESIGN.md §9), and our top-1 id
+dequantise the same blocks to float32 and run float32 arithmetic; docs/DESIGN.md §10), and our top-1 id
 is theirs wherever their top two differ by more than that.
 """
 

@@ -13,7 +13,7 @@ import pytest
 from _model_util import gemma_path, load, smollm2_path
 
 # heavy: two tests but ~70 s of work (HF's GGUF load and float32 forward of Gemma-3 past its window); handed
-# out with the long scopes first, not last among the short ones (docs/DESIGN.md §26: it ran last on one
+# out with the long scopes first, not last among the short ones (docs/DESIGN.md §29: it ran last on one
 # worker while the other idled 88 s of a fresh-clone suite)
 pytestmark = [pytest.mark.peer, pytest.mark.heavy, pytest.mark.usefixtures("one_thread")]
 torch = pytest.importorskip("torch")

@@ -16,7 +16,7 @@ ring wraps, fixed points of the spec), exps summed in 16 fixed lanes, P·V summe
 every row count, the pages merged in position order. Keys no row of the item may see are skipped in
 whole blocks of 16 or cut off the end, which is exact because they would add zeros. Why it matters:
 packed weights quantize activations per matmul, so a last-bit difference in attention can flip a
-rounding and change greedy text (docs/DESIGN.md §5). Each item writes only its own partial rows; a
+rounding and change greedy text (docs/DESIGN.md §7). Each item writes only its own partial rows; a
 second kernel merges the pages with their log-sum-exps. What was measured (tile lengths, interleavings
 that were slower): docs/PERF.md.
 """
@@ -74,7 +74,7 @@ def _pages_kernels(items):
 
         q: [B, Hq, T, D] float32, already multiplied by the scale
         qs: [B, Hq, T, D] float32, scaled: the queries scored against the sink keys (q itself unless the
-            model rotates its queries at cache positions for them, see docs/DESIGN.md §13)
+            model rotates its queries at cache positions for them, see docs/DESIGN.md §5)
         k, v: [B, Hkv, S, D] float32, or uint16 bits of float16/bfloat16 (``kind`` 1/2), or [B, Hkv, S, row
             bytes] uint8 q8_0/q4_0 blocks (kind 3/4), read in place; ``kind`` is K's, ``kind_v`` V's
         lengths, counts: int64 [B]; query t < counts[b] sits at position lengths[b] - counts[b] + t

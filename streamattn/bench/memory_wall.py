@@ -17,7 +17,7 @@ Any engine that runs the same file with float16 K/V has these bytes to move per 
 read GB/s`` is the share of the memory wall it reaches (100% = memory-bound). The ceiling is a probe
 of the same machine at the same thread count (:class:`streamattn.bench.ceiling.Ceiling`: the best of
 its readers with 1..threads threads), taken in the same run: these hosts' bandwidth moves by 2× between
-probes minutes apart (docs/DESIGN.md §6).
+probes minutes apart (docs/DESIGN.md §30).
 
 The arithmetic (:func:`step_bytes`, :func:`decode_bytes`) is standard library only, and the module
 imports streamattn only inside :func:`profile` and :func:`probe`: benchmarks/peer_llamacpp.py loads it by

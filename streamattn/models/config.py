@@ -6,7 +6,7 @@ An architecture is one file in streamattn/models/ (``llama.py``, ``qwen2.py``, `
 :data:`streamattn.models.architectures.ARCHITECTURES`. Tensor names come from gguf.constants
 (``MODEL_TENSOR`` / ``TENSOR_NAMES``), metadata keys from its ``Keys``; the loader and the transformer read
 both through the architecture and never branch on its name. What an architecture does not read is
-refused: a ``{arch}.*`` key its config did not read, a tensor it does not name (docs/DESIGN.md §10).
+refused: a ``{arch}.*`` key its config did not read, a tensor it does not name (docs/DESIGN.md §16).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class ModelConfig:
         square (``rope.scaling.attn_factor``: Phi-3 longrope's; ggml rope's ``mscale``); 1: none.
     rope_orig_context : int or None
         ``rope.scaling.original_context_length``: the context RoPE was trained at before scaling. Phi-3's
-        long factors are used for a context above it, YaRN's ramp is placed by it (docs/DESIGN.md §27);
+        long factors are used for a context above it, YaRN's ramp is placed by it (docs/DESIGN.md §21);
         None when the file is silent (then ``context_length``, as llama.cpp).
     rope_yarn : float or None
         YaRN's factor (``rope.scaling.type = "yarn"``): the global base's frequencies blended between
@@ -223,7 +223,7 @@ def rope_scaling(md, *, longrope: bool = False, yarn: bool = False) -> dict:
     ``longrope``: the architecture takes Phi-3's long/short factor tensors, whose attention factor
     (``rope.scaling.attn_factor``, sqrt(1 + ln(s) / ln(original context)) for a context s times the
     original) multiplies cos and sin, as ggml's rope ``mscale``. ``yarn``: the architecture takes YaRN
-    (one RoPE base: llama, qwen2, qwen3), run as llama.cpp runs it (docs/DESIGN.md §27).
+    (one RoPE base: llama, qwen2, qwen3), run as llama.cpp runs it (docs/DESIGN.md §21).
 
     Raises
     ------

@@ -13,7 +13,7 @@ runs them: the caps default to 50 and 30, the window to 4096, and the pattern to
 then one global; an integer ``attention.sliding_window_pattern`` n makes layer i slide where
 i % n < n - 1, an array of booleans names them). The query scale 1/sqrt(query_pre_attn_scalar) is not
 in the file either: llama.cpp uses 1/sqrt(head_dim), except for the 46-layer model (Gemma-2 27B, whose
-query_pre_attn_scalar is d_model / n_heads = 144), and so do we (docs/DESIGN.md §25).
+query_pre_attn_scalar is d_model / n_heads = 144), and so do we (docs/DESIGN.md §20).
 """
 
 from __future__ import annotations

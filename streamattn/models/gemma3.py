@@ -6,7 +6,7 @@ global one. Rows are not permuted: RoPE rotates the two halves of each head ("ne
 are stored already shifted (1 + w), so every RMSNorm is a plain ``x * w``. The file carries neither the
 sliding-window pattern nor a chat template, and older files not the local RoPE base (newer converters
 write ``gemma3.rope.freq_base_swa``): llama.cpp hard-codes base 1e4 on local layers and one global layer
-in every 6; so do we (the constants below; docs/DESIGN.md §10).
+in every 6; so do we (the constants below; docs/DESIGN.md §16).
 """
 
 from __future__ import annotations

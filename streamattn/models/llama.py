@@ -8,9 +8,9 @@ exact up to 4096 positions; later Mistral models have no window. llama.cpp's con
 ``attn_q``/``attn_k`` rows permuted so that RoPE rotates *adjacent* pairs (2i, 2i+1) of each head
 ("interleaved", llama.cpp's ROPE_TYPE_NORM). We keep that order and rotate adjacent pairs; q·k is
 unchanged by a permutation applied to both, so the cache and attention never need to know (docs/DESIGN.md
-§10).
+§16).
 
-RoPE scaling: linear and YaRN (``llama.rope.scaling.*``, YaRN as llama.cpp runs it: docs/DESIGN.md §27)
+RoPE scaling: linear and YaRN (``llama.rope.scaling.*``, YaRN as llama.cpp runs it: docs/DESIGN.md §21)
 and Llama-3.x's, which llama.cpp's converter precomputes into ``rope_freqs.weight``: one divisor per
 frequency (1 for the high frequencies, ``factor`` for the low ones, a smooth blend between), as ggml's
 rope ``freq_factors``. All are applied by the transformer

@@ -12,7 +12,7 @@ Long-context files (Phi-3-*-128k, Phi-3.5: su/longrope) hold two sets of per-fre
 ``rope_factors_long`` and ``rope_factors_short``, and ``phi3.rope.scaling.attn_factor``, which multiplies
 cos and sin. The transformer picks one set once per model, by the context it is run for (long above
 ``phi3.rope.scaling.original_context_length``; default: the file's ``context_length``, as llama.cpp),
-never per sequence length as HF does (docs/DESIGN.md §27). Partial RoPE (Phi-4-mini,
+never per sequence length as HF does (docs/DESIGN.md §21). Partial RoPE (Phi-4-mini,
 ``rope.dimension_count`` < head size) is refused by name.
 """
 

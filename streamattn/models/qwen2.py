@@ -5,7 +5,7 @@ two halves of each head ("neox": llama.cpp's converter does not permute Qwen's r
 ``qwen2.rope.freq_base``. Small models tie the output matrix to the embedding (no ``output.weight``).
 The file carries no sliding window: HF's ``use_sliding_window`` is off in every released Qwen2 model,
 and llama.cpp runs every layer global too. YaRN (``qwen2.rope.scaling.type = "yarn"``: Qwen2.5 past 32k
-positions) is run as llama.cpp runs it (docs/DESIGN.md §27).
+positions) is run as llama.cpp runs it (docs/DESIGN.md §21).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The llama block without biases, plus a per-head RMSNorm of q and k before RoPE (
 eps the model's ``layer_norm_rms_epsilon``: the same op as Gemma-3's QK-norm), an explicit head size
 (``qwen3.attention.key_length``, e.g. 128 with d_model 1024 and 16 heads), and RoPE over the two halves of
 each head ("neox", rows not permuted). Small models tie the output matrix to the embedding. YaRN past
-32k positions as llama.cpp runs it (docs/DESIGN.md §27).
+32k positions as llama.cpp runs it (docs/DESIGN.md §21).
 """
 
 from __future__ import annotations

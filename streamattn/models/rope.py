@@ -98,7 +98,7 @@ class RopeTables:
     :func:`rope_tables` itself (the same float64 arithmetic, so the same values: ``np.cos`` is
     elementwise), and looked up until a position falls outside the block; then the block restarts at
     the lowest position asked for. Positions spread wider than a block (a long prefill chunk, sequences
-    far apart) are computed directly. Why a lookup: docs/DESIGN.md §16.
+    far apart) are computed directly. Why a lookup: docs/DESIGN.md §23.
 
     Parameters
     ----------

@@ -8,7 +8,7 @@ numpy or, once weights are moved with :meth:`Transformer.to`, CuPy), or on the C
 weights as one compiled call of the same function (:mod:`streamattn.models.compiled`; the same bits).
 RoPE at absolute positions (``cache.lengths`` before the append), "write, then attend". With
 ``positions="cache"`` a sinks cache also gets the query rotated at its position inside the cache,
-min(i, n_s + n_c - 1), which is scored against the sink keys only (docs/DESIGN.md §13).
+min(i, n_s + n_c - 1), which is scored against the sink keys only (docs/DESIGN.md §5).
 
 Model (pre-norm; gemma3 extras in brackets)::
 
@@ -53,7 +53,7 @@ from streamattn.threads import serial_kernels, thread_count
 #: when the thread count is at most WAVEFRONT_MAX_LANES and every block gets WAVEFRONT_MIN_ROWS rows.
 WAVEFRONT = True
 WAVEFRONT_MIN_ROWS = 32
-WAVEFRONT_MAX_LANES = 2                  # measured on 2 (docs/DESIGN.md §22); more keep the parallel kernels
+WAVEFRONT_MAX_LANES = 2                  # measured on 2 (docs/DESIGN.md §12); more keep the parallel kernels
 
 CACHE_MODES = ("full", "window", "sinks")
 POSITIONS = ("absolute", "cache")
@@ -128,7 +128,7 @@ class Transformer:
         The positions per sequence this model is run for (default: the file's ``context_length``, as
         llama.cpp's default context). It picks Phi-3's long RoPE factors when above the file's
         ``rope_orig_context``, else the short ones, once for the model's life (:attr:`rope_factors`;
-        docs/DESIGN.md §27); other models ignore it.
+        docs/DESIGN.md §21); other models ignore it.
 
     Examples
     --------
@@ -262,7 +262,7 @@ class Transformer:
         """How layer i's V rows are rounded into ``spec``'s storage: None (to nearest) unless V is q4_0;
         then float64 [kv_heads, head_dim, head_dim] factors (:func:`streamattn.storage.rounding_factor`) of
         H = sum of W_o,hᵀ W_o,h over the query heads h of each kv head, W_o,h the output projection's
-        columns that head h's attention output meets (docs/DESIGN.md §24). A V row's rounding error e
+        columns that head h's attention output meets (docs/DESIGN.md §6). A V row's rounding error e
         reaches the layer's output as W_o,h e weighted by the attention, so rounding each row for eᵀ H e
         rather than element by element keeps less of it. Made from the weights once (again when W_o is
         replaced), the same for every chunking of a sequence: stateless, like rounding to nearest."""
@@ -289,7 +289,7 @@ class Transformer:
         each block's scale the one of 16, 0.70-1.0 of gguf's, that leaves the least squared error; then
         :func:`streamattn.storage.recode_for_queries`: attention pays a key's error e as q·e over the queries
         that read it, and the token's own query group is the nearest sample of those, which took issue 28's
-        q4_0 run from +6.2% to +3.0% perplexity; docs/DESIGN.md §24), False (gguf's rule) otherwise. A
+        q4_0 run from +6.2% to +3.0% perplexity; docs/DESIGN.md §6), False (gguf's rule) otherwise. A
         function of each token's own k and q alone, so every chunking, fork, rewind and draft stores the
         same bytes."""
         return spec.dtype == "q4_0"
@@ -323,7 +323,7 @@ class Transformer:
         rows, each block on its own thread with serial kernels, block k entering layer i once block
         k - 1 has left it (its K/V rows are then in layer i's cache). A block's rows see the same keys in
         the same cache slots as in one call, so logits and caches are the same bits (attention does not
-        depend on how rows are chunked; matmuls and norms work row by row). Why (docs/DESIGN.md §22): a
+        depend on how rows are chunked; matmuls and norms work row by row). Why (docs/DESIGN.md §12): a
         chunk's layers otherwise make ~10 parallel regions a layer, and beside a busy neighbour each one's
         join waits for the slowed thread; here threads meet once per layer, and only the later block waits.
         The first exception on any thread is raised after all have stopped, each at a layer's edge; the
@@ -412,7 +412,7 @@ class Transformer:
         head_threads : callable, optional
             Returns a context manager the output head (final norm and vocabulary matmul) runs inside: the
             engine's thread chooser, which runs it on its own count (one long parallel region, where a
-            descheduled worker costs little: docs/DESIGN.md §22). The same bits on any count.
+            descheduled worker costs little: docs/DESIGN.md §12). The same bits on any count.
 
         Returns
         -------

@@ -169,7 +169,7 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int, vnni: bool, amx: bool):
 
     One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
     decode step streams megabytes of weights, and the Python of a call made of several (numpy buffers,
-    two dispatches, lookups) ran with its data evicted (docs/DESIGN.md §16; measured: docs/PERF.md)."""
+    two dispatches, lookups) ran with its data evicted (docs/DESIGN.md §23; measured: docs/PERF.md)."""
     dot_r = make_qdot(kind, group, R, lanes, vnni)
     dot_rp = make_qdot(kind, group, R, lanes, vnni, PREFETCH_BYTES)       # a group's first R rows
     batch = R == 4                             # decode batches of 8-15 rows: the first 8 in one pass
