@@ -1,5 +1,5 @@
 """Every packed GGUF type's matmul on one matrix shape: time, weights/s and resident bytes/s, beside the
-read ceiling, and resident vs file bytes per weight (docs/PERF.md, "More GGUF types").
+read ceiling, and resident vs file bytes per weight (docs/perf/2026-12-02.md, "more GGUF types").
 
     PYTHONPATH=. python benchmarks/quant_types.py [--rows-n 16384] [--cols 2048] [--m 1,16] [--repeats 7]
         [--types Q4_1,Q5_K] [--threads 1]

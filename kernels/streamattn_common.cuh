@@ -67,7 +67,7 @@ template <int KIND, int HD> struct SaRow {
 // same bits. Conversions (I2F) issue at 16 per clock per SM on sm_80/sm_90, against 64 for the bit
 // operations and 128 for float adds and multiplies (CUDA C++ Programming Guide, "Arithmetic
 // Instructions" throughput table): at two per K/V value pair they, not the memory, would bound the
-// quantized decode loop on an H100 (the estimate: docs/PERF.md, 2026-12-05).
+// quantized decode loop on an H100 (the estimate: docs/perf/2026-12-05.md).
 template <int KIND> __device__ __forceinline__ void sa_unpack(const SaRaw r, float* out) {
     const unsigned w[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
 #pragma unroll

@@ -6,7 +6,7 @@
   has the kernel reclaim the clean pages of Numba's LLVM library, which only compiling and loading
   kernels execute.
 
-Why each is safe: docs/DESIGN.md §11; what each saves: docs/PERF.md (2026-12-01, peak RSS).
+Why each is safe: docs/DESIGN.md §11; what each saves: docs/perf/2026-12-01.md (peak RSS).
 """
 
 from __future__ import annotations

@@ -265,7 +265,7 @@ _AVX512 = cpu_target.has("avx512f")            # what Numba compiles for (NUMBA_
 #: has 16 registers of 8 lanes, and a <16 x float> sum takes two: 16 sums spilled, so there R * keys stays
 #: at 4 or under. Three rows with 4 keys spilled on Zen 3: 19.96 against 11.80 ns per key of q8_0 with 1
 #: (2026-12-02); one row 16 -> 4 keys, two 8 -> 4, four 4 -> 1: float16 4.4 -> 2.9, 7.7 -> 5.0-5.9,
-#: 16.7 -> 8.7-10.3 ns per key of a 512-key tile (docs/PERF.md, 2026-12-03). The sums are the same bits
+#: 16.7 -> 8.7-10.3 ns per key of a 512-key tile (docs/perf/2026-12-03.md). The sums are the same bits
 #: either way (:func:`_transpose_sum`).
 QK_KEYS = {1: 16, 2: 8, 3: 4, 4: 4} if _AVX512 else {1: 4, 2: 4, 3: 1, 4: 1}
 

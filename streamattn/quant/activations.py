@@ -88,7 +88,7 @@ def norm_quantize_rows(x, w, eps, xq, xd, xs, xc):
     """Fused RMSNorm and quantization: rows of ``x / sqrt(mean(x²) + eps) * w`` (x: float32 [B, K],
     w: [K]) into xq, xd, xs, xc as :func:`quantize_rows`. The squares are summed in column order (a
     serial chain; 16 lanes and a tree measured 1.01 -> 0.61 ns an element with the quantizer, but they
-    change the bits of every model's greedy text: docs/PERF.md, 2026-12-05)."""
+    change the bits of every model's greedy text: docs/perf/2026-12-05.md)."""
     K = x.shape[1]
     y = np.empty(K, np.float32)                                     # one normed row
     for b in range(x.shape[0]):
@@ -147,7 +147,7 @@ def glu_quantize_rows(gu, gelu, xq, xd, xs, xc):
 #: Rows per piece of the parallel quantizers below at most (a prefill chunk's rows split over threads).
 PIECE_ROWS = 16
 #: Rows from which the parallel drivers quantize over threads: a decode batch of 8 rows quantized on
-#: one thread left the other spinning for ~9% of the step (docs/PERF.md, 2026-12-03).
+#: one thread left the other spinning for ~9% of the step (docs/perf/2026-12-03.md).
 SPLIT_ROWS = 8
 
 
