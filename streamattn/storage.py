@@ -354,8 +354,7 @@ def quantized_bad_rows(a, dtype: str, xp=np):
 
 
 #: Damping of the queries' second moment when q4_0 keys are rounded for them (:func:`recode_for_queries`): the
-#: diagonal gets this times its mean. SmolLM2, issue 28's run over 8,192 tokens (docs/perf/2026-12-04.md,
-#: 19:50): 1 / 3 / 10 gave +3.19% / +2.96% / +3.52% perplexity against float16 (to nearest: +6.18%).
+#: diagonal gets this times its mean (chosen by perplexity: docs/perf/2026-12-04.md, 19:45-20:15 UTC).
 QUERY_DAMPING = 3.0
 
 

@@ -173,8 +173,8 @@ def serial_kernels():
     """The ``serial`` argument of the kernels that have a serial and a parallel variant
     (:func:`streamattn.backends.cpu.attend_all`, the compiled layer's ``Step``): None where this thread's
     :func:`ceiling` is 1, a value Numba types ``none``, so the choice is made when the caller is compiled
-    and the parallel variants are never compiled (with the layer inlined, a one-thread SmolLM2's first
-    run 75 -> 38 s, docs/PERF.md); else whether it runs on one thread now (True: a ThreadChooser's step down, which must
+    and the parallel variants are never compiled (measured: docs/perf/2026-12-05.md); else whether it
+    runs on one thread now (True: a ThreadChooser's step down, which must
     not compile a second, serial-only specialization beside the one with both), and a call with False
     still keeps a small step on one thread."""
     if thread_count() > 1:
@@ -211,7 +211,7 @@ def threads(n: int, *, step_down: bool = False):
 def idle_cpus() -> int | None:
     """How many of the host's CPUs run nothing at this instant: ``os.cpu_count()`` less the tasks running
     now (the fourth field of ``/proc/loadavg``, which counts the caller's own thread), or None where that
-    file cannot be read. A single read of an open file: ~3 us."""
+    file cannot be read. One read of a file kept open."""
     global _loadavg
     try:
         if _loadavg is None:

@@ -65,7 +65,7 @@ def _main_pages(L, nq, window, sinks):
 def _pages_kernels(items):
     """:func:`attend_pages` and :func:`_merge_splits` with their work items in ``items`` (``prange``: over
     Numba's threads; ``range``: serially). One source for both; a call on one thread takes the serial
-    pair (:func:`attend_all`): the parallel launch cost 3-10 us a decode call (docs/PERF.md). Each copy is
+    pair (:func:`attend_all`), which skips the parallel launch (measured: docs/perf/2026-12-01.md). Each copy is
     compiled under its own name (:func:`streamattn.kernel_cache.variant`)."""
 
     def attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out,
@@ -259,7 +259,7 @@ def _grid(lengths, counts, window, sinks, group):
 @njit(cache=True)
 def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, kind_v, softcap, serial):
     """:func:`attend_pages` then :func:`_merge_splits`, with their buffers: one call from Python instead
-    of two calls and four allocations (~3 us less per decode call). Arguments as for attend_pages;
+    of two calls and four allocations. Arguments as for attend_pages;
     ``serial`` (:func:`streamattn.threads.serial_kernels`): True takes the serial pair (one thread now,
     under a higher ceiling), False the parallel one; None the serial pair, decided when the call is typed:
     the parallel pair is then never compiled (a quarter of a one-thread model's first compile,
@@ -291,8 +291,8 @@ def write_attend(q, scale, kst, vst, ks, vs, ka, va, lengths, counts, last_count
     ks, vs: the chunk as stored, as bits; refused whole if not finite), then :func:`attend_all` of
     ``q * scale`` (q: float32 [B, Hq, T, D]) over ka, va (the storage as the kernels read it; ``kind``,
     ``kind_v``, ``softcap`` as :func:`attend_pages`; quantized rows arrive quantized and checked, ``check`` False). The same
-    calls and bits as ``KVCache.append`` then :func:`attend`, without the Python between them (~1 ms a
-    SmolLM2 decode step in the model, where that Python runs with its data evicted: docs/PERF.md).
+    calls and bits as ``KVCache.append`` then :func:`attend`, without the Python between them (which runs
+    with its data evicted inside a model's step; measured: docs/perf/2026-12-01.md).
     Returns (bad, out, lse, finite): bad >= 0 names the refused rows (nothing written; out, lse empty);
     finite: every lse is finite (else the caller applies the NaN rule)."""
     bad = write_rows(kst, vst, ks, vs, lengths, counts, last_counts, held_from, 0, ring, False, check, expbits)

@@ -11,7 +11,7 @@ float max reduction did not vectorise at all. Here the code generators emit LLVM
   horizontal sums take ~4x the instructions.
 - ``PV[R]``: R accumulator rows += p · V over a tile of keys; R × ``PV_GROUPS[R]`` vectors stay in
   registers for the whole tile (the loop over keys is inside), instead of a load and store of acc per key; fewer
-  than 8 FMA chains get a second set for odd keys (one row: 2.0 -> 1.2 ns per key).
+  than 8 FMA chains get a second set for odd keys.
 - ``row_max``: a vector max over a score row, four running vectors (llvm.maxnum; NaN operands are
   skipped, not propagated: a NaN score still makes its exp, and the output, NaN).
 - ``bf16_to_f32``, ``pow2``: scalar bit conversions Numba lacks (``f16_to_f32`` is streamattn.storage's,
@@ -25,8 +25,8 @@ Every vector kernel needs head_dim % 16 == 0; the backend keeps a plain-Numba pa
 
 Four-row kernels, and kernels of any row count over 16-bit or quantized storage, prefetch every line
 they load PREFETCH_BYTES ahead (hint T0): from memory the hardware prefetcher alone left the GQA group
-waiting on misses (q8_0 / q4_0 rows of 68 / 36 bytes most: 1.1x -> 1.3x and 0.55x -> 1.08x float16's
-decode at 32k on one thread). Measured variants, kept and dropped, with dates: docs/PERF.md.
+waiting on misses, q8_0 / q4_0 rows of 68 / 36 bytes most. Measured variants, kept and dropped, with
+dates: docs/perf/ (the prefetch: 2026-11-30, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -263,18 +263,16 @@ _AVX512 = cpu_target.has("avx512f")            # what Numba compiles for (NUMBA_
 #: Keys per call of ``QK[R]``: R * keys dot products of 16 lanes, summed by one transpose. With 32 vector
 #: registers (AVX-512) 16 sums fit: 16 // R keys (three rows: 4, the transpose padded with zeros). AVX2
 #: has 16 registers of 8 lanes, and a <16 x float> sum takes two: 16 sums spilled, so there R * keys stays
-#: at 4 or under. Three rows with 4 keys spilled on Zen 3: 19.96 against 11.80 ns per key of q8_0 with 1
-#: (2026-12-02); one row 16 -> 4 keys, two 8 -> 4, four 4 -> 1: float16 4.4 -> 2.9, 7.7 -> 5.0-5.9,
-#: 16.7 -> 8.7-10.3 ns per key of a 512-key tile (docs/perf/2026-12-03.md). The sums are the same bits
-#: either way (:func:`_transpose_sum`).
+#: at 4 or under (measured on Zen 3: docs/perf/2026-12-03.md). The sums are the same bits either way
+#: (:func:`_transpose_sum`).
 QK_KEYS = {1: 16, 2: 8, 3: 4, 4: 4} if _AVX512 else {1: 4, 2: 4, 3: 1, 4: 1}
 
 #: Vectors of 16 columns per pass of ``PV[R]`` over a tile's keys (then single vectors for the rest), by
 #: storage: (float kinds, quantized kinds). Each pass holds R * groups * 2 accumulators in registers
 #: (:func:`_make_pv`); AVX2's 16 registers hold 6 <16 x float> with room for V and p, so there float
-#: storage takes one vector per pass from two rows up (three rows, float16: 9.1 -> 4.2 ns per key).
-#: Quantized rows keep two or four: a block of 32 is read by one load (a single vector per pass reads
-#: each half block on its own and ran slower, 9.2 -> 12.2 ns). Per element the sums are the same either
+#: storage takes one vector per pass from two rows up. Quantized rows keep two or four: a block of 32 is
+#: read by one load (a single vector per pass reads each half block on its own and ran slower; measured:
+#: docs/perf/2026-12-03.md). Per element the sums are the same either
 #: way (every column's chain runs over the keys in one order), so the bits do not change.
 PV_GROUPS = ({1: (4, 4), 2: (4, 4), 3: (2, 2), 4: (2, 2)} if _AVX512 else
              {1: (4, 2), 2: (1, 4), 3: (1, 2), 4: (1, 2)})
@@ -342,7 +340,7 @@ def _make_pv(R: int):
     D % 16 == 0. Columns go in
     groups of CG vectors (:data:`PV_GROUPS`; then single vectors for the rest), each group one pass
     over the n keys with its accumulators in registers. Even and odd keys go to two accumulator sets,
-    added at the end: more FMA chains in flight (one row: 2.0 -> ~1 ns per key), and one summation order
+    added at the end: more FMA chains in flight, and one summation order
     for every R, so a row's sum does not depend on how many rows the call has (batch invariance):
     (acc + even keys in order) + (odd keys in order).
     """

@@ -39,7 +39,7 @@ def exp16(typingctx, x, j0, mx):
     the same order per element — y = max((x - mx) * log2(e), -127) (Numba's max: y when the compare
     fails, so NaN stays NaN), k = floor(y + 1/2), f = y - k, Horner's polynomial in f with one FMA per
     step, times 2^k by exponent bits. As a plain Numba loop, compiled apart from its caller, it stayed
-    scalar (a call to floorf per element: ~2.5 ns an exp)."""
+    scalar (a call to floorf per element; measured: docs/perf/2026-12-01.md)."""
     if not (isinstance(x, types.Array) and x.ndim == 1 and x.layout == "C" and x.dtype == types.float32):
         return None
 
@@ -172,8 +172,8 @@ def soft_cap(x, n16, cap):
 
     tanh(t) for t = |x| / cap: below 1/8 its Taylor series to t^7 (next term < 2e-10), else (1 - e) / (1 + e)
     with e = exp(-2t) from :func:`exp_tile` (1 - e >= 0.22 there, so a few ulp), signed. Every loop is
-    straight-line float32 code that LLVM vectorises; libm's scalar tanhf made a capped decode 1.41x as slow
-    as a plain one at 4096 keys (benchmarks/softcap_attention.py, docs/PERF.md)."""
+    straight-line float32 code that LLVM vectorises; libm's scalar tanhf made a capped decode much slower
+    than a plain one (benchmarks/softcap_attention.py; measured: docs/perf/2026-12-02.md)."""
     inv = np.float32(1.0) / cap
     e = np.empty(n16, np.float32)                                   # [n16]
     for j in range(n16):
@@ -193,7 +193,7 @@ def scores(qr, kt, n, out, kind):
     """out[j] = qr . kt[j] for j < n (one query row), widening 16-bit storage as it is read.
 
     One key row at a time, in memory order: reading four rows interleaved (to share q's loads) streamed
-    float32 K from memory ~20% slower on one thread (18.7 vs 23.0 GB/s, MHA at 16k keys).
+    float32 K from memory slower on one thread (measured: docs/perf/figures-from-docstrings.md).
     """
     D = qr.shape[0]
     for j in range(n):

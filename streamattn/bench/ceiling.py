@@ -108,7 +108,7 @@ class Ceiling:
     """Read bandwidth of a ``nbytes`` float32 buffer: the best of several readers and thread counts.
 
     Call :meth:`probe` right beside each timing; a ceiling measured minutes earlier says little on
-    shared hosts (probes here are bimodal: ~29-36 or ~46-58 GB/s with 2 threads).
+    shared hosts (probes there are bimodal: docs/PERF.md, "The host's two bandwidth modes").
 
     Parameters
     ----------

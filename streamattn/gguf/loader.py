@@ -3,7 +3,7 @@ float32 weights.
 
 Built on llama.cpp's own ``gguf`` package (its type tables; ``gguf.quants.dequantize`` for Q4_1, Q8_0,
 Q4_K, Q5_0, Q6_K, ... on the float32 path); the container is read by :mod:`streamattn.gguf.reader`
-(GGUFReader's results, 50x faster on Gemma's vocabulary). Matrices stay in their block formats by
+(GGUFReader's results, read in one pass; measured: docs/perf/2026-12-01.md). Matrices stay in their block formats by
 default (:mod:`streamattn.quant.weights`, one packed copy); ``weights="f32"`` is the float32 reference.
 
 What a file holds depends on its architecture, and all of that is the architecture's file

@@ -1,10 +1,9 @@
 """A GGUF container read in one pass: metadata as Python values, each tensor as a view of the file map.
 
-gguf-py's ``GGUFReader`` builds one numpy view per array element while it parses; on Gemma-3's
-262,144-token vocabulary (three such arrays) that took 8.3 s at every load, SmolLM2's 49k ~1.5 s. This
-reader decodes the same container sequentially with ``struct`` and takes well under a second for both
-(docs/PERF.md); tests/test_gguf_read.py checks it gives what GGUFReader gives on both models (every
-metadata value, every tensor's name, type, shape, offset and bytes) and the same refusals on damaged
+gguf-py's ``GGUFReader`` builds one numpy view per array element while it parses, which is slow on a
+large vocabulary (three such arrays). This reader decodes the same container sequentially with
+``struct`` (measured: docs/perf/2026-12-01.md); tests/test_gguf_read.py checks it gives what GGUFReader
+gives on both models (every metadata value, every tensor's name, type, shape, offset and bytes) and the same refusals on damaged
 files. gguf-py still supplies the type tables (``GGML_QUANT_SIZES``, ``quant_shape_to_byte_shape``).
 
 Layout (little-endian; llama.cpp's ggml/docs/gguf.md): magic ``GGUF``, version u32 (2 or 3), tensor
@@ -161,7 +160,7 @@ class GGUFFile:
 
     def _strings(self, count: int) -> list:
         """``count`` strings, as ``[self._string() for _ in range(count)]`` gives them (the same values and
-        refusals), ~3x faster on a 128k-token vocabulary: one tight loop walks the length fields, numpy cuts
+        refusals), faster on a large vocabulary: one tight loop walks the length fields, numpy cuts
         every item out of the map at once, joined by a byte (0xFF) that UTF-8 never holds, and the whole is
         decoded and split in two C calls. An item that is not UTF-8 sends the array to the per-item read,
         which raises as it always did."""

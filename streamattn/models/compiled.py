@@ -374,7 +374,7 @@ def _attend(q, k, v, at):
 
 #: The compiled layer (one specialization per block kinds and cache storage: the model's sizes are
 #: numbers in ``at``), inlined into :func:`run_layer` as Numba IR: compiled on its own, its whole module
-#: was optimized once for it and again inside run_layer's (4-5 s of a first run's ~40, docs/PERF.md).
+#: was optimized once for it and again inside run_layer's (measured: docs/perf/2026-12-05.md).
 compiled_layer = njit(cache=True, inline="always")(layer.decoder_layer)
 
 

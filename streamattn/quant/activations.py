@@ -19,8 +19,8 @@ def _quantize_row(typingctx, y, b, xq, xd, xs, xc):
     """Quantize y: float32 [K] into row b of xq, xd, xs, xc, per 32 columns (see :func:`quantize_rows`):
     per block d = amax / 127, q = rint(y * (1 / d)) (0 where d is 0), as two 16-lane vectors. For finite
     blocks the float operations of the scalar loop this replaced (max and integer sums are exact in any
-    order), which LLVM left scalar: 1.6-1.8 ns an element, ~30% of a SmolLM2 prefill chunk's matmul calls
-    (docs/PERF.md). A block holding a NaN or an infinity gets d = xs = NaN and q = 0, so every output of
+    order), which LLVM left scalar (measured: docs/perf/2026-12-04.md). A block holding a NaN or an
+    infinity gets d = xs = NaN and q = 0, so every output of
     its row is NaN (the loop's max skipped NaN, and the conversion of a NaN was undefined)."""
     if not (isinstance(y, types.Array) and y.ndim == 1 and y.layout == "C" and c_arrays(xq, xd, xs, xc)):
         return None
@@ -87,8 +87,8 @@ def quantize_rows(x, xq, xd, xs, xc):
 def norm_quantize_rows(x, w, eps, xq, xd, xs, xc):
     """Fused RMSNorm and quantization: rows of ``x / sqrt(mean(x²) + eps) * w`` (x: float32 [B, K],
     w: [K]) into xq, xd, xs, xc as :func:`quantize_rows`. The squares are summed in column order (a
-    serial chain; 16 lanes and a tree measured 1.01 -> 0.61 ns an element with the quantizer, but they
-    change the bits of every model's greedy text: docs/perf/2026-12-05.md)."""
+    serial chain; 16 lanes and a tree were faster, but they change the bits of every model's greedy
+    text: docs/perf/2026-12-05.md)."""
     K = x.shape[1]
     y = np.empty(K, np.float32)                                     # one normed row
     for b in range(x.shape[0]):
@@ -104,7 +104,8 @@ def norm_quantize_rows(x, w, eps, xq, xd, xs, xc):
 @njit(cache=True, inline="always")
 def _exp(x):
     """e^x for a float32 x, in plain arithmetic that LLVM vectorises (libm's expf is a scalar call, which
-    kept the gated activation at ~10 ns an element). x = k ln2 + r with |r| <= ln2/2; e^r from Cephes
+    kept the gated activation slow; measured: docs/perf/figures-from-docstrings.md). x = k ln2 + r
+    with |r| <= ln2/2; e^r from Cephes
     expf's degree-5 polynomial (relative error < 1e-7 here), 2^k written into the exponent bits. Above
     88 the result is inf (e^88.7 overflows float32 anyway), so g / (1 + e^x) is a signed 0 there, not
     g * 6e-39; below -87 it stays e^-87 = 1.6e-38, the last normal power of 2 (1 + e^x is 1 there)."""
@@ -147,7 +148,7 @@ def glu_quantize_rows(gu, gelu, xq, xd, xs, xc):
 #: Rows per piece of the parallel quantizers below at most (a prefill chunk's rows split over threads).
 PIECE_ROWS = 16
 #: Rows from which the parallel drivers quantize over threads: a decode batch of 8 rows quantized on
-#: one thread left the other spinning for ~9% of the step (docs/perf/2026-12-03.md).
+#: one thread left the other spinning (measured: docs/perf/2026-12-03.md).
 SPLIT_ROWS = 8
 
 

@@ -106,9 +106,8 @@ def make_config():
 
 def tiled(kind: str, group: int) -> bool:
     """Whether weights of ``kind`` and ``group`` take the tile kernels: the nibble kinds at 32 columns a
-    scale ("q4s" has 16). Measured against the vector kernels (256 rows, docs/PERF.md): "q4" 1.3-1.6x,
-    "q5" 1.1-1.3x; "q8" (its bytes need no unpacking, so the vector kernel is cheaper) 0.86x, and scales
-    every 16 columns, which double the tile stores, 0.6x."""
+    scale ("q4s" has 16). Not "q8": its bytes need no unpacking, so the vector kernel
+    is cheaper; nor scales every 16 columns, which double the tile stores (measured: docs/perf/2026-12-04.md)."""
     return kind in ("q4", "q5", "nl") and group == 32
 
 

@@ -88,7 +88,7 @@ def _store_out(builder, oa, row, col, value):
 def _stable(intr, key: str):
     """Give an intrinsic a fixed identity. Numba pickles an intrinsic with a per-process uuid1; a cached
     function holding it as a closure variable (the drivers of streamattn.quant.matmul) then gets a
-    new cache key in every process: it was compiled anew at each start (0.3-1.3 s a weight kind) and
+    new cache key in every process: it was compiled anew at each start and
     its cache grew a file each time. ``key`` must name everything the code depends on."""
     try:
         intr._set_uuid(f"streamattn.quant.kernels:{key}")

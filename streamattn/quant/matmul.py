@@ -47,9 +47,9 @@ from streamattn.threads import many_threads
 ROWS = 8 if LANES == 16 else 4
 GROUP_ROWS = (1, 2, 4, 8)
 #: How far ahead of the weights being read the one-row kernel prefetches (measured: docs/PERF.md; the
-#: hardware prefetcher alone left a decode step's weight reads ~45% under a plain read's). Not a multiple
-#: of 4 KiB: exactly one page ahead read Gemma-3's 178 MB head 6-8% slower on one thread than 2.5-3.5 KiB
-#: (alternated in one process). Read when a weight kind's drivers are first built (:func:`qdrivers` is cached).
+#: hardware prefetcher alone left a decode step's weight reads well under a plain read's). Not a multiple
+#: of 4 KiB: exactly one page ahead read slower (measured: docs/perf/2026-12-05.md). Read when a weight
+#: kind's drivers are first built (:func:`qdrivers` is cached).
 PREFETCH_BYTES = 3584
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
@@ -125,8 +125,8 @@ def _drop_stale_cache() -> None:
 @njit(cache=True)
 def _lines(rows, cols):
     """uint8 [rows, cols] whose first byte starts a 64-byte cache line (a tile's rows are then whole
-    lines; Numba's allocations are only 16-byte aligned, and tile stores across lines made a call up
-    to 2x slower from one allocation to the next)."""
+    lines; Numba's allocations are only 16-byte aligned, and tile stores across lines made a call's
+    time swing from one allocation to the next; measured: docs/perf/2026-12-04.md)."""
     raw = np.empty(rows * cols + 64, np.uint8)
     off = (64 - raw.ctypes.data % 64) % 64
     return raw[off:off + rows * cols].reshape((rows, cols))
@@ -164,8 +164,8 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int, vnni: bool, amx: bool):
     results); ``amx``: the rows in whole 16s by tile multiplies first where the kind takes them
     (:func:`streamattn.quant.amx.tiled`; the same results). The kernel that reads a group's weights first prefetches them (:data:`PREFETCH_BYTES`; the
     R-row kernel's later passes find them in cache), as a decode batch of R rows reads them once. Under
-    R = 4 (the AVX2 plan) a decode batch of 8-15 rows takes its first 8 in one 8-row pass (the 8-row step
-    2-4% faster; prompt chunks keep R = 4, where 8 rows a pass measured slower: docs/PERF.md).
+    R = 4 (the AVX2 plan) a decode batch of 8-15 rows takes its first 8 in one 8-row pass (faster for
+    that step; prompt chunks keep R = 4, where 8 rows a pass measured slower: docs/perf/2026-12-03.md).
 
     One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
     decode step streams megabytes of weights, and the Python of a call made of several (numpy buffers,

@@ -298,8 +298,8 @@ def move_planes(ws: list, moved) -> None:
     the total).
 
     Why (docs/PERF.md): hundreds of small arrays each start on a fresh 4 KiB page and a cold prefetcher
-    stream; one big array gets transparent huge pages (numpy advises them from 4 MiB up). On one core a
-    decode step's weight reads from memory went from ~10 to ~12 GB/s."""
+    stream; one big array gets transparent huge pages (numpy advises them from 4 MiB up); measured:
+    docs/perf/2026-12-01.md."""
     size = sum(-(-p.nbytes // 64) * 64 for _, w in ws for p in (w.qs, w.scale, w.minv) if p is not None)
     buf = np.empty(size + 64, np.uint8)
     at = -buf.ctypes.data % 64

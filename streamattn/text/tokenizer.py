@@ -130,8 +130,8 @@ _BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
 
 def _ids(hf, text: str) -> list:
     """Token ids of ``text`` without special-token insertion. Through ``encode_batch``, which releases
-    the GIL while Rust works (``encode`` holds it: eight 90k-token prompts parsed in server threads
-    stalled the event loop 1.36 s, against 0.14 s this way), with the same ids."""
+    the GIL while Rust works (``encode`` holds it, and long prompts parsed in server threads stalled the
+    event loop; measured: docs/perf/figures-from-docstrings.md), with the same ids."""
     return hf.encode_batch([text], add_special_tokens=False)[0].ids
 
 
@@ -462,7 +462,7 @@ def _build_bpe(tokens, types, md, rules: PreTokenizer):
 def _unreachable_token(vocab: dict, merges: list, tokens, types) -> str | None:
     """A normal token that BPE over its own symbols does not build with ``merges``, or None. When there is
     none, ``ignore_merges`` cannot change any word's tokens: a word that is a vocabulary entry merges into
-    that entry anyway. (Measured: 1.8 s for SmolLM2's 49k tokens, 2 busy vCPUs.)"""
+    that entry anyway. (Its cost: docs/perf/figures-from-docstrings.md.)"""
     bare = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     words = [t for t, ty in zip(tokens, types) if ty == NORMAL and len(t) > 1]
     for word, enc in zip(words, bare.encode_batch(words, add_special_tokens=False)):
@@ -517,7 +517,8 @@ def _build_spm(tokens, types, md):
 
 def _trie_pattern(words) -> str:
     """A regex matching any of ``words``, written as a trie (``<(?:end_of_turn|start_of_(?:image|turn))``):
-    Gemma's 6249 control tokens as one flat alternation took 15 s to search 4 MB, as a trie ~0.1 s."""
+    a flat alternation of Gemma's 6249 control tokens searched far slower (measured:
+    docs/perf/figures-from-docstrings.md)."""
     trie: dict = {}
     for w in words:
         node = trie
