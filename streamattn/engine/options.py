@@ -42,7 +42,7 @@ class ModelOptions:
         K's and V's storage where they differ from ``cache_dtype`` (None: ``cache_dtype``).
     quantized_sinks : bool
         ``--quantized-sinks``: a sinks cache stores its sink tokens like every other token; by default
-        they are kept in float16 when K or V is quantized (docs/DESIGN.md §24).
+        they are kept in float16 when K or V is quantized (docs/DESIGN.md §6).
     rotate_k : bool or None
         Store keys rotated by a Walsh–Hadamard transform (``--no-rotate-k``: False); None: on for a
         quantized K, off for float storage (:class:`~streamattn.spec.CacheSpec`).

@@ -9,7 +9,7 @@ Which prefixes a ring can serve exactly: a causal cache can be rewound anywhere,
 reusable. A window (or sinks) cache that has wrapped no longer holds its oldest keys; rewinding it from
 the entry's length M to L is exact only when the keys the query at L needs are still in the ring, which
 is :func:`streamattn.state.rewind`'s rule (for a ring filled by appends alone: M <= slots, or
-M - L <= max_chunk, or L <= sinks). Entries that fail it are not used. docs/DESIGN.md §12 says why.
+M - L <= max_chunk, or L <= sinks). Entries that fail it are not used. docs/DESIGN.md §25 says why.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class ServeConfig:
         Keys stored rotated (:class:`~streamattn.spec.CacheSpec`); None: on for a quantized K.
     positions : {"absolute", "cache"}
         RoPE positions: in the text, or within the cache (StreamingLLM; sinks caches only differ,
-        docs/DESIGN.md §13).
+        docs/DESIGN.md §5).
     weights : {"quant", "f32"}
         Keep the GGUF's packed blocks (default) or dequantize everything to float32 (the reference path).
     model_id : str or None
