@@ -10,7 +10,7 @@ from scipy import stats
 
 from _model_util import gemma_path, load, need_gemma, need_smollm2, smollm2_path
 from streamattn.engine.sampling import SamplingParams, filtered_probs
-from streamattn.engine.speculative import DraftLength, NgramProposer, SpecParams, verify
+from streamattn.engine.speculative import DraftPolicy, NgramProposer, SpecParams, StepCosts, verify
 
 CACHES = {"full": dict(), "window": dict(cache="window", window=40),
           "sinks": dict(cache="sinks", window=40, sinks=4),
@@ -204,6 +204,29 @@ def test_speculation_accepts_drafts_on_copy_heavy_prompts(one_thread):
 
 
 @need_smollm2
+def test_seeded_sampling_gives_the_same_tokens_with_speculation(one_thread):
+    """Sampled (temperature 0.7, top-p 0.9) with a seed: the same tokens with and without drafts, whatever
+    the policy drafted (verify draws each position as plain decoding does); drafts were both accepted and
+    rejected, and the output differs from greedy."""
+    from streamattn.engine.sequence import Job
+    g = generator(smollm2_path())
+    ids = g.encode_prompt("Repeat this exactly:\nThe quick brown fox jumps over the lazy dog. The quick brown "
+                          "fox jumps again.", chat=True)
+    sp = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
+    runs = {}
+    for spec in (None, SPEC, SpecParams(draft_max=3)):
+        seqs = []
+        evs = list(g.stream_jobs([Job(prompt=tuple(ids), max_tokens=40, sampling=sp, speculative=spec)], seqs=seqs))
+        runs[spec] = ([e.token_id for e in evs], seqs[0])
+    plain = runs[None][0]
+    assert runs[SPEC][0] == plain and runs[SpecParams(draft_max=3)][0] == plain
+    s = runs[SPEC][1]
+    assert s.accepted >= 5 and s.drafted > s.accepted
+    greedy = [e.token_id for e in g.stream(ids, max_tokens=40)]
+    assert greedy != plain
+
+
+@need_smollm2
 def test_cli_speculative_flag_gives_the_same_text(capsys):
     """`streamattn generate --speculative ngram --draft-max K` prints exactly what plain decoding prints."""
     from streamattn.cli import main
@@ -268,20 +291,51 @@ def test_greedy_verify_keeps_the_argmax_prefix():
     assert verify(rows, [0, 0, 2], g, None, lambda i, z: z) == [1]
 
 
-def test_ngram_proposer_and_draft_length():
+def test_ngram_proposer_finds_the_longest_match():
     p = NgramProposer(SpecParams(n_min=2, n_max=3))
     assert p.propose([5, 6, 7, 8, 9, 1, 6, 7], 3) == [8, 9, 1]           # "6 7" seen before: what followed
     assert p.propose([1, 2, 3, 4], 3) == []                              # nothing repeats
     assert p.propose([1, 2, 9, 1, 2, 8, 1, 2], 2) == [8, 1]              # the most recent occurrence
-    d = DraftLength(8)
-    assert d.next() == 8
-    d.update(8, 8)
-    assert d.next() == 8
-    d.update(8, 3)
-    assert d.next() == 4
-    d.update(4, 0)
-    d.update(1, 0)                                                       # two misses: pause one step
-    assert [d.next() for _ in range(3)] == [0, 1, 1]
+    assert p.lookup([1, 2, 3, 4], 3) == ([], 0)
+    # "3 1 2" occurs twice: the older one matches 5 tokens back (4 5 3 1 2), the recent one 3: older wins
+    ctx = [4, 5, 3, 1, 2, 7, 8, 0, 3, 1, 2, 9, 6, 4, 5, 3, 1, 2]
+    assert p.lookup(ctx, 2) == ([7, 8], 5)
+    assert p.lookup(list(range(40)) + list(range(40)), 4)[1] == NgramProposer.MAX_MATCH      # capped
+
+
+def test_step_costs_price_rows_from_what_was_timed():
+    c = StepCosts()
+    assert c.ratio(1, 3) == pytest.approx(1 + 2 * StepCosts.PRIOR_SLOPE)    # nothing timed: the prior
+    for t in (10.0, 11.0, 9.0):
+        c.record(1, t)
+    c.record(5, 18.0)
+    assert c.seconds(1) == 10.0 and c.ratio(1, 1) == 1.0 and c.ratio(1, 5) == pytest.approx(1.8)
+    assert c.ratio(1, 3) == pytest.approx(1.4)                           # between timed counts: linear
+    assert c.ratio(1, 7) == pytest.approx(1.8 + 2 * StepCosts.PRIOR_SLOPE)   # past them: the prior's slope
+    for _ in range(StepCosts.KEEP):
+        c.record(1, 20.0)                                                # only the recent times count
+    assert c.seconds(1) == 20.0 and c.ratio(1, 5) == 1.0                 # never below one step
+
+
+def test_draft_policy_drafts_what_pays_and_stops_after_misses():
+    cheap, dear = (lambda k: 1 + 0.05 * k), (lambda k: 1 + 0.9 * k)
+    d = DraftPolicy(8)
+    assert d.choose(0, 8, cheap) == 0 and d.choose(20, 0, cheap) == 0     # nothing found
+    assert d.choose(20, 8, cheap) == 8                                   # a long match, cheap rows: all
+    assert d.choose(20, 8, dear) == 0                                    # rows as dear as steps: none
+    assert d.choose(2, 8, lambda k: 1 + 0.3 * k) == 0                    # a short match's prior: not worth it
+    drafts = 0                                                           # a miss streak at 8-15 matched tokens
+    while (k := d.choose(10, 8, lambda k: 1 + 0.3 * k)) and drafts < 10:
+        d.update(10, k, 0)
+        drafts += 1
+    assert 1 <= drafts <= 3                                              # stopped within three drafts
+    for _ in range(4 * DraftPolicy.HALF_LIFE):                           # the misses fade: it tries again
+        d.choose(0, 0, cheap)
+    assert d.choose(10, 8, lambda k: 1 + 0.3 * k) > 0
+    e = DraftPolicy(8)
+    for _ in range(20):                                                  # every draft accepted: even short
+        e.update(4, 4, 4)                                                # matches become worth drafting
+    assert e.choose(2, 8, lambda k: 1 + 0.3 * k) > 0
 
 
 @settings(max_examples=150, deadline=None)

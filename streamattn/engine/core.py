@@ -16,7 +16,7 @@ Each step (:meth:`Engine.step`):
    its text through the one stop rule of :mod:`streamattn.engine.sequence`.
 
 A sequence's tokens depend only on its own prompt, parameters and seed: the kernels give a row the same
-bits whatever shares its batch (docs/DESIGN.md §5), and each sequence draws from its own generator.
+bits whatever shares its batch (docs/DESIGN.md §7), and each sequence draws from its own generator.
 
 With ``isolate_failures`` (the server) an exception while one sequence samples fails that request alone,
 and one inside ``forward`` (shared by the batch) fails the requests of that step and resets their slots;
@@ -40,12 +40,13 @@ from streamattn import state
 from streamattn.arrays import to_host
 from streamattn.engine.prompt_cache import PromptCache
 from streamattn.engine.sequence import Sequence
+from streamattn.engine.speculative import StepCosts
 from streamattn.threads import ThreadChooser, thread_count
 
 
 #: Steps of at most this many real rows run on 1 thread or on the count set, whichever measured faster
 #: (``EngineConfig.adapt_threads``); larger ones (prompt chunks) always on the count set: their parallel
-#: regions are long, so a worker that misses a time slice costs them little (docs/DESIGN.md §22).
+#: regions are long, so a worker that misses a time slice costs them little (docs/DESIGN.md §12).
 ADAPT_ROWS = 16
 #: An output head that takes at least this long on one thread tries the count set even when no CPU looks
 #: idle (the thread chooser's gate), its times alone deciding: one region that long loses at most a time
@@ -87,7 +88,7 @@ class EngineConfig:
     quantized_sinks : bool
         Store a sinks cache's sink tokens like every other token. False (default): a sinks cache whose K or
         V is quantized keeps its sinks apart, in float16 (float32 where K or V is float32:
-        ``CacheSpec.sink_dtype``, docs/DESIGN.md §24).
+        ``CacheSpec.sink_dtype``, docs/DESIGN.md §6).
     rotate_k : bool or None
         Keys stored rotated by a Walsh–Hadamard transform (:class:`~streamattn.spec.CacheSpec`); None: on
         for a quantized K, off for float storage.
@@ -190,8 +191,11 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, config: EngineConfig, metrics=None, *, isolate_failures: bool = True,
-                 reset_finished: bool = True):
+                 reset_finished: bool = True, step_costs: StepCosts | None = None):
         self.model, self.tok, self.cfg = model, tokenizer, config
+        # decode step times by rows fed, which price drafts (speculative.DraftPolicy); a Generator hands
+        # its own in, so that what one generation timed serves the next
+        self.step_costs = step_costs if step_costs is not None else StepCosts()
         self.metrics = metrics if metrics is not None else _Uncounted()
         self.isolate_failures, self.reset_finished = isolate_failures, reset_finished
         kw = config.cache_kwargs
@@ -279,11 +283,15 @@ class Engine:
         t0 = time.perf_counter()
         B, C = max(s.slot for s in active) + 1, self.cfg.prefill_chunk   # slots past the last active idle
         counts = np.zeros(B, np.int64)                                     # [B] real tokens per slot
+        decoding = all(not s.prefilling for s in active)   # a step whose time prices drafts (StepCosts)
+        rows = len(active)                                 # rows fed so far, drafts planned included
         for s in active:                                   # a draft of k tokens rides after the last one
             if s.prefilling:                               # a choice waits for its leader's prompt (n > 1)
                 counts[s.slot] = 0 if self._waits(s) else min(C, len(s.job.prompt) - s.done)
             else:
-                counts[s.slot] = 1 + len(s.plan_draft(C - 1))
+                base = rows
+                counts[s.slot] = 1 + len(s.plan_draft(C - 1, lambda k: self.step_costs.ratio(base, base + k)))
+                rows += counts[s.slot] - 1
         tokens = np.zeros((B, int(counts.max())), np.int64)                # [B, T] ragged, zero padding
         for s in active:
             tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
@@ -303,7 +311,7 @@ class Engine:
         real = int(counts.sum())                                           # kind: real rows, by powers of 2
         adapt = self.cfg.adapt_threads and real <= ADAPT_ROWS
         kind, ceiling = 1 << max(real - 1, 0).bit_length(), thread_count()
-        head = None                      # the output head: its own count (DESIGN §22)
+        head = None                      # the output head: its own count (DESIGN §12)
         if adapt and ceiling > 1:
             alone = self.threads.seconds(("head", kind), ceiling, 1)
             gate = alone is None or alone < LONG_HEAD_S
@@ -356,7 +364,10 @@ class Engine:
                 self._free(s, None)
         self.steps += 1
         self.metrics.steps.inc()
-        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self.metrics.step_seconds.observe(took)
+        if decoding:
+            self.step_costs.record(real, took)
 
     @staticmethod
     def _waits(s: Sequence) -> bool:
@@ -365,7 +376,7 @@ class Engine:
 
     def _fork_followers(self, s: Sequence, active: list) -> None:
         """``s`` has just fed its whole prompt: each choice waiting on it takes a copy of its rows, less
-        the last prompt token, which the choice runs itself (the same bits: §5); a rewind of one token is
+        the last prompt token, which the choice runs itself (the same bits: §7); a rewind of one token is
         always allowed (§4)."""
         for f in active:
             if f.leader is s and f.done == 0 and f.slot >= 0:
@@ -376,7 +387,7 @@ class Engine:
 
     def _verify(self, s: Sequence, rows) -> bool:
         """Accept what ``s``'s draft earns from ``rows`` [1 + k, vocab] and rewind the rest out of every
-        layer (always allowed: a draft is at most ``prefill_chunk - 1`` tokens, docs/DESIGN.md §17)."""
+        layer (always allowed: a draft is at most ``prefill_chunk - 1`` tokens, docs/DESIGN.md §24)."""
         k, before = len(s.draft), len(s.generated)
         ended, rejected = s.verify(rows)
         self.metrics.spec_drafted.inc(k)

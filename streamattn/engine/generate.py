@@ -106,6 +106,7 @@ class Generator:
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
         self.model, self.tok = model, tokenizer
+        self._step_costs: dict = {}                    # thread count -> StepCosts, kept across generations
         self.config = EngineConfig(cache=cache, window=window, sinks=sinks, cache_dtype=cache_dtype,
                                    cache_dtype_v=cache_dtype_v, quantized_sinks=quantized_sinks, rotate_k=rotate_k,
                                    backend=backend, prefill_chunk=prefill_chunk, positions=positions)
@@ -231,8 +232,11 @@ class Generator:
         ``max_tokens``, sampling, stop strings) as one ragged batch on fresh caches; yield each new token
         as :meth:`stream_batch` does. ``seqs``, if given, receives the jobs' :class:`Sequence` objects."""
         B = len(jobs)
+        from streamattn.engine.speculative import StepCosts
+        from streamattn.threads import thread_count
+        costs = self._step_costs.setdefault(thread_count(), StepCosts())     # step times at this thread count
         engine = Engine(self.model, self.tok, replace(self.config, slots=B), isolate_failures=False,
-                        reset_finished=False)
+                        reset_finished=False, step_costs=costs)
         self.caches = engine.caches
         texts = [{} for _ in range(B)]                                  # token index -> text it released
         done = [None] * B                                               # finish reason, once finished
@@ -312,7 +316,7 @@ def warm_model(model, kind: str, kind_v: str | None = None) -> float:
 
     LLVM's library pages, which only loading needs, are handed back before and after each of the two
     kinds of loading (:func:`streamattn.memory.release_compiler_pages`): the compiled layers, then the
-    array layers' kernels, so that their pages never add up (docs/DESIGN.md §15; the figures:
+    array layers' kernels, so that their pages never add up (docs/DESIGN.md §11; the figures:
     docs/PERF.md)."""
     from streamattn.memory import release_compiler_pages
     t0 = time.perf_counter()

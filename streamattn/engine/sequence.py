@@ -15,7 +15,7 @@ import numpy as np
 
 from streamattn.engine.grammar import GrammarError
 from streamattn.engine.sampling import SamplingParams, apply_repetition_penalty, sample
-from streamattn.engine.speculative import DraftLength, SpecParams, make_proposer, verify
+from streamattn.engine.speculative import DraftPolicy, SpecParams, StepCosts, make_proposer, verify
 from streamattn.text.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -118,6 +118,11 @@ class StopFilter:
         return out
 
 
+def _PRIOR_COST(k: int) -> float:
+    """A step with k more rows than a one-row step, priced by :class:`StepCosts`' prior (nothing timed)."""
+    return StepCosts().ratio(1, 1 + k)
+
+
 @dataclass(frozen=True)
 class Event:
     """Engine -> HTTP handler. kind "delta": ``text`` (+ ``logprobs`` entries); "done": ``finish`` and
@@ -163,7 +168,8 @@ class Sequence:
         self.stops = StopFilter(self.job.stop)
         spec = self.job.speculative
         self.proposer = make_proposer(spec) if spec is not None else None
-        self.draft_length = DraftLength(spec.draft_max) if spec is not None else None
+        self.policy = DraftPolicy(spec.draft_max) if spec is not None else None
+        self.match = 0                                     # the match length this step's draft came from
         self.constraint = None                             # the grammar's matcher, made at the first draw
 
     @property
@@ -179,14 +185,18 @@ class Sequence:
                                                 "rejected_prediction_tokens": self.drafted - self.accepted}
         return out
 
-    def plan_draft(self, limit: int) -> list:
+    def plan_draft(self, limit: int, cost=None) -> list:
         """Draft this step's tokens (at most ``limit``, and never past ``max_tokens``); [] without a
-        proposer, while drafting pauses, or when the context has nothing to copy."""
+        proposer, when the context has nothing to copy, or when the policy finds that no draft pays
+        (``cost(k)``: a step with k more rows against one without, default
+        :meth:`StepCosts.ratio` priced by its prior)."""
         self.draft = []
         if self.proposer is not None:
-            k = min(self.draft_length.next(), limit, self.job.max_tokens - len(self.generated) - 1)
+            k = min(self.job.speculative.draft_max, limit, self.job.max_tokens - len(self.generated) - 1)
             if k > 0:
-                self.draft = self.proposer.propose(list(self.job.prompt) + self.generated, k)
+                found, self.match = self.proposer.lookup(list(self.job.prompt) + self.generated, k)
+                k = self.policy.choose(self.match, len(found), cost or _PRIOR_COST)
+                self.draft = found[:k]
         return self.draft
 
     def _prepare(self, logits, extra=()):
@@ -219,7 +229,7 @@ class Sequence:
             toks = verify(rows, draft, self.job.sampling, self.rng, lambda i, z: self._prepare(z, draft[:i]))
             a = len(toks) - 1                               # drafted tokens accepted
             self.drafted, self.accepted, self.draft = self.drafted + len(draft), self.accepted + a, []
-            self.draft_length.update(len(draft), a)
+            self.policy.update(self.match, len(draft), a)
             for i, tid in enumerate(toks):
                 if self._take(tid, rows[i]):
                     return True, len(draft) - a

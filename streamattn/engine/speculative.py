@@ -4,15 +4,24 @@ A decode step on the CPU reads every weight once for one token; verifying k draf
 once for k + 1. The engine feeds ``[last token] + draft`` as one chunk, takes the logits of every
 position, keeps the longest prefix the sampling rule accepts plus the model's own next token, and
 rewinds the rest out of every layer's cache (``state.rewind``). Because a query's logits have the same
-bits whatever chunk computes them on the CPU (docs/DESIGN.md §5), greedy speculation yields exactly the
+bits whatever chunk computes them on the CPU (docs/DESIGN.md §7), greedy speculation yields exactly the
 tokens of plain decoding. With temperature > 0 the accept/reject rule of Leviathan et al. (2023) and
-Chen et al. (2023) keeps the output distribution exactly that of plain sampling (:func:`verify`).
+Chen et al. (2023) would keep the output distribution that of plain sampling; :func:`verify` does more:
+it draws each position's token exactly as plain decoding would (the sequence's generator, in order) and
+accepts a drafted token when it is that draw, so a seeded completion has the same tokens with and without
+speculation, whatever was drafted (the acceptance probability is the same, p(x)).
 
-Proposers implement ``propose(tokens, k) -> list``; :class:`NgramProposer` is prompt lookup (the most
-recent earlier occurrence of the context's last n tokens, n from ``n_max`` down to ``n_min``, as
-llama.cpp's ``ngram-simple`` and vLLM's ``ngram``). :class:`DraftLength` adapts how many tokens are
-drafted to how many were accepted, and stops drafting for a while after misses, so that text with
-nothing to copy runs as plain decoding.
+Proposers implement ``lookup(tokens, k) -> (draft, match)``; :class:`NgramProposer` is prompt lookup (an
+earlier occurrence of the context's last n tokens, n from ``n_max`` down to ``n_min``, as llama.cpp's
+``ngram-simple`` and vLLM's ``ngram``; of several, the one whose match reaches furthest back).
+
+Whether a draft is worth its cost is :class:`DraftPolicy`'s call, made every step from what it has seen:
+the engine's measured cost of a step of k + 1 rows against a step of one (:class:`StepCosts`: it differs
+by model, thread count and host), the match length (longer matches are accepted more often) and the
+sequence's recent acceptance at that match length. It drafts the k that maximises the expected tokens per
+unit of step cost, and nothing where no k beats plain decoding by :data:`DraftPolicy.MARGIN`: after a
+streak of misses the estimates fall below that within a few drafts, and the evidence fades back to the
+prior over :data:`DraftPolicy.HALF_LIFE` steps.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from streamattn.engine.sampling import SamplingParams, filtered_probs, sample
+from streamattn.engine.sampling import SamplingParams, sample
 
 METHODS = ("ngram",)
 
@@ -58,54 +67,148 @@ class SpecParams:
 
 
 class NgramProposer:
-    """Prompt lookup: draft the tokens that followed the most recent earlier occurrence of the last n
-    tokens of the context (n = ``n_max`` .. ``n_min``, longest first)."""
+    """Prompt lookup: draft the tokens that followed an earlier occurrence of the last n tokens of the
+    context (n = ``n_max`` .. ``n_min``, longest first); of that n-gram's occurrences, the one whose match
+    with the context extends furthest back (up to :data:`MAX_MATCH` tokens), the most recent on a tie."""
+
+    MAX_MATCH = 32
 
     def __init__(self, params: SpecParams):
         self.n_min, self.n_max = params.n_min, params.n_max
 
     def propose(self, tokens, k: int) -> list:
         """Up to ``k`` drafted token ids following ``tokens`` (the whole context; [] when nothing matches)."""
+        return self.lookup(tokens, k)[0]
+
+    def lookup(self, tokens, k: int) -> tuple:
+        """(draft, match): up to ``k`` drafted ids and how many context tokens the occurrence matches
+        (0 when nothing does)."""
         t = np.asarray(tokens, np.int64)
         L = t.shape[0]
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             suffix = t[L - n:]
-            # windows [i, i + n) for i in 0 .. L - n - 1 (the suffix itself excluded), most recent first
+            # windows [i, i + n) for i in 0 .. L - n - 1 (the suffix itself excluded)
             win = np.lib.stride_tricks.sliding_window_view(t[:L - 1], n)          # [L - n, n]
-            hit = np.nonzero((win == suffix).all(axis=1))[0]
+            hit = np.nonzero((win == suffix).all(axis=1))[0]                      # window starts
             if hit.size:
-                i = int(hit[-1]) + n                                              # first token after it
-                return t[i:i + k].tolist()
-        return []
+                match = np.full(hit.shape[0], n)                                  # [hits]
+                alive = np.ones(hit.shape[0], bool)
+                for j in range(1, self.MAX_MATCH - n + 1):                        # extend back, one token a pass
+                    before = hit - j
+                    alive &= (before >= 0) & (t[np.maximum(before, 0)] == t[L - n - j])
+                    if not alive.any():
+                        break
+                    match += alive
+                best = int(np.flatnonzero(match == match.max())[-1])             # the longest, most recent
+                i = int(hit[best]) + n                                            # first token after it
+                return t[i:i + k].tolist(), int(match[best])
+        return [], 0
 
 
-class DraftLength:
-    """How many tokens to draft next: doubles after a fully accepted draft, drops to one more than was
-    accepted after a partial one, and after two drafts in a row with nothing accepted pauses drafting for
-    a number of steps that doubles with each such pause (up to 32), so text with nothing to copy costs
-    almost nothing."""
+class StepCosts:
+    """What the engine's decode steps cost by the rows they feed, measured as they run: the median of
+    the last :data:`KEEP` step times of each row count. Owned by an engine (one model, one thread
+    setting); :class:`DraftPolicy` reads :meth:`ratio`. Row counts never timed are interpolated between
+    timed ones, or priced at :data:`PRIOR_SLOPE` of a one-row step per extra row past the last one timed."""
+
+    KEEP = 16
+    PRIOR_SLOPE = 0.2
+
+    def __init__(self):
+        self._times: dict = {}                                  # rows -> recent step seconds
+
+    def record(self, rows: int, seconds: float) -> None:
+        """One decode step that fed ``rows`` tokens took ``seconds``."""
+        times = self._times.setdefault(int(rows), [])
+        times.append(float(seconds))
+        del times[:-self.KEEP]
+
+    def seconds(self, rows: int):
+        """The median step time of ``rows`` rows (None if never timed)."""
+        times = self._times.get(int(rows))
+        return float(np.median(times)) if times else None
+
+    def ratio(self, base: int, rows: int) -> float:
+        """How many ``base``-row steps one step of ``rows`` rows costs (>= 1 for rows >= base)."""
+        t0 = self.seconds(base)
+        if t0 is None or t0 <= 0:
+            return 1.0 + self.PRIOR_SLOPE * (rows - base)
+        timed = sorted(r for r in self._times if r >= base)
+        below = max((r for r in timed if r <= rows), default=base)
+        above = min((r for r in timed if r >= rows), default=None)
+        tb = self.seconds(below)
+        if above is None:
+            t = tb + self.PRIOR_SLOPE * t0 * (rows - below)
+        elif above == below:
+            t = tb
+        else:
+            t = tb + (self.seconds(above) - tb) * (rows - below) / (above - below)
+        return max(t / t0, 1.0)
+
+
+class DraftPolicy:
+    """How many tokens one sequence drafts each step (0: decode plainly), from what it has seen.
+
+    The acceptance of a drafted token is estimated per match-length band (:data:`BANDS`: 2-3, 4-7,
+    8-15, 16+ tokens matched) as a beta estimate: the band's accepted and rejected drafted tokens, each
+    weighed down by half every :data:`HALF_LIFE` steps, over a prior of :data:`STRENGTH` pseudo-counts
+    centred on the band's :data:`PRIOR` shifted by how the sequence's drafts fared in every band. With
+    acceptance a, a draft of k tokens yields 1 + a + ... + a^k tokens for one step of k + 1 rows; the
+    policy drafts the k (<= what the proposer found, <= ``draft_max``) with the most tokens per unit of
+    step cost (``cost(k)``: that step against a one-row one, :class:`StepCosts`), if that beats plain
+    decoding by :data:`MARGIN`, else nothing. The tokens of a completion never depend on it
+    (:func:`verify`): it decides only how fast they come.
+    """
+
+    BANDS = (2, 4, 8, 16)
+    PRIOR = (0.2, 0.45, 0.7, 0.85)
+    STRENGTH = 3.0
+    HALF_LIFE = 64
+    MARGIN = 1.1
 
     def __init__(self, draft_max: int):
-        self.max, self.k, self.misses, self.pause, self.wait = draft_max, draft_max, 0, 1, 0
+        self.max = draft_max
+        self.hits = np.zeros(len(self.BANDS))                   # [bands] accepted drafted tokens, decayed
+        self.misses = np.zeros(len(self.BANDS))                 # [bands] rejected ones
+        self.steps = 0
 
-    def next(self) -> int:
-        """Tokens to draft this step (0: decode plainly)."""
-        if self.wait > 0:
-            self.wait -= 1
+    def band(self, match: int) -> int:
+        return max(int(np.searchsorted(self.BANDS, match, side="right")) - 1, 0)
+
+    def acceptance(self, match: int) -> float:
+        """The estimated chance that a drafted token of a ``match``-token match is accepted."""
+        b = self.band(match)
+        seen = self.hits.sum() + self.misses.sum()
+        shift = 0.0 if seen == 0 else (self.hits.sum() + 1.5) / (seen + 3.0) - 0.5     # the sequence's lean
+        prior = min(max(self.PRIOR[b] + shift, 0.02), 0.98)
+        return (self.hits[b] + self.STRENGTH * prior) / (self.hits[b] + self.misses[b] + self.STRENGTH)
+
+    def choose(self, match: int, available: int, cost) -> int:
+        """Tokens to draft this step out of ``available`` found by a ``match``-token match; ``cost(k)``:
+        a step of k + 1 rows in one-row steps. Counts a step of the sequence."""
+        self.steps += 1
+        fade = 0.5 ** (1.0 / self.HALF_LIFE)
+        self.hits *= fade
+        self.misses *= fade
+        if available <= 0 or match <= 0:
             return 0
-        return self.k
+        a = self.acceptance(match)
+        best, best_k, tokens, term = self.MARGIN, 0, 1.0, 1.0
+        for k in range(1, min(available, self.max) + 1):
+            term *= a
+            tokens += term                                     # expected tokens of a k-token draft
+            gain = tokens / cost(k)
+            if gain > best:
+                best, best_k = gain, k
+        return best_k
 
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
+    def update(self, match: int, drafted: int, accepted: int) -> None:
+        """A draft of ``drafted`` tokens from a ``match``-token match had ``accepted`` accepted."""
+        if drafted <= 0:
             return
-        if accepted == drafted:
-            self.k, self.misses, self.pause = min(self.max, 2 * self.k), 0, 1
-        elif accepted > 0:
-            self.k, self.misses = max(1, accepted + 1), 0
-        else:
-            self.k, self.misses = 1, self.misses + 1
-            if self.misses >= 2:
-                self.wait, self.pause, self.misses = self.pause, min(32, 2 * self.pause), 0
+        b = self.band(match)
+        self.hits[b] += accepted
+        self.misses[b] += accepted < drafted
 
 
 def make_proposer(params: SpecParams):
@@ -131,28 +234,20 @@ def verify(rows, draft: list, params: SamplingParams, rng: np.random.Generator, 
     -------
     list of int, 1 .. len(draft) + 1 tokens: ``draft[:a]`` then the model's own token.
 
-    Greedy: a drafted token is accepted iff it is the argmax, so the result is exactly what plain decoding
-    yields. Sampling: the draft is a point mass q = 1 on token x, so x is accepted with probability
-    min(1, p(x) / q(x)) = p(x); on rejection the token is drawn from max(0, p - q), i.e. p without x,
-    renormalised; after a full acceptance from p itself. Each output token is then distributed exactly
-    as p (Leviathan et al. 2023, Theorem 1).
+    Each position's token is drawn as plain decoding draws it (:func:`~streamattn.engine.sampling.sample`
+    on that position's logits with the sequence's generator, in order: one draw per emitted token, as
+    plain decoding makes); a drafted token is accepted when it is that draw, and the first draw that
+    differs is the model's token. So the output is plain decoding's, token for token, for greedy and for
+    seeded sampling alike, whatever was drafted; a drafted token x is accepted with probability p(x),
+    as under the rule of Leviathan et al. (2023) with a one-token draft.
     """
     out = []
     for i, x in enumerate(draft):
-        z = prepare(i, rows[i])
-        if params.greedy:
-            t = int(np.argmax(z))
-            if t != x:
-                return out + [t]
-        else:
-            p = filtered_probs(z, params)
-            if rng.random() >= p[x]:                             # rejected: draw from p without x
-                p = p.copy()
-                p[x] = 0.0
-                return out + [int(rng.choice(p.shape[0], p=p / p.sum()))]
+        t = sample(prepare(i, rows[i]), params, rng)
+        if t != x:
+            return out + [t]
         out.append(int(x))
-    z = prepare(len(draft), rows[len(draft)])
-    return out + [sample(z, params, rng)]
+    return out + [sample(prepare(len(draft), rows[len(draft)]), params, rng)]
 
 
 def add_arguments(p) -> None:
