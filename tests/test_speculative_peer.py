@@ -45,11 +45,13 @@ def test_peer_row_and_markdown_carry_the_peer_columns():
     pr = bench.peer_row([(p, q)], ours_ids=[1, 2, 9, 9])
     assert pr["peer_speedup"] == pytest.approx(1.5) and pr["peer_same"] and pr["peer_match_ours"] == 0.5
     row = {"model": "smollm2", "threads": 1, "kind": "copy", "prompt": "rename", "tokens": 4, "plain_tok_s": 50.0,
-           "spec_tok_s": 120.0, "speedup": 2.4, "acceptance": 0.9, "steps_plain": 3, "steps_spec": 1, **pr,
+           "spec_tok_s": 120.0, "speedup": 2.4, "speedup_min": 2.2, "speedup_max": 2.6, "acceptance": 0.9,
+           "drafted": 8, "steps_plain": 3, "steps_spec": 1, **pr,
            "ours_vs_peer_spec": 2.0}
     md = bench.markdown([row], bench.summary([row]), "t", 8, "cmd",
                         {"spec": "--spec-type ngram-simple", "servers": [{"cpu_variant": "icelake"}]})
     assert "llama-server n-gram" in md and "icelake" in md and "| 2.00x |" in md and "| yes | 0.50 |" in md
+    assert "| 2.40x | 2.20-2.60 |" in md and "| 1 | 2.40x | 2.40x | 2.40x |" in md     # pairs' range; set's lowest
     plain_md = bench.markdown([{k: v for k, v in row.items() if not k.startswith(("peer", "ours_vs"))}],
                               bench.summary([row]), "t", 8, "cmd")
     assert "llama-server" not in plain_md
