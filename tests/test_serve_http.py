@@ -322,7 +322,9 @@ def test_speculative_requests_give_the_same_text_and_report_drafts(server, clien
                                           extra_body={"cache_prompt": False, "speculative": "ngram", "draft_max": 6})
     assert spec.choices[0].message.content == plain.choices[0].message.content
     d = spec.usage.completion_tokens_details
-    assert d.accepted_prediction_tokens >= 5 and d.rejected_prediction_tokens >= 0
+    # drafts were made and kept (not plain decoding twice); how many the policy drafts depends on the step
+    # times this server has measured (speculative.DraftPolicy), so no count is promised
+    assert d.accepted_prediction_tokens >= 1 and d.rejected_prediction_tokens >= 0
     after = metrics(url)
     drafted = after["streamattn_spec_drafted_tokens_total"] - before.get("streamattn_spec_drafted_tokens_total", 0)
     accepted = after["streamattn_spec_accepted_tokens_total"] - before.get("streamattn_spec_accepted_tokens_total", 0)
