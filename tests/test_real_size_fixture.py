@@ -84,5 +84,13 @@ def test_tiny_fixture(tmp_path, model, file_type):
 
 
 def test_llama3_rope_divisors():
-    d = fixture.llama3_rope_divisors(fixture.MODELS["llama-3.1-8b"])
+    """The script's llama3 divisors equal the HF-reference helper's (tests/_hf_gguf.py), computed apart on
+    purpose: two independent readings of HF's _compute_llama3_parameters, each checking the other."""
+    from _hf_gguf import llama3_rope_factors
+    spec = fixture.MODELS["llama-3.1-8b"]
+    d = fixture.llama3_rope_divisors(spec)
+    factor, low, high, orig = spec.llama3_rope
+    ref = llama3_rope_factors({"rope_theta": spec.rope_base, "factor": factor, "low_freq_factor": low,
+                               "high_freq_factor": high, "original_max_position_embeddings": orig}, spec.head_dim)
+    np.testing.assert_allclose(d, ref, rtol=1e-6)
     assert d.shape == (64,) and d[0] == 1.0 and d[-1] == 8.0 and np.all(np.diff(d) >= 0)

@@ -118,7 +118,7 @@ class StopFilter:
         return out
 
 
-def _PRIOR_COST(k: int) -> float:
+def _prior_cost(k: int) -> float:
     """A step with k more rows than a one-row step, priced by :class:`StepCosts`' prior (nothing timed)."""
     return StepCosts().ratio(1, 1 + k)
 
@@ -195,7 +195,7 @@ class Sequence:
             k = min(self.job.speculative.draft_max, limit, self.job.max_tokens - len(self.generated) - 1)
             if k > 0:
                 found, self.match = self.proposer.lookup(list(self.job.prompt) + self.generated, k)
-                k = self.policy.choose(self.match, len(found), cost or _PRIOR_COST)
+                k = self.policy.choose(self.match, len(found), cost or _prior_cost)
                 self.draft = found[:k]
         return self.draft
 
