@@ -52,6 +52,26 @@ def generator(path, **kw):
     return Generator(tf, tok, prefill_chunk=CHUNK, **kw)
 
 
+class FreeRows(StepCosts):
+    """Step costs that price every extra row at nothing and ignore the times measured: the policy then
+    drafts whatever its acceptance estimate makes worth it, the same way on every run and host (measured
+    costs would make the count of drafts depend on this machine's load)."""
+
+    def record(self, rows, seconds):
+        pass
+
+    def ratio(self, base, rows):
+        return 1.0
+
+
+def drafting_generator(path, **kw):
+    """A generator whose drafts do not depend on timing (:class:`FreeRows` at every thread count)."""
+    from streamattn.threads import thread_count
+    g = generator(path, **kw)
+    g._step_costs[thread_count()] = FreeRows()
+    return g
+
+
 def engine(g, slots: int, prompt_cache=None):
     """The engine every entry point drives, with ``slots`` rows; a prompt cache (shared between engines
     of one model and cache kind: its entries are batch-1 states) so that later runs skip most prefill."""
@@ -192,7 +212,7 @@ class TestGemma3SinksAtCachePositions(Matrix):
 def test_speculation_accepts_drafts_on_copy_heavy_prompts(one_thread):
     """The copy-heavy prompts do get drafts accepted (the equality above is not plain decoding twice)."""
     from streamattn.engine.sequence import Job
-    g = generator(smollm2_path())
+    g = drafting_generator(smollm2_path())
     ids = g.encode_prompt("Repeat this exactly:\nThe quick brown fox jumps over the lazy dog. The quick brown "
                           "fox jumps again.", chat=True)
     seqs = []
@@ -209,7 +229,7 @@ def test_seeded_sampling_gives_the_same_tokens_with_speculation(one_thread):
     the policy drafted (verify draws each position as plain decoding does); drafts were both accepted and
     rejected, and the output differs from greedy."""
     from streamattn.engine.sequence import Job
-    g = generator(smollm2_path())
+    g = drafting_generator(smollm2_path())
     ids = g.encode_prompt("Repeat this exactly:\nThe quick brown fox jumps over the lazy dog. The quick brown "
                           "fox jumps again.", chat=True)
     sp = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
