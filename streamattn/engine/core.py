@@ -4,7 +4,8 @@ Every entry point drives it: :class:`~streamattn.engine.generate.Generator` (``s
 ``streamattn generate``), the server (on its own thread, :meth:`Engine.start`), ``streamattn batch``
 (locally and in each Ray actor) and ``streamattn perplexity`` (a teacher-forced :class:`Job`).
 
-Each step (:meth:`Engine.step`):
+Each step (:meth:`Engine.step`) is :meth:`~Engine.schedule` (1-2 and the :class:`StepPlan`, from
+:func:`plan_step`, which needs no model), :meth:`~Engine.execute` (3) and :meth:`~Engine.update` (4):
 
 1. drop cancelled requests (queued or running) and free their slots (``KVCache.reset(b)`` per layer);
 2. admit queued requests into free slots, loading the longest reusable prompt prefix from the prompt cache;
@@ -68,6 +69,87 @@ def _chooser(model) -> ThreadChooser:
 
 class QueueFull(Exception):
     """The wait queue already holds ``max_queue`` requests."""
+
+
+@dataclass
+class StepPlan:
+    """What one engine step feeds and which logits it needs (:func:`plan_step`).
+
+    Attributes
+    ----------
+    active : list of Sequence
+        The sequences in the step, by slot.
+    counts : int64 [B]
+        Real tokens per slot (0: an idle or waiting slot); B is one past the last active slot.
+    tokens : int64 [B, T]
+        The tokens fed, zero padding past ``counts``: a prompt chunk, or the last token and its draft.
+    rows, cols : int64 [N]
+        The (slot, token) positions whose logits the step needs: a row's last real token, every fed token
+        of a draft being verified or of a prompt being scored.
+    first : dict
+        slot -> the offset into the logits such that ``logits[first[slot] + t]`` is the slot's token t.
+    only_last : bool
+        Exactly each slot's last token is needed, every slot active: the forward returns [B, vocab].
+    decoding : bool
+        No slot prefills: the step's time prices drafts (:class:`StepCosts`).
+    """
+
+    active: list
+    counts: np.ndarray
+    tokens: np.ndarray
+    rows: np.ndarray
+    cols: np.ndarray
+    first: dict
+    only_last: bool
+    decoding: bool
+
+    @property
+    def batch(self) -> int:
+        return len(self.counts)
+
+    @property
+    def real(self) -> int:
+        """Real rows fed (prompt tokens, last tokens and drafts)."""
+        return int(self.counts.sum())
+
+    @property
+    def logits_at(self):
+        """``Transformer.forward``'s ``logits_at``: None when ``only_last``."""
+        return None if self.only_last else (self.rows, self.cols)
+
+
+def plan_step(active: list, chunk: int, *, waits, price) -> StepPlan:
+    """Plan one step over ``active`` sequences (each with a ``slot``): a prefilling sequence feeds its next
+    chunk of at most ``chunk`` prompt tokens (none while ``waits(s)``: a choice whose leader still feeds
+    the prompt), a decoding one its last token and the draft it plans (at most ``chunk - 1`` tokens,
+    ``price(base, rows)``: a step of ``rows`` rows in steps of ``base`` rows, :meth:`StepCosts.ratio`).
+    Touches no cache and no model: only the sequences' drafts."""
+    B = max(s.slot for s in active) + 1                                # slots past the last active idle
+    counts = np.zeros(B, np.int64)
+    rows_fed = len(active)                                             # rows so far, drafts planned included
+    for s in active:                                                   # a draft rides after the last token
+        if s.prefilling:
+            counts[s.slot] = 0 if waits(s) else min(chunk, len(s.job.prompt) - s.done)
+        else:
+            base = rows_fed
+            counts[s.slot] = 1 + len(s.plan_draft(chunk - 1, lambda k: price(base, base + k)))
+            rows_fed += counts[s.slot] - 1
+    tokens = np.zeros((B, int(counts.max())), np.int64)               # [B, T] ragged, zero padding
+    for s in active:
+        tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
+                                           else [s.next_token, *s.draft])
+    rows, cols, first = [], [], {}
+    for s in active:
+        n = int(counts[s.slot])
+        want = (range(n) if s.draft or (s.job.targets is not None and s.prefilling)
+                else range(max(n - 1, 0), n))                          # an idle, waiting slot (n = 0): none
+        first[s.slot] = len(rows) - want.start
+        rows += [s.slot] * len(want)
+        cols += list(want)
+    return StepPlan(active=active, counts=counts, tokens=tokens, rows=np.array(rows, np.int64),
+                    cols=np.array(cols, np.int64), first=first,
+                    only_last=len(rows) == len(active) and len(active) == B,
+                    decoding=all(not s.prefilling for s in active))
 
 
 @dataclass(frozen=True)
@@ -274,43 +356,37 @@ class Engine:
                 time.sleep(0.01)
 
     def step(self) -> None:
-        """One engine step (see the module docstring)."""
+        """One engine step (see the module docstring): :meth:`schedule`, :meth:`execute`, :meth:`update`."""
+        t0 = time.perf_counter()
+        plan = self.schedule()
+        if plan is None:
+            return
+        logits = self.execute(plan)
+        if logits is None:                                  # the forward failed: its requests are failed
+            return
+        self.update(plan, logits)
+        took = time.perf_counter() - t0
+        self.metrics.step_seconds.observe(took)
+        if plan.decoding:
+            self.step_costs.record(plan.real, took)
+
+    def schedule(self) -> StepPlan | None:
+        """Drop cancelled requests, admit queued ones, and plan this step over the active slots (None
+        when no slot is active); drafts are planned here, priced by :attr:`step_costs`."""
         self._drop_cancelled()
         self._admit()
         active = [s for s in self.slots if s is not None]
         if not active:
-            return
-        t0 = time.perf_counter()
-        B, C = max(s.slot for s in active) + 1, self.cfg.prefill_chunk   # slots past the last active idle
-        counts = np.zeros(B, np.int64)                                     # [B] real tokens per slot
-        decoding = all(not s.prefilling for s in active)   # a step whose time prices drafts (StepCosts)
-        rows = len(active)                                 # rows fed so far, drafts planned included
-        for s in active:                                   # a draft of k tokens rides after the last one
-            if s.prefilling:                               # a choice waits for its leader's prompt (n > 1)
-                counts[s.slot] = 0 if self._waits(s) else min(C, len(s.job.prompt) - s.done)
-            else:
-                base = rows
-                counts[s.slot] = 1 + len(s.plan_draft(C - 1, lambda k: self.step_costs.ratio(base, base + k)))
-                rows += counts[s.slot] - 1
-        tokens = np.zeros((B, int(counts.max())), np.int64)                # [B, T] ragged, zero padding
-        for s in active:
-            tokens[s.slot, :counts[s.slot]] = (s.job.prompt[s.done: s.done + counts[s.slot]] if s.prefilling
-                                               else [s.next_token, *s.draft])
-        caches = self.caches if B == self.cfg.slots else self._head(B, counts)
-        # the positions whose logits the step needs: a row's last real token, every fed token of a draft
-        # being verified or of a prompt being scored; their offsets into the result, per slot
-        rows, cols, first = [], [], {}
-        for s in active:
-            n = int(counts[s.slot])
-            want = (range(n) if s.draft or (s.job.targets is not None and s.prefilling)
-                    else range(max(n - 1, 0), n))             # an idle, waiting slot (n = 0): none
-            first[s.slot] = len(rows) - want.start
-            rows += [s.slot] * len(want)
-            cols += list(want)
-        only_last = len(rows) == len(active) and len(active) == B
-        real = int(counts.sum())                                           # kind: real rows, by powers of 2
-        adapt = self.cfg.adapt_threads and real <= ADAPT_ROWS
-        kind, ceiling = 1 << max(real - 1, 0).bit_length(), thread_count()
+            return None
+        return plan_step(active, self.cfg.prefill_chunk, waits=self._waits, price=self.step_costs.ratio)
+
+    def execute(self, plan: StepPlan):
+        """Run ``plan`` through the model: host logits [len(plan.rows), vocab] (or [B, vocab] when
+        ``plan.only_last``). A failure fails the step's requests and returns None (``isolate_failures``),
+        else it propagates."""
+        caches = self.caches if plan.batch == self.cfg.slots else self._head(plan.batch, plan.counts)
+        adapt = self.cfg.adapt_threads and plan.real <= ADAPT_ROWS
+        kind, ceiling = 1 << max(plan.real - 1, 0).bit_length(), thread_count()   # real rows, by powers of 2
         head = None                      # the output head: its own count (DESIGN §12)
         if adapt and ceiling > 1:
             alone = self.threads.seconds(("head", kind), ceiling, 1)
@@ -319,31 +395,34 @@ class Engine:
         try:
             with self.threads.step(kind) if adapt else contextlib.nullcontext() as n:
                 self.step_threads = n if adapt else ceiling
-                logits = to_host(self.model.forward(tokens, caches, counts=counts, backend=self.cfg.backend,
-                                                    last_only=only_last, positions=self.cfg.positions,
-                                                    logits_at=None if only_last else (np.array(rows),
-                                                                                      np.array(cols)),
-                                                    head_threads=head),
-                                 copy=False)                               # [B, vocab] or [N, vocab]
+                return to_host(self.model.forward(plan.tokens, caches, counts=plan.counts,
+                                                  backend=self.cfg.backend, last_only=plan.only_last,
+                                                  positions=self.cfg.positions, logits_at=plan.logits_at,
+                                                  head_threads=head), copy=False)
         except Exception as e:                                             # shared by the batch
             if not self.isolate_failures:
                 raise
             traceback.print_exc()
-            for s in active:
+            for s in plan.active:
                 s.fail(f"the model step failed: {type(e).__name__}: {e}")
                 self._free(s, "error")
-            return
-        for s in active:
-            n = int(counts[s.slot])
-            at = first[s.slot]                                  # logits[at + t]: the slot's token t
-            row = logits[s.slot] if only_last else logits[at + n - 1]       # [vocab]: the last real token's
+            return None
+
+    def update(self, plan: StepPlan, logits) -> None:
+        """Hand each active sequence its logits: a prompt chunk advances (scored if it has targets), a
+        completed prompt forks its waiting choices and enters the prompt cache, a decoding sequence draws
+        its token or verifies its draft; finished sequences give their slots back."""
+        for s in plan.active:
+            n = int(plan.counts[s.slot])
+            at = plan.first[s.slot]                             # logits[at + t]: the slot's token t
+            row = logits[s.slot] if plan.only_last else logits[at + n - 1]  # [vocab]: the last real token's
             if s.prefilling:                                    # (a sequence with a draft never is)
                 if s.job.targets is not None:
                     s.score(logits[at:at + n], s.done)
                 s.done += n
                 if s.prefilling:
                     continue
-                self._fork_followers(s, active)
+                self._fork_followers(s, plan.active)
                 if s.job.cache_prompt and self.cfg.prompt_cache_mb > 0:
                     self.prompt_cache.store(list(s.job.prompt), caches=self.caches, slot=s.slot)
                     self.metrics.cache_bytes.set(self.prompt_cache.nbytes)
@@ -364,10 +443,6 @@ class Engine:
                 self._free(s, None)
         self.steps += 1
         self.metrics.steps.inc()
-        took = time.perf_counter() - t0
-        self.metrics.step_seconds.observe(took)
-        if decoding:
-            self.step_costs.record(real, took)
 
     @staticmethod
     def _waits(s: Sequence) -> bool:
