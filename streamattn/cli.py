@@ -295,8 +295,21 @@ register("bench", "attention throughput vs the read ceiling probed in the same r
          *_module_command(lambda: importlib.import_module("streamattn.bench.sweep")))
 register("stream", "stream >= 1M tokens through window caches: latency, RSS, oracle checks",
          *_module_command(lambda: importlib.import_module("streamattn.bench.stream")))
-register("serve", "OpenAI-compatible HTTP server with continuous batching",
-         *_module_command(lambda: importlib.import_module("streamattn.serve.main")))
+
+
+def _serve_configure(p):
+    importlib.import_module("streamattn.serve.main").add_arguments(p)
+    importlib.import_module("streamattn.scale.ray_serve").add_arguments(p)   # --ray --replicas N
+
+
+def _serve_run(args) -> int:
+    serve = importlib.import_module("streamattn.serve.main")
+    if args.ray:                                          # Ray Serve replicas of the same app
+        return importlib.import_module("streamattn.scale.ray_serve").run_args(serve.config_from_args(args), args)
+    return serve.run_args(args)
+
+
+register("serve", "OpenAI-compatible HTTP server with continuous batching", _serve_configure, _serve_run)
 register("batch", "generate completions for a JSON-lines file of prompts (resumable; --ray for Ray Data)",
          *_module_command(lambda: importlib.import_module("streamattn.scale.command")))
 register("perplexity", "teacher-forced perplexity of a long text through the caches, per 1k-token bucket",

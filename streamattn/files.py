@@ -20,6 +20,13 @@ class BadFile(ValueError):
     """The path is not a regular file, or holds more than the caller accepts; the message names it."""
 
 
+class ModelFileError(ValueError):
+    """A model file is missing, truncated, corrupt or of an unsupported architecture. Raised by the file
+    readers (:mod:`streamattn.gguf`) and by the model configuration read from them
+    (:mod:`streamattn.models.config`): it lives here, below both, so that neither package imports the
+    other's errors (tests/test_layout.py refuses package cycles)."""
+
+
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 

@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamattn.gguf.metadata import ModelFileError
+from streamattn.files import ModelFileError
 
 
 @dataclass(frozen=True)

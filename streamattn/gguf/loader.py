@@ -22,7 +22,8 @@ import numpy as np
 import gguf.quants
 from gguf.constants import Keys
 
-from streamattn.gguf.metadata import Metadata, ModelFileError, check_tensor_names, read_metadata
+from streamattn.files import ModelFileError
+from streamattn.gguf.metadata import Metadata, check_tensor_names, read_metadata
 from streamattn.gguf.reader import GGUFFile
 from streamattn.models.architectures import ARCHITECTURES
 from streamattn.models.config import Architecture, ModelConfig, tensor_name

@@ -12,9 +12,7 @@ import math
 import numpy as np
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
 
-
-class ModelFileError(ValueError):
-    """A model file is missing, truncated, corrupt or of an unsupported architecture."""
+from streamattn.files import ModelFileError
 
 
 # Bounds of the integer metadata (inclusive): far above real models, low enough that a hostile value is

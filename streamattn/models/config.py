@@ -18,7 +18,7 @@ from typing import Callable
 
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
 
-from streamattn.gguf.metadata import ModelFileError
+from streamattn.files import ModelFileError
 
 ROPE_STYLES = ("interleaved", "neox")
 ACTIVATIONS = ("silu", "gelu_tanh")

@@ -1,4 +1,6 @@
-"""The ``streamattn serve`` subcommand: arguments -> ServeConfig -> uvicorn."""
+"""The ``streamattn serve`` subcommand: arguments -> ServeConfig -> uvicorn. (``--ray``, replicas on Ray
+Serve, is :mod:`streamattn.scale.ray_serve`'s: the CLI adds its flags and hands it the config, so that
+serving never imports the scale package that builds on it.)"""
 
 from __future__ import annotations
 
@@ -23,8 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest request body accepted, MiB (larger: 413)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.add_argument("--debug-fail-text", default=None, help=argparse.SUPPRESS)
-    from streamattn.scale.ray_serve import add_arguments as add_ray_arguments
-    add_ray_arguments(p)                                   # --ray --replicas N: Ray Serve replicas
 
 
 def config_from_args(args) -> ServeConfig:
@@ -42,9 +42,6 @@ def config_from_args(args) -> ServeConfig:
 
 def run_args(args) -> int:
     cfg = config_from_args(args)
-    if args.ray:
-        from streamattn.scale.ray_serve import run_args as run_on_ray
-        return run_on_ray(cfg, args)
     try:
         import uvicorn
         from streamattn.serve.app import build_app
