@@ -93,7 +93,8 @@ def bench_model(name: str, threads: int, tokens: int, repeats: int, draft_max: i
     opts = ModelOptions(model=MODELS[name], threads=threads, cache_dtype="float16", prefill_chunk=256)
     tf, tok, _ = opts.load()
     warm_model(tf, "float16")
-    gen = opts.generator(tf, tok)
+    from streamattn.engine.generate import Generator
+    gen = Generator(tf, tok, opts.engine_config())
     spec = SpecParams(draft_max=draft_max)
     rows = []
     with contextlib.ExitStack() as stack, use_threads(threads):

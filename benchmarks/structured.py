@@ -49,7 +49,8 @@ def bench(name: str, batches: list, tokens: int, repeats: int) -> list:
     opts = ModelOptions(model=MODELS[name], cache_dtype="float16")
     tf, tok, m = opts.load()
     warm_model(tf, "float16")
-    gen = opts.generator(tf, tok)
+    from streamattn.engine.generate import Generator
+    gen = Generator(tf, tok, opts.engine_config())
     grammar = gen.grammars.json_schema({"type": "array", "minItems": 200, "items": SCHEMAS["recipe"]})
     rows = []
     for B in batches:

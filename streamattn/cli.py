@@ -103,7 +103,8 @@ def _load(args):
         if name not in MODELS:
             raise
         raise ModelFileError(f"{e}; `streamattn pull {name}` checks the cached copy and fetches it again") from e
-    gen = opts.generator(tf, tok)
+    from streamattn.engine.generate import Generator
+    gen = Generator(tf, tok, opts.engine_config())
     if not args.quiet:
         c = m.config
         print(f"{c.name or c.arch}: {c.n_layers} layers, d_model {c.d_model}, heads {c.n_heads}/{c.n_kv_heads}"

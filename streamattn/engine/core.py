@@ -39,6 +39,7 @@ import numpy as np
 
 from streamattn import state
 from streamattn.arrays import to_host
+from streamattn.engine.options import EngineConfig
 from streamattn.engine.prompt_cache import PromptCache
 from streamattn.engine.sequence import Sequence
 from streamattn.engine.speculative import StepCosts
@@ -150,81 +151,6 @@ def plan_step(active: list, chunk: int, *, waits, price) -> StepPlan:
                     cols=np.array(cols, np.int64), first=first,
                     only_last=len(rows) == len(active) and len(active) == B,
                     decoding=all(not s.prefilling for s in active))
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How an :class:`Engine` lays out its caches and runs its steps.
-
-    Parameters
-    ----------
-    slots : int
-        Sequences decoded at once (the batch of the caches).
-    cache : {"full", "window", "sinks"}
-    window, sinks : int or None, int
-        Window n_c (keys incl. the current one) and sink tokens, for "window" / "sinks".
-    cache_dtype : {"float32", "float16", "bfloat16", "q8_0", "q4_0"}
-        K's storage (and V's unless ``cache_dtype_v``).
-    cache_dtype_v : str or None
-        V's storage where it differs from ``cache_dtype``.
-    quantized_sinks : bool
-        Store a sinks cache's sink tokens like every other token. False (default): a sinks cache whose K or
-        V is quantized keeps its sinks apart, in float16 (float32 where K or V is float32:
-        ``CacheSpec.sink_dtype``, docs/DESIGN.md §6).
-    rotate_k : bool or None
-        Keys stored rotated by a Walsh–Hadamard transform (:class:`~streamattn.spec.CacheSpec`); None: on
-        for a quantized K, off for float storage.
-    backend : {"reference", "cpu", "gpu", "auto"}
-    prefill_chunk : int
-        Prompt tokens per sequence per step, and the caches' ``max_chunk``.
-    positions : {"absolute", "cache"}
-        RoPE positions (see ``Transformer.forward``).
-    max_queue : int
-        Requests that may wait for a slot beyond the free ones; one more raises :class:`QueueFull`.
-    prompt_cache_mb : float
-        Memory for the prompt cache (0 = off).
-    threads : int or None
-        CPU threads of the engine's own thread (:meth:`Engine.start`); None leaves them as they are.
-    adapt_threads : bool
-        The thread count is a ceiling: each kind of decode step (its real rows, by powers of two, up to
-        :data:`ADAPT_ROWS`) runs on one thread or on the count set, whichever recent steps measured faster
-        (:class:`~streamattn.threads.ThreadChooser`; the same tokens either way). False: always the count set.
-    """
-
-    slots: int = 1
-    cache: str = "full"
-    window: int | None = None
-    sinks: int = 0
-    cache_dtype: str = "float32"
-    cache_dtype_v: str | None = None
-    quantized_sinks: bool = False
-    rotate_k: bool | None = None
-    backend: str = "cpu"
-    prefill_chunk: int = 64
-    positions: str = "absolute"
-    max_queue: int = 64
-    prompt_cache_mb: float = 0.0
-    threads: int | None = None
-    adapt_threads: bool = True
-
-    def __post_init__(self):
-        for name, least in (("slots", 1), ("prefill_chunk", 1), ("max_queue", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"{name} must be an integer >= {least} (got {v!r})")
-        if self.positions not in ("absolute", "cache"):
-            raise ValueError(f"positions must be 'absolute' or 'cache' (got {self.positions!r})")
-        if not isinstance(self.quantized_sinks, bool):
-            raise ValueError(f"quantized_sinks must be True or False (got {self.quantized_sinks!r})")
-        if not isinstance(self.adapt_threads, bool):
-            raise ValueError(f"adapt_threads must be True or False (got {self.adapt_threads!r})")
-
-    @property
-    def cache_kwargs(self) -> dict:
-        """Keyword arguments of ``Transformer.new_caches`` (without ``batch``)."""
-        return dict(mode=self.cache, window=self.window, sinks=self.sinks if self.cache == "sinks" else 0,
-                    max_chunk=self.prefill_chunk, dtype=self.cache_dtype, dtype_v=self.cache_dtype_v,
-                    sink_dtype=None if self.quantized_sinks else "auto", rotate_k=self.rotate_k)
 
 
 class _Uncounted:

@@ -15,12 +15,13 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from streamattn.engine.core import Engine, EngineConfig
+from streamattn.engine.core import Engine
+from streamattn.engine.options import EngineConfig
 from streamattn.engine.sampling import SamplingParams
 from streamattn.engine.grammar import Grammars
 from streamattn.engine.sequence import Job, Sequence, check_logit_bias
 from streamattn.engine.speculative import SpecParams
-from streamattn.models.transformer import POSITIONS, Transformer
+from streamattn.models.transformer import Transformer
 from streamattn.text.tokenizer import Tokenizer
 
 
@@ -73,43 +74,20 @@ class Generator:
     ----------
     model : Transformer
     tokenizer : Tokenizer
-    cache : {"full", "window", "sinks"}
-    window, sinks : int, optional
-        Window n_c (keys incl. the current one) and sink count for "window"/"sinks".
-    backend : str
-        Attention backend ("reference" | "cpu" | "gpu" | "auto").
-    prefill_chunk : int
-        Prompt tokens per forward call during prefill (and the caches' ``max_chunk``).
-    cache_dtype : {"float32", "float16", "bfloat16", "q8_0", "q4_0"}
-        K's storage (and V's unless ``cache_dtype_v``).
-    rotate_k : bool or None
-        Keys stored rotated (:class:`~streamattn.engine.core.EngineConfig`); None: on for a quantized K.
-    cache_dtype_v : str or None
-        V's storage where it differs from ``cache_dtype``.
-    quantized_sinks : bool
-        Store the sink tokens like every other token (default: kept apart where K or V is quantized, in
-        float16, or float32 beside a float32 side), as
-        :class:`~streamattn.engine.core.EngineConfig`.
-    positions : {"absolute", "cache"}
-        RoPE positions: in the text, or within the cache (StreamingLLM; matters for "sinks" only).
+    config : EngineConfig, optional
+        The cache, backend, chunking and position settings (:class:`~streamattn.engine.options.EngineConfig`
+        and its defaults); ``slots`` is set per call.
+    **settings
+        EngineConfig fields that replace ``config``'s (``cache="sinks", window=64``, ``prefill_chunk=16``).
 
     After a call, ``caches`` holds every sequence's K/V (one KVCache per layer, batch = prompts) and
     ``stats`` its timings.
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, cache: str = "full",
-                 window: int | None = None, sinks: int = 0, backend: str = "cpu", prefill_chunk: int = 64,
-                 cache_dtype: str = "float32", positions: str = "absolute", cache_dtype_v: str | None = None,
-                 quantized_sinks: bool = False, rotate_k: bool | None = None):
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be an integer >= 1 (got {prefill_chunk!r})")
-        if positions not in POSITIONS:
-            raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None, **settings):
         self.model, self.tok = model, tokenizer
         self._step_costs: dict = {}                    # thread count -> StepCosts, kept across generations
-        self.config = EngineConfig(cache=cache, window=window, sinks=sinks, cache_dtype=cache_dtype,
-                                   cache_dtype_v=cache_dtype_v, quantized_sinks=quantized_sinks, rotate_k=rotate_k,
-                                   backend=backend, prefill_chunk=prefill_chunk, positions=positions)
+        self.config = replace(config if config is not None else EngineConfig(), **settings)
         model.new_caches(batch=1, **self.config.cache_kwargs)          # validate the cache settings now
         self.stats = GenerationStats()
         self.caches = None

@@ -1,8 +1,10 @@
-"""The model, weights, cache and thread settings every subcommand shares: one set of flags
-(:func:`add_arguments`), one frozen :class:`ModelOptions` that validates them, one way to load a model.
+"""The settings of decoding, stated once.
 
-``streamattn generate``, ``inspect``, ``batch`` (each Ray actor builds from the same plain values),
-``perplexity`` and ``serve`` all take these flags with the same names, defaults and errors.
+:class:`EngineConfig` holds every default of the cache, thread, chunking and speculation settings; the
+command line's :class:`ModelOptions` (one set of flags, :func:`add_arguments`, shared by ``generate``,
+``inspect``, ``batch``, ``perplexity`` and ``serve``), the server's ``ServeConfig`` and ``Generator`` take
+theirs from it, and where one needs another default it is one line that says why. A light module: no
+model code is imported.
 """
 
 from __future__ import annotations
@@ -17,6 +19,110 @@ POSITIONS = ("absolute", "cache")
 WEIGHTS = ("quant", "f32")
 MAX_PREFILL_CHUNK = 8192
 DEFAULT_WINDOW, DEFAULT_SINKS = 256, 4
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an :class:`~streamattn.engine.core.Engine` lays out its caches and runs its steps.
+
+    Parameters
+    ----------
+    slots : int
+        Sequences decoded at once (the batch of the caches).
+    cache : {"full", "window", "sinks"}
+    window, sinks : int or None
+        Window n_c (keys incl. the current one) and sink tokens, for "window" / "sinks"; None:
+        :data:`DEFAULT_WINDOW` and :data:`DEFAULT_SINKS` where they apply (:attr:`window_n`, :attr:`sinks_n`).
+    cache_dtype : {"float32", "float16", "bfloat16", "q8_0", "q4_0"}
+        K's storage (and V's unless ``cache_dtype_v``).
+    cache_dtype_v : str or None
+        V's storage where it differs from ``cache_dtype``.
+    quantized_sinks : bool
+        Store a sinks cache's sink tokens like every other token. False (default): a sinks cache whose K or
+        V is quantized keeps its sinks apart, in float16 (float32 where K or V is float32:
+        ``CacheSpec.sink_dtype``, docs/DESIGN.md §6).
+    rotate_k : bool or None
+        Keys stored rotated by a Walsh–Hadamard transform (:class:`~streamattn.spec.CacheSpec`); None: on
+        for a quantized K, off for float storage.
+    backend : {"reference", "cpu", "gpu", "auto"}
+    prefill_chunk : int
+        Prompt tokens per sequence per step, and the caches' ``max_chunk``.
+    positions : {"absolute", "cache"}
+        RoPE positions (see ``Transformer.forward``).
+    max_queue : int
+        Requests that may wait for a slot beyond the free ones; one more raises ``QueueFull``.
+    prompt_cache_mb : float
+        Memory for the prompt cache (0 = off).
+    threads : int or None
+        CPU threads of the engine's own thread (``Engine.start``); None leaves them as they are.
+    adapt_threads : bool
+        The thread count is a ceiling: each kind of decode step (its real rows, by powers of two, up to
+        ``core.ADAPT_ROWS``) runs on one thread or on the count set, whichever recent steps measured faster
+        (:class:`~streamattn.threads.ThreadChooser`; the same tokens either way). False: always the count set.
+    speculative : {"ngram"} or None
+        Speculative decoding for the requests that do not say otherwise (:attr:`spec_params`).
+    draft_max : int
+        Drafted tokens per step at most (capped at ``prefill_chunk - 1``).
+    """
+
+    slots: int = 1
+    cache: str = "full"
+    window: int | None = None
+    sinks: int | None = None
+    cache_dtype: str = "float32"
+    cache_dtype_v: str | None = None
+    quantized_sinks: bool = False
+    rotate_k: bool | None = None
+    backend: str = "cpu"
+    prefill_chunk: int = 64
+    positions: str = "absolute"
+    max_queue: int = 64
+    prompt_cache_mb: float = 0.0
+    threads: int | None = None
+    adapt_threads: bool = True
+    speculative: str | None = None
+    draft_max: int = 8
+
+    def __post_init__(self):
+        for name, least in (("slots", 1), ("prefill_chunk", 1), ("max_queue", 0), ("draft_max", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{name} must be an integer >= {least} (got {v!r})")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS} (got {self.positions!r})")
+        if not isinstance(self.quantized_sinks, bool):
+            raise ValueError(f"quantized_sinks must be True or False (got {self.quantized_sinks!r})")
+        if not isinstance(self.adapt_threads, bool):
+            raise ValueError(f"adapt_threads must be True or False (got {self.adapt_threads!r})")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"speculative must be None or 'ngram' (got {self.speculative!r})")
+
+    @property
+    def window_n(self) -> int | None:
+        """The window in force: ``window``, or :data:`DEFAULT_WINDOW` for a window or sinks cache."""
+        return self.window if self.window is not None or self.cache == "full" else DEFAULT_WINDOW
+
+    @property
+    def sinks_n(self) -> int:
+        """The sink tokens in force: 0 unless ``cache="sinks"`` (then ``sinks`` or :data:`DEFAULT_SINKS`)."""
+        return (DEFAULT_SINKS if self.sinks is None else self.sinks) if self.cache == "sinks" else 0
+
+    @property
+    def cache_kwargs(self) -> dict:
+        """Keyword arguments of ``Transformer.new_caches`` (without ``batch``)."""
+        return dict(mode=self.cache, window=self.window_n, sinks=self.sinks_n,
+                    max_chunk=self.prefill_chunk, dtype=self.cache_dtype, dtype_v=self.cache_dtype_v,
+                    sink_dtype=None if self.quantized_sinks else "auto", rotate_k=self.rotate_k)
+
+    @property
+    def spec_params(self):
+        """The default :class:`~streamattn.engine.speculative.SpecParams` (None: no speculation)."""
+        from streamattn.engine.speculative import SpecParams
+        return SpecParams(draft_max=self.draft_max) if self.speculative else None
+
+
+#: The defaults every other settings class starts from.
+DEFAULTS = EngineConfig()
 
 
 @dataclass(frozen=True)
@@ -63,22 +169,23 @@ class ModelOptions:
 
     model: str | None = None
     weights: str = "quant"
-    cache: str = "full"
-    window: int | None = None
-    sinks: int | None = None
-    positions: str = "absolute"
-    backend: str = "cpu"
-    cache_dtype: str = "float32"
+    cache: str = DEFAULTS.cache
+    window: int | None = DEFAULTS.window
+    sinks: int | None = DEFAULTS.sinks
+    positions: str = DEFAULTS.positions
+    backend: str = DEFAULTS.backend
+    cache_dtype: str = DEFAULTS.cache_dtype
     cache_dtype_k: str | None = None
-    cache_dtype_v: str | None = None
-    quantized_sinks: bool = False
-    rotate_k: bool | None = None
+    cache_dtype_v: str | None = DEFAULTS.cache_dtype_v
+    quantized_sinks: bool = DEFAULTS.quantized_sinks
+    rotate_k: bool | None = DEFAULTS.rotate_k
+    # one prompt at a time, no stream waiting behind it: longer chunks than the engine's prefill faster
     prefill_chunk: int = 256
-    threads: int = 1
+    threads: int = 1                   # the command line sets a count (the engine's None leaves it be)
     chat: bool = False
     system: str | None = None
-    speculative: str | None = None
-    draft_max: int = 8
+    speculative: str | None = DEFAULTS.speculative
+    draft_max: int = DEFAULTS.draft_max
 
     def __post_init__(self):
         def need(ok, flag, value, expected):
@@ -114,8 +221,7 @@ class ModelOptions:
     @property
     def spec_params(self):
         """The :class:`~streamattn.engine.speculative.SpecParams` of these options (None: no speculation)."""
-        from streamattn.engine.speculative import SpecParams
-        return SpecParams(draft_max=self.draft_max) if self.speculative else None
+        return self.engine_config().spec_params
 
     @classmethod
     def from_args(cls, args) -> "ModelOptions":
@@ -126,7 +232,7 @@ class ModelOptions:
                    quantized_sinks=getattr(args, "quantized_sinks", False), rotate_k=getattr(args, "rotate_k", None),
                    prefill_chunk=args.prefill_chunk, threads=args.threads, chat=getattr(args, "chat", False),
                    system=getattr(args, "system", None), speculative=getattr(args, "speculative", None),
-                   draft_max=getattr(args, "draft_max", 8))
+                   draft_max=getattr(args, "draft_max", DEFAULTS.draft_max))
 
     @property
     def k_dtype(self) -> str:
@@ -138,15 +244,22 @@ class ModelOptions:
         """V's storage in force: ``cache_dtype_v`` or ``cache_dtype``."""
         return self.cache_dtype_v or self.cache_dtype
 
+    def engine_config(self, **overrides) -> EngineConfig:
+        """These options as an :class:`EngineConfig` (``overrides``: its other fields, e.g. ``slots``)."""
+        return EngineConfig(cache=self.cache, window=self.window, sinks=self.sinks, backend=self.backend,
+                            prefill_chunk=self.prefill_chunk, cache_dtype=self.k_dtype, cache_dtype_v=self.v_dtype,
+                            positions=self.positions, quantized_sinks=self.quantized_sinks, rotate_k=self.rotate_k,
+                            speculative=self.speculative, draft_max=self.draft_max, **overrides)
+
     @property
     def window_n(self) -> int | None:
-        """The window in force: None for a full cache, else ``window`` or 256."""
-        return None if self.cache == "full" else (DEFAULT_WINDOW if self.window is None else self.window)
+        """The window in force: None for a full cache, else ``window`` or :data:`DEFAULT_WINDOW`."""
+        return None if self.cache == "full" else self.engine_config().window_n
 
     @property
     def sinks_n(self) -> int:
-        """The sink tokens in force: 0 unless ``cache="sinks"`` (then ``sinks`` or 4)."""
-        return (DEFAULT_SINKS if self.sinks is None else self.sinks) if self.cache == "sinks" else 0
+        """The sink tokens in force: 0 unless ``cache="sinks"`` (then ``sinks`` or :data:`DEFAULT_SINKS`)."""
+        return self.engine_config().sinks_n
 
     def describe(self) -> str:
         """'cache sinks window 256 sinks 4'-style summary for progress lines."""
@@ -178,35 +291,29 @@ class ModelOptions:
             tf.to(cupy)
         return tf, Tokenizer.from_metadata(m.metadata), m
 
-    def generator(self, model, tokenizer):
-        """A :class:`~streamattn.engine.generate.Generator` over ``model`` with these cache settings."""
-        from streamattn.engine.generate import Generator
-        return Generator(model, tokenizer, cache=self.cache, window=self.window_n, sinks=self.sinks_n,
-                         backend=self.backend, prefill_chunk=self.prefill_chunk, cache_dtype=self.k_dtype,
-                         cache_dtype_v=self.v_dtype, positions=self.positions,
-                         quantized_sinks=self.quantized_sinks, rotate_k=self.rotate_k)
 
-
-def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int = 256, chat: bool = True) -> None:
+def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int | None = None, chat: bool = True) -> None:
     """The shared flags (``--model --weights --cache --window --sinks --positions --backend --cache-dtype
-    --prefill-chunk --threads``, and ``--chat --system`` unless ``chat=False``) on parser ``p``."""
+    --prefill-chunk --threads``, and ``--chat --system`` unless ``chat=False``) on parser ``p``, with
+    :class:`ModelOptions`' defaults (``prefill_chunk``: a subcommand's own)."""
+    d = ModelOptions()
     g = p.add_argument_group("model, weights, cache and threads (the same for every subcommand)")
     g.add_argument("--model", default=None,
                    help="a .gguf path or a model name (smollm2-135m, gemma3-270m); default smollm2-135m")
-    g.add_argument("--weights", choices=WEIGHTS, default="quant",
+    g.add_argument("--weights", choices=WEIGHTS, default=d.weights,
                    help="quant: matrices stay in the file's block formats (default); f32: dequantized "
                         "float32 reference path")
-    g.add_argument("--cache", choices=CACHE_MODES, default="full",
+    g.add_argument("--cache", choices=CACHE_MODES, default=d.cache,
                    help="KV cache for the model's global layers (gemma3's local layers always slide)")
     g.add_argument("--window", type=int, default=None,
                    help=f"window n_c in keys, the current one included (default {DEFAULT_WINDOW} with --cache "
                         "window/sinks)")
     g.add_argument("--sinks", type=int, default=None,
                    help=f"attention-sink tokens for --cache sinks (default {DEFAULT_SINKS})")
-    g.add_argument("--positions", choices=POSITIONS, default="absolute",
+    g.add_argument("--positions", choices=POSITIONS, default=d.positions,
                    help="RoPE positions in the text, or within the cache (StreamingLLM; --cache sinks only)")
-    g.add_argument("--backend", default="cpu", help="attention backend: reference|cpu|gpu|auto")
-    g.add_argument("--cache-dtype", default="float32", choices=CACHE_DTYPES,
+    g.add_argument("--backend", default=d.backend, help="attention backend: reference|cpu|gpu|auto")
+    g.add_argument("--cache-dtype", default=d.cache_dtype, choices=CACHE_DTYPES,
                    help="K/V cache storage (q8_0, q4_0: GGUF blocks of 32 values with a float16 scale)")
     g.add_argument("--cache-dtype-k", default=None, choices=CACHE_DTYPES, help="K's storage, if not --cache-dtype")
     g.add_argument("--cache-dtype-v", default=None, choices=CACHE_DTYPES, help="V's storage, if not --cache-dtype")
@@ -216,8 +323,9 @@ def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int = 256, chat:
     g.add_argument("--no-rotate-k", dest="rotate_k", action="store_const", const=False, default=None,
                    help="store q8_0/q4_0 keys as they are, without the Walsh-Hadamard rotation that cuts "
                         "their quantization error (on by default for a quantized K)")
-    g.add_argument("--prefill-chunk", type=int, default=prefill_chunk, help="prompt tokens per forward call")
-    g.add_argument("--threads", type=int, default=1,
+    g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk if prefill_chunk is None else prefill_chunk,
+                   help="prompt tokens per forward call")
+    g.add_argument("--threads", type=int, default=d.threads,
                    help="CPU threads for matmuls and attention, at most (default 1); decode steps run on "
                         "one thread where that measured faster (streamattn/threads.py ThreadChooser)")
     if chat:

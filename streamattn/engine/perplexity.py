@@ -26,38 +26,33 @@ from typing import Callable
 
 import numpy as np
 
-from streamattn.engine.core import Engine, EngineConfig
+from streamattn.engine.core import Engine
+from streamattn.engine.options import EngineConfig
 from streamattn.engine.sequence import Job, Sequence
 from streamattn.files import check_writable, read_text, same_file
 from streamattn.models.transformer import Transformer
 from streamattn.spec import CacheSpec
 
 
-def token_losses(model: Transformer, ids, *, cache: str = "full", window: int | None = None, sinks: int = 0,
-                 positions: str = "absolute", chunk: int = 256, backend: str = "cpu",
-                 progress: Callable[[int, int, float], None] | None = None, cache_dtype: str = "float32",
-                 cache_dtype_v: str | None = None, quantized_sinks: bool = False,
-                 rotate_k: bool | None = None) -> np.ndarray:
+#: Tokens per forward call when scoring: longer than the engine's default chunk, since a text scored alone
+#: has no stream waiting behind its chunks.
+SCORE_CHUNK = 256
+
+
+def token_losses(model: Transformer, ids, *, chunk: int = SCORE_CHUNK,
+                 progress: Callable[[int, int, float], None] | None = None, **settings) -> np.ndarray:
     """Negative log-likelihood of each next token, teacher-forced through fresh caches.
 
     Parameters
     ----------
     model : Transformer
     ids : int sequence [n] (n >= 2)
-    cache, window, sinks : as :meth:`Transformer.new_caches` (``mode``, ``window``, ``sinks``)
-    positions : {"absolute", "cache"}
-        RoPE positions (see :meth:`Transformer.forward`).
     chunk : int
         Tokens per forward call (also the caches' ``max_chunk``, i.e. the ring's slack).
-    backend : str
-        Attention backend.
-    cache_dtype, cache_dtype_v : str
-        K's storage (and V's unless ``cache_dtype_v``), as :class:`~streamattn.engine.core.EngineConfig`.
-    quantized_sinks : bool
-        Store the sink tokens like every other token (default: kept apart where K or V is quantized, in
-        float16, or float32 beside a float32 side).
-    rotate_k : bool or None
-        Keys stored rotated, as :class:`~streamattn.engine.core.EngineConfig` (None: on for a quantized K).
+    **settings
+        :class:`~streamattn.engine.options.EngineConfig` fields (``cache``, ``window``, ``sinks``,
+        ``positions``, ``backend``, ``cache_dtype``, ``cache_dtype_v``, ``quantized_sinks``, ``rotate_k``),
+        with its defaults.
     progress : callable(done, total, nll_sum), optional
         Called after every chunk with the tokens scored so far and the sum of their losses.
 
@@ -71,10 +66,7 @@ def token_losses(model: Transformer, ids, *, cache: str = "full", window: int | 
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"chunk must be an integer >= 1 (got {chunk!r})")
     n = ids.size - 1                                      # tokens that predict a next one
-    config = EngineConfig(cache=cache, window=window, sinks=sinks if cache == "sinks" else 0, backend=backend,
-                          prefill_chunk=int(chunk), positions=positions, cache_dtype=cache_dtype,
-                          cache_dtype_v=cache_dtype_v, quantized_sinks=quantized_sinks,
-                          rotate_k=rotate_k)
+    config = EngineConfig(prefill_chunk=int(chunk), **settings)
     engine = Engine(model, None, config, isolate_failures=False)
     seq = Sequence(job=Job(prompt=tuple(ids[:-1].tolist()), max_tokens=0, targets=tuple(ids[1:].tolist()),
                            cache_prompt=False), emit=lambda ev: None, tok=None)
@@ -122,14 +114,12 @@ def perplexity(model: Transformer, ids, *, bucket: int = 1000, **kw) -> dict:
     t0 = time.perf_counter()
     nll = token_losses(model, ids, **kw)
     seconds = time.perf_counter() - t0
-    settings = {k: kw.get(k, d) for k, d in (("cache", "full"), ("window", None), ("sinks", 0),
-                                             ("positions", "absolute"), ("chunk", 256), ("cache_dtype", "float32"),
-                                             ("quantized_sinks", False))}
-    settings["cache_dtype_v"] = kw.get("cache_dtype_v") or settings["cache_dtype"]
-    settings["rotate_k"] = CacheSpec(batch=1, kv_heads=1, head_dim=1, dtype=settings["cache_dtype"],
-                                     rotate_k=kw.get("rotate_k")).rotate_k
-    if settings["cache"] != "sinks":
-        settings["sinks"] = 0
+    cfg = EngineConfig(**{k: v for k, v in kw.items() if k not in ("chunk", "progress")})
+    settings = dict(cache=cfg.cache, window=cfg.window_n, sinks=cfg.sinks_n, positions=cfg.positions,
+                    chunk=kw.get("chunk", SCORE_CHUNK), cache_dtype=cfg.cache_dtype,
+                    quantized_sinks=cfg.quantized_sinks, cache_dtype_v=cfg.cache_dtype_v or cfg.cache_dtype,
+                    rotate_k=CacheSpec(batch=1, kv_heads=1, head_dim=1, dtype=cfg.cache_dtype,
+                                       rotate_k=cfg.rotate_k).rotate_k)
     return {**settings, "tokens": int(nll.size), "ppl": float(np.exp(nll.mean())),
             "buckets": bucket_perplexity(nll, bucket), "seconds": round(seconds, 2),
             "tok_s": round(nll.size / seconds, 1)}
@@ -261,7 +251,7 @@ def run_args(args) -> int:
     path = resolve_model(opts.model, quiet=args.quiet)
     tf, tok, m = replace(opts, model=str(path)).load()
     ids = load_ids(args.file, tok, args.max_tokens, text=text)
-    r = perplexity(tf, ids, cache=opts.cache, window=opts.window_n, sinks=opts.sinks_n, positions=opts.positions,
+    r = perplexity(tf, ids, cache=opts.cache, window=opts.window, sinks=opts.sinks, positions=opts.positions,
                    chunk=opts.prefill_chunk, backend=opts.backend, bucket=args.bucket, cache_dtype=opts.k_dtype,
                    cache_dtype_v=opts.v_dtype, quantized_sinks=opts.quantized_sinks,
                    rotate_k=opts.rotate_k,

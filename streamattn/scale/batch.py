@@ -22,7 +22,8 @@ from streamattn.scale.jobs import BadLine, OutputFile, Progress, Request
 def load_generator(opts: ModelOptions):
     """Load the model of ``opts`` once: the Generator a worker decodes with."""
     tf, tok, _ = opts.load()
-    return opts.generator(tf, tok)
+    from streamattn.engine.generate import Generator
+    return Generator(tf, tok, opts.engine_config())
 
 
 def complete(gen, requests: list, opts: ModelOptions) -> list:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 # the choices of the flags every subcommand shares (a light module: no model code is imported);
 # tests/test_serve_engine.py checks POSITIONS against models.transformer's, WEIGHTS against the loader's
-from streamattn.engine.options import BACKENDS, CACHE_DTYPES, CACHE_MODES, POSITIONS, WEIGHTS
+from streamattn.engine.options import BACKENDS, CACHE_DTYPES, CACHE_MODES, DEFAULTS, POSITIONS, WEIGHTS, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class ServeConfig:
         Sequence slots: the batch of the engine's caches; at most this many requests decode at once.
     cache : {"full", "window", "sinks"}
     window, sinks : int or None, int
-        Window n_c (keys incl. the current one; default 256 for window/sinks) and sink tokens.
+        Window n_c (keys incl. the current one) and sink tokens; None: 256 and 4 where they apply.
     max_queue : int
         Requests that may wait for a slot; one more gets 429.
     prompt_cache_mb : float
@@ -64,24 +64,25 @@ class ServeConfig:
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    parallel: int = 4
-    cache: str = "full"
-    window: int | None = None
-    sinks: int = 4
-    max_queue: int = 64
-    prompt_cache_mb: float = 256.0
-    threads: int = 1
-    backend: str = "cpu"
+    parallel: int = 4                  # concurrent clients: one slot each (the engine's default is 1)
+    cache: str = DEFAULTS.cache
+    window: int | None = DEFAULTS.window
+    sinks: int | None = DEFAULTS.sinks
+    max_queue: int = DEFAULTS.max_queue
+    prompt_cache_mb: float = 256.0     # chat turns resend their history: reuse it (the engine's is off)
+    threads: int = 1                   # a server sets its count (the engine's None leaves it be)
+    backend: str = DEFAULTS.backend
+    # a prompt chunk stalls every running stream for one step: shorter than the engine's, for latency
     prefill_chunk: int = 32
-    cache_dtype: str = "float32"
-    cache_dtype_v: str | None = None
-    quantized_sinks: bool = False
-    rotate_k: bool | None = None
-    positions: str = "absolute"
+    cache_dtype: str = DEFAULTS.cache_dtype
+    cache_dtype_v: str | None = DEFAULTS.cache_dtype_v
+    quantized_sinks: bool = DEFAULTS.quantized_sinks
+    rotate_k: bool | None = DEFAULTS.rotate_k
+    positions: str = DEFAULTS.positions
     weights: str = "quant"
     model_id: str | None = None
-    speculative: str | None = None
-    draft_max: int = 8
+    speculative: str | None = DEFAULTS.speculative
+    draft_max: int = DEFAULTS.draft_max
     max_body_mb: float = 8.0
     debug_fail_text: str | None = None
 
@@ -101,8 +102,8 @@ class ServeConfig:
         else:
             need(self.window is None or (is_int(self.window) and self.window >= 1), "window",
                  "an integer >= 1, or None for the default 256")
-        need(is_int(self.sinks) and self.sinks >= (1 if self.cache == "sinks" else 0), "sinks",
-             "an integer >= 1 with cache='sinks' (>= 0 otherwise)")
+        need(self.sinks is None or (is_int(self.sinks) and self.sinks >= (1 if self.cache == "sinks" else 0)),
+             "sinks", "an integer >= 1 with cache='sinks' (>= 0 otherwise), or None for the default 4")
         need(is_int(self.max_queue) and self.max_queue >= 0, "max_queue", "an integer >= 0")
         need(isinstance(self.prompt_cache_mb, (int, float)) and not isinstance(self.prompt_cache_mb, bool)
              and self.prompt_cache_mb >= 0, "prompt_cache_mb", "a number >= 0 (0 turns the prompt cache off)")
@@ -127,20 +128,17 @@ class ServeConfig:
     @property
     def spec_params(self):
         """The requests' default :class:`~streamattn.engine.speculative.SpecParams` (None: no speculation)."""
-        from streamattn.engine.speculative import SpecParams
-        return SpecParams(draft_max=self.draft_max) if self.speculative else None
+        return self.engine_config.spec_params
 
     @property
-    def engine_config(self):
-        """The :class:`~streamattn.engine.core.EngineConfig` of the server's engine."""
-        from streamattn.engine.core import EngineConfig
-        window = self.window if self.window is not None or self.cache == "full" else 256
-        return EngineConfig(slots=self.parallel, cache=self.cache, window=window,
-                            sinks=self.sinks if self.cache == "sinks" else 0, cache_dtype=self.cache_dtype,
-                            cache_dtype_v=self.cache_dtype_v, quantized_sinks=self.quantized_sinks,
-                            rotate_k=self.rotate_k,
-                            backend=self.backend, prefill_chunk=self.prefill_chunk, positions=self.positions,
-                            max_queue=self.max_queue, prompt_cache_mb=self.prompt_cache_mb, threads=self.threads)
+    def engine_config(self) -> EngineConfig:
+        """The :class:`~streamattn.engine.options.EngineConfig` of the server's engine."""
+        return EngineConfig(slots=self.parallel, cache=self.cache, window=self.window, sinks=self.sinks,
+                            cache_dtype=self.cache_dtype, cache_dtype_v=self.cache_dtype_v,
+                            quantized_sinks=self.quantized_sinks, rotate_k=self.rotate_k, backend=self.backend,
+                            prefill_chunk=self.prefill_chunk, positions=self.positions, max_queue=self.max_queue,
+                            prompt_cache_mb=self.prompt_cache_mb, threads=self.threads,
+                            speculative=self.speculative, draft_max=self.draft_max)
 
     @property
     def cache_kwargs(self) -> dict:

@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args) -> ServeConfig:
     opts = ModelOptions.from_args(args)                    # the shared flags' checks and defaults
     return ServeConfig(model=args.model, model_id=args.model_id, host=args.host, port=args.port,
-                       parallel=args.parallel, cache=opts.cache, window=opts.window_n, sinks=opts.sinks_n or 4,
+                       parallel=args.parallel, cache=opts.cache, window=opts.window, sinks=opts.sinks,
                        max_queue=args.max_queue, prompt_cache_mb=args.prompt_cache_mb, threads=args.threads,
                        backend=args.backend, prefill_chunk=args.prefill_chunk, cache_dtype=opts.k_dtype,
                        cache_dtype_v=opts.v_dtype, quantized_sinks=opts.quantized_sinks,

@@ -1,0 +1,51 @@
+"""One set of defaults: every settings class (the command line's ModelOptions, the server's ServeConfig,
+Generator, token_losses) starts from EngineConfig's, and differs only where it says why."""
+
+import dataclasses
+
+import pytest
+
+from streamattn.engine.options import DEFAULTS, EngineConfig, ModelOptions
+from streamattn.serve.config import ServeConfig
+
+#: The stated overrides (each a commented line in its class) and the engine's own value.
+OVERRIDES = {ModelOptions: {"prefill_chunk": 256, "threads": 1},
+             ServeConfig: {"prefill_chunk": 32, "threads": 1, "prompt_cache_mb": 256.0}}
+
+
+@pytest.mark.parametrize("cls", [ModelOptions, ServeConfig])
+def test_shared_fields_take_the_engine_defaults_unless_overridden(cls):
+    engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    mine = {f.name: f.default for f in dataclasses.fields(cls) if f.name in engine}
+    assert len(mine) >= 12                                   # the cache, thread, chunk and speculation fields
+    differs = {k: v for k, v in mine.items() if v != engine[k]}
+    assert differs == OVERRIDES[cls]
+
+
+def test_the_server_and_the_command_line_build_the_engine_config_they_describe():
+    assert ServeConfig().engine_config == dataclasses.replace(DEFAULTS, slots=4, **OVERRIDES[ServeConfig])
+    opts = ModelOptions(cache="sinks", window=64, speculative="ngram", draft_max=3)
+    cfg = opts.engine_config(slots=2)
+    assert (cfg.slots, cfg.window_n, cfg.sinks_n, cfg.prefill_chunk, cfg.spec_params.draft_max) == (2, 64, 4, 256, 3)
+    assert cfg.cache_kwargs["sinks"] == 4 and opts.sinks_n == 4 and opts.window_n == 64
+
+
+def test_window_and_sinks_resolve_where_they_apply():
+    assert EngineConfig().window_n is None and EngineConfig().sinks_n == 0
+    assert EngineConfig(cache="window").window_n == 256 and EngineConfig(cache="window", sinks=9).sinks_n == 0
+    assert EngineConfig(cache="sinks", window=32, sinks=2).cache_kwargs["sinks"] == 2
+
+
+def test_generator_keywords_replace_the_config_fields():
+    from types import SimpleNamespace
+    from streamattn.engine.generate import Generator
+    seen = []
+    model = SimpleNamespace(new_caches=lambda **kw: seen.append(kw))
+    g = Generator(model, None, EngineConfig(cache="window", window=16), prefill_chunk=8)
+    assert g.config == EngineConfig(cache="window", window=16, prefill_chunk=8)
+    assert seen[-1]["window"] == 16 and seen[-1]["max_chunk"] == 8
+    assert Generator(model, None).config == DEFAULTS
+    with pytest.raises(ValueError, match=r"prefill_chunk must be an integer >= 1 \(got 0\)"):
+        Generator(model, None, prefill_chunk=0)
+    with pytest.raises(TypeError, match="chunk_size"):
+        Generator(model, None, chunk_size=8)
