@@ -38,11 +38,14 @@ def test_compiles_clean_without_spills(kind, arch):
 
 
 def test_every_backend_specialisation_is_checked():
-    """The compile check covers what the plan can request: (5 dtypes (q8_0, q4_0 included) + 6 pairs of K and
-    V apart) x 3 head_dims x 2 kinds x (plain, soft-capped) + 3 merges."""
+    """The compile check covers what the plans can request: (5 dtypes (q8_0, q4_0 included) + 6 pairs of K and
+    V apart) x 3 head_dims x 2 kinds x (plain, soft-capped) + 3 merges, and 7 GGUF types x 5 batch widths of
+    the packed gemv."""
     specs = gpu_source.all_specs()
-    assert len(specs) == len(set(specs)) == 135
+    assert len(specs) == len(set(specs)) == 135 + 35
     assert {"decode_q8_q4_hd64", "prefill_f16_q4_hd256_softcap", "decode_q4_f16_hd128"} <= set(specs)
+    assert {f"gemv_{t.lower()}_nb{nb}" for t in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+            for nb in (1, 2, 4, 8, 16)} <= set(specs)
     for dtype in ("float32", "float16", "uint16"):
         for hd in gpu_source.HEAD_DIMS:
             tag = gpu_source.storage_tag(dtype)

@@ -14,6 +14,7 @@ decode   ``sa_decode_split<K, HD, false, V>``  ``decode_q8_f16_hd128`` (K q8_0, 
 prefill  ``sa_prefill<KIND, HD>``              ``prefill_bf16_hd64``
 prefill  ``sa_prefill<KIND, HD, true>``        ``prefill_bf16_hd64_softcap``
 merge    ``sa_merge<HD>``                      ``merge_hd256``
+gemv     ``sa_gemv<TYPE, NB>``                 ``gemv_q4_k_nb4``
 ======== ===================================== ==============================
 
 KIND is the K/V storage dtype: 0 float32, 1 float16, 2 bfloat16 (uint16 bits), 3 q8_0 and 4 q4_0 (uint8
@@ -21,6 +22,8 @@ rows of GGUF blocks, tags ``q8`` / ``q4``, e.g. ``decode_q8_hd64``); HD is head_
 kinds take both tags, K's first (``prefill_f16_q4_hd64``), for the pairs in :data:`MIXED_PAIRS`.
 The ``_softcap`` variants soft-cap every score (Gemma-2); the plain ones are the same text without it
 (``if constexpr``), so models without a cap run exactly the kernels they ran before it existed.
+The gemv kernels (kernels/gemv_packed.cu) multiply a matrix held in a GGUF type of :data:`GEMV_TYPES`
+(TYPE: GGML's type id) by up to NB vectors of :data:`GEMV_BATCHES`.
 """
 from __future__ import annotations
 
@@ -35,7 +38,13 @@ QUANT_BLOCK_BYTES = {"q8": 34, "q4": 18}  # bytes per 32 values (streamattn.spec
 # (K, V) storage pairs of different kinds the kernels are instantiated for: a quantized side beside float16
 # or the other quantized kind (each pair is 12 more specialisations to compile and check)
 MIXED_PAIRS = (("f16", "q8"), ("f16", "q4"), ("q8", "f16"), ("q4", "f16"), ("q8", "q4"), ("q4", "q8"))
-SOURCES = {"decode": "decode.cu", "prefill": "prefill.cu", "merge": "merge.cu"}
+SOURCES = {"decode": "decode.cu", "prefill": "prefill.cu", "merge": "merge.cu", "gemv": "gemv_packed.cu"}
+# GGUF type -> (GGML type id: the gemv template's TYPE, values per block, bytes per block) (ggml-common.h;
+# gguf.constants.GGML_QUANT_SIZES holds the same sizes)
+GEMV_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
+              "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+GEMV_BATCHES = (1, 2, 4, 8, 16)  # NB: x vectors one gemv launch row multiplies (a batch takes the next one up)
+GEMV_THREADS = 128  # SA_GEMV_THREADS in kernels/gemv_packed.cu: 4 warps, one output row each
 # Options for every NVRTC compile (backend and compile check alike); the arch is added per device.
 NVRTC_OPTIONS = ("-std=c++17",)
 # What cupy.RawModule appends on its own (CuPy 13/14 compiler.py): the compile check adds these too, so
@@ -94,7 +103,7 @@ def source(kind: str) -> str:
 
     Parameters
     ----------
-    kind : {"decode", "prefill", "merge"}
+    kind : {"decode", "prefill", "merge", "gemv"}
 
     Returns
     -------
@@ -143,9 +152,21 @@ def spec_name(kind: str, head_dim: int, tag: str | None = None, *, softcap: bool
     return f"{kind}_{tags}_hd{head_dim}" + ("_softcap" if softcap else "")
 
 
+def gemv_name(gguf_type: str, nb: int) -> str:
+    """Readable name of the gemv kernel for a GGUF type of :data:`GEMV_TYPES` and NB of :data:`GEMV_BATCHES`,
+    e.g. ``gemv_q4_k_nb4``."""
+    if gguf_type not in GEMV_TYPES:
+        raise ValueError(f"the gemv kernels read GGUF types {', '.join(GEMV_TYPES)} (got {gguf_type!r})")
+    if nb not in GEMV_BATCHES:
+        raise ValueError(f"gemv batch width must be one of {GEMV_BATCHES} (got {nb!r})")
+    return f"gemv_{gguf_type.lower()}_nb{nb}"
+
+
 def name_expression(name: str) -> str:
     """C++ name expression (for NVRTC ``name_expressions``) of a readable specialisation name."""
     parts = name.split("_")
+    if parts[0] == "gemv":                                # gemv_q4_k_nb4 -> sa_gemv<12, 4>
+        return f"sa_gemv<{GEMV_TYPES['_'.join(parts[1:-1]).upper()][0]}, {int(parts[-1].removeprefix('nb'))}>"
     capped = parts[-1] == "softcap"
     head_dim = int(parts[-2 if capped else -1].removeprefix("hd"))
     if parts[0] == "merge":
@@ -163,7 +184,8 @@ def all_specs() -> list[str]:
              for tag in KV_KINDS for hd in HEAD_DIMS]
     mixed = [spec_name(kind, hd, k, softcap=cap, v_tag=v) for kind in ("decode", "prefill") for cap in (False, True)
              for k, v in MIXED_PAIRS for hd in HEAD_DIMS]
-    return names + [spec_name("merge", hd) for hd in HEAD_DIMS] + mixed
+    gemv = [gemv_name(t, nb) for t in GEMV_TYPES for nb in GEMV_BATCHES]
+    return names + [spec_name("merge", hd) for hd in HEAD_DIMS] + mixed + gemv
 
 
 def choose_splits(max_keys: int, blocks_per_split: int, sm_count: int) -> int:

@@ -3,7 +3,7 @@
 ``build`` writes the exact text the GPU backend compiles (streamattn.backends.gpu_source.source) next
 to a generated translation unit that includes it after cuda_emu.h, and compiles a shared library with
 g++. ``Emulator.attend`` then runs streamattn.backends.gpu_plan.attend_with, the GPU backend's own
-orchestration, with numpy arrays and this launcher.
+orchestration, with numpy arrays and this launcher (``Emulator.gemv``: gpu_gemv.gemv_with's).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streamattn.backends import gpu_plan, gpu_source
+from streamattn.backends import gpu_gemv, gpu_plan, gpu_source
 
 HERE = Path(__file__).resolve().parent
 CXX_FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing",
@@ -27,7 +27,7 @@ def have_compiler() -> bool:
 
 
 def build(out_dir: Path, *, sources: dict[str, str] | None = None, specs: list[str] | None = None,
-          extra_flags: tuple[str, ...] = ()) -> Path:
+          extra_flags: tuple[str, ...] = (), entries: dict[str, tuple[str, str]] | None = None) -> Path:
     """Compile the emulation library; return the path of the .so.
 
     Parameters
@@ -40,8 +40,11 @@ def build(out_dir: Path, *, sources: dict[str, str] | None = None, specs: list[s
         Specialisations to instantiate (readable names); default all.
     extra_flags : tuple of str
         More g++ flags, e.g. ``("-fsanitize=thread",)``.
+    entries : dict, optional
+        Launch name -> (kind, C++ name expression), instead of ``specs``: kernels of sources under kinds
+        of their own (several planted variants of one kernel in one build).
     """
-    unit = write_unit(out_dir, sources=sources, specs=specs)
+    unit = write_unit(out_dir, sources=sources, specs=specs, entries=entries)
     lib = out_dir / "libemu.so"
     cmd = ["g++", *CXX_FLAGS, *extra_flags, f"-I{HERE}", f"-I{out_dir}", str(unit), "-o", str(lib)]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -50,7 +53,8 @@ def build(out_dir: Path, *, sources: dict[str, str] | None = None, specs: list[s
     return lib
 
 
-def write_unit(out_dir: Path, *, sources: dict[str, str] | None = None, specs: list[str] | None = None) -> Path:
+def write_unit(out_dir: Path, *, sources: dict[str, str] | None = None, specs: list[str] | None = None,
+               entries: dict[str, tuple[str, str]] | None = None) -> Path:
     """Write the kernel texts and the translation unit that includes them; return the unit's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     sources = sources or {kind: gpu_source.source(kind) for kind in gpu_source.SOURCES}
@@ -61,8 +65,10 @@ def write_unit(out_dir: Path, *, sources: dict[str, str] | None = None, specs: l
         # every kernel sees its own copy of the shared header (a planted change stays in its kind).
         (out_dir / f"{kind}.cu").write_text(text)
         lines += [f"namespace sa_{kind} {{", "#undef STREAMATTN_COMMON_CUH", f'#include "{kind}.cu"', "}"]
-    rows = [f'        {{"{name}", emu::entry(&sa_{name.split("_")[0]}::{gpu_source.name_expression(name)})}},'
-            for name in specs if name.split("_")[0] in sources]
+    if entries is None:
+        entries = {name: (name.split("_")[0], gpu_source.name_expression(name)) for name in specs
+                   if name.split("_")[0] in sources}
+    rows = [f'        {{"{name}", emu::entry(&sa_{kind}::{expression})}},' for name, (kind, expression) in entries.items()]
     lines += ["const std::map<std::string, emu::Entry>& emu_table() {",
               "    static const std::map<std::string, emu::Entry> table = {", *rows, "    };",
               "    return table;", "}", ""]
@@ -72,7 +78,7 @@ def write_unit(out_dir: Path, *, sources: dict[str, str] | None = None, specs: l
 
 
 class Emulator:
-    """A loaded emulation library: ``launch`` runs one kernel, ``attend`` the whole backend plan."""
+    """A loaded emulation library: ``launch`` runs one kernel, ``attend`` and ``gemv`` the backend's plans."""
 
     def __init__(self, lib: Path, *, timeout_s: float = 60.0):
         self._lib = ctypes.CDLL(str(lib))
@@ -109,6 +115,10 @@ class Emulator:
         return gpu_plan.attend_with(np, self.launch, q, k, v, np.asarray(lengths), np.asarray(counts),
                                     window=window, sinks=sinks, scale=scale, sm_count=sm_count, splits=splits,
                                     q_sink=q_sink, softcap=softcap)
+
+    def gemv(self, weight, x, *, out=None):
+        """The GPU backend's packed gemv, emulated (same plan, same kernels)."""
+        return gpu_gemv.gemv_with(np, self.launch, weight, x, out=out)
 
 
 def build_tsan_program(out_dir: Path, *, sources: dict[str, str] | None = None) -> Path:

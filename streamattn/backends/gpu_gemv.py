@@ -1,0 +1,131 @@
+"""Launch plan of the packed GEMV kernels (kernels/gemv_packed.cu), with no CuPy import.
+
+A decode step multiplies each weight matrix by one activation row per sequence. :class:`GGUFMatrix` is a
+matrix as its GGUF file stores it: the type's blocks, row by row, the bytes unchanged (the loader's
+``GGUFFile`` tensors are views of exactly these bytes); the kernels dequantize them in registers, so a
+device holds the file's bytes and nothing wider. ``gemv_with`` runs on any array module ``xp`` through a
+``launch(name, grid, block, args)`` callable, as ``gpu_plan.attend_with`` does: CuPy on a device
+(``streamattn.backends.gpu.gemv``), numpy in the CPU emulation of the tests.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .gpu_source import GEMV_BATCHES, GEMV_THREADS, GEMV_TYPES, gemv_name
+
+
+@dataclass(frozen=True)
+class GGUFMatrix:
+    """A weight matrix ``[rows, cols]`` in its GGUF type's blocks (``y = W x`` multiplies by its rows).
+
+    Attributes
+    ----------
+    gguf_type : str
+        A type of ``gpu_source.GEMV_TYPES``: "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K".
+    shape : (rows, cols)
+        cols a multiple of the type's block (32 values; 256 for the K-quants).
+    blocks : array of uint8 [rows, cols / block values * block bytes]
+        The file's bytes, C-contiguous (numpy on the host, CuPy on a device).
+
+    Examples
+    --------
+    >>> from streamattn.gguf.reader import GGUFFile
+    >>> t = GGUFFile("SmolLM2-135M-Instruct.Q4_1.gguf").tensors[1]             # doctest: +SKIP
+    >>> w = GGUFMatrix.from_tensor(t)                                            # doctest: +SKIP
+    """
+
+    gguf_type: str
+    shape: tuple
+    blocks: object
+
+    def __post_init__(self):
+        if self.gguf_type not in GEMV_TYPES:
+            raise ValueError(f"gguf_type must be one of {', '.join(GEMV_TYPES)} for the gemv kernels "
+                             f"(got {self.gguf_type!r}); dequantize other types once at load")
+        if len(self.shape) != 2 or not all(isinstance(n, (int, np.integer)) and 1 <= n < 2**31 for n in self.shape):
+            raise ValueError(f"shape must be (rows, cols) of ints in 1 .. 2**31 - 1 (the kernels' int32 "
+                             f"arguments; got {self.shape!r})")
+        rows, cols = self.shape
+        _, values, nbytes = GEMV_TYPES[self.gguf_type]
+        if cols % values:
+            raise ValueError(f"cols of a {self.gguf_type} matrix must be a multiple of its {values}-value block "
+                             f"(got {cols})")
+        want = (rows, cols // values * nbytes)
+        dtype = getattr(self.blocks, "dtype", None)
+        if dtype is None or dtype.name != "uint8" or tuple(self.blocks.shape) != want:
+            raise ValueError(f"blocks of a {self.gguf_type} matrix {tuple(self.shape)} must be uint8 {want} (got "
+                             f"{getattr(dtype, 'name', type(self.blocks).__name__)} "
+                             f"{tuple(getattr(self.blocks, 'shape', ()))})")
+        if not self.blocks.flags.c_contiguous:
+            raise ValueError("blocks must be C-contiguous: the kernels address row r at r x row bytes")
+
+    @classmethod
+    def from_tensor(cls, tensor) -> "GGUFMatrix":
+        """The matrix of a 2-D tensor of ``streamattn.gguf.reader.GGUFFile`` (its ``data``: a view of the file's
+        bytes, [rows, row bytes]); ValueError for a type without a gemv kernel."""
+        cols, rows = (int(n) for n in tensor.shape)      # the file's dims: fastest-varying first
+        return cls(gguf_type=tensor.tensor_type.name, shape=(rows, cols), blocks=tensor.data)
+
+    def with_blocks(self, blocks) -> "GGUFMatrix":
+        """The same matrix over another copy of its bytes (e.g. ``cupy.asarray(w.blocks)``: the device's)."""
+        return GGUFMatrix(gguf_type=self.gguf_type, shape=self.shape, blocks=blocks)
+
+
+def _address(a) -> int:
+    interface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return int(interface["data"][0])
+
+
+def batch_width(batch: int) -> int:
+    """NB of the kernel a batch of ``batch`` vectors launches: the smallest of GEMV_BATCHES that holds it, at
+    most the largest (a larger batch takes ceil(batch / NB) launch rows, each reading the weight again)."""
+    return next((nb for nb in GEMV_BATCHES if nb >= batch), GEMV_BATCHES[-1])
+
+
+def gemv_with(xp, launch, weight: GGUFMatrix, x, *, out=None):
+    """``y = x @ W.T`` for a packed GGUF matrix, through ``launch``; see ``streamattn.backends.gpu.gemv``.
+
+    Parameters
+    ----------
+    xp : module
+        Array module of the arguments (cupy, or numpy for the emulation harness).
+    launch : callable
+        ``launch(name, grid, block, args)``: runs gemv specialisation ``name`` (gpu_source.gemv_name).
+    weight : GGUFMatrix
+        ``[rows, cols]``; its blocks start on a 16-byte boundary.
+    x : array float32 [cols] or [batch, cols], C-contiguous, 16-byte aligned
+    out : array float32 [batch, rows] (or [rows] for 1-D x), optional
+        Written in place and returned (a decode loop allocates it once).
+
+    Returns
+    -------
+    array float32 [batch, rows], or [rows] for 1-D x
+    """
+    if not isinstance(weight, GGUFMatrix):
+        raise TypeError(f"weight must be a GGUFMatrix (got {type(weight).__name__})")
+    rows, cols = weight.shape
+    if getattr(x, "ndim", None) not in (1, 2) or x.shape[-1] != cols:
+        raise ValueError(f"x must be [cols] or [batch, cols] with cols = {cols} (got shape "
+                         f"{tuple(getattr(x, 'shape', ()))})")
+    if x.dtype.name != "float32" or not x.flags.c_contiguous:
+        raise TypeError(f"x must be C-contiguous float32 (got {x.dtype}, contiguous={x.flags.c_contiguous})")
+    batch = 1 if x.ndim == 1 else x.shape[0]
+    if batch < 1:
+        raise ValueError("x must hold at least one vector (got batch 0)")
+    for name, arr in (("weight.blocks", weight.blocks), ("x", x)):
+        if _address(arr) % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary for the kernels' vector loads "
+                             f"(address {_address(arr):#x})")
+    shape = (rows,) if x.ndim == 1 else (batch, rows)
+    if out is None:
+        out = xp.empty(shape, dtype=xp.float32)
+    elif tuple(out.shape) != shape or out.dtype.name != "float32" or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32 {shape} (got {out.dtype} {tuple(out.shape)})")
+    nb = batch_width(batch)
+    i32 = np.int32
+    launch(gemv_name(weight.gguf_type, nb), (math.ceil(rows * 32 / GEMV_THREADS), math.ceil(batch / nb), 1),
+           (GEMV_THREADS, 1, 1), [weight.blocks, x, out, i32(rows), i32(cols), i32(batch)])
+    return out
