@@ -1,4 +1,5 @@
-"""The oracle tests of test_gpu_emu.py again, through real CuPy on a CUDA device (marker ``gpu``).
+"""The oracle tests of test_gpu_emu.py and test_gpu_gemv.py again, through real CuPy on a CUDA device (marker
+``gpu``).
 
 Skipped as a whole where CuPy sees no device: the CPU emulation runs the same kernel text there.
 """
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 import gpu_oracle as go
-from streamattn.backends import gpu, gpu_plan
+from streamattn.backends import gpu, gpu_gemv, gpu_plan
 
 if not gpu.available():
     pytest.skip("no CUDA device through CuPy (the emulation tests cover the same kernels)",
@@ -19,8 +20,11 @@ import cupy  # noqa: E402
 # Collected again here, with the device runner below in place of the emulator.
 from test_gpu_emu import (  # noqa: E402,F401
     test_cuda_kernels_emulated, test_cuda_kernels_emulated_k_and_v_apart, test_decode, test_every_padding_row,
-    test_float16_queries_and_many_empty_splits, test_gqa_groups, test_prefill_chunk,
+    test_float16_queries_and_many_empty_splits, test_gqa_groups, test_prefill_chunk, test_soft_capped_scores,
     test_streaming_chunks_through_the_ring,
+)
+from test_gpu_gemv import (  # noqa: E402,F401
+    test_gemv_matches_the_float64_oracle, test_one_vector_gives_one_row_and_every_width_agrees,
 )
 
 pytestmark = pytest.mark.gpu
@@ -44,6 +48,11 @@ class DeviceRunner:
                                         scale=scale, sm_count=gpu.sm_count(cupy.cuda.Device().id), splits=splits,
                                         q_sink=None if q_sink is None else cupy.asarray(q_sink), softcap=softcap)
         return out.get(), lse.get()
+
+    def gemv(self, weight, x, *, out=None):
+        y = gpu_gemv.gemv_with(cupy, self._launch, gpu.upload(weight), cupy.asarray(x),
+                               out=None if out is None else cupy.asarray(out))
+        return y.get()
 
 
 @pytest.fixture

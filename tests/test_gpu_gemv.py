@@ -1,12 +1,19 @@
 """The packed GEMV kernels (kernels/gemv_packed.cu) without a GPU: the CPU emulation of the exact source
 text against a float64 oracle over gguf-py's dequantization of the same bytes, planted bugs that the oracle
-must catch, and the launch plan's refusals.
+must catch, the launch plan's refusals, and the CuPy launcher through the fake CuPy. The oracle tests run
+again on a device (tests/test_gpu_device.py imports them).
 
 The NVRTC compile check of these kernels (sm_80, sm_90, 0 spills) is tests/test_gpu_nvrtc.py's, which
 compiles every kind of ``gpu_source.SOURCES``, gemv included.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +26,7 @@ from streamattn.backends import gpu_gemv, gpu_source
 from streamattn.backends.gpu_gemv import GGUFMatrix
 
 pytestmark = pytest.mark.skipif(not emu.have_compiler(), reason="g++ (C++20) is needed for the emulation harness")
+ROOT = Path(__file__).resolve().parent.parent
 TYPES = tuple(gpu_source.GEMV_TYPES)
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")     # gguf-py dequantizes these but has no quantizer for them
 
@@ -227,3 +235,37 @@ def test_refusals_name_the_argument():
         gpu_gemv.gemv_with(np, _no_launch, w, x, out=np.zeros((1, 4), np.float32))
     with pytest.raises(TypeError, match=r"weight must be a GGUFMatrix \(got ndarray\)"):
         gpu_gemv.gemv_with(np, _no_launch, np.zeros((4, 64), np.float32), x)
+
+
+def test_launcher_through_the_fake_cupy(tmp_path, library):
+    """streamattn.backends.gpu.upload + gemv, CuPy calls and all, on the fake CuPy over the emulation: the
+    result matches the oracle, out= is written in place, and host arrays are refused by name."""
+    rng = np.random.default_rng(6)
+    w = random_matrix(rng, "Q6_K", 9, 512)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    np.save(tmp_path / "blocks.npy", np.asarray(w.blocks))
+    np.save(tmp_path / "x.npy", x)
+    script = textwrap.dedent(f"""
+        import json
+        import cupy, numpy as np
+        from streamattn.backends import gpu
+        from streamattn.backends.gpu_gemv import GGUFMatrix
+        host = GGUFMatrix(gguf_type="Q6_K", shape=(9, 512), blocks=np.load({str(tmp_path / 'blocks.npy')!r}))
+        w = gpu.upload(host)
+        x = cupy.asarray(np.load({str(tmp_path / 'x.npy')!r}))
+        out = cupy.empty((2, 9), cupy.float32)
+        y = gpu.gemv(w, x, out=out)
+        try:
+            gpu.gemv(host, x)
+            refused = ""
+        except TypeError as err:
+            refused = str(err)
+        print(json.dumps(dict(y=y.get().tolist(), same=y is out, refused=refused)))
+        """)
+    env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(library), PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["same"] and error_ratio(np.array(result["y"], np.float32), w, x) <= 1.0
+    assert result["refused"].startswith("weight.blocks must be a cupy.ndarray on the device (got ndarray)")

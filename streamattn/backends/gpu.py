@@ -1,7 +1,8 @@
 """GPU backend: CuPy raw kernels compiled from the .cu files in kernels/.
 
 Same signature and results as the CPU backend. T == 1 runs the split-K flash-decoding kernel plus an
-exact (out, lse) merge; T > 1 runs the prefill-chunk kernel. Each specialisation (storage dtype x
+exact (out, lse) merge; T > 1 runs the prefill-chunk kernel. ``gemv`` multiplies a GGUF matrix kept in its
+file's blocks on the device (kernels/gemv_packed.cu; plan in gpu_gemv.py). Each specialisation (storage dtype x
 head_dim x kind, e.g. ``decode_f16_hd128``) is compiled once per process and device through
 ``cupy.RawModule(name_expressions=...)``. CuPy is imported lazily, so importing this module never
 needs it. The launch plan lives in gpu_plan.py and the sources in gpu_source.py; the CPU emulation
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from . import gpu_plan, gpu_source
+from . import gpu_gemv, gpu_plan, gpu_source
 
 
 def _cupy():
@@ -121,3 +122,40 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
     return gpu_plan.attend_with(cupy, _launch, q, k, v, lengths, counts, window=window, sinks=sinks,
                                 scale=scale, sm_count=sm_count(cupy.cuda.Device().id), splits=splits,
                                 q_sink=q_sink, softcap=softcap)
+
+
+def upload(weight: gpu_gemv.GGUFMatrix) -> gpu_gemv.GGUFMatrix:
+    """The matrix with its block bytes copied to the current device, unchanged (the file's size, no wider)."""
+    cupy = _cupy()
+    return weight.with_blocks(cupy.ascontiguousarray(cupy.asarray(weight.blocks)))
+
+
+def gemv(weight: gpu_gemv.GGUFMatrix, x, *, out=None):
+    """``y = x @ W.T`` on the GPU for a matrix kept in its GGUF type's blocks, dequantized in registers.
+
+    Parameters
+    ----------
+    weight : gpu_gemv.GGUFMatrix
+        ``[rows, cols]`` in a type of ``gpu_source.GEMV_TYPES``, its blocks a cupy.ndarray (:func:`upload`).
+    x : cupy.ndarray float32 [cols] or [batch, cols], C-contiguous
+        Up to 16 vectors share one read of the weight; a larger batch reads it once per 16.
+    out : cupy.ndarray float32 [batch, rows] (or [rows] for 1-D x), optional
+        Written in place and returned.
+
+    Returns
+    -------
+    cupy.ndarray float32 [batch, rows], or [rows] for 1-D x
+        Each entry a float32 sum over the row's dequantized weights (the kernels accumulate in float32).
+
+    Examples
+    --------
+    >>> w = upload(gpu_gemv.GGUFMatrix.from_tensor(tensor))      # doctest: +SKIP
+    >>> y = gemv(w, cupy.ones(w.shape[1], cupy.float32))         # doctest: +SKIP
+    """
+    cupy = _cupy()
+    arrays = (("weight.blocks", getattr(weight, "blocks", None)), ("x", x)) + ((("out", out),) if out is not None else ())
+    for name, arr in arrays:
+        if not isinstance(arr, cupy.ndarray):
+            raise TypeError(f"{name} must be a cupy.ndarray on the device (got {type(arr).__name__}); "
+                            "upload the weight once with gpu.upload")
+    return gpu_gemv.gemv_with(cupy, _launch, weight, x, out=out)
