@@ -1,35 +1,66 @@
 #!/usr/bin/env bash
-# GPU check: the oracle tests through real CuPy, then the decode bandwidth benchmark (table + JSON):
-# float16, bfloat16, q8_0 and q4_0 K/V, each kind's tok/s against float16's in the same run.
-# For a machine with an NVIDIA GPU and CuPy (+ pytest) preinstalled: no network, no pip installs,
-# nothing but this repository's files. The two steps stop at 200 s and 300 s (not yet run on a device).
-#   bash scripts/gpu_check.sh            # results in out/gpu_decode.json
+# GPU check: the oracle tests through real CuPy (attention, soft-capped attention and the packed gemv), then
+# the decode bandwidth benchmark (table + JSON): float16, bfloat16, q8_0 and q4_0 K/V, each kind's tok/s
+# against float16's in the same run.
+# For a machine with an NVIDIA GPU and CuPy, pytest and hypothesis preinstalled: no network, no pip installs,
+# nothing but this repository's files. Every step runs even when one before it failed; each step's exit
+# status and time go to one summary file, and the script exits non-zero when any step failed. The two steps
+# stop at 200 s and 300 s (not yet run on a device).
+#   bash scripts/gpu_check.sh            # results in out/: summary.txt, gpu_tests.xml, gpu_decode.json
 #   OUT=/some/dir bash scripts/gpu_check.sh
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
 start=$(date +%s)
+failed=0
+: > "$SUMMARY"
 
-python - <<'PY'
+note() { echo "gpu_check: $*"; echo "$*" >> "$SUMMARY"; }
+
+# step NAME COMMAND...: run it, record "NAME: ok|FAILED (exit N), S s" in the summary, keep going
+step() {
+    local name=$1 t0=$(date +%s) rc
+    shift
+    "$@"
+    rc=$?
+    if [ "$rc" -eq 0 ]; then note "$name: ok, $(( $(date +%s) - t0 )) s"
+    else note "$name: FAILED (exit $rc), $(( $(date +%s) - t0 )) s"; failed=1; fi
+}
+
+python - <<'PY' 2>&1 | tee -a "$SUMMARY"
 import sys
 from streamattn.backends import gpu
 if not gpu.available():
-    sys.exit("gpu_check: CuPy sees no CUDA device (or CuPy is missing); nothing to check here")
+    sys.exit("device: none (CuPy sees no CUDA device, or CuPy is missing); nothing to check here")
 import cupy
 props = cupy.cuda.runtime.getDeviceProperties(0)
-print("gpu_check:", props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+print("device:", props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
       "| CuPy", cupy.__version__, "| CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())
 PY
-python -c "import pytest" 2>/dev/null || { echo "gpu_check: pytest is not installed here" >&2; exit 2; }
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_check: summary in $SUMMARY" >&2; exit 2; }
 
-# 1. correctness on the device: the emulated oracle tests again (quantized K/V included), plus long caches
-#    with default splits
-timeout 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_device.py \
-    --junitxml "$OUT/gpu_tests.xml"
+missing=""
+for module in pytest hypothesis; do   # the oracle tests import hypothesis (tests/test_gpu_emu.py's property test)
+    python -c "import $module" 2>/dev/null || missing="$missing $module"
+done
+
+# 1. correctness on the device: the emulated oracle tests again (quantized K/V, soft-capping and the packed
+#    gemv included), plus long caches with default splits
+if [ -z "$missing" ]; then
+    step "oracle tests (tests/test_gpu_device.py)" timeout 200 python -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_gpu_device.py --junitxml "$OUT/gpu_tests.xml"
+else
+    note "oracle tests: FAILED (not run: missing Python modules:$missing)"
+    failed=1
+fi
 
 # 2. bandwidth: decode vs a D2D copy measured in the same run
-timeout 300 python benchmarks/gpu_decode.py --json "$OUT/gpu_decode.json" | tee "$OUT/gpu_decode.txt"
+bench() { timeout 300 python benchmarks/gpu_decode.py --json "$OUT/gpu_decode.json" | tee "$OUT/gpu_decode.txt"; }
+step "decode benchmark (benchmarks/gpu_decode.py)" bench
 
-echo "gpu_check: done in $(( $(date +%s) - start )) s; results in $OUT/"
+note "total: $(( $(date +%s) - start )) s; $([ "$failed" -eq 0 ] && echo "all steps ok" || echo "some step FAILED")"
+echo "gpu_check: summary in $SUMMARY; results in $OUT/"
+exit "$failed"

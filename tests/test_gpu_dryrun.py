@@ -52,3 +52,23 @@ def test_benchmark_runs_through_the_fake(fake_env, tmp_path):
     assert rows["q4_0"]["bytes"] * 64 == rows["float16"]["bytes"] * 18
     assert all(r["vs_float16"] > 0 for r in result["rows"] if r["dtype"] != "float16")
     assert "% copy" in done.stdout and "tok/s against float16" in done.stdout
+
+
+def test_gpu_check_keeps_going_and_writes_one_summary(tmp_path):
+    """scripts/gpu_check.sh on the fake device with every step failing (a `timeout` on PATH that exits 3 at
+    once): both steps still run, each is recorded FAILED in the one summary file, and the script exits 1."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "timeout").write_text("#!/bin/sh\necho \"ran: $*\"\nexit 3\n")
+    (shim / "timeout").chmod(0o755)
+    env = dict(os.environ, PATH=f"{shim}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               PYTHONPATH=str(ROOT / "tests" / "fake_cupy"))
+    done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "ran: 200 python -m pytest" in done.stdout and "ran: 300 python benchmarks/gpu_decode.py" in done.stdout
+    summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("device: fake GPU")
+    assert summary[1].startswith("oracle tests (tests/test_gpu_device.py): FAILED (exit 3)")
+    assert summary[2].startswith("decode benchmark (benchmarks/gpu_decode.py): FAILED (exit 3)")
+    assert summary[3].endswith("some step FAILED")
