@@ -13,10 +13,11 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from . import cpu_target
+from . import cpu_target, kernel_cache
 from .spec import BLOCK_BYTES, QBLOCK, QUANTIZED, row_width
 
 cpu_target.check()                 # float16 conversions need F16C (a clear error, not LLVM's abort)
+kernel_cache.register(__name__)    # (its kernels call only its own code)
 
 STORAGE_ALIGN = 64  # bytes: one cache line, one AVX-512 vector
 

@@ -28,13 +28,15 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .. import storage
-from ..kernel_cache import drop_when_changed, variant
+from .. import kernel_cache, storage
+from ..kernel_cache import variant
 from ..storage import write_rows
 from ..threads import serial_kernels
 from . import cpu_simd, cpu_tiles
 from .cpu_simd import row_max
 from .cpu_tiles import FASTMATH, KIND, accumulate, exp_tile, soft_cap, tile_sum, scores, tile_accumulate, tile_scores
+
+kernel_cache.register(__name__, depends_on=[cpu_simd, cpu_tiles, storage])   # write_attend calls write_rows
 
 PAGE = 2048           # keys per page: a work item's keys, merged by log-sum-exp (the module docstring)
 SUB = 512             # keys per tile inside a page: runs of K, then of V, of 128 KiB (float32, d = 64)
@@ -348,22 +350,3 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, k
     out, lse = attend_all(qs, qss, kb, vb, lengths, counts, window, sinks, KIND[kind], KIND[kind_v], cap,
                           serial_kernels())
     return out.astype(q.dtype, copy=False), lse
-
-
-def _drop_stale_kernels(kernels=None, source=None) -> None:
-    """Flush ``kernels`` (default: the cached kernels of this module and of cpu_tiles) once when
-    cpu_simd.py, cpu_tiles.py or storage.py (write_attend calls its write_rows) changed, or ``source``
-    (one path) does: :func:`streamattn.kernel_cache.drop_when_changed`."""
-    if kernels is None:
-        kernels = [f for mod in (globals(), vars(cpu_tiles)) for f in mod.values()
-                   if getattr(f, "_cache", None) is not None and hasattr(f._cache, "flush")]
-    files = [source] if source else [cpu_simd.__file__, cpu_tiles.__file__, storage.__file__]
-
-    def flush(_directory):
-        for f in kernels:
-            f._cache.flush()
-    drop_when_changed(files, "streamattn_cpu_simd.sha256", lambda: kernels[0]._cache._cache_path, flush)
-
-
-_drop_stale_kernels()
-

@@ -14,8 +14,12 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .. import kernel_cache, storage
 from ..storage import f16_to_f32
+from . import cpu_simd
 from .cpu_simd import I32, PV, QK, QK_KEYS, VF, W, const, bf16_to_f32
+
+kernel_cache.register(__name__, depends_on=[cpu_simd, storage])
 
 # Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
 # masked scores are -inf on purpose.

@@ -25,7 +25,11 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .. import kernel_cache
+from ..backends import cpu_simd
 from ..backends.cpu_simd import VF, W, c_arrays, load16, prefetch_line, Rows, const
+
+kernel_cache.register(__name__, depends_on=[cpu_simd])
 
 ROW = 64                    # floats per row of the vector readers' view of the buffer: four 16-lane loads
 

@@ -38,19 +38,23 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from streamattn import storage
-from streamattn.backends import cpu, cpu_simd, cpu_tiles
-from streamattn.kernel_cache import drop_when_changed, variant
+from streamattn import kernel_cache, storage
+from streamattn.backends import cpu
+from streamattn.kernel_cache import variant
 from streamattn.models import heads_kernel, layer
 from streamattn.models.heads_kernel import heads_rope_alloc, heads_rope_rows_parallel, rms_row
 from streamattn.models.layer import LayerWeights
-from streamattn.quant import activations, amx, kernels, matmul as qmatmul
+from streamattn.quant import matmul as qmatmul
 from streamattn.quant.matmul import GELU, NORM, PLAIN, SILU
 from streamattn import rotation
 from streamattn.rotation import rotate_rows
 from streamattn.spec import QUANTIZED
 from streamattn.storage import (EXPONENT_BITS, bits, first_not_finite, quantize_rows, quantize_rows_fed,
                                 recode_for_queries, write_rows)
+
+# The layer is compiled here, with this module's ops inlined into it: its cache files go with this module's.
+kernel_cache.register(__name__, depends_on=[cpu, heads_kernel, layer, qmatmul, rotation, storage],
+                      compiles=[layer.decoder_layer])
 
 
 #: The model's numbers: heads, eps (the drivers take it as a float, the heads kernel as float32), RoPE
@@ -395,22 +399,6 @@ def run_layer(x, w, at):
         x[:] = saved
         return False
     return True
-
-
-def _drop_stale() -> None:
-    """Numba keys a cache file on its function's own source file alone: run_layer's (the layer inlined) on
-    this module; drop it once when what it compiles in changes (layer.py, this module's ops, the kernels
-    they call: :func:`streamattn.kernel_cache.drop_when_changed`)."""
-    files = [m.__file__ for m in (layer, qmatmul, kernels, amx, activations, heads_kernel, cpu, cpu_simd,
-                                  cpu_tiles, storage, rotation)] + [__file__]
-
-    def delete(directory):                       # the layer, and this module's functions that link it in
-        for f in [*directory.glob("layer.decoder_layer-*.nb[ic]"), *directory.glob("compiled.*.nb[ic]")]:
-            f.unlink()
-    drop_when_changed(files, "streamattn_compiled_layer.sha256", lambda: compiled_layer._cache._cache_path, delete)
-
-
-_drop_stale()
 
 
 def _matrix(w, plan: qmatmul.KernelPlan):

@@ -15,6 +15,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from streamattn import kernel_cache
+
+kernel_cache.register(__name__)    # (its kernels call only its own code)
+
 NO_NORM = np.zeros((0, 1), np.float32)   # qk_norm=None: a norm table with no rows
 
 

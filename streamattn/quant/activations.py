@@ -11,7 +11,11 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from streamattn import kernel_cache
+from streamattn.backends import cpu_simd
 from streamattn.backends.cpu_simd import Rows, addr, c_arrays, llvm_fn, pow2
+
+kernel_cache.register(__name__, depends_on=[cpu_simd])
 
 
 @intrinsic

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from streamattn import cpu_target
+from streamattn import cpu_target, kernel_cache
 from streamattn.backends import cpu_simd
-from streamattn.kernel_cache import drop_when_changed, variant
+from streamattn.kernel_cache import variant
 from streamattn.quant import activations, kernels
 from streamattn.quant import amx as amx_kernels
 from streamattn.quant.activations import (glu_quantize_rows, glu_quantize_rows_parallel, norm_quantize_rows,  # noqa: F401
@@ -41,6 +41,8 @@ from streamattn.quant.activations import (glu_quantize_rows, glu_quantize_rows_p
 from streamattn.quant.kernels import LANES, LANES_VNNI, make_fdot_rows, make_qdot
 from streamattn.quant.weights import QWeight
 from streamattn.threads import many_threads
+
+kernel_cache.register(__name__, depends_on=[activations, amx_kernels, cpu_simd, kernels])   # the IR the drivers inline
 
 #: Activation rows per weight-block unpacking of the default :class:`KernelPlan` (measured: docs/PERF.md).
 #: Results do not depend on it.
@@ -108,18 +110,6 @@ def _check_amx(vnni: bool, lanes: int = 16) -> None:
         raise ValueError("amx=True needs AMX-INT8 with the OS's permission for the tile state, vnni=True and "
                          f"lanes=16 (this CPU and OS: AMX {'usable' if amx_kernels.AVAILABLE else 'unusable'}; "
                          f"vnni={vnni}, lanes={lanes})")
-
-
-def _drop_stale_cache() -> None:
-    """Delete this module's and activations' cache files once when what their cached code inlines or calls
-    changed (kernels.py, cpu_simd.py, activations.py, amx.py: :func:`streamattn.kernel_cache.drop_when_changed`).
-    The drivers are closures made on demand, so their files go by name rather than by dispatcher."""
-    def delete(directory):
-        for module in (__name__, activations.__name__):
-            for f in directory.glob(f"{module.rsplit('.', 1)[-1]}.*.nb[ic]"):
-                f.unlink()
-    drop_when_changed([m.__file__ for m in (kernels, cpu_simd, activations, amx_kernels)],
-                      "streamattn_qmatmul_kernels.sha256", lambda: quantize_rows._cache._cache_path, delete)
 
 
 @njit(cache=True)
@@ -263,7 +253,6 @@ def _fdrivers(kind: str, R: int):
     return _njit_drivers(loops, f"f_{kind}_{R}")
 
 
-_drop_stale_cache()
 _EMPTY = np.zeros((1, 1), np.float32)
 _EMPTY1 = np.zeros(1, np.float32)
 _NO_ACTS = (np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32),

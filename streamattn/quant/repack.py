@@ -18,6 +18,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from streamattn import kernel_cache
+
+kernel_cache.register(__name__)    # (its kernels call only its own code)
+
 #: float32 of every float16 bit pattern (numpy's exact widening, NaN payloads included).
 F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
