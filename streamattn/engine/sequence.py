@@ -96,6 +96,7 @@ class StopFilter:
     def __init__(self, stop: tuple):
         self.stop = tuple(s for s in stop if s)
         self.pending = ""
+        self.matched: str | None = None            # the stop string reached, once one is
 
     def push(self, piece: str) -> tuple:
         """(text safe to emit now, whether a stop string was reached)."""
@@ -103,6 +104,7 @@ class StopFilter:
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.pending = ""
+            self.matched = next(s for s in self.stop if text.find(s) == cut)
             return text[:cut], True
         hold = 0
         for s in self.stop:              # longest suffix of text that is a proper prefix of a stop string
@@ -125,8 +127,8 @@ def _prior_cost(k: int) -> float:
 
 @dataclass(frozen=True)
 class Event:
-    """Engine -> HTTP handler. kind "delta": ``text`` (+ ``logprobs`` entries); "done": ``finish`` and
-    ``usage``; "error": ``message`` and ``code`` ("grammar": the request's own grammar could not go on, a
+    """Engine -> HTTP handler. kind "delta": ``text`` (+ ``logprobs`` entries); "done": ``finish``,
+    ``usage`` and ``stop`` (the stop string that ended it, else None); "error": ``message`` and ``code`` ("grammar": the request's own grammar could not go on, a
     client error; "engine": anything else)."""
 
     kind: str
@@ -134,6 +136,7 @@ class Event:
     logprobs: tuple = ()
     finish: str | None = None
     usage: dict | None = None
+    stop: str | None = None
     message: str = ""
     code: str = "engine"
 
@@ -299,7 +302,7 @@ class Sequence:
 
     def finish(self, reason: str) -> None:
         self.finished, self.finish_reason = True, reason
-        self.emit(Event("done", finish=reason, usage=self.usage()))
+        self.emit(Event("done", finish=reason, usage=self.usage(), stop=self.stops.matched))
 
     def fail(self, message: str, code: str = "engine") -> None:
         self.finished, self.finish_reason = True, "error"

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -23,11 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from streamattn.serve.config import ServeConfig
-from streamattn.engine.core import Engine, QueueFull
+from streamattn.engine.core import Engine
 from streamattn.serve.metrics import Metrics
 from streamattn.serve.protocol import APIError, Reply, parse
-from streamattn.serve.structured import tool_calls
-from streamattn.engine.sequence import Sequence
+from streamattn.serve.relay import parsed, submit, total_usage
 
 
 class ServerState:
@@ -155,151 +154,47 @@ def build_app(config: ServeConfig) -> FastAPI:
     return app
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to pass ``limit`` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the request body is {declared} bytes; this server accepts at most {limit}",
-                       code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body is over {limit} bytes; this server accepts at most {limit}",
-                           code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def _complete(st: ServerState, request: Request, kind: str):
-    body = await _read_body(request, int(st.cfg.max_body_mb * (1 << 20)))
-    st.need_ready()
-    # parsing tokenizes the prompt, renders the chat template and compiles grammars: off the event loop,
-    # so that other clients (and /health) are answered meanwhile; each step is bounded (protocol.py,
-    # chat_template.py)
-    job, meta = await asyncio.to_thread(parse, body, kind, model_id=st.model_id, tok=st.tok, context=st.context,
-                                        fail_text=st.cfg.debug_fail_text, speculative=st.cfg.spec_params,
-                                        grammars=st.grammars)
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-
-    def emitter(i: int):
-        def emit(ev):                                # engine thread -> this request's event loop
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, (i, ev))
-            except RuntimeError:                     # the loop is closed: nobody listens any more
-                pass
-        return emit
-
-    seqs = []
-    for i in range(meta["n"]):                       # choice i samples with seed + i; later choices fork
-        seed = job.sampling.seed
-        j = job if i == 0 or seed is None else replace(job, sampling=replace(job.sampling, seed=seed + i))
-        seqs.append(Sequence(job=j, emit=emitter(i), tok=st.tok, leader=seqs[0] if i else None))
-    try:
-        for s in seqs:
-            st.engine.submit(s)
-    except QueueFull as e:
-        for s in seqs:
-            st.engine.cancel(s)
-        raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded") from None
+    job, meta = await parsed(st, request, partial(
+        parse, kind=kind, model_id=st.model_id, tok=st.tok, context=st.context, fail_text=st.cfg.debug_fail_text,
+        speculative=st.cfg.spec_params, grammars=st.grammars))
+    run = submit(st, request, job, meta)
     reply = Reply(meta, st.tok)
-    watcher = asyncio.create_task(_watch_disconnect(request, st.engine, seqs))
     if meta["stream"]:
-        return StreamingResponse(_sse(st, seqs, reply, events, watcher, meta),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_sse(run, reply, meta), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
     try:
-        n = len(seqs)
-        text, lps, done = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
-        while None in done:
-            i, ev = await events.get()
-            if ev.kind == "delta":
-                text[i].append(ev.text)
-                lps[i].extend(ev.logprobs)
-            elif ev.kind == "error":
-                raise _engine_error(ev)
-            else:
-                done[i] = ev
-        choices = []
-        for i in range(n):
-            t = "".join(text[i])
-            choices.append((t, tuple(lps[i]), done[i].finish, tool_calls(t, meta["calls"])))
-        return reply.whole(choices, _usage([ev.usage for ev in done]))
+        choices = await run.whole()
+        return reply.whole([(c.text, c.logprobs, c.finish, c.calls) for c in choices],
+                           total_usage([c.usage for c in choices]))
     finally:
-        watcher.cancel()
-        for s in seqs:
-            st.engine.cancel(s)                       # a no-op once finished
+        run.close()
 
 
-def _engine_error(ev) -> APIError:
-    """A sequence's error event as an API error: the request's own grammar that could not go on is the
-    client's (400, one line); anything else is the server's (500)."""
-    if ev.code == "grammar":
-        return APIError(400, ev.message, param="response_format", code="grammar_error")
-    return APIError(500, ev.message, type="server_error", code="engine_error")
-
-
-def _usage(usages: list) -> dict:
-    """One request's usage over its choices: the prompt once, every choice's completion tokens."""
-    u = dict(usages[0])
-    c = sum(x["completion_tokens"] for x in usages)
-    u.update(completion_tokens=c, total_tokens=u["prompt_tokens"] + c)
-    if "completion_tokens_details" in u:
-        u["completion_tokens_details"] = {k: sum(x["completion_tokens_details"][k] for x in usages)
-                                          for k in u["completion_tokens_details"]}
-    return u
-
-
-async def _sse(st, seqs, reply: Reply, events, watcher, meta: dict):
-    """The event stream of one request's choices. A choice that is (or, with tool_choice "auto", turns
-    out to be) a tool call is held until it ends and sent as one ``delta.tool_calls`` chunk."""
+async def _sse(run, reply: Reply, meta: dict):
+    """The event stream of one request's choices (``relay.Run.pieces``): a tool call is one
+    ``delta.tool_calls`` chunk."""
     def data(obj) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-    n, calls = len(seqs), meta["calls"]
-    held = [calls == "call"] * n                      # this choice's text is held back (a call)
-    text, usages, left = [""] * n, [None] * n, n
+    usages = [None] * meta["n"]
     try:
         if reply.kind == "chat":
-            for i in range(n):
+            for i in range(meta["n"]):
                 yield data(reply.chunk(first=True, index=i))
-        while left:
-            i, ev = await events.get()
-            if ev.kind == "delta":
-                before = text[i]
-                text[i] += ev.text
-                if calls == "auto" and not before.strip() and text[i].strip():
-                    held[i] = text[i].lstrip().startswith("{")     # its first character decides
-                    if not held[i]:
-                        yield data(reply.chunk(text[i], ev.logprobs, index=i))
-                        continue
-                if not held[i] and (ev.text or ev.logprobs) and (calls != "auto" or text[i].strip()):
-                    yield data(reply.chunk(ev.text, ev.logprobs, index=i))
-            elif ev.kind == "error":
-                yield data(_engine_error(ev).body())
+        async for p in run.pieces():
+            if p.kind == "text":
+                yield data(reply.chunk(p.text, p.logprobs, index=p.index))
+            elif p.kind == "calls":
+                yield data(reply.chunk(index=p.index, tool_calls=p.calls))
+            elif p.kind == "error":
+                yield data(p.error.body())
                 return
             else:
-                found = tool_calls(text[i], calls)
-                if found:
-                    yield data(reply.chunk(index=i, tool_calls=found))
-                elif held[i] or (calls == "auto" and not text[i].strip()):
-                    yield data(reply.chunk(text[i], index=i))      # not a call after all: its text
-                yield data(reply.chunk(finish="tool_calls" if found else ev.finish, index=i))
-                usages[i], left = ev.usage, left - 1
+                yield data(reply.chunk(finish=p.finish, index=p.index))
+                usages[p.index] = p.usage
         if meta["include_usage"]:
-            yield data(reply.usage_chunk(_usage(usages)))
+            yield data(reply.usage_chunk(total_usage(usages)))
         yield "data: [DONE]\n\n"
     finally:
-        watcher.cancel()
-        for s in seqs:
-            st.engine.cancel(s)
-
-
-async def _watch_disconnect(request: Request, engine: Engine, seqs: list) -> None:
-    """Cancel the request's sequences the moment the client's connection closes."""
-    while not all(s.finished for s in seqs):
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            for s in seqs:
-                engine.cancel(s)
-            return
+        run.close()

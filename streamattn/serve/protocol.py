@@ -48,6 +48,16 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def renamed(self, names: tuple) -> "APIError":
+        """The same error in another API's field names: each (regex, replacement) of ``names`` applied to
+        every dotted field path of ``param`` and the message (a request translated onto the chat one)."""
+        def sub(text: str) -> str:
+            for pattern, repl in names:
+                text = re.sub(r"(?<![\w.])" + pattern + r"(?![\w])", repl, text)
+            return text
+        return APIError(self.status, sub(self.message), type=self.type,
+                        param=None if self.param is None else sub(self.param), code=self.code)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
@@ -185,6 +195,8 @@ def _validation_error(e: ValidationError, obj) -> APIError:
     except (TypeError, ValueError, RecursionError):
         got = ""
     msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field: not part of this API, or not supported by this server"
     return APIError(400, one_line(f"{param}: {msg}{got}"), param=param, code=err["type"])
 
 
@@ -217,15 +229,15 @@ def loads_bounded(text: str, param: str):
 MAX_N = 8
 
 
-def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text: str | None = None,
-          speculative=None, grammars=None):
-    """Check a request body; return (Job, meta) or raise APIError (400/404).
+def parse(body: bytes, kind: str, **kw):
+    """Check a request body; return (Job, meta) or raise APIError (400/404): :func:`load_body`, then
+    :func:`parse_request` with the keywords ``kw``."""
+    return parse_request(load_body(body), kind, **kw)
 
-    ``kind`` is "chat" or "text"; ``meta`` holds model, stream, include_usage, kind and logprob settings.
-    ``speculative`` (a SpecParams or None) is the server's default; a request's ``speculative`` /
-    ``draft_max`` fields override it. ``grammars`` (an engine Grammars) compiles ``response_format`` and
-    tool-call grammars; meta["n"] is the number of choices, meta["calls"] how to read tool calls.
-    """
+
+def load_body(body: bytes) -> dict:
+    """The JSON object of a request body, nested at most MAX_DEPTH deep, with valid Unicode strings;
+    APIError 400 otherwise."""
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -237,10 +249,27 @@ def parse(body: bytes, kind: str, *, model_id: str, tok, context: int, fail_text
         raise APIError(400, f"the request body must be a JSON object (got {type(obj).__name__})",
                        code="invalid_type")
     _check_tree(obj)
+    return obj
+
+
+def check(model: type[BaseModel], obj: dict):
+    """``obj`` validated as ``model``; the most specific error as an APIError 400 naming the field."""
     try:
-        req = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(obj)
+        return model.model_validate(obj)
     except ValidationError as e:
         raise _validation_error(e, obj) from None
+
+
+def parse_request(obj: dict, kind: str, *, model_id: str, tok, context: int, fail_text: str | None = None,
+                  speculative=None, grammars=None):
+    """Check a request (a :func:`load_body` object); return (Job, meta) or raise APIError (400/404).
+
+    ``kind`` is "chat" or "text"; ``meta`` holds model, stream, include_usage, kind and logprob settings.
+    ``speculative`` (a SpecParams or None) is the server's default; a request's ``speculative`` /
+    ``draft_max`` fields override it. ``grammars`` (an engine Grammars) compiles ``response_format`` and
+    tool-call grammars; meta["n"] is the number of choices, meta["calls"] how to read tool calls.
+    """
+    req = check(ChatRequest if kind == "chat" else CompletionRequest, obj)
     _refuse_fields(obj, kind)
     if req.model != model_id:
         raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_id!r}",
