@@ -1,4 +1,5 @@
-"""FastAPI app: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+"""FastAPI app: /v1/chat/completions, /v1/completions, /v1/messages (+ count_tokens), /v1/models, /health,
+/metrics.
 
 HTTP handlers only check requests, queue them on the engine and relay its events (server-sent events for
 ``stream: true``: ``data: {json}\\n\\n`` ... ``data: [DONE]``). A watcher on each request's ASGI channel
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from streamattn.serve.anthropic import MessagesAPI
 from streamattn.serve.config import ServeConfig
 from streamattn.engine.core import Engine
 from streamattn.serve.metrics import Metrics
@@ -150,6 +152,10 @@ def build_app(config: ServeConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _complete(st, request, "text")
+
+    messages_api = MessagesAPI(st)                  # Anthropic's Messages API (serve/anthropic.py)
+    app.post("/v1/messages")(messages_api.create)
+    app.post("/v1/messages/count_tokens")(messages_api.count_tokens)
 
     return app
 
