@@ -1,5 +1,5 @@
-"""FastAPI app: /v1/chat/completions, /v1/completions, /v1/messages (+ count_tokens), /v1/models, /health,
-/metrics.
+"""FastAPI app: /v1/chat/completions, /v1/completions, /v1/messages (+ count_tokens), /v1/responses,
+/v1/models, /health, /metrics.
 
 HTTP handlers only check requests, queue them on the engine and relay its events (server-sent events for
 ``stream: true``: ``data: {json}\\n\\n`` ... ``data: [DONE]``). A watcher on each request's ASGI channel
@@ -29,6 +29,7 @@ from streamattn.engine.core import Engine
 from streamattn.serve.metrics import Metrics
 from streamattn.serve.protocol import APIError, Reply, parse
 from streamattn.serve.relay import parsed, submit, total_usage
+from streamattn.serve.responses import ResponsesAPI
 
 
 class ServerState:
@@ -156,6 +157,8 @@ def build_app(config: ServeConfig) -> FastAPI:
     messages_api = MessagesAPI(st)                  # Anthropic's Messages API (serve/anthropic.py)
     app.post("/v1/messages")(messages_api.create)
     app.post("/v1/messages/count_tokens")(messages_api.count_tokens)
+    responses_api = ResponsesAPI(st)                # OpenAI's Responses API (serve/responses.py)
+    app.post("/v1/responses")(responses_api.create)
 
     return app
 
