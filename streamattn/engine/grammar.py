@@ -28,6 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from streamattn import kernel_cache
+
+kernel_cache.register(__name__)    # (its mask kernel calls only its own code)
 
 MAX_MESSAGE = 300              # characters of a grammar error, on one line
 
