@@ -17,8 +17,9 @@ from streamattn.reference import attention
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def oracle_logits(m, tokens, *, user_window=None, sinks=0):
-    """float64 logits [T, vocab] of one sequence, recomputed from scratch."""
+def oracle_logits(m, tokens, *, user_window=None, sinks=0, hidden=False):
+    """float64 logits [T, vocab] of one sequence, recomputed from scratch (``hidden``: the final hidden
+    states [T, d] instead, after the output norm)."""
     c, W = m.config, {k: v.astype(np.float64) for k, v in m.weights.items()}
     T, hd, H, Hk = len(tokens), c.head_dim, c.n_heads, c.n_kv_heads
     norm = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + c.norm_eps) * w  # noqa: E731
@@ -79,7 +80,8 @@ def oracle_logits(m, tokens, *, user_window=None, sinks=0):
             f = norm(f, W[p + "post_ffw_norm.weight"])
         x = x + f
     out = W.get("output.weight", W["token_embd.weight"])
-    return norm(x, W["output_norm.weight"]) @ out.T
+    h = norm(x, W["output_norm.weight"])
+    return h if hidden else h @ out.T
 
 
 def stream_logits(tf, tokens, *, chunk, mode="full", window=None, sinks=0):
@@ -128,6 +130,33 @@ def test_more_architectures_stream_equal_to_full_recompute(tmp_path, arch, chunk
     got = stream_logits(tf, tokens, chunk=chunk, mode=mode, window=window, sinks=sinks)
     want = oracle_logits(m, tokens, user_window=window, sinks=sinks)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("weights", ["f32", "quant"])
+@pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen3", "phi3"])
+def test_hidden_states_equal_full_recompute(tmp_path, arch, weights):
+    """``hidden_states`` (embeddings' input): the oracle's final hidden states, whatever the chunk."""
+    path = write_tiny_gguf(tmp_path / "t.gguf", arch=arch, n_kv_heads=2 if arch != "gemma3" else 1)
+    m = load_gguf(path, weights="f32")
+    tf = Transformer(load_gguf(path, weights=weights))
+    tokens = np.random.default_rng(1).integers(0, m.config.vocab_size, 23)
+    got = tf.hidden_states(tokens, chunk=5)
+    want = oracle_logits(m, list(tokens), hidden=True)
+    assert got.shape == (23, m.config.d_model) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+    for chunk in (1, 23, 64):
+        np.testing.assert_allclose(tf.hidden_states(tokens, chunk=chunk), got, rtol=1e-5, atol=1e-5)
+
+
+def test_hidden_states_argument_errors(tmp_path):
+    tf = Transformer(load_gguf(write_tiny_gguf(tmp_path / "t.gguf")))
+    for bad in (np.array([[1, 2]]), np.array([], np.int64), np.array([1.0, 2.0])):
+        with pytest.raises(ValueError, match="tokens must be a non-empty 1-D array of token ids"):
+            tf.hidden_states(bad)
+    with pytest.raises(ValueError, match="token ids must be in 0..63"):
+        tf.hidden_states(np.array([1, 64]))
+    with pytest.raises(ValueError, match=r"chunk must be an integer >= 1 \(got 0\)"):
+        tf.hidden_states(np.array([1]), chunk=0)
 
 
 def test_ragged_batch_equals_single_sequences(tmp_path):

@@ -2,7 +2,8 @@
 caches.
 
 The model owns weights and arithmetic; it never touches cache slots. ``forward`` embeds the tokens, runs
-every layer, then the output norm and the logits. A layer is :func:`streamattn.models.layer.decoder_layer`,
+every layer, then the output norm and the logits (``hidden_states``: the same, on caches of its own,
+stopping after the norm: what embeddings pool). A layer is :func:`streamattn.models.layer.decoder_layer`,
 the one description of a block: run as array code (:class:`~streamattn.models.array_ops.ArrayOps`, on
 numpy or, once weights are moved with :meth:`Transformer.to`, CuPy), or on the CPU with packed integer
 weights as one compiled call of the same function (:mod:`streamattn.models.compiled`; the same bits).
@@ -40,7 +41,7 @@ from streamattn import storage
 from streamattn.arrays import to_host
 from streamattn.models import compiled
 from streamattn.models.architectures import ARCHITECTURES
-from streamattn.models.array_ops import ArrayOps, embed_rows, norm_linear
+from streamattn.models.array_ops import ArrayOps, embed_rows, norm_linear, rms_norm
 from streamattn.models.config import (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS, ROPE_LONG, ROPE_SHORT, ModelConfig,
                                       tensor_name)
 from streamattn.models.layer import LayerWeights, decoder_layer
@@ -418,6 +419,66 @@ class Transformer:
         -------
         logits : float32 [B, T, vocab] (or [B, vocab] with ``last_only``, [N, vocab] with ``logits_at``)
         """
+        x, cnt = self._layers(tokens, caches, counts=counts, backend=backend, attn_hook=attn_hook,
+                              positions=positions)                               # [B, T, d]
+        xp, c, B = self.xp, self.config, x.shape[0]
+        if last_only:
+            x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
+        elif logits_at is not None:
+            x = x[xp.asarray(logits_at[0]), xp.asarray(logits_at[1])]                   # [N, d]
+        with head_threads() if head_threads is not None else contextlib.nullcontext():
+            logits = norm_linear(xp, x, self.output_norm, c.norm_eps, self.output, self.matmuls)   # [..., vocab]
+        if c.final_softcap is not None:                     # gemma2: cap * tanh(logits / cap), in float32
+            cap = np.float32(c.final_softcap)
+            logits = xp.tanh(logits / cap) * cap
+        return logits
+
+    def hidden_states(self, tokens, *, chunk: int = 256, backend: str = "cpu"):
+        """The final hidden states of one sequence: every layer, then the output norm, and no output head
+        (what an embedding pools), run on caches made here for it alone and dropped after, so that no
+        other caller's state is touched.
+
+        Parameters
+        ----------
+        tokens : int array [T]
+            The sequence (T >= 1), fed from position 0.
+        chunk : int
+            Tokens per call of the layers (the caches' ``max_chunk``); the result depends on it at most by
+            float32 rounding (matmuls of another row count).
+        backend : str
+            Attention backend, as for :meth:`forward`.
+
+        Returns
+        -------
+        float32 [T, d_model], an array of this model's ``xp``
+
+        Raises
+        ------
+        ValueError
+            ``tokens`` not a non-empty 1-D integer array, an id outside the vocabulary, ``chunk`` < 1.
+
+        Examples
+        --------
+        >>> h = tf.hidden_states(np.array([1, 2, 3]))                   # doctest: +SKIP
+        >>> h.shape                                                      # (3, d_model)
+        """
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.size == 0 or tokens.dtype.kind not in "iu":
+            raise ValueError(f"tokens must be a non-empty 1-D array of token ids (got shape {tokens.shape}, "
+                             f"dtype {tokens.dtype})")
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+            raise ValueError(f"chunk must be an integer >= 1 (got {chunk!r})")
+        xp, c, T = self.xp, self.config, tokens.size
+        caches = self.new_caches(batch=1, max_chunk=min(chunk, T), max_len=T)
+        out = xp.empty((T, c.d_model), np.float32)                                      # [T, d]
+        for s in range(0, T, chunk):
+            x, _ = self._layers(tokens[None, s:s + chunk], caches, counts=None, backend=backend, attn_hook=None,
+                                positions="absolute")                                  # [1, t, d]
+            out[s:s + x.shape[1]] = rms_norm(xp, x[0], self.output_norm, c.norm_eps)
+        return out
+
+    def _layers(self, tokens, caches: list, *, counts, backend: str, attn_hook, positions: str):
+        """``forward`` up to the output head: (x float32 [B, T, d] after the last layer, cnt int [B])."""
         xp, c = self.xp, self.config
         tokens = np.asarray(tokens)
         if tokens.ndim != 2:
@@ -454,13 +515,4 @@ class Transformer:
                 if fast is not None and fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):
                     continue
                 decoder_layer(x, lw, ops.at_layer(i))
-        if last_only:
-            x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
-        elif logits_at is not None:
-            x = x[xp.asarray(logits_at[0]), xp.asarray(logits_at[1])]                   # [N, d]
-        with head_threads() if head_threads is not None else contextlib.nullcontext():
-            logits = norm_linear(xp, x, self.output_norm, c.norm_eps, self.output, self.matmuls)   # [..., vocab]
-        if c.final_softcap is not None:                     # gemma2: cap * tanh(logits / cap), in float32
-            cap = np.float32(c.final_softcap)
-            logits = xp.tanh(logits / cap) * cap
-        return logits
+        return x, cnt
