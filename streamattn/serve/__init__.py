@@ -5,7 +5,7 @@
 
 Modules: config (ServeConfig), protocol (OpenAI schemas and bodies), sequence (one request's state),
 engine (the batching loop), prompt_cache (token trie of saved states), metrics (Prometheus), app (routes),
-main (the CLI subcommand).
+embeddings and tokenize (/v1/embeddings, /tokenize, /detokenize), main (the CLI subcommand).
 """
 
 from streamattn.serve.config import ServeConfig

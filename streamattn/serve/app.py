@@ -1,5 +1,6 @@
 """FastAPI app: /v1/chat/completions, /v1/completions, /v1/messages (+ count_tokens), /v1/responses,
-/v1/models, /health, /metrics.
+/v1/models, /health, /metrics; /v1/embeddings, /tokenize and /detokenize (handled in embeddings.py and
+tokenize.py).
 
 HTTP handlers only check requests, queue them on the engine and relay its events (server-sent events for
 ``stream: true``: ``data: {json}\\n\\n`` ... ``data: [DONE]``). A watcher on each request's ASGI channel
@@ -25,10 +26,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from streamattn.serve.anthropic import MessagesAPI
 from streamattn.serve.config import ServeConfig
+from streamattn.serve.embeddings import Embedder, embeddings_route
+from streamattn.serve.tokenize import detokenize_route, tokenize_route
 from streamattn.engine.core import Engine
 from streamattn.serve.metrics import Metrics
 from streamattn.serve.protocol import APIError, Reply, parse
-from streamattn.serve.relay import parsed, submit, total_usage
+from streamattn.serve.relay import parsed, read_body, submit, total_usage
 from streamattn.serve.responses import ResponsesAPI
 
 
@@ -39,6 +42,7 @@ class ServerState:
         self.cfg = config
         self.metrics = Metrics()
         self.engine: Engine | None = None
+        self.embedder: Embedder | None = None     # /v1/embeddings' own thread
         self.tok = None
         self.grammars = None                     # the tokenizer's grammar compiler and cache
         self.model_id = config.model_id
@@ -72,6 +76,8 @@ class ServerState:
             self.context = int(m.config.context_length)
             self.model_id = self.model_id or Path(path).stem
             self.engine = Engine(tf, self.tok, self.cfg.engine_config, self.metrics).start()
+            self.embedder = Embedder(tf, pooling=self.cfg.pooling, threads=self.cfg.threads,
+                                     backend=self.cfg.backend, max_queue=self.cfg.max_queue)
             print(f"streamattn serve: {self.model_id} loaded in {time.perf_counter() - t0:.1f} s; "
                   f"{self.cfg.parallel} slots, cache {self.cfg.cache}", file=sys.stderr, flush=True)
             self.ready.set()
@@ -108,6 +114,8 @@ def build_app(config: ServeConfig) -> FastAPI:
     async def lifespan(app):
         threading.Thread(target=st.load, name="streamattn-load", daemon=True).start()
         yield
+        if st.embedder is not None:
+            st.embedder.close()
         if st.engine is not None:
             await asyncio.to_thread(st.engine.stop)
 
@@ -159,6 +167,21 @@ def build_app(config: ServeConfig) -> FastAPI:
     app.post("/v1/messages/count_tokens")(messages_api.count_tokens)
     responses_api = ResponsesAPI(st)                # OpenAI's Responses API (serve/responses.py)
     app.post("/v1/responses")(responses_api.create)
+
+    def limit() -> int:
+        return int(st.cfg.max_body_mb * (1 << 20))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await embeddings_route(st, request, await read_body(request, limit()))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await tokenize_route(st, await read_body(request, limit()))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await detokenize_route(st, await read_body(request, limit()))
 
     return app
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 # tests/test_serve_engine.py checks POSITIONS against models.transformer's, WEIGHTS against the loader's
 from streamattn.engine.options import BACKENDS, CACHE_DTYPES, CACHE_MODES, DEFAULTS, POSITIONS, WEIGHTS, EngineConfig
 
+#: How /v1/embeddings pools an input's final hidden states (llama-server's ``--pooling`` names).
+POOLINGS = ("mean", "last")
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -56,6 +59,9 @@ class ServeConfig:
         Drafted tokens per step at most (capped at ``prefill_chunk - 1``).
     max_body_mb : float
         Largest request body accepted, in MiB (a larger one is answered 413 before it is read whole).
+    pooling : {"mean", "last"}
+        /v1/embeddings: the mean of an input's final hidden states, or its last token's
+        (:mod:`streamattn.serve.embeddings`).
     debug_fail_text : str or None
         Testing aid: a request whose prompt text contains this string raises inside its engine step, to
         show that one request's failure stays its own.
@@ -84,6 +90,7 @@ class ServeConfig:
     speculative: str | None = DEFAULTS.speculative
     draft_max: int = DEFAULTS.draft_max
     max_body_mb: float = 8.0
+    pooling: str = "mean"
     debug_fail_text: str | None = None
 
     def __post_init__(self):
@@ -122,6 +129,7 @@ class ServeConfig:
         need(is_int(self.draft_max) and self.draft_max >= 1, "draft_max", "an integer >= 1")
         need(isinstance(self.max_body_mb, (int, float)) and not isinstance(self.max_body_mb, bool)
              and 0 < self.max_body_mb <= 1024, "max_body_mb", "a number in (0, 1024] (MiB)")
+        need(self.pooling in POOLINGS, "pooling", f"one of {POOLINGS}")
         need(self.debug_fail_text is None or (isinstance(self.debug_fail_text, str) and self.debug_fail_text),
              "debug_fail_text", "None or a non-empty string")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from streamattn.engine.options import ModelOptions, add_arguments as add_model_arguments
-from streamattn.serve.config import ServeConfig
+from streamattn.serve.config import POOLINGS, ServeConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_speculative_arguments(p)                           # the default of requests that do not say
     p.add_argument("--max-body-mb", type=float, default=d.max_body_mb,
                    help="largest request body accepted, MiB (larger: 413)")
+    p.add_argument("--pooling", choices=POOLINGS, default=d.pooling,
+                   help="how /v1/embeddings pools an input's final hidden states (default mean)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.add_argument("--debug-fail-text", default=None, help=argparse.SUPPRESS)
 
@@ -36,7 +38,7 @@ def config_from_args(args) -> ServeConfig:
                        cache_dtype_v=opts.v_dtype, quantized_sinks=opts.quantized_sinks,
                        rotate_k=opts.rotate_k,
                        positions=args.positions, weights=args.weights, speculative=args.speculative,
-                       draft_max=args.draft_max, max_body_mb=args.max_body_mb,
+                       draft_max=args.draft_max, max_body_mb=args.max_body_mb, pooling=args.pooling,
                        debug_fail_text=args.debug_fail_text)
 
 

@@ -414,6 +414,37 @@ def _check_tree(obj) -> None:
                 todo.append((v, depth + 1, path))
 
 
+def load_request(body: bytes, schema: type[BaseModel]):
+    """A request body as :func:`parse` reads one, for the endpoints beside the completions: JSON text of an
+    object, nested at most ``MAX_DEPTH`` deep, valid Unicode, then validated by the pydantic ``schema``.
+
+    Returns
+    -------
+    schema
+        The validated request.
+
+    Raises
+    ------
+    APIError
+        400 naming the field (its path in the body) and showing the value.
+    """
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests too deeply (at most {MAX_DEPTH} levels)",
+                       code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"the request body must be a JSON object (got {type(obj).__name__})",
+                       code="invalid_type")
+    _check_tree(obj)
+    try:
+        return schema.model_validate(obj)
+    except ValidationError as e:
+        raise _validation_error(e, obj) from None
+
+
 def _prompt_text(req, kind: str, tok, tools_message: str | None = None) -> str:
     if kind == "text":
         p = req.prompt
