@@ -80,6 +80,7 @@ def close(ours, theirs):
 
 
 # ------------------------------------------------------------------------------------------ embeddings
+@pytest.mark.peer
 def test_openai_embeddings_are_transformers_hidden_states_mean_pooled(client, hf_states):
     r = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
     assert r.object == "list" and r.model == MODEL and [d.index for d in r.data] == [0, 1, 2]
@@ -113,6 +114,7 @@ def test_token_id_inputs_and_dimensions(client):
     assert one.data[0].embedding == texts.data[1].embedding and len(one.data) == 1
 
 
+@pytest.mark.peer
 def test_last_pooling_is_the_last_hidden_state(hf_states):
     """``--pooling last``: the last token's hidden state, normalized (the Embedder the server runs)."""
     from streamattn.serve.embeddings import Embedder
