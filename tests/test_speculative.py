@@ -77,7 +77,8 @@ def engine(g, slots: int, prompt_cache=None):
     of one model and cache kind: its entries are batch-1 states) so that later runs skip most prefill."""
     from dataclasses import replace
     from streamattn.engine.core import Engine
-    e = Engine(g.model, g.tok, replace(g.config, slots=slots, prompt_cache_mb=PROMPT_CACHE_MB), isolate_failures=False)
+    e = Engine(g.model, g.tok, replace(g.config, slots=slots, prompt_cache_mb=PROMPT_CACHE_MB), isolate_failures=False,
+               step_costs=FreeRows())                  # drafts that do not depend on this host's load
     if prompt_cache is not None:
         e.prompt_cache = prompt_cache
     return e

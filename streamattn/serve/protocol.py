@@ -428,17 +428,7 @@ def load_request(body: bytes, schema: type[BaseModel]):
     APIError
         400 naming the field (its path in the body) and showing the value.
     """
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
-    except RecursionError:
-        raise APIError(400, f"the request body nests too deeply (at most {MAX_DEPTH} levels)",
-                       code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise APIError(400, f"the request body must be a JSON object (got {type(obj).__name__})",
-                       code="invalid_type")
-    _check_tree(obj)
+    obj = load_body(body)
     try:
         return schema.model_validate(obj)
     except ValidationError as e:
