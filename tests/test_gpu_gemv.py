@@ -269,3 +269,25 @@ def test_launcher_through_the_fake_cupy(tmp_path, library):
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["same"] and error_ratio(np.array(result["y"], np.float32), w, x) <= 1.0
     assert result["refused"].startswith("weight.blocks must be a cupy.ndarray on the device (got ndarray)")
+
+
+def test_the_loader_keeps_gemv_types_as_the_files_bytes(tmp_path):
+    """load_gguf(weights="gguf") (what --backend gpu loads): a matrix of a gemv type is a GGUFMatrix over
+    exactly the file's bytes, another stays float32; a block with a NaN scale is refused by name."""
+    from _model_util import write_tiny_gguf
+    from streamattn.files import ModelFileError
+    from streamattn.gguf.loader import load_gguf
+    from streamattn.gguf.reader import GGUFFile
+    kw = dict(arch="llama", n_layers=1, d_model=64, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=64, vocab=40,
+              quant={"attn_q": "Q8_0", "ffn_down": "Q4_1"})
+    path = write_tiny_gguf(tmp_path / "a.gguf", **kw)
+    m = load_gguf(path, weights="gguf")
+    file = {t.name: np.asarray(t.data) for t in GGUFFile(str(path)).tensors}
+    q, down = m.weights["blk.0.attn_q.weight"], m.weights["blk.0.ffn_down.weight"]
+    assert (q.gguf_type, q.shape, down.gguf_type) == ("Q8_0", (64, 64), "Q4_1")
+    assert np.array_equal(q.blocks, file["blk.0.attn_q.weight"]) and q.blocks.flags.c_contiguous
+    k = m.weights["blk.0.attn_k.weight"]
+    assert isinstance(k, np.ndarray) and k.dtype == np.float32 and k.shape == (64, 64)
+    bad = write_tiny_gguf(tmp_path / "b.gguf", nan_tensor="blk.0.attn_q.weight", **kw)
+    with pytest.raises(ModelFileError, match=r"tensor 'blk.0.attn_q.weight' holds NaN or inf"):
+        load_gguf(bad, weights="gguf")

@@ -81,3 +81,65 @@ def test_model_runs_k_and_v_apart_on_the_gpu_backend(tmp_path, emu_library, kv):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.split() == ["ok", "8"]
+
+
+PACKED_CHILD = r"""
+import sys
+import numpy as np
+import cupy
+for name in ("sqrt", "tanh", "concatenate", "arange", "zeros", "isfinite"):
+    if not hasattr(cupy, name):
+        setattr(cupy, name, (lambda f: lambda *a, **k: cupy.asarray(f(*a, **k)))(getattr(np, name)))
+sys.path.insert(0, "tests")
+from _model_util import write_tiny_gguf
+from streamattn.backends.gpu_gemv import GGUFMatrix
+from streamattn.gguf.loader import load_gguf
+from streamattn.models.transformer import Transformer
+
+types = dict(attn_q="Q4_K", attn_k="Q6_K", attn_v="Q8_0", attn_output="Q5_K", ffn_gate="Q4_0", ffn_up="Q4_1",
+             ffn_down="Q6_K", token_embd="Q5_0")
+path = write_tiny_gguf(sys.argv[1], arch="llama", n_layers=2, d_model=256, n_heads=2, n_kv_heads=1, head_dim=128,
+                       d_ff=256, vocab=48, quant=types, matrix_scale=0.05)
+gm = load_gguf(path, weights="gguf")
+packed = {n: w for n, w in gm.weights.items() if isinstance(w, GGUFMatrix)}
+assert {w.gguf_type for w in packed.values()} == set(types.values()), packed
+cpu, gpu = Transformer(load_gguf(path, weights="f32")), Transformer(gm).to(cupy)
+assert all(isinstance(w.blocks, cupy.ndarray) for w in (gpu.layers[0].wo, gpu.embed))
+parts = [gpu.embed] + [p for lw in gpu.layers for v in vars(lw).values()
+                        for p in (v if isinstance(v, tuple) else (v,))]       # row groups of mixed types: tuples
+held = sum(w.blocks.nbytes for w in parts if isinstance(w, GGUFMatrix))
+assert held == sum(w.blocks.nbytes for w in packed.values())          # the file's bytes, nothing wider
+cc, gc = cpu.new_caches(batch=1, max_chunk=5), gpu.new_caches(batch=1, max_chunk=5)
+ids = [3, 17, 5, 40, 9]
+worst, same = 0.0, 0
+a_ids, b_ids = list(ids), list(ids)
+feed_a, feed_b = np.array([ids]), np.array([ids])
+for step in range(int(sys.argv[2])):
+    a = cpu.forward(feed_a, cc, backend="cpu", last_only=True)[0]
+    b = gpu.forward(feed_b, gc, backend="gpu", last_only=True)[0]
+    b = b.get() if hasattr(b, "get") else b
+    worst = max(worst, float(np.abs(a - b).max() / np.abs(a).max()))
+    na, nb = int(a.argmax()), int(b.argmax())
+    same += na == nb
+    a_ids.append(na); b_ids.append(nb)
+    feed_a, feed_b = np.array([[na]]), np.array([[nb]])
+print("ok", same, worst, a_ids == b_ids)
+"""
+
+
+STEPS = 8
+
+
+def test_packed_model_on_the_gpu_backend_equals_the_cpu_f32_path(tmp_path, emu_library):
+    """A model loaded with weights="gguf" keeps its matrices as the file's blocks on the (fake) device, one
+    type per tensor kind (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), multiplied by the packed GEMV kernels
+    (float32 sums): its logits are the CPU path's over float32 dequantized weights within 1e-3 of their
+    largest, and greedy steps pick the same ids. (Eight steps: the emulation starts an OS thread per CUDA
+    thread, ~5 s a step here; scripts/gpu_check.sh runs 32 on a device.)"""
+    env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(emu_library),
+               PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
+    done = subprocess.run([sys.executable, "-c", PACKED_CHILD, str(tmp_path / "p.gguf"), str(STEPS)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    word, same, worst, equal = done.stdout.split()[-4:]
+    assert word == "ok" and int(same) == STEPS and equal == "True" and float(worst) <= 1e-3, done.stdout[-500:]

@@ -284,12 +284,19 @@ class ModelOptions:
                 raise ValueError("--backend gpu: no CUDA device is visible (or CuPy is not installed); use "
                                  "--backend cpu")
         set_threads(self.threads)
-        m = load_gguf(resolve_model(self.model, quiet=quiet), progress=progress, weights=self.weights)
+        m = load_gguf(resolve_model(self.model, quiet=quiet), progress=progress,
+                      weights=file_weights(self.weights, self.backend))
         tf = Transformer(m)
         if self.backend == "gpu":
             import cupy
             tf.to(cupy)
         return tf, Tokenizer.from_metadata(m.metadata), m
+
+
+def file_weights(weights: str, backend: str) -> str:
+    """``load_gguf``'s ``weights`` for a model run on ``backend``: on the GPU, packed matrices stay the
+    file's blocks ("gguf", read by the packed GEMV kernels) instead of the CPU kernels' layouts."""
+    return "gguf" if backend == "gpu" and weights == "quant" else weights
 
 
 def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int | None = None, chat: bool = True) -> None:

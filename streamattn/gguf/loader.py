@@ -22,6 +22,8 @@ import numpy as np
 import gguf.quants
 from gguf.constants import Keys
 
+from streamattn.backends.gpu_gemv import GGUFMatrix
+from streamattn.backends.gpu_source import GEMV_TYPES
 from streamattn.files import ModelFileError
 from streamattn.gguf.metadata import Metadata, check_tensor_names, read_metadata
 from streamattn.gguf.reader import GGUFFile
@@ -103,7 +105,7 @@ def open_container(path: str) -> GGUFFile:
                              "file is truncated or corrupt - re-download it") from e
 
 
-WEIGHT_KINDS = ("quant", "f32")
+WEIGHT_KINDS = ("quant", "f32", "gguf")
 
 
 def load_header(path: str) -> tuple:
@@ -123,10 +125,12 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
         The ``.gguf`` file.
     progress : callable(done, total, tensor_name), optional
         Called after each tensor is read.
-    weights : {"quant", "f32"}
+    weights : {"quant", "f32", "gguf"}
         "quant": matrices stay in their GGUF block formats (:class:`~streamattn.quant.weights.QWeight`;
         1-D tensors such as norms are float32); "f32": every tensor dequantized to float32 (the
-        reference path).
+        reference path); "gguf": the GPU's (``Transformer.to(cupy)``): matrices of a type the packed
+        GEMV kernels read (``gpu_source.GEMV_TYPES``) kept as the file's bytes
+        (:class:`~streamattn.backends.gpu_gemv.GGUFMatrix`, not fused), every other tensor float32.
     tokenizer : bool
         Refuse a file whose tokenizer :meth:`~streamattn.text.tokenizer.Tokenizer.from_metadata` would
         refuse (:meth:`~streamattn.text.tokenizer.Tokenizer.check_metadata`), before any tensor is read
@@ -185,7 +189,13 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     total = len(tensors)
     for i, (name, qtype, shape, data) in enumerate(tensors):
         floats_odd = qtype.name in ("F32", "F16", "BF16") and shape[0] % 16
-        if weights == "quant" and len(shape) == 2 and not floats_odd:      # odd float rows: kept float32
+        if weights == "gguf" and len(shape) == 2 and qtype.name in GEMV_TYPES:
+            w = GGUFMatrix(qtype.name, (shape[1], shape[0]), np.array(data, np.uint8, order="C", copy=True))
+            if not _finite_blocks(data, qtype):
+                raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf; the file is corrupt "
+                                     "- re-download it")
+            _drop_pages(file_map)
+        elif weights == "quant" and len(shape) == 2 and not floats_odd:      # odd float rows: kept float32
             try:
                 w = pack(name, qtype.name, data, (shape[1], shape[0]))
             except UnsupportedWeightType as e:
@@ -208,11 +218,17 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
             progress(i + 1, total, name)
     del tensors, file_map
     groups = [names for i in range(config.n_layers) for names in arch.layer_tensors(i).values()
-              if len(names) > 1 and len(out[names[0]].shape) == 2]
+              if len(names) > 1 and len(out[names[0]].shape) == 2 and weights != "gguf"]
     fused = fuse(out, groups)
     if weights == "quant":
         into_one_buffer(out, fused, order)
     return GGUFModel(path=path, config=config, weights=out, metadata=md, weights_kind=weights, fused=fused)
+
+
+def _finite_blocks(data, qtype, rows: int = 256) -> bool:
+    """Whether a quantized tensor's values are all finite, dequantized ``rows`` rows at a time (a bounded
+    float32 copy: an 8B model's output head whole would be 2 GB)."""
+    return all(np.isfinite(gguf.quants.dequantize(data[r:r + rows], qtype)).all() for r in range(0, len(data), rows))
 
 
 def _drop_pages(file_map) -> None:

@@ -2,7 +2,8 @@
 
 Written against an array module ``xp`` (numpy on the CPU; CuPy on the GPU once weights are moved with
 ``Transformer.to``). Weight matrices are float arrays or packed GGUF blocks
-(:class:`~streamattn.quant.weights.QWeight`); :func:`linear` and :func:`embed_rows` are the two
+(:class:`~streamattn.quant.weights.QWeight`; on the GPU, the file's own blocks,
+:class:`~streamattn.backends.gpu_gemv.GGUFMatrix`); :func:`linear` and :func:`embed_rows` are the two
 operations that look at which (on numpy, packed integer weights go to the fused kernels of
 :mod:`streamattn.quant.matmul`). :class:`ArrayOps` binds them to one forward call as the layer's ops.
 """
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import math
 
+import gguf
 import numpy as np
 
+from streamattn.backends.gpu_gemv import GGUFMatrix
 from streamattn.dispatch import append_attend   # attend() without re-checking what forward built
 from streamattn.models.heads_kernel import heads_rope_cpu
 from streamattn.models.rope import rope, rope_tables  # noqa: F401  (rope_tables: heads_rope's doctest)
@@ -27,6 +30,10 @@ def linear(xp, x, w, mm):
         return mm.plain(x, w)
     if isinstance(w, QWeight):
         return qmatmul.qmatmul(x, w, group_rows=mm.plan.rows, vnni=mm.plan.vnni)
+    if isinstance(w, GGUFMatrix):                # the file's blocks on the GPU: the packed GEMV kernels
+        from streamattn.backends import gpu
+        flat = xp.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=xp.float32)
+        return gpu.gemv(w, flat).reshape(*x.shape[:-1], w.shape[0])
     if isinstance(w, tuple):                     # row groups of different block kinds
         return xp.concatenate([linear(xp, x, p, mm) for p in w], axis=-1)
     return x @ w.T
@@ -55,9 +62,14 @@ def glu_linear(xp, gu, activation, w, mm):
 
 
 def embed_rows(xp, w, ids):
-    """Rows ``ids`` (int [n]) of an embedding table (float array or :class:`QWeight`) as float32 [n, d]."""
+    """Rows ``ids`` (int [n]) of an embedding table (float array, :class:`QWeight` or a GGUFMatrix, whose
+    rows' blocks are dequantized on the host) as float32 [n, d]."""
     if isinstance(w, QWeight):
         return w.rows(ids)
+    if isinstance(w, GGUFMatrix):
+        blocks = w.blocks[xp.asarray(ids)]
+        host = blocks.get() if hasattr(blocks, "get") else np.asarray(blocks)
+        return xp.asarray(gguf.quants.dequantize(host, gguf.GGMLQuantizationType[w.gguf_type]).astype(np.float32))
     return w[xp.asarray(ids)]
 
 

@@ -47,6 +47,7 @@ from streamattn.models.config import (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS
 from streamattn.models.layer import LayerWeights, decoder_layer
 from streamattn.models.rope import RopeTables, inverse_frequencies, rope_tables, yarn_divisors
 from streamattn.quant.matmul import KernelPlan, Matmuls
+from streamattn.backends.gpu_gemv import GGUFMatrix
 from streamattn.quant.weights import QWeight, concat_rows
 from streamattn.threads import serial_kernels, thread_count
 
@@ -62,6 +63,11 @@ POSITIONS = ("absolute", "cache")
 
 def _cat_rows(parts):
     """One weight holding the rows of ``parts`` in order (packed when their kinds agree, else a tuple)."""
+    if all(isinstance(p, GGUFMatrix) for p in parts) and len({p.gguf_type for p in parts}) == 1:
+        rows = sum(p.shape[0] for p in parts)
+        return GGUFMatrix(parts[0].gguf_type, (rows, parts[0].shape[1]), np.concatenate([p.blocks for p in parts]))
+    if any(isinstance(p, GGUFMatrix) for p in parts):
+        return tuple(parts)
     if all(isinstance(p, QWeight) for p in parts):
         return concat_rows(parts) or tuple(parts)
     if any(isinstance(p, QWeight) for p in parts):
@@ -105,7 +111,12 @@ def _rope_factors(c: ModelConfig, w: dict, context: int) -> tuple:
 
 
 def _to_device(xp, w):
-    """A weight as an ``xp`` array: packed blocks are dequantized to float32 (the GPU path's copy)."""
+    """A weight as an ``xp`` array: a GGUFMatrix keeps the file's bytes (the packed GEMV kernels read them),
+    other packed blocks are dequantized to float32."""
+    if isinstance(w, GGUFMatrix):
+        return w.with_blocks(xp.ascontiguousarray(xp.asarray(w.blocks)))
+    if isinstance(w, tuple) and any(isinstance(p, GGUFMatrix) for p in w):
+        return tuple(_to_device(xp, p) for p in w)
     if isinstance(w, QWeight):
         w = w.dequantize()
     elif isinstance(w, tuple):
@@ -174,8 +185,9 @@ class Transformer:
         return self._plan
 
     def to(self, xp):
-        """Move every weight array to array module ``xp`` (e.g. cupy); returns self. Packed weights are
-        dequantized to float32 on the way (the GPU has no packed kernels yet)."""
+        """Move every weight array to array module ``xp`` (e.g. cupy); returns self. Matrices loaded with
+        ``weights="gguf"`` keep the file's blocks (the packed GEMV kernels read them); other packed weights
+        are dequantized to float32 on the way."""
         def conv(w):
             return _to_device(xp, w)
         tied = self.output is self.embed

@@ -54,6 +54,7 @@ class ServerState:
         """Load the model and start the engine (runs in a thread; /health is 503 until it is done)."""
         try:
             from streamattn.gguf.hub import resolve_model
+            from streamattn.engine.options import file_weights
             from streamattn.gguf.loader import load_gguf
             from streamattn.text.tokenizer import Tokenizer
             from streamattn.models.transformer import Transformer
@@ -62,7 +63,7 @@ class ServerState:
             set_threads(self.cfg.threads)
             path = resolve_model(self.cfg.model, quiet=True)
             t0 = time.perf_counter()
-            m = load_gguf(path, weights=self.cfg.weights)
+            m = load_gguf(path, weights=file_weights(self.cfg.weights, self.cfg.backend))
             tf = Transformer(m)
             if self.cfg.backend == "gpu":
                 import cupy
