@@ -13,6 +13,18 @@ LSE_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2, "q8_0": 1e-4, "q4
 _GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
+def rel_err(got, ref, floor: float = 1e-30) -> float:
+    """The suite's error measure: max |got - ref| / max(max |ref|, floor), in float64 (compared on finite
+    entries; the non-finite ones, e.g. a mask's -inf, must sit in the same places, else inf)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if not np.array_equal(np.isfinite(got), np.isfinite(ref)):
+        return np.inf
+    fin = np.isfinite(ref)
+    if not fin.any():
+        return 0.0
+    return float(np.abs(got[fin] - ref[fin]).max() / max(np.abs(ref[fin]).max(), floor))
+
+
 def rotation(head_dim: int) -> np.ndarray:
     """The key rotation of a ``rotate_k`` cache, built apart from streamattn.rotation (scipy's Sylvester
     Hadamard): float64 [head_dim, head_dim], block diagonal, blocks of 32 and the tail's powers of two."""

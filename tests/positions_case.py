@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from oracle import rel_err
 from streamattn import CacheSpec, KVCache
 from streamattn.reference import attention_cache_positions, cache_position, rope
 
@@ -39,11 +40,6 @@ class PositionStream:
         ref = attention_cache_positions(q_raw, self.k_raw, self.v, pos, window=s.window, sinks=s.sinks,
                                         base=BASE)
         return q, q_sink.astype(np.float32)[None], ref
-
-
-def rel_err(got, want) -> float:
-    """max |got - want| / max |want|."""
-    return float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 def check_gpu_plan(runner, *, head_dim: int, C: int, wraps: int = 3) -> int:

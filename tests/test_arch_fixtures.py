@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from streamattn.gguf.loader import load_gguf
+from oracle import rel_err
 from streamattn.models.transformer import Transformer
 
 DATA = Path(__file__).parent / "data" / "arch"
@@ -37,6 +38,6 @@ def test_logits_on_the_converters_file_match_transformers(name, weights):
     ids = ref["ids"].tolist()
     caches = tf.new_caches(batch=1, max_chunk=16)
     got = np.concatenate([tf.forward(np.array([ids[s:s + 16]]), caches)[0] for s in range(0, len(ids), 16)])
-    err = float(np.abs(got - ref["logits"]).max() / np.abs(ref["logits"]).max())
+    err = rel_err(got, ref["logits"])
     print(f"\n{name} ({weights}): max rel err {err:.2e}")
     assert err <= 1e-3

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from _hf_gguf import hf_model, write_gguf
+from oracle import rel_err
 from streamattn.gguf.loader import load_gguf
 from streamattn.gguf.metadata import ModelFileError
 from streamattn.models.transformer import Transformer
@@ -79,10 +80,6 @@ def ours(tf, ids) -> np.ndarray:
     caches = tf.new_caches(batch=1, max_chunk=CHUNK)
     return np.concatenate([tf.forward(np.array([ids[s:s + CHUNK]]), caches)[0]
                            for s in range(0, len(ids), CHUNK)])                 # [T, vocab]
-
-
-def rel_err(a, b) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def test_float32_logits_match_transformers(case):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from _model_util import gemma_path, load, need_gemma, need_smollm2, smollm2_path
+from oracle import rel_err
 from streamattn.gguf.hub import sha256_file
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -53,7 +54,7 @@ def compare(name, path):
     theirs = np.concatenate([g["top_values"], g["fixed_values"]], axis=1)     # [P, 32 + F]
     cols = np.concatenate([g["top_ids"], np.broadcast_to(g["fixed_ids"], (len(ours), len(g["fixed_ids"])))], 1)
     got = np.take_along_axis(ours, cols, axis=1)
-    rel = float(np.abs(got - theirs).max() / np.abs(theirs).max())
+    rel = rel_err(got, theirs)
     clear = g["top_values"][:, 0] - g["top_values"][:, 1] > TOL * np.abs(theirs).max()
     top1 = ours.argmax(axis=1)
     print(f"\n{name}: {len(g['ids'])} tokens, positions {g['positions'].tolist()}, "

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from _model_util import gemma_path, load, smollm2_path
+from oracle import rel_err
 
 # heavy: two tests but ~70 s of work (HF's GGUF load and float32 forward of Gemma-3 past its window); handed
 # out with the long scopes first, not last among the short ones (docs/DESIGN.md §29: it ran last on one
@@ -68,7 +69,7 @@ def compare(path, prompt_ids, *, n_gen=12, chunk=16, min_positions=32):
         theirs = hf(torch.tensor([seq])).logits[0].float().numpy()
     ours = ours_logits(tf, seq, chunk)
     assert len(ours_greedy) >= n_gen, "the prompt must give at least n_gen tokens before EOS"
-    rel = float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+    rel = rel_err(ours, theirs)
     print(f"\n{os.path.basename(path)}: {len(seq)} positions, max|diff|/max|logit| = {rel:.2e}; "
           f"greedy ours {ours_greedy} hf {hf_greedy}")
     return rel, ours_greedy, hf_greedy, hf_tok, tok

@@ -7,7 +7,8 @@ import pytest
 
 from streamattn import CacheSpec, attend
 from streamattn.reference import TOLERANCE, attention_cache_positions, cache_position, rope
-from positions_case import PositionStream, check_gpu_plan, rel_err
+from oracle import rel_err
+from positions_case import PositionStream, check_gpu_plan
 from gpu_fixtures import runner  # noqa: F401  (fixture)
 
 
