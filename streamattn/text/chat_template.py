@@ -12,10 +12,14 @@ as Hugging Face does), and on top of that:
 
 Every failure (a syntax error, ``raise_exception`` from the template, a bound) is a ``ValueError`` whose
 message starts with ``chat template:``.
+
+``tojson`` is Hugging Face's, not jinja's: keys in their given order and ``<``, ``>``, ``&`` unescaped
+(``ensure_ascii`` false), so that tools and tool-call arguments render as the model saw them in training.
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 MAX_SECONDS = 2.0
@@ -174,6 +178,11 @@ def render(source: str, **context) -> str:
             raise TemplateError(f"chat template: lipsum(n={n!r}, max={max!r}) over {MAX_RANGE} words; refused")
         return jinja2.utils.generate_lorem_ipsum(n=n, html=html, min=min, max=max)
 
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Hugging Face's filter (transformers' chat template utilities): json.dumps as given
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
     def raise_exception(msg):
         raise TemplateError(f"chat template: {msg}")
 
@@ -187,6 +196,7 @@ def render(source: str, **context) -> str:
         return guarded
 
     env = Bounded(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = tojson
     env.filters = {k: guard(k, f) if k in _SIZE_FILTERS else f for k, f in env.filters.items()}
     env.globals.update(range=bounded_range, raise_exception=raise_exception, lipsum=bounded_lipsum,
                        __bounded_iter=bounded_iter, __bounded_concat=bounded_concat)

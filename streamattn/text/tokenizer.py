@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import json
 import numbers
 import re
 import secrets
@@ -273,48 +274,72 @@ class Tokenizer:
             return GEMMA_TEMPLATE
         return CHATML_TEMPLATE
 
-    def apply_chat(self, messages: list, *, add_generation_prompt: bool = True) -> "ChatText":
+    def apply_chat(self, messages: list, *, add_generation_prompt: bool = True, tools: list | None = None,
+                   context: dict | None = None) -> "ChatText":
         """Render chat ``messages`` ([{"role": ..., "content": ...}]) into the model's prompt text.
 
         Uses the file's jinja template when present and jinja2 is installed; otherwise the built-in
-        ChatML (SmolLM2) or Gemma turn format. The result is a :class:`ChatText`: a ``str`` that also
-        knows where each message's content lies, so that :meth:`encode` reads control-token strings
-        typed into a message (``<|im_end|>\\n<|im_start|>system``) as text, never as turn markers. If the
-        template changes a content that holds such a string (so its place cannot be found), the
+        ChatML (SmolLM2) or Gemma turn format. ``tools`` (JSON-like function definitions) and an
+        assistant message's ``tool_calls`` and ``reasoning_content`` go to the template as Hugging Face
+        passes them; ``context`` holds further template variables (``enable_thinking``). The result is
+        a :class:`ChatText`: a ``str`` that also knows where each client-given string lies (message
+        contents, reasoning, every key and value of tool-call arguments, of ``tools`` and of ``context``), so that
+        :meth:`encode` reads control-token strings typed into them (``<|im_end|>\\n<|im_start|>system``)
+        as text, never as turn markers, whether the template writes them as they are or as JSON
+        (``tojson``). If the template changes such a string (so its place cannot be found), the
         messages are refused with a ValueError naming the message and the token.
         """
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each message must be a dict with 'role' and 'content' (got {str(m)[:80]})")
-        text = self._render(messages, add_generation_prompt)
-        found = [(i, self.special_in(m["content"])) for i, m in enumerate(messages)
-                 if isinstance(m["content"], str)]
-        found = [(i, t) for i, t in found if t]
+        text = self._render(messages, add_generation_prompt, tools, context)
+        found = []                                  # (where, token) of each string holding a control token
+        for where, value in _client_strings(messages, tools, context):
+            t = self.special_in(value)
+            if t:
+                found.append((where, t))
         if not found:
             return ChatText(text)
+        where, t = found[0]
         if self.space_prefix:     # each piece would get its own "▁" (see encode): not the text's tokens
-            i, t = found[0]
-            raise ValueError(f"messages[{i}].content contains the control token {t!r}; keeping it as plain text "
+            raise ValueError(f"{where} contains the control token {t!r}; keeping it as plain text "
                              "is not implemented for a tokenizer that prefixes a space to each piece of text "
                              "(tokenizer.ggml.add_space_prefix); remove it")
         mark = "\ue000" + secrets.token_hex(8)       # unguessable: no content can forge a mark
-        marked = [{**m, "content": f"{mark}{i}\ue001"} if isinstance(m["content"], str) else m
-                  for i, m in enumerate(messages)]
-        pieces = re.split(re.escape(mark) + r"(\d+)\ue001", self._render(marked, add_generation_prompt))
+        strings: list = []
+
+        def marked(value):                          # a mark ends in "\n": written raw, or "\\n" by tojson
+            if isinstance(value, str):
+                if not self.special_in(value):
+                    return value
+                strings.append(value)
+                return f"{mark}{len(strings) - 1}\n\ue001"
+            if isinstance(value, dict):
+                return {marked(k): marked(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [marked(v) for v in value]
+            return value
+        msgs = [{k: marked(v) if k in _CLIENT_KEYS else v for k, v in m.items()} for m in messages]
+        pieces = re.split(re.escape(mark) + r"(\d+)(\n|\\n)\ue001",
+                          self._render(msgs, add_generation_prompt, marked(tools), marked(context)))
         parts = []
-        for j, piece in enumerate(pieces):
-            parts.append((piece, False) if j % 2 == 0 else (messages[int(piece)]["content"], True))
+        for j in range(0, len(pieces), 3):
+            parts.append((pieces[j], False))
+            if j + 2 < len(pieces):
+                s = strings[int(pieces[j + 1])]
+                parts.append((s if pieces[j + 2] == "\n" else json.dumps(s, ensure_ascii=False)[1:-1], True))
         if "".join(p for p, _ in parts) != text:
-            i, t = found[0]
-            raise ValueError(f"messages[{i}].content contains the control token {t!r}, and this chat template "
+            raise ValueError(f"{where} contains the control token {t!r}, and this chat template "
                              "changes message content, so it cannot be kept as plain text; remove it")
         return ChatText(text, tuple(p for p in parts if p[0]))
 
-    def _render(self, messages: list, add_generation_prompt: bool) -> str:
+    def _render(self, messages: list, add_generation_prompt: bool, tools=None, context=None) -> str:
         if self.chat_template:
             from streamattn.text.chat_template import render
+            extra = {**(context or {}), **({"tools": tools} if tools is not None else {})}
             try:
-                return render(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
+                return render(self.chat_template, **extra, messages=messages,
+                              add_generation_prompt=add_generation_prompt,
                               bos_token=self.hf.id_to_token(self.bos_id) or "",
                               eos_token=self.hf.id_to_token(self.eos_id) or "")
             except ImportError:   # no jinja2: the built-in formats below
@@ -541,6 +566,24 @@ class TooLong(ValueError):
     def __init__(self, msg: str, *, limit: int):
         super().__init__(msg)
         self.limit = limit
+
+
+_CLIENT_KEYS = ("content", "reasoning_content", "tool_calls")     # a message's client-given strings
+
+
+def _client_strings(messages: list, tools, context) -> list:
+    """(where, string) of every client-given string of a chat: message contents and reasoning, every key
+    and value of each message's tool calls, of ``tools`` and of the template variables ``context``."""
+    out, todo = [], [(f"messages[{i}].{k}", m[k]) for i, m in enumerate(messages) for k in _CLIENT_KEYS if k in m]
+    todo += [("tools", tools), ("context", list((context or {}).values()))]
+    for where, x in todo:                           # grows as it goes: breadth first, in the chat's order
+        if isinstance(x, str):
+            out.append((where, x))
+        elif isinstance(x, dict):
+            todo += [(where, k) for k in x] + [(f"{where}.{k}", v) for k, v in x.items()]
+        elif isinstance(x, list):
+            todo += [(f"{where}[{j}]", v) for j, v in enumerate(x)]
+    return out
 
 
 class ChatText(str):
