@@ -43,10 +43,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
-def url(request):
+def url(served):
     """The base URL of a SmolLM2 server run in this process (uvicorn in a thread on 127.0.0.1), one per
     module; the module's ``SERVER_CONFIG`` dict overrides :class:`ServeConfig` fields. Skips without the
     model or the serving extras."""
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def served(request):
+    """(base URL, ``app.ServerState``) of the module's in-process SmolLM2 server (see ``url``)."""
     from _model_util import smollm2_path
     httpx = pytest.importorskip("httpx")
     uvicorn = pytest.importorskip("uvicorn")
@@ -74,6 +80,6 @@ def url(request):
         time.sleep(0.3)
     else:
         raise RuntimeError("the in-process server did not become healthy in 600 s")
-    yield base
+    yield base, app.state.serve
     server.should_exit = True
     thread.join(30)

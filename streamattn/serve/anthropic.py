@@ -12,17 +12,23 @@ Anthropic                chat request
 ``text`` blocks          message content
 ``tool_use`` blocks      the assistant message's ``tool_calls`` (``input`` as the arguments)
 ``tool_result`` blocks   ``tool`` messages, before the user message's text
-``thinking`` blocks      dropped from the history (the model here has no reasoning mode)
+``thinking`` blocks      the assistant message's ``reasoning_content`` (templates that show it)
 ``tools``                function tools, ``input_schema`` as the parameters
 ``tool_choice``          ``auto``, ``any`` -> ``required``, ``tool`` -> a named function, ``none``
 ``stop_sequences``       ``stop``
 ``output_config.format`` ``response_format`` json_schema
+``thinking``             ``chat_template_kwargs.enable_thinking`` where the template reads it;
+                         ``enabled`` needs a template with reasoning markers, ``disabled`` one
+                         that reads ``enable_thinking`` or has none (else 400); ``budget_tokens``
+                         is accepted and not enforced
+``output_config.effort`` ``reasoning_effort``, where the template reads it (else 400)
 ``max_tokens``,          the same (``max_tokens`` required; temperature at most 1)
 ``temperature``,
 ``top_p``, ``top_k``
 =======================  ========================================================================
 
-``stop_reason``: ``tool_use`` (the output is a call), ``max_tokens``, ``stop_sequence`` (with
+The reply's think block comes back as a ``thinking`` block (signature empty) before its text and
+``tool_use`` blocks. ``stop_reason``: ``tool_use`` (the output has calls), ``max_tokens``, ``stop_sequence`` (with
 ``stop_sequence`` the string), else ``end_turn``. ``usage.input_tokens`` counts the prompt tokens that
 were not read from the prompt cache, ``cache_read_input_tokens`` those that were.
 """
@@ -37,6 +43,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from streamattn.serve.output import TemplateFacts, template_facts
 from streamattn.serve.protocol import MAX_STOP, NAME_PATTERN, APIError, check, load_body
 from streamattn.serve.relay import parse_chat, parsed, submit
 
@@ -101,7 +108,7 @@ class ToolDef(_Shape):
 class ToolChoice(_Shape):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
-    disable_parallel_tool_use: Optional[bool] = None   # ignored: one call per turn is all this server makes
+    disable_parallel_tool_use: Optional[bool] = None   # parallel_tool_calls false
 
     @model_validator(mode="after")
     def _name_with_tool(self):
@@ -171,6 +178,7 @@ _NAMES = (
     (r"response_format\.json_schema\.schema", "output_config.format.schema"),
     (r"response_format", "output_config.format"),
     (r"stop", "stop_sequences"),
+    (r"reasoning_effort", "output_config.effort"),
 )
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -183,15 +191,23 @@ def error_body(e: APIError) -> dict:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": msg}}
 
 
-def to_chat(req: CountTokensRequest) -> dict:
-    """The chat request (protocol.ChatRequest's form) that asks the model what ``req`` asks."""
-    if req.thinking is not None and req.thinking.type != "disabled":
-        raise APIError(400, f"thinking {{'type': {req.thinking.type!r}}}: this model's chat template has no "
+def to_chat(req: CountTokensRequest, facts: TemplateFacts = TemplateFacts()) -> dict:
+    """The chat request (protocol.ChatRequest's form) that asks the model what ``req`` asks, for a chat
+    template of ``facts`` (``output.template_facts``)."""
+    kwargs = {}
+    mode = req.thinking.type if req.thinking is not None else None
+    switch = "enable_thinking" in facts.reads
+    if mode in ("enabled", "adaptive", "between_tools") and facts.think is None:
+        raise APIError(400, f"thinking {{'type': {mode!r}}}: this model's chat template has no "
                        "reasoning mode this server can run; omit thinking or send {'type': 'disabled'}",
                        param="thinking", code="unsupported_value")
-    if req.output_config is not None and req.output_config.effort is not None:
-        raise APIError(400, f"output_config.effort={req.output_config.effort!r}: this model has no reasoning "
-                       "effort to set; omit it", param="output_config.effort", code="unsupported_value")
+    if mode == "disabled" and facts.think is not None and not switch:
+        raise APIError(400, "thinking {'type': 'disabled'}: this model's chat template always reasons and has "
+                       "no switch (enable_thinking) to turn it off; omit thinking", param="thinking",
+                       code="unsupported_value")
+    if mode is not None and switch:
+        kwargs["enable_thinking"] = mode != "disabled"
+    effort = req.output_config.effort if req.output_config is not None else None
     msgs = []
     if req.system:
         msgs.append({"role": "system", "content": _parts(req.system)})
@@ -213,6 +229,9 @@ def to_chat(req: CountTokensRequest) -> dict:
                                "would not continue it; end with a user message", param=where,
                                code="unsupported_value")
             msg = {"role": "assistant", "content": text}
+            thought = "".join(b.thinking for b in blocks if b.type == "thinking")
+            if thought:
+                msg["reasoning_content"] = thought
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                      for b in blocks if b.type == "tool_use"]
             msgs.append({**msg, "tool_calls": calls} if calls else msg)
@@ -235,6 +254,12 @@ def to_chat(req: CountTokensRequest) -> dict:
         c = req.tool_choice
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(c.type) or \
             {"type": "function", "function": {"name": c.name}}
+    if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
+        chat["parallel_tool_calls"] = False
+    if kwargs:
+        chat["chat_template_kwargs"] = kwargs
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     if req.output_config is not None and req.output_config.format is not None:
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": req.output_config.format.json_schema}}
@@ -261,7 +286,7 @@ def parse(st, body: bytes, model: type[CountTokensRequest]) -> tuple:
             raise APIError(400, why, param=name, code="unsupported_value")
     req = check(model, obj)
     try:
-        job, meta = parse_chat(st, to_chat(req))
+        job, meta = parse_chat(st, to_chat(req, template_facts(st.tok)))
     except APIError as e:
         raise e.renamed(_NAMES) from None
     return job, meta, req
@@ -298,8 +323,8 @@ class MessagesAPI:
             return JSONResponse(error_body(e.renamed(_NAMES)), status_code=e.status)
         finally:
             run.close()
-        blocks = _tool_uses(choice.calls) if choice.calls else \
-            [{"type": "text", "text": choice.text}] if choice.text else []
+        blocks = ([{"type": "thinking", "thinking": choice.reasoning, "signature": ""}] if choice.reasoning else []) \
+            + ([{"type": "text", "text": choice.text}] if choice.text else []) + _tool_uses(choice.calls or [])
         finish = "tool_calls" if choice.calls else choice.finish
         return {**out.head(), "content": blocks, **out.stopped(finish, choice.stop), "usage": out.usage(choice.usage)}
 
@@ -330,32 +355,44 @@ class _Reply:
         return {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
                 "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
+    @staticmethod
+    def _close(block: int, kind: str | None) -> list:
+        """The events that end the open block (a thinking block's empty signature first)."""
+        if kind is None:
+            return []
+        sig = [{"type": "content_block_delta", "index": block, "delta": {"type": "signature_delta", "signature": ""}}]
+        return (sig if kind == "thinking" else []) + [{"type": "content_block_stop", "index": block}]
+
     async def events(self, run):
-        """message_start, ping, then per content block content_block_start / _delta (text_delta or
-        input_json_delta) / _stop, then message_delta (stop_reason, usage) and message_stop; a failure
+        """message_start, ping, then per content block content_block_start / _delta (thinking_delta and
+        signature_delta, text_delta, or input_json_delta) / _stop, then message_delta (stop_reason, usage) and message_stop; a failure
         mid-way is an ``error`` event."""
         def event(obj: dict) -> str:
             return f"event: {obj['type']}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-        block = -1                                   # the index of the last block started
-        text_open = False
+        block, open_kind = -1, None                  # the last block started, and its kind while open
+        delta_of = {"text": "text_delta", "thinking": "thinking_delta"}
         try:
             yield event({"type": "message_start", "message": {
                 **self.head(), "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}})
             yield event({"type": "ping"})
             async for p in run.pieces():
-                if p.kind == "text" and p.text:
-                    if not text_open:
-                        block, text_open = block + 1, True
-                        yield event({"type": "content_block_start", "index": block,
-                                     "content_block": {"type": "text", "text": ""}})
+                kind = {"text": "text", "reasoning": "thinking"}.get(p.kind)
+                if kind is not None and p.text:
+                    if open_kind != kind:
+                        for e in self._close(block, open_kind):
+                            yield event(e)
+                        block, open_kind = block + 1, kind
+                        start = {"type": "text", "text": ""} if kind == "text" else \
+                            {"type": "thinking", "thinking": "", "signature": ""}
+                        yield event({"type": "content_block_start", "index": block, "content_block": start})
                     yield event({"type": "content_block_delta", "index": block,
-                                 "delta": {"type": "text_delta", "text": p.text}})
+                                 "delta": {"type": delta_of[kind], kind: p.text}})
                 elif p.kind == "calls":
-                    if text_open:
-                        yield event({"type": "content_block_stop", "index": block})
-                        text_open = False
+                    for e in self._close(block, open_kind):
+                        yield event(e)
+                    open_kind = None
                     for use in _tool_uses(p.calls):
                         block += 1
                         yield event({"type": "content_block_start", "index": block,
@@ -367,8 +404,8 @@ class _Reply:
                     yield event(error_body(p.error.renamed(_NAMES)))
                     return
                 elif p.kind == "done":
-                    if text_open:
-                        yield event({"type": "content_block_stop", "index": block})
+                    for e in self._close(block, open_kind):
+                        yield event(e)
                     u = self.usage(p.usage)
                     yield event({"type": "message_delta", "delta": self.stopped(p.finish, p.stop), "usage": u})
                     yield event({"type": "message_stop"})

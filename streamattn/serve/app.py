@@ -198,15 +198,15 @@ async def _complete(st: ServerState, request: Request, kind: str):
                                  headers={"Cache-Control": "no-cache"})
     try:
         choices = await run.whole()
-        return reply.whole([(c.text, c.logprobs, c.finish, c.calls) for c in choices],
+        return reply.whole([(c.text, c.logprobs, c.finish, c.calls, c.reasoning) for c in choices],
                            total_usage([c.usage for c in choices]))
     finally:
         run.close()
 
 
 async def _sse(run, reply: Reply, meta: dict):
-    """The event stream of one request's choices (``relay.Run.pieces``): a tool call is one
-    ``delta.tool_calls`` chunk."""
+    """The event stream of one request's choices (``relay.Run.pieces``): reasoning goes in
+    ``delta.reasoning_content``, and the calls of a reply in one ``delta.tool_calls`` chunk."""
     def data(obj) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -218,6 +218,8 @@ async def _sse(run, reply: Reply, meta: dict):
         async for p in run.pieces():
             if p.kind == "text":
                 yield data(reply.chunk(p.text, p.logprobs, index=p.index))
+            elif p.kind == "reasoning":
+                yield data(reply.chunk(index=p.index, reasoning=p.text))
             elif p.kind == "calls":
                 yield data(reply.chunk(index=p.index, tool_calls=p.calls))
             elif p.kind == "error":

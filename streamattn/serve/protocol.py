@@ -91,6 +91,7 @@ class Message(_Strict):
     content: Union[str, list, None] = None
     tool_calls: Optional[list[ToolCall]] = Field(None, max_length=MAX_CALLS)
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None         # an earlier reply's reasoning, for templates that show it
 
     @model_validator(mode="after")
     def _fields_of_its_role(self):
@@ -152,7 +153,9 @@ class ChatRequest(_Common):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[list[Tool]] = Field(None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
-    parallel_tool_calls: Optional[bool] = None      # accepted; one call per completion is made
+    parallel_tool_calls: Optional[bool] = None      # several calls in one reply (native templates; default true)
+    chat_template_kwargs: Optional[dict] = None     # extension (vLLM, llama.cpp): variables of the template
+    reasoning_effort: Optional[str] = Field(None, max_length=64)   # for a template that reads it
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -264,10 +267,11 @@ def parse_request(obj: dict, kind: str, *, model_id: str, tok, context: int, fai
                   speculative=None, grammars=None):
     """Check a request (a :func:`load_body` object); return (Job, meta) or raise APIError (400/404).
 
-    ``kind`` is "chat" or "text"; ``meta`` holds model, stream, include_usage, kind and logprob settings.
+    ``kind`` is "chat" or "text"; ``meta`` holds model, stream, include_usage, kind and logprob settings,
+    and ``read`` (an ``output.ReadSpec``: how to split the reply into reasoning, content and tool calls).
     ``speculative`` (a SpecParams or None) is the server's default; a request's ``speculative`` /
     ``draft_max`` fields override it. ``grammars`` (an engine Grammars) compiles ``response_format`` and
-    tool-call grammars; meta["n"] is the number of choices, meta["calls"] how to read tool calls.
+    tool-call grammars; meta["n"] is the number of choices.
     """
     req = check(ChatRequest if kind == "chat" else CompletionRequest, obj)
     _refuse_fields(obj, kind)
@@ -276,18 +280,28 @@ def parse_request(obj: dict, kind: str, *, model_id: str, tok, context: int, fai
                        param="model", code="model_not_found")
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be in 1..{MAX_N} (got {req.n})", param="n", code="invalid_value")
-    from streamattn.serve.structured import Plan, StructuredError, plan
+    from streamattn.serve.output import template_facts, think_mode
+    from streamattn.serve.structured import Plan, StructuredError, offer, plan
     try:
         if kind == "chat":
-            structured = plan(req, grammars)
+            facts = template_facts(tok)
+            offered = offer(req, facts)
+            variables = _template_context(req, facts)
         else:
             from streamattn.serve.structured import response_format_grammar
             structured = Plan(grammar=response_format_grammar(req.response_format, grammars))
+            offered, variables = structured, None
         bias = check_logit_bias(req.logit_bias, tok.vocab_size)
     except StructuredError as e:
         raise APIError(400, str(e), param=e.param, code="invalid_value") from None
     except ValueError as e:
         raise APIError(400, str(e), param="logit_bias", code="invalid_value") from None
+    text = _prompt_text(req, kind, tok, offered, variables)
+    if kind == "chat":
+        try:
+            structured = plan(req, grammars, facts, think_mode(facts, text))
+        except StructuredError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(req, name) not in (None, 0, 0.0):
             raise APIError(400, f"{name} is not supported (got {getattr(req, name)}); use repetition_penalty",
@@ -304,7 +318,6 @@ def parse_request(obj: dict, kind: str, *, model_id: str, tok, context: int, fai
     if req.speculative == "none" and req.draft_max is not None:
         raise APIError(400, f"draft_max={req.draft_max} with speculative 'none': nothing is drafted; drop "
                        "draft_max or ask for speculative 'ngram'", param="draft_max", code="invalid_value")
-    text = _prompt_text(req, kind, tok, structured.tools_message)
     if kind == "text" and isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
         ids = list(req.prompt)
         bad = [i for i in ids if not 0 <= i < tok.vocab_size]
@@ -360,7 +373,7 @@ def parse_request(obj: dict, kind: str, *, model_id: str, tok, context: int, fai
               top_logprobs=top, ignore_eos=req.ignore_eos, cache_prompt=req.cache_prompt,
               speculative=spec, grammar=structured.grammar, logit_bias=bias,
               fail=bool(fail_text) and fail_text in text)
-    meta = dict(kind=kind, model=model_id, stream=bool(req.stream), n=req.n or 1, calls=structured.calls,
+    meta = dict(kind=kind, model=model_id, stream=bool(req.stream), n=req.n or 1, read=structured.read,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))
     return job, meta
 
@@ -435,7 +448,31 @@ def load_request(body: bytes, schema: type[BaseModel]):
         raise _validation_error(e, obj) from None
 
 
-def _prompt_text(req, kind: str, tok, tools_message: str | None = None) -> str:
+#: Variables the server sets itself: a ``chat_template_kwargs`` key among them is refused.
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _template_context(req, facts) -> dict:
+    """The extra variables of the chat template: ``chat_template_kwargs``, and ``reasoning_effort`` where
+    the template reads it (a 400 naming it otherwise: it would change nothing)."""
+    context = dict(req.chat_template_kwargs or {})
+    for k in context:
+        if k in _TEMPLATE_OWN:
+            raise APIError(400, f"chat_template_kwargs.{k[:40]}: the server sets {k} itself; drop it",
+                           param=f"chat_template_kwargs.{k[:40]}", code="invalid_value")
+    if req.reasoning_effort is not None:
+        if "reasoning_effort" not in facts.reads:
+            raise APIError(400, f"reasoning_effort={req.reasoning_effort[:40]!r}: this model's chat template has "
+                           "no reasoning effort to set; omit it", param="reasoning_effort",
+                           code="unsupported_value")
+        context["reasoning_effort"] = req.reasoning_effort
+    return context
+
+
+def _prompt_text(req, kind: str, tok, offered=None, variables: dict | None = None) -> str:
+    """The prompt's text; for chat, the messages rendered by the template with the Plan ``offered``'s
+    functions (the template's ``tools`` where it renders them, else a system message), each earlier tool
+    call in the form the model was asked for, and the template variables ``variables``."""
     if kind == "text":
         p = req.prompt
         if isinstance(p, list):
@@ -446,6 +483,9 @@ def _prompt_text(req, kind: str, tok, tools_message: str | None = None) -> str:
                                code="unsupported_value")
             return ""
         return p
+    from streamattn.serve.output import template_facts
+    facts = template_facts(tok)
+    native = facts.syntax is not None
     msgs = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -457,19 +497,29 @@ def _prompt_text(req, kind: str, tok, tools_message: str | None = None) -> str:
                                    f"{json.dumps(part)[:80]})", param=f"messages.{i}.content", code="invalid_type")
                 parts.append(part["text"])
             content = "".join(parts)
-        if m.tool_calls:                          # every earlier call, in the form the model was asked for
-            calls = [json.dumps({"name": c.function.name, "arguments": loads_bounded(
-                c.function.arguments, f"messages.{i}.tool_calls.{k}.function.arguments")})
-                for k, c in enumerate(m.tool_calls)]
-            content = "\n".join(([content] if content else []) + calls)
-        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        msg = {"role": "system" if m.role == "developer" else m.role}
+        calls = [(c, loads_bounded(c.function.arguments, f"messages.{i}.tool_calls.{k}.function.arguments"))
+                 for k, c in enumerate(m.tool_calls or ())]
+        if calls and native:                     # the template writes them in the model's own syntax
+            msg["tool_calls"] = [{"id": c.id or f"call_{i}_{k}", "type": "function",
+                                  "function": {"name": c.function.name, "arguments": args}}
+                                 for k, (c, args) in enumerate(calls)]
+        elif calls:                              # every earlier call, in the form the model was asked for
+            content = "\n".join(([content] if content else []) + [
+                json.dumps({"name": c.function.name, "arguments": args}) for c, args in calls])
+        if m.tool_call_id is not None and native:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None and facts.think is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        msgs.append({**msg, "content": content or ""})
+    tools_message = offered.tools_message if offered is not None else None
     if tools_message:
         if msgs and msgs[0]["role"] == "system":
             msgs[0] = {"role": "system", "content": msgs[0]["content"] + "\n\n" + tools_message}
         else:
             msgs.insert(0, {"role": "system", "content": tools_message})
     try:
-        return tok.apply_chat(msgs)
+        return tok.apply_chat(msgs, tools=offered.tools if offered is not None else None, context=variables or None)
     except ValueError as e:
         raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
 
@@ -488,12 +538,15 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, text: str = "", logprobs: tuple = (), finish: str | None = None, *, first=False,
-              index: int = 0, tool_calls: list | None = None) -> dict:
+              index: int = 0, tool_calls: list | None = None, reasoning: str = "") -> dict:
         """One stream event's payload for choice ``index`` (``first``: the chat stream's opening role
-        delta; ``tool_calls``: a delta carrying whole calls, as OpenAI's ``delta.tool_calls``)."""
+        delta; ``tool_calls``: a delta carrying whole calls, as OpenAI's ``delta.tool_calls``;
+        ``reasoning``: a ``delta.reasoning_content``)."""
         if self.kind == "chat":
             if first:
                 delta = {"role": "assistant", "content": ""}
+            elif reasoning:
+                delta = {"reasoning_content": reasoning}
             elif tool_calls:
                 delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(tool_calls)]}
             else:
@@ -508,11 +561,15 @@ class Reply:
         return {**self._head(obj), "choices": [], "usage": usage}
 
     def whole(self, choices: list, usage: dict) -> dict:
-        """The non-streaming response; ``choices``: (text, logprobs, finish, tool_calls or None) each."""
+        """The non-streaming response; ``choices``: (text, logprobs, finish, tool_calls or None, reasoning)
+        each (chat: ``message.reasoning_content`` when the reply reasoned; content None when it is only
+        calls)."""
         out = []
-        for i, (text, logprobs, finish, calls) in enumerate(choices):
+        for i, (text, logprobs, finish, calls, reasoning) in enumerate(choices):
             if self.kind == "chat":
-                msg = {"role": "assistant", "content": None if calls else text}
+                msg = {"role": "assistant", "content": None if calls and not text else text}
+                if reasoning:
+                    msg["reasoning_content"] = reasoning
                 if calls:
                     msg["tool_calls"] = calls
                 out.append({"index": i, "message": msg, "logprobs": self.logprobs(logprobs),

@@ -6,17 +6,17 @@ Every API runs this one path: its module translates a request into the chat requ
 (``protocol.parse_request``), :func:`submit` queues it, and :meth:`Run.pieces` (streamed) or
 :meth:`Run.whole` give what the model produced:
 
-===========  ==============================================================================
-``"text"``   text the client may see now (``text``, ``logprobs``)
-``"calls"``  the choice is a tool call: ``calls``, OpenAI ``tool_calls`` entries, sent when it ends
-``"done"``   the choice ended: ``finish`` ("stop", "length", "tool_calls"), ``stop``, ``usage``
-``"error"``  the request failed: ``error``, an APIError; nothing follows
-===========  ==============================================================================
+===============  ==========================================================================
+``"reasoning"``  the reply's reasoning (its think block's text) the client may see now: ``text``
+``"text"``       content the client may see now (``text``, ``logprobs``)
+``"calls"``      the choice made tool calls: ``calls``, OpenAI ``tool_calls`` entries, sent when it ends
+``"done"``       the choice ended: ``finish`` ("stop", "length", "tool_calls"), ``stop``, ``usage``
+``"error"``      the request failed: ``error``, an APIError; nothing follows
+===============  ==========================================================================
 
-A call is held back until it ends, so that it is sent whole and parsed once: a choice with
-``meta["calls"] == "call"`` always, and under ``"auto"`` one whose first non-blank character is ``{``
-(which the tools grammar reserves for calls, ``serve/structured.py``); blank text before that first
-character is held too.
+Each choice's text goes through an ``output.Reader`` of ``meta["read"]``: reasoning is never content, and
+calls are held back until the reply ends, so that they are sent whole and parsed once (the grammar,
+``serve/structured.py``, makes their syntax certain).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from dataclasses import dataclass, replace
 from streamattn.engine.core import QueueFull
 from streamattn.engine.sequence import Sequence
 from streamattn.serve.protocol import APIError, parse_request
-from streamattn.serve.structured import tool_calls
+from streamattn.serve.output import Reader, read_whole
 
 
 @dataclass(frozen=True)
 class Piece:
     """One output event of choice ``index`` (the kinds are in the module's table)."""
 
-    kind: str
+    kind: str                                        # "reasoning" | "text" | "calls" | "done" | "error"
     index: int = 0
     text: str = ""
     logprobs: tuple = ()
@@ -48,7 +48,8 @@ class Piece:
 @dataclass(frozen=True)
 class Choice:
     """One finished choice of a request answered whole; ``finish`` is the engine's ("stop", "length"),
-    ``calls`` the tool calls it is (None: text)."""
+    ``text`` its content, ``calls`` the tool calls it made (None: none), ``reasoning`` its think block's
+    text."""
 
     text: str
     logprobs: tuple
@@ -56,6 +57,7 @@ class Choice:
     calls: list | None
     stop: str | None
     usage: dict
+    reasoning: str = ""
 
 
 async def read_body(request, limit: int) -> bytes:
@@ -117,7 +119,7 @@ def submit(st, request, job, meta: dict) -> "Run":
             st.engine.cancel(s)
         raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded") from None
     watcher = asyncio.create_task(_watch_disconnect(request, st.engine, seqs))
-    return Run(engine=st.engine, seqs=seqs, events=events, watcher=watcher, calls=meta["calls"])
+    return Run(engine=st.engine, seqs=seqs, events=events, watcher=watcher, read=meta["read"])
 
 
 @dataclass
@@ -129,39 +131,43 @@ class Run:
     seqs: list
     events: asyncio.Queue
     watcher: asyncio.Task
-    calls: str                                       # "none" | "auto" | "call": how to read tool calls
+    read: object                                     # output.ReadSpec: how to read each reply
 
     async def pieces(self):
         """The request's output as :class:`Piece` s, until every choice is done or one fails."""
         n = len(self.seqs)
-        held = [self.calls == "call"] * n            # this choice's text is held back (a call)
-        text, held_lp, left = [""] * n, [()] * n, n
+        readers = [Reader(self.read) for _ in range(n)]
+        lps, left = [()] * n, n                      # logprobs not yet sent with content
         while left:
             i, ev = await self.events.get()
             if ev.kind == "delta":
-                before = text[i]
-                text[i] += ev.text
-                if self.calls == "auto" and not before.strip():
-                    if not text[i].strip():          # blank so far: undecided
-                        held_lp[i] += ev.logprobs
-                        continue
-                    held[i] = text[i].lstrip().startswith("{")        # its first character decides
-                    if not held[i]:
-                        yield Piece("text", i, text[i], held_lp[i] + ev.logprobs)
-                    continue
-                if not held[i] and (ev.text or ev.logprobs):
-                    yield Piece("text", i, ev.text, ev.logprobs)
+                lps[i] += ev.logprobs
+                for p in self._pieces(i, readers[i].push(ev.text), lps):
+                    yield p
             elif ev.kind == "error":
                 yield Piece("error", i, error=engine_error(ev))
                 return
             else:
-                found = tool_calls(text[i], self.calls)
-                if found:
-                    yield Piece("calls", i, calls=found)
-                elif held[i] or (self.calls == "auto" and not text[i].strip()):
-                    yield Piece("text", i, text[i], held_lp[i])              # not a call after all
-                yield Piece("done", i, finish="tool_calls" if found else ev.finish, stop=ev.stop, usage=ev.usage)
+                more, calls = readers[i].end()
+                for p in self._pieces(i, more, lps):
+                    yield p
+                if lps[i]:
+                    yield Piece("text", i, "", lps[i])
+                if calls:
+                    yield Piece("calls", i, calls=calls)
+                yield Piece("done", i, finish="tool_calls" if calls else ev.finish, stop=ev.stop, usage=ev.usage)
                 left -= 1
+
+    @staticmethod
+    def _pieces(i: int, parts: list, lps: list) -> list:
+        out = []
+        for kind, text in parts:
+            if kind == "text":
+                out.append(Piece("text", i, text, lps[i]))
+                lps[i] = ()
+            else:
+                out.append(Piece("reasoning", i, text))
+        return out
 
     async def whole(self) -> list:
         """Every choice's :class:`Choice`, once all are done; an engine error raises its APIError."""
@@ -178,9 +184,9 @@ class Run:
                 done[i] = ev
         out = []
         for i, ev in enumerate(done):
-            t = "".join(text[i])
-            out.append(Choice(text=t, logprobs=tuple(lps[i]), finish=ev.finish, calls=tool_calls(t, self.calls),
-                              stop=ev.stop, usage=ev.usage))
+            reasoning, content, calls = read_whole("".join(text[i]), self.read)
+            out.append(Choice(text=content, logprobs=tuple(lps[i]), finish=ev.finish, calls=calls, stop=ev.stop,
+                              usage=ev.usage, reasoning=reasoning))
         return out
 
     def close(self) -> None:

@@ -13,12 +13,17 @@ Responses                       chat request
 ``message`` items               messages (``input_text`` / ``output_text`` parts as text parts)
 ``function_call`` items         the assistant message's ``tool_calls`` (consecutive calls: one message)
 ``function_call_output`` items  ``tool`` messages
-``reasoning`` items             dropped (the model here has no reasoning mode)
+``reasoning`` items             dropped (the templates drop earlier reasoning too)
+``reasoning.effort``            ``reasoning_effort``, where the template reads it (else 400)
 ``tools`` (function tools)      function tools; ``tool_choice`` the same choices
 ``text.format``                 ``response_format`` (``json_schema``, ``json_object``, ``text``)
 ``max_output_tokens``           ``max_tokens``
 ``previous_response_id``        that response's conversation, input and output, before ``input``
 ==============================  ====================================================================
+
+The reply's think block comes back as a ``reasoning`` output item (its text in ``content``, as
+``reasoning_text``; no summary), streamed as ``response.reasoning_text.delta`` events, before the message
+and the function calls.
 
 ``previous_response_id`` is served from :class:`ResponseStore`, in this process's memory: the last
 ``MAX_STORED`` responses (stored unless ``store`` is false), least recently used first out, and fewer when
@@ -139,13 +144,13 @@ class ResponsesRequest(_Shape):
     tools: Optional[list[FunctionTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedFunction, None] = \
         Field(None, union_mode="left_to_right")
-    parallel_tool_calls: Optional[bool] = None         # one call per response is all this server makes
+    parallel_tool_calls: Optional[bool] = None         # several calls per response (native templates)
     text: Optional[TextConfig] = None
     stream: Optional[bool] = None
     store: Optional[bool] = None
     previous_response_id: Optional[str] = None
     truncation: Optional[Literal["disabled"]] = None
-    reasoning: Optional[dict] = None                   # only without effort or summary (checked below)
+    reasoning: Optional[dict] = None                   # effort only (checked below)
     include: Optional[list[str]] = None                # checked below
     metadata: Optional[dict] = None                    # the rest: accepted, ignored (none changes the output)
     user: Optional[str] = None
@@ -163,10 +168,10 @@ _REFUSED = {
     "prompt": "prompt (a stored prompt template) is not supported by this server; send instructions and input",
     "context_management": "context_management is not supported: the whole conversation is the prompt",
     "top_logprobs": "top_logprobs is not supported on /v1/responses; use /v1/chat/completions with logprobs",
-    "max_tool_calls": "max_tool_calls is not supported (each response makes at most one call)",
+    "max_tool_calls": "max_tool_calls is not supported: send parallel_tool_calls false for one call at most",
 }
 
-#: ``include`` values that change nothing here (there is no reasoning to include).
+#: ``include`` values that change nothing here (reasoning is never encrypted: its text is in the item).
 _INCLUDABLE = ("reasoning.encrypted_content",)
 
 #: The chat request's field names in errors, as this API names them.
@@ -179,6 +184,7 @@ _NAMES = (
     (r"response_format", "text.format"),
     (r"max_tokens", "max_output_tokens"),
     (r"messages", "input"),
+    (r"reasoning_effort", "reasoning.effort"),
 )
 
 
@@ -229,10 +235,13 @@ def _check(obj: dict) -> ResponsesRequest:
                        "here, never cut; send 'disabled' or leave it out", param="truncation",
                        code="unsupported_value")
     req = check(ResponsesRequest, obj)
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise APIError(400, f"reasoning {json.dumps(req.reasoning)[:80]}: this model's chat template has no "
-                       "reasoning mode this server can run; omit reasoning", param="reasoning",
-                       code="unsupported_value")
+    for k, v in (req.reasoning or {}).items():
+        if k == "effort" and (v is None or isinstance(v, str)):
+            continue
+        if v is not None:
+            raise APIError(400, f"reasoning.{k[:40]}: {json.dumps(v)[:80]} is not supported (no reasoning summaries "
+                           "here; only reasoning.effort, for templates that read it)", param=f"reasoning.{k[:40]}",
+                           code="unsupported_value")
     for i, name in enumerate(req.include or ()):
         if name not in _INCLUDABLE:
             raise APIError(400, f"include.{i}: {name!r} is not supported (only {', '.join(_INCLUDABLE)})",
@@ -286,6 +295,10 @@ def to_chat(req: ResponsesRequest, history: list) -> dict:
             chat["response_format"] = {"type": "json_schema", "json_schema": spec}
         else:
             chat["response_format"] = {"type": fmt.type}
+    if (req.reasoning or {}).get("effort") is not None:
+        chat["reasoning_effort"] = req.reasoning["effort"]
+    if req.parallel_tool_calls is not None:
+        chat["parallel_tool_calls"] = req.parallel_tool_calls
     chat.update({k: v for k, v in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
                                    ("top_p", req.top_p), ("stream", req.stream)) if v is not None})
     return chat
@@ -335,8 +348,11 @@ class ResponsesAPI:
             return JSONResponse(e.body(), status_code=e.status)
         finally:
             run.close()
-        items = [out.call_item(c) for c in choice.calls] if choice.calls else \
-            [out.message_item(choice.text, "incomplete" if choice.finish == "length" else "completed")]
+        status = "incomplete" if choice.finish == "length" else "completed"
+        thought = status if not (choice.text or choice.calls) else "completed"    # cut short while reasoning?
+        items = ([out.reasoning_item(choice.reasoning, thought)] if choice.reasoning else []) + \
+            ([out.message_item(choice.text, status)] if choice.text or not choice.calls else []) + \
+            [out.call_item(c) for c in choice.calls or ()]
         return out.finished(items, choice.finish, choice.usage)
 
 
@@ -347,6 +363,7 @@ class _Reply:
         self.req, self.api, self.history = req, api, history
         self.id, self.created = "resp_" + uuid.uuid4().hex[:24], int(time.time())
         self.msg_id = "msg_" + uuid.uuid4().hex[:24]
+        self.rs_id = "rs_" + uuid.uuid4().hex[:24]
 
     def response(self, status: str, output: list, usage: dict | None = None) -> dict:
         r = self.req
@@ -357,7 +374,8 @@ class _Reply:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": r.model,
             "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
-            "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": r.previous_response_id,
+            "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
             "store": r.store is not False, "temperature": 1.0 if r.temperature is None else r.temperature,
             "text": {"format": fmt},
             "tool_choice": r.tool_choice.model_dump() if isinstance(r.tool_choice, NamedFunction) else
@@ -370,6 +388,10 @@ class _Reply:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] \
             if status != "in_progress" else []
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
+
+    def reasoning_item(self, text: str, status: str) -> dict:
+        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+        return {"type": "reasoning", "id": self.rs_id, "summary": [], "content": content, "status": status}
 
     @staticmethod
     def call_item(call: dict, status: str = "completed") -> dict:
@@ -385,10 +407,13 @@ class _Reply:
                      for it in items if it["type"] == "function_call"]
             said = {"role": "assistant", "content": "".join(p["text"] for it in items if it["type"] == "message"
                                                              for p in it["content"])}
+            thought = "".join(p["text"] for it in items if it["type"] == "reasoning" for p in it["content"])
+            if thought:
+                said["reasoning_content"] = thought
             self.api.store.put(self.id, self.history + [{**said, "tool_calls": calls} if calls else said])
         cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
         u = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},   # not counted
              "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
         return self.response("incomplete" if finish == "length" else "completed", items, u)
 
@@ -405,6 +430,15 @@ class _Reply:
             return f"event: {kind}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
         items, text = [], None                         # text: the open message's text so far, or None
+        thought = None                                 # the open reasoning item's text so far, or None
+
+        def close_thought(status):
+            item = self.reasoning_item(thought, status)
+            k = len(items)
+            items.append(item)
+            return [event("response.reasoning_text.done", output_index=k, item_id=self.rs_id, content_index=0,
+                          text=thought),
+                    event("response.output_item.done", output_index=k, item=item)]
         ids = dict(item_id=self.msg_id, content_index=0)
 
         def close_text(status="completed"):
@@ -426,6 +460,20 @@ class _Reply:
             yield event("response.created", response=self.response("in_progress", []))
             yield event("response.in_progress", response=self.response("in_progress", []))
             async for p in run.pieces():
+                if p.kind == "reasoning" and p.text:
+                    if thought is None:
+                        thought = ""
+                        yield event("response.output_item.added", output_index=len(items),
+                                    item=self.reasoning_item("", "in_progress"))
+                    thought += p.text
+                    yield event("response.reasoning_text.delta", output_index=len(items), item_id=self.rs_id,
+                                content_index=0, delta=p.text)
+                    continue
+                if thought is not None and p.kind in ("text", "calls", "done"):
+                    for e in close_thought("incomplete" if p.kind == "done" and p.finish == "length" else
+                                           "completed"):
+                        yield e
+                    thought = None
                 if p.kind == "text" and p.text:
                     if text is None:
                         for e in open_text():
@@ -453,7 +501,7 @@ class _Reply:
                     yield event("error", code=e.code, message=e.message, param=e.param)
                     return
                 elif p.kind == "done":
-                    if text is None and not items:         # nothing was said: an empty message
+                    if text is None and not any(it["type"] != "reasoning" for it in items):   # nothing said
                         for e in open_text():
                             yield e
                         text = ""
