@@ -15,7 +15,7 @@ import pytest
 
 from tool_templates import force, use_template
 
-pytest.importorskip("openai")
+openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
 pytestmark = pytest.mark.model
@@ -38,6 +38,7 @@ class City(BaseModel):
 
 
 PARIS = {"name": "Paris", "population": 2100000, "capital": True}
+WRONG = {"name": "Paris", "population": "many", "capital": True}       # population not an integer
 ASK = "Tell me about Paris."
 
 
@@ -72,13 +73,21 @@ def instructor_client(served):
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON", "JSON_SCHEMA"])
 def test_instructor_extracts_the_forced_object(server, instructor_client, mode):
     """TOOLS mode names the model's function in tool_choice; JSON mode asks json_object, JSON_SCHEMA the
-    model's schema: each request compiles, and the forced object comes back as a City."""
+    model's schema: each request compiles, and the forced object comes back as a City; where the
+    request carries the schema, an object against it is stopped by the grammar (instructor's error)."""
     base, st = server
     force(st, tool_call_text("City", PARIS) if mode == "TOOLS" else compact(PARIS))
     city = instructor_client(mode).chat.completions.create(
         model=MODEL, response_model=City, max_retries=0, max_tokens=80,
         messages=[{"role": "user", "content": ASK}])
     assert isinstance(city, City) and city.model_dump() == PARIS
+    if mode != "JSON":                 # JSON mode asks json_object, which any object satisfies
+        force(st, tool_call_text("City", WRONG) if mode == "TOOLS" else compact(WRONG))
+        with pytest.raises(Exception) as e:
+            instructor_client(mode).chat.completions.create(
+                model=MODEL, response_model=City, max_retries=0, max_tokens=80,
+                messages=[{"role": "user", "content": ASK}])
+        assert "grammar" in str(e.value)
 
 
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON"])
@@ -94,3 +103,58 @@ def test_instructor_streams_partial_objects(server, instructor_client, mode):
     assert parts[-1].model_dump() == PARIS
     if mode == "JSON":
         assert any(p.name == "Paris" and p.capital is None for p in parts)
+
+
+# ------------------------------------------------------------------------------------- langchain-openai
+@pytest.fixture(scope="module")
+def chat_model(served):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    return langchain_openai.ChatOpenAI(base_url=served[0] + "/v1", api_key="none", model=MODEL, max_retries=0,
+                                       timeout=300, max_tokens=80)
+
+
+def test_langchain_invoke_and_stream(server, chat_model):
+    base, st = server
+    force(st, "Paris is the capital of France.")
+    assert chat_model.invoke("Tell me about Paris.").content == "Paris is the capital of France."
+    chunks = [c.content for c in chat_model.stream("Tell me about Paris.")]
+    assert len([c for c in chunks if c]) > 1 and "".join(chunks) == "Paris is the capital of France."
+
+
+def get_weather(city: str, unit: str) -> str:
+    """The weather in a city, in celsius or fahrenheit."""
+    return f"sunny in {city}, 21 degrees {unit}"
+
+
+@pytest.mark.parametrize("tool_choice", [None, "get_weather"])
+def test_langchain_bind_tools_reads_the_call(server, chat_model, tool_choice):
+    """A bound function called by the (forced) model comes back in AIMessage.tool_calls, whole and
+    streamed; with ``tool_choice`` naming it the request's grammar holds the call."""
+    base, st = server
+    args = {"city": "Paris", "unit": "celsius"}
+    force(st, tool_call_text("get_weather", args))
+    model = chat_model.bind_tools([get_weather], **({"tool_choice": tool_choice} if tool_choice else {}))
+    msg = model.invoke("Weather in Paris?")
+    assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("get_weather", args)]
+    assert msg.tool_calls[0]["id"].startswith("call_") and not msg.content
+    total = None
+    for chunk in model.stream("Weather in Paris?"):
+        total = chunk if total is None else total + chunk
+    assert [(c["name"], c["args"]) for c in total.tool_calls] == [("get_weather", args)]
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_langchain_structured_output(server, chat_model, method):
+    """with_structured_output(City) in each of its methods: response_format json_schema (strict), a
+    named function, or json_object; the forced object comes back as a City, and a reply the request's
+    format forbids is the grammar's 400."""
+    base, st = server
+    force(st, tool_call_text("City", PARIS) if method == "function_calling" else compact(PARIS))
+    city = chat_model.with_structured_output(City, method=method).invoke(ASK + " Answer in JSON.")
+    assert isinstance(city, City) and city.model_dump() == PARIS
+    bad = {"function_calling": tool_call_text("City", WRONG), "json_schema": compact(WRONG),
+           "json_mode": "Paris."}[method]                        # json_object only holds it to JSON
+    force(st, bad)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat_model.with_structured_output(City, method=method).invoke(ASK)
+    assert e.value.code == "grammar_error"
