@@ -158,3 +158,66 @@ def test_langchain_structured_output(server, chat_model, method):
     with pytest.raises(openai.BadRequestError) as e:
         chat_model.with_structured_output(City, method=method).invoke(ASK)
     assert e.value.code == "grammar_error"
+
+
+# ---------------------------------------------------------------------------------------- openai-agents
+ANSWER = "It is sunny in Paris, 21 degrees."
+
+
+def agent_run(base, st, template, streamed):
+    """(final output, the arguments the tool was called with, the run's item types, the request bodies)
+    of an Agent with one function tool. The forced first reply calls the tool; the tool, when it runs,
+    forces the answer."""
+    agents = pytest.importorskip("agents")
+    import httpx
+    calls, bodies = [], []
+
+    async def keep(request):
+        bodies.append(json.loads(request.content))
+
+    @agents.function_tool
+    def weather(city: str, unit: str) -> str:
+        """The weather in a city, in celsius or fahrenheit."""
+        calls.append({"city": city, "unit": unit})
+        force(st, ANSWER)
+        return f"sunny in {city}, 21 degrees {unit}"
+
+    args = {"city": "Paris", "unit": "celsius"}
+    force(st, tool_call_text("weather", args) if template is None else
+          f'<tool_call>\n{compact({"name": "weather", "arguments": args})}\n</tool_call>')
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300,
+                                http_client=httpx.AsyncClient(event_hooks={"request": [keep]}))
+    agent = agents.Agent(name="forecaster", instructions="Answer weather questions with the tool.",
+                         tools=[weather], model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+                         model_settings=agents.ModelSettings(max_tokens=80))
+    if streamed:
+        import asyncio
+
+        async def run():
+            result = agents.Runner.run_streamed(agent, "Weather in Paris?")
+            async for _ in result.stream_events():
+                pass
+            return result
+        result = asyncio.run(run())
+    else:
+        result = agents.Runner.run_sync(agent, "Weather in Paris?")
+    return result.final_output, calls, [item.type for item in result.new_items], bodies
+
+
+@pytest.mark.parametrize("template, streamed", [(None, False), (None, True), ("qwen", False)])
+def test_agents_sdk_two_step_tool_loop(server, template, streamed):
+    """Runner runs the Agent's loop: the model's first reply calls the function tool, which the SDK
+    really calls with the forced arguments; its result goes back in the history, and the second reply
+    is the final answer. Under SmolLM2's own template and a Hermes one (native calls), run and streamed."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    base, st = server
+    use_template(st, template)
+    final, calls, items, bodies = agent_run(base, st, template, streamed)
+    assert calls == [{"city": "Paris", "unit": "celsius"}] and len(bodies) == 2
+    history = bodies[1]["messages"]
+    assert [m["role"] for m in history[-2:]] == ["assistant", "tool"]
+    assert history[-2]["tool_calls"][0]["id"] == history[-1]["tool_call_id"]
+    assert history[-1]["content"] == "sunny in Paris, 21 degrees celsius"
+    assert items == ["tool_call_item", "tool_call_output_item", "message_output_item"]
+    assert final == ANSWER
