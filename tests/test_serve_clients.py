@@ -214,3 +214,21 @@ def test_agents_sdk_two_step_tool_loop(server, template, streamed):
     assert history[-1]["content"] == "sunny in Paris, 21 degrees celsius"
     assert items == ["tool_call_item", "tool_call_output_item", "message_output_item"]
     assert final == ANSWER
+
+
+def test_agents_sdk_structured_final_output(server):
+    """An Agent with ``output_type=City`` asks response_format json_schema (strict): its final output
+    is the forced City, and an object against the schema is the grammar's 400."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    base, st = server
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+    agent = agents.Agent(name="atlas", instructions="Describe the city.", output_type=City,
+                         model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+                         model_settings=agents.ModelSettings(max_tokens=80))
+    force(st, compact(PARIS))
+    assert agents.Runner.run_sync(agent, ASK).final_output == City(**PARIS)
+    force(st, compact(WRONG))
+    with pytest.raises(openai.BadRequestError) as e:
+        agents.Runner.run_sync(agent, ASK)
+    assert e.value.code == "grammar_error"
