@@ -17,7 +17,7 @@ from streamattn.quant import amx
 from streamattn.quant import matmul as qm
 from streamattn.quant.kernels import LANES, LANES_VNNI
 from streamattn.quant.weights import (INT_KINDS, SUPPORTED_TYPES, QWeight, UnsupportedWeightType, compact, concat_rows,
-                                     floats, interleave, move_planes, pack, row_slice, widen_q5_0)
+                                     floats, interleave, move_planes, pack, row_slice, widen_k, widen_q5_0)
 
 pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="packed kernels need x86 AVX2 (CI machines have it)")
 
@@ -175,8 +175,9 @@ def test_vnni_route_gives_the_same_bits(type_name):
                                       qmatmul(x, w, parallel=False, group_rows=r, vnni=False), err_msg=f"R={r}")
 
 
-#: The types whose packed kind runs on the tile unit (amx.tiled); the rest keep the vector kernels.
-TILED_TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"]
+#: The types whose packed kind runs on the tile unit (amx.tiled); the rest keep the vector kernels (Q4_K
+#: too since it is held in its file's bytes, "q4k": no tile unpacking of it yet, docs/DESIGN.md §19).
+TILED_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"]
 
 
 @pytest.mark.skipif(not amx.AVAILABLE, reason="this CPU or OS has no usable AMX-INT8: only the vector kernels run")
@@ -226,20 +227,24 @@ def test_amx_plan_errors():
     assert not qm.KernelPlan(vnni=False).amx and not qm.KernelPlan(lanes=8).amx
 
 
-#: Bytes of a block of each nibble type before its quantized bits (scales, mins; Q5's fifth bits are set too).
-_HEAD_BYTES = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q5_0": (22, 2), "Q5_1": (24, 4), "Q4_K": (144, 16), "Q5_K": (176, 16)}
+#: Each type's block size and where its quantized bits lie (after the scales and mins; Q5's fifth bits and
+#: Q6_K's high bit pairs included).
+_QUANT_BYTES = {"Q4_0": (18, slice(2, None)), "Q4_1": (20, slice(4, None)), "Q5_0": (22, slice(2, None)),
+                "Q5_1": (24, slice(4, None)), "Q4_K": (144, slice(16, None)), "Q5_K": (176, slice(16, None)),
+                "Q6_K": (210, slice(0, 192))}
 
 
-@pytest.mark.parametrize("type_name", list(_HEAD_BYTES))
-def test_int16_runs_are_exact_at_the_largest_sums(type_name):
+@pytest.mark.parametrize("type_name,fill", [*((t, 0xFF) for t in _QUANT_BYTES), ("Q6_K", 0x00)])
+def test_int16_runs_are_exact_at_the_largest_sums(type_name, fill):
     """Without VNNI, runs of ``vpmaddubsw`` pairs are added in int16 before one ``vpmaddwd``
-    (kernels.I16_RUN): every weight at its largest level (nibbles 15, fifth bits set: 31) against
+    (kernels.I16_RUN): every weight at its largest level (nibbles 15, fifth bits set: 31, Q6_K's 6 bits:
+    63; and Q6_K at 0, the value -32 that its -32 sum(x) correction carries alone) against
     activation blocks at full scale (|xq| = 127) must still give the exact integer sums: an int16 that
     wrapped would be 65536 steps off. 1 row and groups of R, float64 oracle over the stored values."""
-    size, head = _HEAD_BYTES[type_name]
+    size, quant = _QUANT_BYTES[type_name]
     data, _ = gguf_bytes(type_name, 13, 512, seed=11)
     data = data.copy()
-    data.reshape(13, -1, size)[:, :, head:] = 0xFF
+    data.reshape(13, -1, size)[:, :, quant] = fill
     w64 = dequantize(data, gguf.GGMLQuantizationType[type_name]).astype(np.float64)
     w = pack("t", type_name, data, (13, 512))
     x = np.ones((8, 512), np.float32)
@@ -327,14 +332,12 @@ def test_interleaved_layout():
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_float16_scale_planes_give_the_bits_of_float32_ones(type_name):
     """pack stores scale and min planes as float16 bits where that is exact (the file's own float16
-    scales always are); the kernels widen them to the float32 the other storage would hold: same bits,
-    rows one by one and in groups. K-quant products that pack keeps as float32
-    are rounded to float16 here, so their 16-column groups (Q6_K) take the float16 loads too."""
+    scales always are: the K-quants' super-block d and -dmin too); the kernels widen them to the float32
+    the other storage would hold: same bits, rows one by one and in groups."""
     K = 1536 if type_name in ("Q4_K", "Q6_K") else 576
     data, _ = gguf_bytes(type_name, 13, K, seed=7)
     w = pack("t", type_name, data, (13, K))
-    if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0"):
-        assert w.scale.dtype == np.uint16 and (w.minv is None or w.minv.dtype == np.uint16)
+    assert w.scale.dtype == np.uint16 and (w.minv is None or w.minv.dtype == np.uint16)
     half = (lambda p: None if p is None else floats(p).astype(np.float16).view(np.uint16))
     w16 = QWeight(w.kind, w.shape, w.qs, half(w.scale), half(w.minv), w.group, w.source, w.lanes)
     w32 = QWeight(w.kind, w.shape, w.qs, floats(w16.scale), None if w.minv is None else floats(w16.minv),
@@ -583,3 +586,82 @@ def test_q5_0_is_held_in_five_bits_and_widened_beside_q8_0():
     np.testing.assert_allclose(qmatmul(x, pq), qmatmul(x, wide), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="widen_q5_0 takes a Q5_0 weight packed as 'q5'"):
         widen_q5_0(pv)
+
+
+#: The K-quants held in their file's bytes, with the kind that holds them and the kind they had before
+#: (widen_k: the sub-block scales multiplied out into float planes).
+FILE_BYTES_KINDS = {"Q6_K": ("q6k", "q8"), "Q4_K": ("q4k", "q4")}
+
+
+@pytest.mark.parametrize("type_name", list(FILE_BYTES_KINDS))
+@pytest.mark.parametrize("rows", [1, 19, 37])
+def test_k_quants_hold_the_files_bytes(type_name, rows):
+    """Packed, a K-quant holds exactly its file's bytes per row (the last group's padding rows aside): the
+    block bytes interleaved by rows, the float16 super-block scales in the scale plane; the layout before
+    held up to half as much again. Both dequantize to gguf's values."""
+    K = 768
+    data, want = gguf_bytes(type_name, rows, K, seed=rows)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    for lanes in (8, 16):
+        w = pack("t", type_name, data, (rows, K), lanes=lanes)
+        padded = -(-rows // lanes) * lanes
+        assert w.kind == FILE_BYTES_KINDS[type_name][0] and w.nbytes == padded * K // block * size
+        wide = widen_k(w)
+        assert wide.kind == FILE_BYTES_KINDS[type_name][1] and wide.lanes == lanes and wide.nbytes > 1.1 * w.nbytes
+        np.testing.assert_array_equal(w.dequantize(), want.astype(np.float32))
+        np.testing.assert_array_equal(wide.dequantize(), want.astype(np.float32))
+    with pytest.raises(ValueError, match="widen_k takes a weight packed as"):
+        widen_k(pack("t", "Q8_0", *gguf_bytes("Q8_0", 4, 64)[:1], (4, 64)))
+
+
+def test_q6k_layout_is_the_files_bytes_in_the_order_read():
+    """Lane n of word v of a "q6k" block holds row n's four file bytes at Q6K_WORDS[v] (+ 64, 32 or 8 in
+    the second half of the super-block), and the scale plane holds each super-block's float16 d."""
+    from streamattn.quant.levels import Q6K_WORDS
+    rows, K, lanes = 11, 512, 8
+    data, _ = gguf_bytes("Q6_K", rows, K, seed=3)
+    b = data.reshape(rows, 2, 210)
+    w = pack("t", "Q6_K", data, (rows, K), lanes=lanes)
+    got = w.qs.reshape(2, 4, 26, lanes, 4)                                     # [group, block, word, lane, 4]
+    for g, blk, v, n in ((0, 0, 0, 0), (1, 3, 25, 2), (0, 1, 4, 7), (1, 2, 17, 1), (0, 3, 12, 5)):
+        at = Q6K_WORDS[v] + (blk % 2) * (64 if Q6K_WORDS[v] < 128 else 32 if Q6K_WORDS[v] < 192 else 8)
+        np.testing.assert_array_equal(got[g, blk, v, n], b[g * lanes + n, blk // 2, at:at + 4])
+    assert sorted(Q6K_WORDS) == list(range(0, 64, 4)) + list(range(128, 160, 4)) + [192, 196]
+    d = np.ascontiguousarray(b[..., 208:210]).view(np.float16)[..., 0]         # [rows, super-blocks]
+    assert w.scale.dtype == np.uint16 and floats(w.scale).reshape(2, 2, lanes)[1, 1, 2] == d[lanes + 2, 1]
+    assert (w.qs.reshape(2, -1, lanes, 4)[1, :, rows - lanes:] == 0).all()       # padding rows
+
+
+def test_q4k_layout_is_the_files_bytes():
+    """Lane n of word v of a "q4k" super-block holds row n's four file bytes 4 + 4v .. 7 + 4v (the 6-bit
+    scales and mins, then the nibbles, as in the file); the planes hold d and -dmin as float16."""
+    rows, K, lanes = 11, 512, 8
+    data, _ = gguf_bytes("Q4_K", rows, K, seed=6)
+    b = data.reshape(rows, 2, 144)
+    w = pack("t", "Q4_K", data, (rows, K), lanes=lanes)
+    got = w.qs.reshape(2, 2, 35, lanes, 4)                                     # [group, super-block, word, lane, 4]
+    for g, k, v, n in ((0, 0, 0, 0), (1, 1, 34, 2), (0, 1, 2, 7), (1, 0, 3, 1)):
+        np.testing.assert_array_equal(got[g, k, v, n], b[g * lanes + n, k, 4 + 4 * v:8 + 4 * v])
+    d = np.ascontiguousarray(b[..., 0:4]).view(np.float16)                      # [rows, super-blocks, 2]
+    assert floats(w.scale).reshape(2, 2, lanes)[1, 1, 2] == d[lanes + 2, 1, 0]
+    assert floats(w.minv).reshape(2, 2, lanes)[0, 1, 5] == -d[5, 1, 1]
+
+
+@pytest.mark.parametrize("type_name", list(FILE_BYTES_KINDS))
+def test_file_bytes_kinds_give_the_bits_of_the_layout_before(type_name):
+    """The kernels on a K-quant in its file's bytes (sub-block scales applied in the kernel) and on the
+    layout before (widen_k: the same float32 products in planes) give the same bits: every lane width and
+    integer route this CPU has, 1 row and every group of rows, a prompt-sized M, serial and threaded."""
+    data, _ = gguf_bytes(type_name, 21, 768, seed=4)
+    x = np.random.default_rng(5).standard_normal((37, 768)).astype(np.float32) * 3
+    x[0, :32] = [127.0] * 16 + [-127.0] * 16
+    for lanes in (8, 16) if LANES == 16 else (8,):
+        w = pack("t", type_name, data, (21, 768), lanes=lanes)
+        wide = widen_k(w)
+        for vnni in (False, True) if LANES_VNNI else (False,):
+            for r in GROUP_ROWS:
+                for m in (1, 5, 37):
+                    np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, group_rows=r, vnni=vnni),
+                                                  qmatmul(x[:m], wide, parallel=False, group_rows=r, vnni=vnni),
+                                                  err_msg=f"lanes={lanes} vnni={vnni} R={r} M={m}")
+        np.testing.assert_array_equal(qmatmul(x, w, parallel=True), qmatmul(x, wide, parallel=False))

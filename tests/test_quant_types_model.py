@@ -1,4 +1,5 @@
-"""Tiny models whose matrices are of the GGUF types Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS, packed,
+"""Tiny models whose matrices are of the GGUF types Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS, and Q6_K
+and Q4_K in their files' bytes ("q6k", "q4k"), packed,
 against the same file loaded with ``weights="f32"`` (the float32 reference over the same dequantized
 weights): logits of a prompt chunk and of decode steps, and the compiled layer against the array layer.
 
@@ -18,6 +19,8 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not qmatmul.HAVE_KERNELS, reason="the packed kernels need AVX2")]
 
 NEW_TYPES = ["Q5_1", "Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]
+#: K-quants held in their file's bytes (the layout of issue 52).
+FILE_BYTES_TYPES = ["Q6_K", "Q4_K"]
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd")
 #: d_model 256: one K-quant super-block per row of the q/k/v, gate/up and embedding matrices.
 #: Matrices ~ N(0, 1/d_model): random blocks of the wider spread made logits chaotic (Q8_0 itself then
@@ -36,7 +39,7 @@ def logits(tf):
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("type_name", NEW_TYPES)
+@pytest.mark.parametrize("type_name", NEW_TYPES + FILE_BYTES_TYPES)
 def test_packed_logits_match_the_float32_reference(tmp_path, type_name):
     path = write_tiny_gguf(tmp_path / f"{type_name}.gguf", quant={m: type_name for m in MATRICES}, **SIZE)
     packed = load_gguf(path)
@@ -66,6 +69,22 @@ def test_compiled_layer_runs_the_new_kinds_with_the_array_layers_bits(tmp_path):
     assert tf._compiled is not None and all(w is not None for w in tf._compiled.weights)
     kinds = {(getattr(lw, f).kind, getattr(lw, f).group) for lw in tf.layers for f in ("wqkv", "wo", "wgu", "wdown")}
     assert kinds == {("q5", 32), ("nl", 32), ("q4s", 16)}
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("type_name,kind", [("Q6_K", ("q6k", 16)), ("Q4_K", ("q4k", 32))])
+def test_compiled_layer_runs_the_file_bytes_kinds_with_the_array_layers_bits(tmp_path, type_name, kind):
+    """Every matrix of a layer in a K-quant held in its file's bytes: the compiled layers take it (no layer left
+    to the array code) and give the array layers' bits, prompt chunk and decode steps."""
+    quant = {m: type_name for m in MATRICES if m != "token_embd"}
+    tf = Transformer(load_gguf(write_tiny_gguf(tmp_path / f"{type_name}.gguf", quant=quant, **SIZE)))
+    tf.compile_layers = False
+    want = logits(tf)
+    tf.compile_layers = True
+    got = logits(tf)
+    assert tf._compiled is not None and all(w is not None for w in tf._compiled.weights)
+    assert {(getattr(lw, f).kind, getattr(lw, f).group) for lw in tf.layers
+            for f in ("wqkv", "wo", "wgu", "wdown")} == {kind}
     np.testing.assert_array_equal(got, want)
 
 

@@ -82,7 +82,7 @@ Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring wi
 Step = namedtuple("Step", "cos sin B serial status counts real")
 Weights = namedtuple("Weights", [f.name for f in dataclasses.fields(LayerWeights)])
 
-_KINDS, _GROUPS, _LANES, _ROWS = ("q4", "q8", "q5", "nl", "q4s"), (32, 16), (16, 8), (1, 2, 4, 8)   # new kinds last
+_KINDS, _GROUPS, _LANES, _ROWS = ("q4", "q8", "q5", "nl", "q4s", "q6k", "q4k"), (32, 16), (16, 8), (1, 2, 4, 8)  # new last
 _EMPTY1 = np.zeros(1, np.float32)
 _EMPTY2 = np.zeros((1, 1), np.float32)
 _NO_ROUNDING = np.zeros((0, 0, 0), np.float64)

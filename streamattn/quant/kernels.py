@@ -23,7 +23,7 @@ from numba.extending import intrinsic
 
 from streamattn import cpu_target
 from streamattn.backends.cpu_simd import addr, c_arrays, fmuladd, llvm_fn, load16, Rows
-from streamattn.quant.levels import IQ4_VALUES
+from streamattn.quant.levels import IQ4_VALUES, Q6K_WORDS
 
 I1, I8, I16, I32, I64, F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                               ir.FloatType())
@@ -125,8 +125,9 @@ def _pairs_to_i32(builder, p16, lanes: int):
 #: Byte dot products whose ``vpmaddubsw`` pairs may be summed in int16 before one ``vpmaddwd``, per kind
 #: (without VNNI): a pair is at most 2 * 15 * 127 = 3810 for nibbles (0..15) against activations in
 #: -127..127, so 8 of them stay under 32767 (30480); 5-bit steps (0..31) make pairs up to 7874, 4 of them
-#: 31496. The biased kinds ("q8", "nl") reach 2 * 128 * 127 in one pair: none.
-I16_RUN = {"q4": 8, "q4s": 8, "q5": 4}
+#: 31496; 6-bit ones ("q6k", 0..63) 16002, 2 of them 32004. The biased kinds ("q8", "nl") reach
+#: 2 * 128 * 127 in one pair: none.
+I16_RUN = {"q4": 8, "q4s": 8, "q5": 4, "q6k": 2}
 
 
 def _int_dots(builder, acc, pairs, lanes: int, vnni: bool, run: int = 1):
@@ -195,6 +196,10 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
     the same in any group of rows. ``prefetch``: bytes ahead of the weight and scale reads to
     prefetch (the one-row decode kernel reads from memory; 0: none).
     """
+    if kind == "q6k":
+        return _make_qdot_q6k(group, R, lanes, vnni, prefetch)
+    if kind == "q4k":
+        return _make_qdot_q4k(group, R, lanes, vnni, prefetch)
     G = lanes
     VG, VGI, VB = ir.VectorType(F32, G), ir.VectorType(I32, G), ir.VectorType(I8, 4 * G)
     nibbles, mins, biased = kind in ("q4", "nl", "q5", "q4s"), kind in ("q4", "q5", "q4s"), kind in ("q8", "nl")
@@ -270,6 +275,184 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
             return context.get_dummy_value()
         return types.void(qs, scale, minv, g, xq, xd, xs, xc, m, out), codegen
     return _stable(qdot, f"qdot:{kind}:{group}:{R}:{G}:{int(vnni)}:{prefetch}:{run16}:psign")
+
+
+def _make_qdot_q6k(group: int, R: int, lanes: int, vnni: bool, prefetch: int):
+    """:func:`make_qdot` for the "q6k" kind (Q6_K held in its file's bytes, :mod:`streamattn.quant.weights`).
+
+    The loop takes 128 columns (half a super-block) at a time: per row of the group 26 four-byte vectors,
+    16 of the file's low nibbles (``ql``), 8 of its high bit pairs (``qh``), 2 of its int8 sub-block
+    scales (in the order :data:`~streamattn.quant.levels.Q6K_WORDS`), and the super-block's float16 ``d``
+    from the scale plane. Column 32 q + l of the half (quarter
+    q, l < 32) is the nibble of ``ql`` byte l + 32 (q % 2) (low for q < 2, high after) with bits 2q, 2q + 1
+    of ``qh`` byte l above it: a step vector (four columns) is one AND or shift of a ``ql`` vector and one
+    shift and mask of a ``qh`` vector, OR-ed. The 6-bit values are unsigned (the value + 32), so S starts
+    from ``xc / 4`` (-32 times the activations' sum over the 16 columns) and ``vpmaddubsw`` needs no sign
+    moved (pairs stay under 16002: :data:`I16_RUN`). Each 16-column group then ends as the "q8" kind's
+    at group 16 does: scale ``d * float(sc)`` (the product gguf's dequantizer forms), one FMA by
+    ``scale * xd``, groups in column order — the bits of Q6_K held as bytes with its scales multiplied out
+    (:func:`streamattn.quant.weights.widen_k`)."""
+    if group != 16:
+        raise ValueError(f"the q6k kernel takes group 16, Q6_K's sub-blocks (got {group})")
+    G = lanes
+    VGI, VB = ir.VectorType(I32, G), ir.VectorType(I8, 4 * G)
+    words = 26
+    wbytes = words * 4 * G                                 # bytes of a 128-column unit of G rows
+    ahead_units = -(-prefetch // wbytes)
+    run16 = 1 if vnni else I16_RUN["q6k"]
+
+    @intrinsic
+    def qdot(typingctx, qs, scale, minv, g, xq, xd, xs, xc, m, out):
+        if not c_arrays(qs, scale, minv, xq, xd, xs, xc, out):
+            return None
+        if scale.dtype not in (types.float32, types.uint16):
+            return None
+
+        def codegen(context, builder, sig, args):
+            qa, sa, xa, da, ua, ca, oa = (Rows(context, builder, sig.args[i], args[i]) for i in (0, 1, 4, 5, 6, 7, 9))
+            g0 = context.cast(builder, args[3], sig.args[3], types.int64)
+            m0 = context.cast(builder, args[8], sig.args[8], types.int64)
+            rows = [builder.add(m0, _i64(j)) for j in range(R)]
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(F32, G), [0.0] * G))
+                    for _ in range(R)]
+            with cgutils.for_range(builder, builder.udiv(xa.cols, _i64(128))) as loop:
+                u = loop.index
+                wcol = builder.mul(u, _i64(wbytes))
+                if prefetch:
+                    for t in range(0, wbytes, 64):
+                        _prefetch(builder, addr(builder, qa, g0, builder.add(wcol, _i64(prefetch + t)), I8))
+                    ahead = builder.mul(builder.udiv(builder.add(u, _i64(ahead_units)), _i64(2)), _i64(G))
+                    _prefetch(builder, addr(builder, sa, g0, ahead, I8))
+                d = _load_floats(builder, sa, g0, builder.mul(builder.udiv(u, _i64(2)), _i64(G)), G)
+
+                def word(at):                              # lane n: row n's four bytes from file byte ``at``
+                    v = Q6K_WORDS.index(at)
+                    return _load(builder, qa, g0, builder.add(wcol, _i64(4 * G * v)), VB)
+
+                def byte(v):
+                    return ir.Constant(VB, [v] * (4 * G))
+                for s in range(8):                         # 16-column group s: quarter s // 2, its half s % 2
+                    q, half = divmod(s, 2)
+                    steps = []
+                    for i in range(4 * half, 4 * half + 4):
+                        lo = word(32 * (q % 2) + 4 * i)
+                        nib = builder.and_(lo, byte(15)) if q < 2 else builder.lshr(lo, byte(4))
+                        hb = word(128 + 4 * i)
+                        hb = (builder.shl(hb, byte(4 - 2 * q)) if q < 2 else hb if q == 2
+                              else builder.lshr(hb, byte(2)))
+                        steps.append(builder.or_(nib, builder.and_(hb, byte(0x30))))
+                    sw = builder.bitcast(word(192 + 4 * (s // 4)), VGI)  # lane n: row n's scales 4(s//4)..
+                    sc = builder.ashr(builder.shl(sw, ir.Constant(VGI, [24 - 8 * (s % 4)] * G)),
+                                      ir.Constant(VGI, [24] * G))
+                    sv = builder.fmul(d, builder.sitofp(sc, ir.VectorType(F32, G)))
+                    c = builder.add(builder.mul(u, _i64(8)), _i64(s))               # the 16-column group
+                    for j in range(R):
+                        r = rows[j]
+                        corr = builder.ashr(_load(builder, ca, r, c, I32), ir.Constant(I32, 2))    # -32 sum(x)
+                        pairs = []
+                        for t, step in enumerate(steps):
+                            col = builder.add(builder.mul(u, _i64(128)), _i64(32 * q + 16 * half + 4 * t))
+                            xv = builder.bitcast(_splat_int(builder, _load(builder, xa, r, col, I32), G), VB)
+                            pairs.append((step, xv))
+                        iacc = _int_dots(builder, _splat_int(builder, corr, G), pairs, G, vnni, run16)
+                        block_epilogue(builder, iacc, sv, None, da, ua, r, c, 16, accs[j], None, ca)
+            for j in range(R):
+                store_outputs(builder, oa, rows[j], g0, accs[j], None)
+            return context.get_dummy_value()
+        return types.void(qs, scale, minv, g, xq, xd, xs, xc, m, out), codegen
+    return _stable(qdot, f"qdot:q6k:{group}:{R}:{G}:{int(vnni)}:{prefetch}:{run16}")
+
+
+def _make_qdot_q4k(group: int, R: int, lanes: int, vnni: bool, prefetch: int):
+    """:func:`make_qdot` for the "q4k" kind (Q4_K held in its file's bytes, :mod:`streamattn.quant.weights`).
+
+    The loop takes a super-block (256 columns) at a time: per row of the group 35 four-byte vectors, the
+    file's 12 bytes of 6-bit sub-block scales and mins (3), then its 128 nibble bytes (32), and the
+    super-block's float16 ``d`` and ``-dmin`` from the scale and min planes. The scales and mins are
+    unpacked once per super-block on 32-bit lanes (ggml's ``get_scale_min_k4``, four bytes at a time);
+    then 4 chunks of 64 columns, each 8 nibble vectors whose low nibbles are sub-block 2c (columns 4t ..
+    4t + 3 of it in step t) and high nibbles sub-block 2c + 1. Each 32-column sub-block ends as the "q4"
+    kind's does: scale ``d * float(sc)``, min ``-dmin * float(m)`` (the products gguf's dequantizer forms),
+    the same FMAs in column order — the bits of Q4_K with its scales multiplied out into planes
+    (:func:`streamattn.quant.weights.widen_k`)."""
+    if group != 32:
+        raise ValueError(f"the q4k kernel takes group 32, Q4_K's sub-blocks (got {group})")
+    G = lanes
+    VG, VGI, VB = ir.VectorType(F32, G), ir.VectorType(I32, G), ir.VectorType(I8, 4 * G)
+    wbytes = 35 * 4 * G                                    # bytes of a super-block of G rows
+    ahead_blocks = -(-prefetch // wbytes)
+    run16 = 1 if vnni else I16_RUN["q4"]
+
+    @intrinsic
+    def qdot(typingctx, qs, scale, minv, g, xq, xd, xs, xc, m, out):
+        if not c_arrays(qs, scale, minv, xq, xd, xs, xc, out):
+            return None
+        if any(p.dtype not in (types.float32, types.uint16) for p in (scale, minv)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            qa, sa, ma, xa, da, ua, ca, oa = (Rows(context, builder, sig.args[i], args[i])
+                                              for i in (0, 1, 2, 4, 5, 6, 7, 9))
+            g0 = context.cast(builder, args[3], sig.args[3], types.int64)
+            m0 = context.cast(builder, args[8], sig.args[8], types.int64)
+            rows = [builder.add(m0, _i64(j)) for j in range(R)]
+            zero = ir.Constant(VG, [0.0] * G)
+            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
+            accms = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
+
+            def ints(v):
+                return ir.Constant(VGI, [v] * G)
+            with cgutils.for_range(builder, builder.udiv(xa.cols, _i64(256))) as loop:
+                k = loop.index
+                wcol = builder.mul(k, _i64(wbytes))
+                if prefetch:
+                    for t in range(0, wbytes, 64):
+                        _prefetch(builder, addr(builder, qa, g0, builder.add(wcol, _i64(prefetch + t)), I8))
+                    ahead = builder.mul(builder.add(k, _i64(ahead_blocks)), _i64(G))
+                    for p in (sa, ma):
+                        _prefetch(builder, addr(builder, p, g0, ahead, I8))
+                kG = builder.mul(k, _i64(G))
+                d, dmin = _load_floats(builder, sa, g0, kG, G), _load_floats(builder, ma, g0, kG, G)
+                w0, w1, w2 = (builder.bitcast(_load(builder, qa, g0, builder.add(wcol, _i64(4 * G * v)), VB), VGI)
+                              for v in range(3))
+                low6, nib = ints(0x3F3F3F3F), ints(0x0F0F0F0F)
+                top = ints(0x30303030)                       # bits 6-7 of each byte, moved to 4-5
+                # lane n: the bytes of row n's sub-blocks 0-3 and 4-7, scales then mins
+                sc03, mn03 = builder.and_(w0, low6), builder.and_(w1, low6)
+                sc47 = builder.or_(builder.and_(w2, nib), builder.and_(builder.lshr(w0, ints(2)), top))
+                mn47 = builder.or_(builder.and_(builder.lshr(w2, ints(4)), nib),
+                                   builder.and_(builder.lshr(w1, ints(2)), top))
+                with cgutils.for_range(builder, _i64(4)) as inner:
+                    c = inner.index                                              # the 64-column chunk
+                    first = builder.icmp_unsigned("<", c, _i64(2))
+                    shift = builder.trunc(builder.mul(builder.and_(c, _i64(1)), _i64(16)), I32)
+                    scw = builder.lshr(builder.select(first, sc03, sc47), _splat_int(builder, shift, G))
+                    mnw = builder.lshr(builder.select(first, mn03, mn47), _splat_int(builder, shift, G))
+                    ccol = builder.add(wcol, builder.mul(builder.add(builder.mul(c, _i64(8)), _i64(3)),
+                                                         _i64(4 * G)))
+                    raw = [_load(builder, qa, g0, builder.add(ccol, _i64(4 * G * t)), VB) for t in range(8)]
+                    for h in range(2):                                           # sub-block 2c + h
+                        steps = [builder.and_(v, ir.Constant(VB, [15] * (4 * G))) if h == 0
+                                 else builder.lshr(v, ir.Constant(VB, [4] * (4 * G))) for v in raw]
+                        sub = builder.and_(builder.lshr(scw, ints(8 * h)), ints(0xFF))
+                        mub = builder.and_(builder.lshr(mnw, ints(8 * h)), ints(0xFF))
+                        sv = builder.fmul(d, builder.sitofp(sub, VG))
+                        mv = builder.fmul(dmin, builder.sitofp(mub, VG))
+                        b = builder.add(builder.mul(k, _i64(8)), builder.add(builder.mul(c, _i64(2)), _i64(h)))
+                        for j in range(R):
+                            r = rows[j]
+                            pairs = []
+                            for t, step in enumerate(steps):
+                                col = builder.add(builder.mul(b, _i64(32)), _i64(4 * t))
+                                xv = builder.bitcast(_splat_int(builder, _load(builder, xa, r, col, I32), G), VB)
+                                pairs.append((step, xv))
+                            iacc = _int_dots(builder, ir.Constant(VGI, [0] * G), pairs, G, vnni, run16)
+                            block_epilogue(builder, iacc, sv, mv, da, ua, r, b, 32, accs[j], accms[j], ca)
+            for j in range(R):
+                store_outputs(builder, oa, rows[j], g0, accs[j], accms[j])
+            return context.get_dummy_value()
+        return types.void(qs, scale, minv, g, xq, xd, xs, xc, m, out), codegen
+    return _stable(qdot, f"qdot:q4k:{group}:{R}:{G}:{int(vnni)}:{prefetch}:{run16}")
 
 
 def block_steps(builder, kind: str, group: int, qa, g, wcol, G):

@@ -10,7 +10,8 @@ A packed weight's rows come in interleaved groups of :data:`~streamattn.quant.ke
 (one vector lane per row). Groups are the outer loop (split over threads); for each, the activation
 rows go in groups of ``rows`` (:class:`KernelPlan`) through a kernel that unpacks each weight block once
 for the whole group, then the remainder in groups of 4 and 2 and one by one; the kernel that reads a
-group's weights first also prefetches them :data:`PREFETCH_BYTES` ahead. A group's weights are read from
+group's weights first also prefetches them :data:`PREFETCH_BYTES` ahead (but the kinds of
+:data:`NO_PREFETCH`, which the hardware prefetcher serves better). A group's weights are read from
 memory once and stay in L1/L2 for every activation row of the call (prefill chunks and decode batches).
 
 Batch invariance: an output element ``out[b, r]`` is always the same function of row ``r`` and
@@ -34,7 +35,7 @@ from numba import njit, prange
 from streamattn import cpu_target, kernel_cache
 from streamattn.backends import cpu_simd
 from streamattn.kernel_cache import variant
-from streamattn.quant import activations, kernels
+from streamattn.quant import activations, kernels, levels
 from streamattn.quant import amx as amx_kernels
 from streamattn.quant.activations import (glu_quantize_rows, glu_quantize_rows_parallel, norm_quantize_rows,  # noqa: F401
                                       norm_quantize_rows_parallel, quantize_rows)
@@ -42,7 +43,7 @@ from streamattn.quant.kernels import LANES, LANES_VNNI, make_fdot_rows, make_qdo
 from streamattn.quant.weights import QWeight
 from streamattn.threads import many_threads
 
-kernel_cache.register(__name__, depends_on=[activations, amx_kernels, cpu_simd, kernels])   # the IR the drivers inline
+kernel_cache.register(__name__, depends_on=[activations, amx_kernels, cpu_simd, kernels, levels])  # the IR they inline
 
 #: Activation rows per weight-block unpacking of the default :class:`KernelPlan` (measured: docs/PERF.md).
 #: Results do not depend on it.
@@ -53,6 +54,10 @@ GROUP_ROWS = (1, 2, 4, 8)
 #: of 4 KiB: exactly one page ahead read slower (measured: docs/perf/2026-12-05.md). Read when a weight
 #: kind's drivers are first built (:func:`qdrivers` is cached).
 PREFETCH_BYTES = 3584
+#: Kinds whose kernels prefetch nothing: "q6k" and "q4k" read each row group's blocks forwards (their
+#: words in the order the kernel first takes them), which the hardware prefetcher follows; PREFETCH_BYTES
+#: ahead made their one-row GEMV 1.5-3x slower on the 16-lane route (measured: docs/PERF.md).
+NO_PREFETCH = ("q6k", "q4k")
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
@@ -160,13 +165,14 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int, vnni: bool, amx: bool):
     One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
     decode step streams megabytes of weights, and the Python of a call made of several (numpy buffers,
     two dispatches, lookups) ran with its data evicted (docs/DESIGN.md §23; measured: docs/PERF.md)."""
+    ahead = 0 if kind in NO_PREFETCH else PREFETCH_BYTES
     dot_r = make_qdot(kind, group, R, lanes, vnni)
-    dot_rp = make_qdot(kind, group, R, lanes, vnni, PREFETCH_BYTES)       # a group's first R rows
+    dot_rp = make_qdot(kind, group, R, lanes, vnni, ahead)       # a group's first R rows
     batch = R == 4                             # decode batches of 8-15 rows: the first 8 in one pass
-    dot_8p = make_qdot(kind, group, 8 if batch else R, lanes, vnni, PREFETCH_BYTES)
-    dot_4 = make_qdot(kind, group, min(R, 4), lanes, vnni, PREFETCH_BYTES)
-    dot_2 = make_qdot(kind, group, min(R, 2), lanes, vnni, PREFETCH_BYTES)
-    dot_1 = make_qdot(kind, group, 1, lanes, vnni, PREFETCH_BYTES)
+    dot_8p = make_qdot(kind, group, 8 if batch else R, lanes, vnni, ahead)
+    dot_4 = make_qdot(kind, group, min(R, 4), lanes, vnni, ahead)
+    dot_2 = make_qdot(kind, group, min(R, 2), lanes, vnni, ahead)
+    dot_1 = make_qdot(kind, group, 1, lanes, vnni, ahead)
     if amx:                                    # (None otherwise: the branch below is pruned, never compiled)
         tiles, dot_t, unpack = (amx_kernels.make_config(), amx_kernels.make_qdot_tiles(kind),
                                 amx_kernels.make_unpack(kind))

@@ -9,8 +9,9 @@ GGUF type   kind        values per row (``K`` columns), before interleaving
 Q4_0, Q4_1  ``"q4"``    the file's nibble bytes, unchanged (byte j of a 32-block holds element j low,
                         element j+16 high); ``scale``, ``minv`` per 32-block: value = scale * q + minv
                         (Q4_0: minv = -8 * scale)
-Q4_K        ``"q4"``    the same: each super-block's 6-bit sub-block scales and mins are multiplied
-                        out (d * sc, -dmin * m) and its nibbles re-paired into the Q4_1 order
+Q4_K        ``"q4k"``   the file's super-block bytes after d and dmin (12 bytes of 6-bit sub-block
+                        scales and mins, 128 nibble bytes), unchanged; ``scale`` d, ``minv`` -dmin per
+                        super-block (256 columns): value = d * sc * q + (-dmin) * m
 Q2_K, Q3_K  ``"q4s"``   nibbles as "q4" at ``group`` 16, each 32-block's 16 bytes followed by its two
                         16-column groups' int8 scales, then mins; ``scale``, ``minv`` per super-block
                         (256 columns): value = scale * sc * q + minv * m. Q2_K: its 2-bit values, d and
@@ -18,8 +19,11 @@ Q2_K, Q3_K  ``"q4s"``   nibbles as "q4" at ``group`` 16, each 32-block's 16 byte
                         (the kernels may also take a "q4" weight at group 16, its planes per 16 columns)
 Q8_0        ``"q8"``    the values as bytes ``q + 128``, ``scale`` per 32-block (Q5_0 too, the 5-bit values
                         minus 16, where it shares one matrix with Q8_0 rows: :func:`widen_q5_0`)
-Q6_K        ``"q8"``    the same (the 6-bit values minus 32), ``scale`` per 16 columns (d * the int8
-                        sub-block scale); ``group`` 16
+Q6_K        ``"q6k"``   the file's super-block bytes but d (128 bytes of low nibbles, 64 of high bit
+                        pairs, 16 int8 sub-block scales), in blocks of 128 columns of 104 bytes whose
+                        four-byte words come in the order the kernel reads them
+                        (:data:`~streamattn.quant.levels.Q6K_WORDS`); ``scale`` d per super-block:
+                        value = d * sc * (q - 32); ``group`` 16
 Q5_0, Q5_1, ``"q5"``    the 5-bit values' low nibbles in the Q4_1 order, then 4 bytes of their fifth bits
 Q5_K                    per 32-block (byte p, bit t: element 4t + p); ``scale``, ``minv`` per 32-block
                         (Q5_0: minv = -16 * scale; Q5_K: d * sc, -dmin * m, as Q4_K)
@@ -37,20 +41,22 @@ bytes, lane n of vector s holding four consecutive bytes of row n: for "q8", its
 of the block (``steps`` = group / 4); for "q4"/"nl"/"q5", its nibble bytes 4s .. 4s + 3 of a 32-column
 block (``steps`` = 4, whatever the group; "q5"/"q4s": a fifth vector, the bit or scale bytes), whose low nibbles are
 the block's elements 4s .. 4s + 3 and high nibbles 16 + 4s ..: so a vector is one
-load and each lane is one weight row of the kernels' byte dot products. ``scale`` and ``minv`` are
-``[groups, blocks * lanes]``, block b's ``lanes`` values in a row. The q8 bytes are ``q + 128``
+load and each lane is one weight row of the kernels' byte dot products; for "q6k" (26 vectors per 128
+columns) and "q4k" (35 per 256), four bytes of the file's block as the table says. ``scale`` and
+``minv`` are ``[groups, blocks * lanes]`` ("q4s", "q6k", "q4k": one value per 256 columns), block b's
+``lanes`` values in a row. The q8 bytes are ``q + 128``
 because ``vpdpbusd`` multiplies unsigned by signed bytes (the kernels take 128 times the activations'
 sum back out, exactly); the "nl" kernel looks its nibbles up as the same biased bytes.
 
 Scale and min planes are stored as float16 bits (uint16) wherever float16 holds every value exactly
-(the file's own float16 scales: Q4_0, Q4_1, Q8_0, Q5_0; the products of Q4_K and Q6_K where they fit),
+(the file's own float16 scales: Q4_0, Q4_1, Q8_0, Q5_0, and the K-quants' super-block d, dmin),
 else as float32; the kernels widen float16 exactly, so the results are the same either way, and a
 decode step reads 13% fewer bytes (SmolLM2: 111 -> 96 MB).
 
 Every repacking is exact: :meth:`QWeight.dequantize` equals ``gguf.quants.dequantize`` of the file's
-bytes. Bytes per weight: Q4_0/Q4_1 0.625 (0.5 + two float16 per 32; Q4_K 0.75 where its products need
-float32), Q8_0 1.0625, Q6_K 1.125 or 1.25 (the 6-bit values are held as bytes, which the integer dot
-product reads directly), Q5_0, Q5_1 0.75 and Q5_K 0.75 or 0.875 (nibbles and a bit plane; Q5_0 beside
+bytes. Bytes per weight: Q4_0/Q4_1 0.625 (0.5 + two float16 per 32), Q4_K 0.5625 and Q6_K 0.8203 (the
+file's, whatever the values; :func:`widen_k` gives the layouts they had before, 0.625-0.75 and
+1.125-1.25), Q8_0 1.0625, Q5_0, Q5_1 0.75 and Q5_K 0.75 or 0.875 (nibbles and a bit plane; Q5_0 beside
 Q8_0 rows 1.0625),
 Q2_K and Q3_K 0.64 (int8 sub-block scales and mins), IQ4_NL 0.5625, IQ4_XS 0.5625 or 0.625
 (docs/DESIGN.md, "More GGUF types").
@@ -64,16 +70,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from streamattn.memory import trim_heap
-from streamattn.quant.levels import IQ4_VALUES
+from streamattn.quant.levels import IQ4_VALUES, Q6K_WORDS
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q3_K",
                    "Q2_K", "IQ4_NL", "IQ4_XS")
 #: The kinds the integer kernels run (:mod:`streamattn.quant.kernels`), then the float storages.
-INT_KINDS = ("q4", "q8", "q5", "nl", "q4s")
+INT_KINDS = ("q4", "q8", "q5", "nl", "q4s", "q6k", "q4k")
 KINDS = (*INT_KINDS, "f32", "f16", "bf16")
 #: The nibble kinds: 16 bytes per 32 columns (the Q4_1 order), "nl" indexing :data:`IQ4_VALUES`, "q5"
 #: followed by 4 bytes of fifth bits, "q4s" by 4 bytes of sub-block scales and mins.
 NIBBLE_KINDS = ("q4", "nl", "q5", "q4s")
+#: Bytes of one row of a "q6k" block (128 columns, half a Q6_K super-block): the file's 64 bytes of low
+#: nibbles, 32 of high bit pairs and 8 int8 sub-block scales of that half.
+Q6K_BYTES = 104
+#: Bytes of one row of a "q4k" block (256 columns, a Q4_K super-block): the file's 12 bytes of 6-bit
+#: sub-block scales and mins, then its 128 nibble bytes.
+Q4K_BYTES = 140
 
 
 #: The types :func:`pack` repacks with compiled kernels (:mod:`streamattn.quant.repack`); the others
@@ -91,18 +103,19 @@ class QWeight:
 
     Attributes
     ----------
-    kind : {"q4", "q8", "q5", "nl", "q4s", "f32", "f16", "bf16"}
+    kind : {"q4", "q8", "q5", "nl", "q4s", "q6k", "q4k", "f32", "f16", "bf16"}
     shape : (rows, cols)
     qs : array
         "q4"/"nl": uint8 [groups, cols/2 * lanes]; "q5"/"q4s": [groups, cols/32 * 20 * lanes]; "q8": uint8
-        [groups, cols * lanes] (values + 128), all interleaved (see the module docstring); "f32": float32,
+        [groups, cols * lanes] (values + 128); "q6k": [groups, cols/128 * 104 * lanes]; "q4k":
+        [groups, cols/256 * 140 * lanes], all interleaved (see the module docstring); "f32": float32,
         "f16"/"bf16": uint16 [rows, cols].
-    scale : [groups, cols/group * lanes] ("q4s": cols/256) or None
+    scale : [groups, cols/group * lanes] ("q4s", "q6k", "q4k": cols/256) or None
         float32, or float16 bits as uint16 where float16 is exact (see the module docstring);
         :meth:`floats` gives float32 either way.
-    minv : as ``scale``, or None   ("q4", "q5", "q4s")
+    minv : as ``scale``, or None   ("q4", "q5", "q4s", "q4k")
     group : int
-        Columns per scale (32, or 16 for Q6_K, Q2_K, Q3_K).
+        Columns per sub-block scale (32, or 16 for Q6_K, Q2_K, Q3_K).
     source : str
         The GGUF type the planes came from.
     lanes : int
@@ -183,6 +196,14 @@ def compact(plane: np.ndarray) -> np.ndarray:
 
 def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
     n = qs.shape[0]
+    if w.kind == "q6k":                                   # gguf's products: (d * sc) * (q - 32)
+        q, sc = _six_bit(qs)
+        v = (scale[:, :, None] * sc)[..., None] * (q.astype(np.float32) - 32).reshape(n, -1, 16, 16)
+        return v.reshape(n, -1)
+    if w.kind == "q4k":                                   # (d * sc) * q + (-dmin) * m, as gguf's d sc q - dmin m
+        q, sc, mn = _q4k_unpack(qs)
+        v = (scale[:, :, None] * sc)[..., None] * q + (minv[:, :, None] * mn)[..., None]
+        return v.reshape(n, -1)
     if w.kind == "f32":
         return np.array(qs, np.float32)
     if w.kind == "f16":
@@ -213,14 +234,16 @@ def _dequant(w: QWeight, qs, scale, minv) -> np.ndarray:
 
 def _steps(kind: str, group: int) -> int:
     """Four-byte vectors per block of one row: nibble kinds 16 bytes (32 columns, whatever the group;
-    "q5" 4 more, its fifth bits), "q8" ``group`` value bytes."""
+    "q5" 4 more, its fifth bits), "q6k" 104 (128 columns), "q4k" 140 (256), "q8" ``group`` value bytes."""
+    if kind in ("q6k", "q4k"):
+        return (Q6K_BYTES if kind == "q6k" else Q4K_BYTES) // 4
     return 5 if kind in ("q5", "q4s") else 4 if kind in NIBBLE_KINDS else group // 4
 
 
 def block_cols(kind: str, group: int) -> int:
     """Columns per block of the interleaved layout: 32 for the nibble kinds (one or two scale groups),
-    else the scale group."""
-    return 32 if kind in NIBBLE_KINDS else group
+    128 for "q6k" (half a Q6_K super-block), 256 for "q4k", else the scale group."""
+    return {"q6k": 128, "q4k": 256}.get(kind, 32 if kind in NIBBLE_KINDS else group)
 
 
 def interleave(w: QWeight, lanes: int) -> QWeight:
@@ -370,7 +393,7 @@ def pack(name: str, type_name: str, data: np.ndarray, shape: tuple, lanes: int |
     if type_name in REPACKED and lanes in (8, 16):  # compiled, parallel, the same planes (quant/repack.py)
         from streamattn.quant import repack
         qs, scale, minv = repack.repack(type_name, u8.reshape(n, k // block, -1), shape, lanes)
-        kind, _, group, _, _ = repack.TYPES[type_name]
+        kind, group = repack.TYPES[type_name][0], repack.TYPES[type_name][2]
         return QWeight(kind, shape, qs, repack.compact(scale), None if minv is None else repack.compact(minv), group,
                        type_name, lanes)
     return interleave(_PACKERS[type_name](u8.reshape(n, k // block, -1), shape), lanes)
@@ -424,30 +447,71 @@ def _k_scales_mins(s):
 
 
 def _q4_k(b, shape):
-    n = shape[0]
-    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]          # [n, ns, 1]
-    sc, mn = _k_scales_mins(b[..., 4:16].astype(np.uint8))                         # [n, ns, 8] each
-    q = b[..., 16:144].reshape(n, -1, 4, 2, 16)                                    # [n, ns, group, half, 16]
-    lo, hi = q[..., 0, :], q[..., 1, :]                                            # bytes j and j + 16
-    even = (lo & 15) | ((hi & 15) << 4)                                            # sub-block 2g: low nibbles
-    odd = (lo >> 4) | (hi & 0xF0)                                                  # sub-block 2g+1: high nibbles
-    qs = np.stack([even, odd], -2).reshape(n, -1)                                  # [n, K/2], Q4_1 order
-    return QWeight("q4", shape, qs, (d * sc).reshape(n, -1).astype(np.float32),
-                   (-(dmin * mn)).reshape(n, -1).astype(np.float32), source="Q4_K")
+    return QWeight("q4k", shape, b[..., 4:144].reshape(shape[0], -1), _f16(b[..., 0:2]), -_f16(b[..., 2:4]),
+                   source="Q4_K")
+
+
+def _q4k_unpack(qs):
+    """A "q4k" weight's row-major bytes [n, K/256 * 140] -> float32 (values 0..15 [n, K/256, 8, 32] per
+    sub-block, the 6-bit scales and mins [n, K/256, 8] each): gguf's Q4_K unpacking."""
+    n = qs.shape[0]
+    b = qs.reshape(n, -1, Q4K_BYTES)
+    sc, mn = _k_scales_mins(b[..., 0:12])
+    q = (b[..., 12:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]) & 15   # [n, ns, 4, 2, 32]
+    return q.reshape(n, -1, 8, 32).astype(np.float32), sc.astype(np.float32), mn.astype(np.float32)
 
 
 def _q6_k(b, shape):
     n = shape[0]
-    ql, qh = b[..., 0:128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 32)
-    sc = b[..., 192:208].view(np.int8).astype(np.float32)                         # [n, ns, 16]
-    d = _f16(b[..., 208:210])[..., None]
-    q1 = (ql[..., :32] & 15) | ((qh & 3) << 4)
-    q2 = (ql[..., 32:] & 15) | (((qh >> 2) & 3) << 4)
-    q3 = (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4)
-    q4 = (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)
-    q = np.concatenate([q1, q2, q3, q4], -1).astype(np.int16) - 32                 # [n, ns, 2, 128]
-    return QWeight("q8", shape, q.astype(np.int8).reshape(n, -1), (d * sc).reshape(n, -1).astype(np.float32),
-                   group=16, source="Q6_K")
+    at = _q6k_sources()                                                            # [2, 104]
+    return QWeight("q6k", shape, b[..., at].reshape(n, -1), _f16(b[..., 208:210]), group=16, source="Q6_K")
+
+
+def _q6k_sources() -> np.ndarray:
+    """int [2, 104]: the file's super-block byte behind each byte of a "q6k" row's two blocks."""
+    word = np.array(Q6K_WORDS)
+    step = np.where(word < 128, 64, np.where(word < 192, 32, 8))                   # the second half's shift
+    return ((word + step * np.arange(2)[:, None])[..., None] + np.arange(4)).reshape(2, -1)
+
+
+def _q6k_file_order(qs):
+    """A "q6k" weight's row-major bytes [n, K/128 * 104] as the file's ql, qh and scale bytes [n, K/256, 208]."""
+    n = qs.shape[0]
+    out = np.empty((n, qs.shape[1] // 208, 208), np.uint8)
+    out[..., _q6k_sources()] = qs.reshape(n, -1, 2, 104)
+    return out
+
+
+def _six_bit(qs):
+    """A "q6k" weight's row-major bytes [n, K/128 * 104] -> (the 6-bit values 0..63 [n, K/256, 256] in
+    column order, the int8 sub-block scales as float32 [n, K/256, 16]): gguf's Q6_K unpacking."""
+    n = qs.shape[0]
+    f = _q6k_file_order(qs)                                                        # [n, ns, 208]
+    ql, qh = f[..., 0:128].reshape(n, -1, 2, 64), f[..., 128:192].reshape(n, -1, 2, 32)
+    q = np.concatenate([(ql[..., :32] & 15) | ((qh & 3) << 4), (ql[..., 32:] & 15) | (((qh >> 2) & 3) << 4),
+                        (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4), (ql[..., 32:] >> 4) | ((qh >> 6) << 4)], -1)
+    return q.reshape(n, -1, 256), f[..., 192:208].view(np.int8).astype(np.float32)
+
+
+def widen_k(w: QWeight) -> QWeight:
+    """A "q6k" or "q4k" weight in the layout its type had before (1.125-1.25 and 0.625-0.75 bytes per
+    weight): "q6k" as kind "q8" at group 16 (the values as bytes, d times each int8 sub-block scale in a
+    float plane per 16 columns), "q4k" as kind "q4" (nibbles in the Q4_1 order, d * sc and -(dmin * m)
+    in float planes per 32 columns), interleaved as ``w``. The same values, and the kernels give it the
+    same bits (the same float32 products, the same exact integer sums): for tests and benchmarks that
+    compare the two."""
+    if w.kind not in ("q6k", "q4k"):
+        raise ValueError(f"widen_k takes a weight packed as 'q6k' or 'q4k' (got kind {w.kind!r} from {w.source!r})")
+    qs, d, dmin = w.row_major()
+    n, k = w.shape
+    if w.kind == "q4k":
+        q, sc, mn = _q4k_unpack(qs)
+        return interleave(QWeight("q4", w.shape, _nibbles(q.reshape(n, -1, 32)), (d[:, :, None] * sc).reshape(n, -1),
+                                  (dmin[:, :, None] * mn).reshape(n, -1), 32, w.source), w.lanes)
+    q, sc = _six_bit(qs)
+    values = (q.astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+    return interleave(QWeight("q8", w.shape, values, (d[:, :, None] * sc).reshape(n, -1), None, 16, w.source),
+                      w.lanes)
 
 
 def _nibbles(q):
