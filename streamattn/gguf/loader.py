@@ -105,7 +105,8 @@ def open_container(path: str) -> GGUFFile:
                              "file is truncated or corrupt - re-download it") from e
 
 
-WEIGHT_KINDS = ("quant", "f32", "gguf")
+WEIGHT_KINDS = ("quant", "f32")                  # what a user picks (--weights)
+LOAD_KINDS = WEIGHT_KINDS + ("gguf",)            # and the GPU's, picked by the backend (options.file_weights)
 
 
 def load_header(path: str) -> tuple:
@@ -154,8 +155,8 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
     >>> m.config.n_layers, m.weights["blk.0.attn_q.weight"].shape
     (30, (576, 576))
     """
-    if weights not in WEIGHT_KINDS:
-        raise ValueError(f"weights must be one of {WEIGHT_KINDS} (got {weights!r})")
+    if weights not in LOAD_KINDS:
+        raise ValueError(f"weights must be one of {LOAD_KINDS} (got {weights!r})")
     path = os.fspath(path)
     reader = open_container(path)
     md = read_metadata(reader, path)
