@@ -125,6 +125,39 @@ def test_quantized_and_mixed_caches_run_compiled_with_the_array_layers_bits(tmp_
     assert_same(got, want)
 
 
+def test_another_cache_storage_compiles_only_its_attend_op(tmp_path, monkeypatch):
+    """The layer is compiled once whatever its cache stores: a storage, window, sinks or rotation not run
+    before adds no specialization of run_layer (whose code holds the matmuls, norms and RoPE), and what
+    Numba compiles for it starts at that storage's copy of the attend op (its kernels below it)."""
+    from numba.core import event
+    layer_fn = compiled.run_layer
+    tf = tiny(tmp_path, "llama")
+    prompt = [[5, 9, 3, 17]]
+    run(tf, True, prompt, 1, dtype="float32")
+    layers = list(layer_fn.signatures)
+    copies = set(compiled.ATTENDS.values())
+    started, depth = [], [0]                         # dispatchers whose compile began outside any other
+
+    class Starts(event.Listener):
+        def on_start(self, ev):
+            if depth[0] == 0:
+                started.append(ev.data["dispatcher"])
+            depth[0] += 1
+
+        def on_end(self, ev):
+            depth[0] -= 1
+    spy = Spy(monkeypatch)
+    cases = [dict(dtype="float16"), dict(dtype="q8_0", rotate_k=True), dict(dtype="q4_0", dtype_v="float16"),
+             dict(dtype="bfloat16", mode="sinks", window=5, sinks=2)]
+    with event.install_listener("numba:compile", Starts()):
+        for kw in cases:
+            run(tf, True, prompt, 1, **kw)
+    assert spy.done == 2 * len(cases) * tf.config.n_layers          # every layer ran compiled
+    assert layer_fn.signatures == layers
+    assert set(started) <= copies, f"compiled for a new storage: {[d.py_func.__qualname__ for d in started]}"
+    assert all(compiled.ATTENDS[pair].signatures for pair in [("16", "16"), ("q", "q"), ("q", "16")])
+
+
 @pytest.mark.parametrize("dtype,mode", [("q4_0", "full"), ("q8_0", "window"), ("q8_0", "sinks")])
 def test_default_quantized_caches(tmp_path, monkeypatch, dtype, mode):
     """The defaults for a quantized K: keys rotated, and a sinks cache keeps its sinks in float16 (its k/v

@@ -16,6 +16,9 @@ The attend op stages the step's K and V as the cache stores them, each by its ow
 is, float16/bfloat16 patterns: :func:`stored_16`; q8_0/q4_0 blocks: :func:`stored_quantized`, the same
 quantizer as the cache's), writes them and runs the CPU attention over the ring (quantized rows read in
 place). A ``rotate_k`` cache gets its keys and the queries rotated first (:func:`streamattn.rotation.rotate_rows`).
+That op is the one part that differs between storages, so it is compiled apart (:data:`ATTENDS`, one copy
+per pair of K and V storage classes) and called through its address; the layer sees the cache's storage
+as bytes, and so is compiled once for every storage (docs/DESIGN.md §15).
 
 A ragged step (``counts``: some rows padding, as when a prompt chunk shares the step with decoding
 sequences) runs compiled too: the cache writes and attends each sequence's counts[b] tokens, and the
@@ -31,11 +34,13 @@ from __future__ import annotations
 import dataclasses
 import operator
 import weakref
+import zlib
 from collections import namedtuple
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, prange, typeof, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from streamattn import kernel_cache, storage
@@ -61,18 +66,20 @@ kernel_cache.register(__name__, depends_on=[cpu, heads_kernel, layer, qmatmul, r
 #: pairing, attention scale, activation, attention soft cap (None, typed ``none``: a layer compiled without
 #: the cap's code; else float32).
 Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu softcap")
-#: A layer's cache: storage bits (kst, vst [B, Hk, slots, D]; q8_0/q4_0: uint8 [B, Hk, slots, row bytes]),
-#: what the attention reads (ka, va: the float32 array, or the bits), the counters, the geometry (window 0:
-#: causal; max_len 0: none), the finite check, K's and V's storage (``kind``, ``kind_v``: cpu.KIND, 0 float32,
-#: 1 float16, 2 bfloat16, 3 q8_0, 4 q4_0) and the exponent bits of each (0 for a quantized one), and ``mixed``:
-#: K and V differ or are quantized, so the finite check runs per array (storage.first_not_finite), not in
-#: write_rows;
+#: A layer's cache: its storage as bytes (kst, vst: uint8 [B, Hk, slots, row bytes], whatever the storage, so
+#: that one compiled layer serves every storage: the attend op views them as its own types), the counters,
+#: the geometry (window 0: causal; max_len 0: none), the finite check, K's and V's storage (``kind``,
+#: ``kind_v``: cpu.KIND, 0 float32, 1 float16, 2 bfloat16, 3 q8_0, 4 q4_0) and the exponent bits of each (0 for
+#: a quantized one), and ``mixed``: K and V differ or are quantized, so the finite check runs per array
+#: (storage.first_not_finite), not in write_rows;
 #: ``rotate``: keys stored as ``k @ H`` and queries scored as ``q @ H`` (streamattn.rotation); ``vround``: the
 #: factors a q4_0 V is rounded with (float64 [Hk, D, D], ``Transformer.value_rounding``), else [0, 0, 0];
 #: ``ksearch``: a q4_0 K's block scales searched and its codes rounded for the step's queries
-#: (``Transformer.key_search``).
-Kv = namedtuple("Kv", "kst vst ka va lengths last_counts held_from sinks ring window max_chunk max_len "
-                      "check expbits kind kind_v expbits_v mixed rotate vround ksearch")
+#: (``Transformer.key_search``); ``attend``, ``code``: the address of the compiled :data:`ATTENDS` copy for
+#: these storages, and ``9 * _types_code(argument types it was compiled for) + _storage_pair(kind, kind_v)``
+#: (0, 0: none bound, :meth:`CompiledLayers.bound`).
+Kv = namedtuple("Kv", "kst vst lengths last_counts held_from sinks ring window max_chunk max_len "
+                      "check expbits kind kind_v expbits_v mixed rotate vround ksearch attend code")
 #: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread
 #: (True / False, or None: one thread, decided when the layer is typed, so that its parallel kernels are
 #: never compiled: :func:`streamattn.threads.serial_kernels`), int64 [1] set to 1 by a layer whose chunk
@@ -329,9 +336,6 @@ def _rows(out, lse, serial):
     return heads_to_rows_parallel(out, lse)
 
 
-_STAGE = {types.uint32: _stage_32, types.uint16: _stage_16, types.uint8: _stage_quantized}
-
-
 @njit(cache=True)
 def _refuses(kv, counts):
     """Whether the array layer would grow the cache or refuse a chunk of counts[b] tokens for sequence b
@@ -351,33 +355,107 @@ def _refuses(kv, counts):
     return False
 
 
-@overload(layer.attend)
-def _attend(q, k, v, at):
-    stage_k, stage_v = (_STAGE[at.types[1].types[i].dtype] for i in (0, 1))   # by kst's and vst's bits
+#: Each storage's element as written (bits) and as the attention reads it, by cpu.KIND; and the name of
+#: its class: float32, 16-bit patterns, quantized rows.
+_READS = {0: ("32", np.uint32, np.float32), 1: ("16", np.uint16, np.uint16), 2: ("16", np.uint16, np.uint16),
+          3: ("q", np.uint8, np.uint8), 4: ("q", np.uint8, np.uint8)}
+_STAGE = {"32": _stage_32, "16": _stage_16, "q": _stage_quantized}
 
-    def impl(q, k, v, at):
-        cfg, kv, step = at
+
+def _attend_kernel(k_class: str, v_class: str):
+    """:func:`attend_stored` for K stored as ``k_class`` and V as ``v_class`` (names of :data:`_READS`)."""
+    (_, k_bits, k_read), (_, v_bits, v_read) = (next(r for r in _READS.values() if r[0] == c)
+                                                for c in (k_class, v_class))
+    stage_k, stage_v = _STAGE[k_class], _STAGE[v_class]
+
+    def attend_stored(q, k, v, kv, scale, softcap, counts, status, serial):
+        """The attend op of the compiled layer: stage the step's K and V (float32 [B, Hk, T, D]) as the cache
+        stores them, write them (refused whole if not finite: status[0] = 1, NaN rows), attend q (float32
+        [B, H, T, D]) over the ring; the heads' outputs as rows [B*T, H*D]. ``kv``: a :class:`Kv`, its
+        storage as bytes, viewed here as this copy's types; ``scale``, ``softcap``: :class:`Cfg`'s;
+        ``counts``, ``status``, ``serial``: :class:`Step`'s."""
         B, Hk, T, D = k.shape
-        counts = step.counts
+        kst, vst = kv.kst.view(k_bits), kv.vst.view(v_bits)     # [B, Hk, slots, D or row bytes] as written
         if kv.rotate:                                 # streamattn.rotation: keys stored, queries scored as x @ H
             k, q = rotate_rows(np.ascontiguousarray(k)), rotate_rows(np.ascontiguousarray(q))
-        ks = stage_k(k, kv.kind, kv.kst.shape[3], counts, step.serial, _NO_ROUNDING, kv.ksearch, q)
-        vs = stage_v(v, kv.kind_v, kv.vst.shape[3], counts, step.serial, kv.vround, False, q)
+        ks = stage_k(k, kv.kind, kst.shape[3], counts, serial, _NO_ROUNDING, kv.ksearch, q)
+        vs = stage_v(v, kv.kind_v, vst.shape[3], counts, serial, kv.vround, False, q)
         refused = kv.check and kv.mixed and (first_not_finite(ks, counts, kv.kind, kv.expbits) >= 0
                                              or first_not_finite(vs, counts, kv.kind_v, kv.expbits_v) >= 0)
-        if refused or write_rows(kv.kst, kv.vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks,
+        if refused or write_rows(kst, vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks,
                                  kv.ring, kv.window > 0, kv.check and not kv.mixed, kv.expbits) >= 0:
-            step.status[0] = 1                       # not finite as stored: nothing written (see run_layer)
+            status[0] = 1                             # not finite as stored: nothing written (see run_layer)
             return np.full((B * T, q.shape[1] * D), np.nan, np.float32)
-        qs = q * np.float32(cfg.scale)
-        out, lse = cpu.attend_all(qs, qs, kv.ka, kv.va, kv.lengths, counts, kv.window, kv.sinks, kv.kind, kv.kind_v,
-                                   cfg.softcap, step.serial)
-        return _rows(out, lse, step.serial)
+        qs = q * np.float32(scale)
+        out, lse = cpu.attend_all(qs, qs, kv.kst.view(k_read), kv.vst.view(v_read), kv.lengths, counts, kv.window,
+                                  kv.sinks, kv.kind, kv.kind_v, softcap, serial)
+        return _rows(out, lse, serial)
+    return attend_stored
+
+
+#: attend_stored for each pair of K and V storage classes, each copy under its own name.
+ATTENDS = {(kc, vc): njit(cache=True)(variant(_attend_kernel(kc, vc), f"k{kc}_v{vc}"))
+           for kc in ("32", "16", "q") for vc in ("32", "16", "q")}
+#: The types of q, k, v in the attend op (heads_rope's arrays), and of its result.
+_HEADS = types.Array(types.float32, 4, "C")
+_OUT_ROWS = types.Array(types.float32, 2, "C")
+
+
+def _attend_types(kv_type, scale_type, softcap_type, counts_type, status_type, serial_type) -> tuple:
+    return (_HEADS, _HEADS, _HEADS, kv_type, scale_type, softcap_type, counts_type, status_type, serial_type)
+
+
+def _types_code(argtypes) -> int:
+    """A number for a tuple of Numba types, the same in every process (their names' CRC-32)."""
+    return zlib.crc32("|".join(map(str, argtypes)).encode())
+
+
+@njit(cache=True)
+def _storage_pair(kind, kind_v):
+    """0..8 for the pair of K's and V's storage classes (cpu.KIND: float32; float16 or bfloat16; quantized)."""
+    return (0 if kind == 0 else 1 if kind <= 2 else 2) * 3 + (0 if kind_v == 0 else 1 if kind_v <= 2 else 2)
+
+
+@intrinsic
+def _attend_code(typingctx, kv, scale, softcap, counts, status, serial):
+    """The :func:`_types_code` of the attend op's argument types, as a constant."""
+    code = _types_code(_attend_types(kv, scale, softcap, counts, status, serial))
+
+    def codegen(context, builder, signature, args):
+        return context.get_constant(types.int64, code)
+    return types.int64(kv, scale, softcap, counts, status, serial), codegen
+
+
+@intrinsic
+def _call_attend(typingctx, address, q, k, v, kv, scale, softcap, counts, status, serial):
+    """Call the compiled function at ``address`` (Numba's own calling convention) on the other arguments:
+    the :data:`ATTENDS` copy that :meth:`CompiledLayers.bound` compiled for these argument types (checked
+    first: :func:`run_layer`). A call through an address, rather than to a function Numba links in, keeps
+    the cache's storage out of the layer's compiled code (docs/DESIGN.md §15)."""
+    argtypes = (q, k, v, kv, scale, softcap, counts, status, serial)
+    if (q, k, v) != (_HEADS,) * 3:
+        raise TypeError(f"the attend op takes q, k, v as {_HEADS} (got {q}, {k}, {v})")
+
+    def codegen(context, builder, signature, args):
+        fnty = context.call_conv.get_function_type(_OUT_ROWS, argtypes)
+        fn = builder.inttoptr(args[0], fnty.as_pointer())
+        status_, res = context.call_conv.call_function(builder, fn, _OUT_ROWS, argtypes, args[1:])
+        with cgutils.if_unlikely(builder, status_.is_error):
+            context.call_conv.return_status_propagate(builder, status_)
+        return res
+    return _OUT_ROWS(address, *argtypes), codegen
+
+
+@overload(layer.attend)
+def _attend(q, k, v, at):
+    def impl(q, k, v, at):
+        cfg, kv, step = at
+        return _call_attend(kv.attend, q, k, v, kv, cfg.scale, cfg.softcap, step.counts, step.status, step.serial)
     return impl
 
 
-#: The compiled layer (one specialization per block kinds and cache storage: the model's sizes are
-#: numbers in ``at``), inlined into :func:`run_layer` as Numba IR: compiled on its own, its whole module
+#: The compiled layer (one specialization per block kinds: the model's sizes and the cache's storage and
+#: geometry are values in ``at``), inlined into :func:`run_layer` as Numba IR: compiled on its own, its whole module
 #: was optimized once for it and again inside run_layer's (measured: docs/perf/2026-12-05.md).
 compiled_layer = njit(cache=True, inline="always")(layer.decoder_layer)
 
@@ -388,8 +466,13 @@ def run_layer(x, w, at):
     the cache as they were. The cache's checks that come before a write run first (:func:`_refuses`); a
     chunk refused as not finite (found inside, after the projections) leaves its mark in ``status`` and
     x is put back. (No exception leaves the layer: Numba does not free the arrays a raising function
-    holds, ~2 MB a layer in a prefill chunk.)"""
-    kv, step = at[1], at[2]
+    holds, ~2 MB a layer in a prefill chunk.) A Kv whose attend copy was compiled for other types than
+    this call's does nothing either, with status 2 (:meth:`CompiledLayers.run` raises)."""
+    cfg, kv, step = at
+    if kv.code != _attend_code(kv, cfg.scale, cfg.softcap, step.counts, step.status, step.serial) * 9 \
+            + _storage_pair(kv.kind, kv.kind_v):
+        step.status[0] = 2
+        return False
     if _refuses(kv, step.counts):
         return False
     step.status[0] = 0
@@ -431,17 +514,27 @@ def _cache_sources(cache) -> tuple:
 
 
 def bind_cache(cache, vround=None, ksearch=False) -> Kv:
-    """The :class:`Kv` of a CPU cache (views of its arrays, its geometry); ``vround``: its layer's
-    ``Transformer.value_rounding`` (None: V rounded to nearest); ``ksearch``: ``Transformer.key_search``."""
+    """The :class:`Kv` of a CPU cache (views of its arrays, its geometry; no attend copy bound); ``vround``:
+    its layer's ``Transformer.value_rounding`` (None: V rounded to nearest); ``ksearch``:
+    ``Transformer.key_search``."""
     spec = cache.spec
-    kst, vst = bits(cache.k), bits(cache.v)
-    ka = cache.k if spec.dtype == "float32" else kst
-    va = cache.v if spec.v_dtype == "float32" else vst
-    return Kv(kst, vst, ka, va, cache.lengths, cache.last_counts, cache.held_from, spec.sinks, cache.ring,
-              spec.window or 0, spec.max_chunk, spec.max_len or 0, spec.check_finite,
-              EXPONENT_BITS.get(spec.dtype, 0), cpu.KIND[spec.dtype], cpu.KIND[spec.v_dtype],
+    return Kv(bits(cache.k).view(np.uint8), bits(cache.v).view(np.uint8), cache.lengths, cache.last_counts,
+              cache.held_from, spec.sinks, cache.ring, spec.window or 0, spec.max_chunk, spec.max_len or 0,
+              spec.check_finite, EXPONENT_BITS.get(spec.dtype, 0), cpu.KIND[spec.dtype], cpu.KIND[spec.v_dtype],
               EXPONENT_BITS.get(spec.v_dtype, 0), spec.dtype_v is not None or spec.dtype in QUANTIZED,
-              bool(spec.rotate_k), _NO_ROUNDING if vround is None else vround, bool(ksearch))
+              bool(spec.rotate_k), _NO_ROUNDING if vround is None else vround, bool(ksearch), 0, 0)
+
+
+def attend_address(argtypes: tuple, storages: tuple) -> int:
+    """The address of the :data:`ATTENDS` copy for ``storages`` (K's and V's cpu.KIND) compiled, or loaded
+    from Numba's disk cache, for ``argtypes`` (:func:`_attend_types`): the only code that differs between
+    storages, compiled apart from the layer (docs/DESIGN.md §15)."""
+    fn = ATTENDS[_READS[storages[0]][0], _READS[storages[1]][0]]
+    fn.compile(argtypes)
+    result = fn.overloads[argtypes]
+    if result.signature.return_type != _OUT_ROWS:
+        raise TypeError(f"attend_stored returned {result.signature.return_type} for {argtypes}; expected {_OUT_ROWS}")
+    return result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
 
 
 class CompiledLayers:
@@ -462,7 +555,8 @@ class CompiledLayers:
         self.layers = tf.layers
         self.sources = [_sources(lw) for lw in tf.layers]
         self.weights = [bind_weights(lw, self.plan) for lw in tf.layers]
-        self.caches = {}                            # id(cache) -> (weakref to it, its arrays bound, Kv)
+        self.caches = {}                            # id(cache) -> [weakref to it, its arrays bound, Kv]
+        self.attends = {}                           # (attend op's argument types, storage pair) -> (address, code)
         self.value_rounding, self.key_search = tf.value_rounding, tf.key_search
 
     def kv(self, cache, vround=None) -> Kv:
@@ -472,10 +566,26 @@ class CompiledLayers:
         src = _cache_sources(cache) + (vround,)
         if b is None or not all(map(operator.is_, b[1], src)):
             key, table = id(cache), self.caches
-            b = (weakref.ref(cache, lambda _, key=key: table.pop(key, None)), src,
-                 bind_cache(cache, vround, self.key_search(cache.spec)))
+            b = [weakref.ref(cache, lambda _, key=key: table.pop(key, None)), src,
+                 bind_cache(cache, vround, self.key_search(cache.spec))]
             table[key] = b
         return b[2]
+
+    def bound(self, cache, vround, step: Step, again: bool = False) -> Kv:
+        """:meth:`kv` with its attend copy bound (:func:`attend_address`) for the types of ``step``'s
+        fields; ``again``: bound anew (a step of other types than the last)."""
+        kv = self.kv(cache, vround)
+        if kv.attend and not again:
+            return kv
+        argtypes = _attend_types(*map(typeof, (kv, self.cfg.scale, self.cfg.softcap, step.counts, step.status,
+                                               step.serial)))
+        key = argtypes, _storage_pair(kv.kind, kv.kind_v)
+        if key not in self.attends:
+            self.attends[key] = attend_address(argtypes, (kv.kind, kv.kind_v)), _types_code(argtypes) * 9 + key[1]
+        address, code = self.attends[key]
+        kv = kv._replace(attend=address, code=code)
+        self.caches[id(cache)][2] = kv
+        return kv
 
     def accepts(self, caches: list, T: int) -> bool:
         """Whether every layer's cache takes a chunk of T more tokens of its one sequence: a causal ring
@@ -510,18 +620,32 @@ class CompiledLayers:
         if w is None or cache.xp is not np:
             return False
         vround = self.value_rounding(i, cache.spec)
-        kv = self.kv(cache, vround)
-        if run_layer(x, w, (self.cfg, kv, step)):
+        kv = self.bound(cache, vround, step)
+        if self._run(x, w, cache, vround, step, kv):
             return True
         if kv.window:
             return False
         old = cache.k, cache.v
         if not self._grow(cache, step.counts):
             return False
-        if run_layer(x, w, (self.cfg, self.kv(cache, vround), step)):
+        if self._run(x, w, cache, vround, step, self.bound(cache, vround, step)):
             return True
         cache.k, cache.v = old                       # refused as not finite: the ring as it was (and its
         self.caches.pop(id(cache), None)             # contents, which write_rows left untouched)
+        return False
+
+    def _run(self, x, w, cache, vround, step: Step, kv: Kv) -> bool:
+        """:func:`run_layer`, with the attend copy bound again where the step's types are not those it was
+        bound for."""
+        if run_layer(x, w, (self.cfg, kv, step)):
+            return True
+        if step.status[0] != 2:
+            return False
+        if run_layer(x, w, (self.cfg, self.bound(cache, vround, step, again=True), step)):
+            return True
+        if step.status[0] == 2:
+            raise RuntimeError("the compiled attend op was bound for other argument types than the layer "
+                               "passes it (streamattn.models.compiled.CompiledLayers.bound)")
         return False
 
     @staticmethod
