@@ -158,6 +158,32 @@ def test_another_cache_storage_compiles_only_its_attend_op(tmp_path, monkeypatch
     assert all(compiled.ATTENDS[pair].signatures for pair in [("16", "16"), ("q", "q"), ("q", "16")])
 
 
+def test_an_attend_op_bound_for_another_storage_is_never_called(tmp_path, monkeypatch):
+    """A Kv whose attend copy was bound for other storages (or argument types) than its own: the layer
+    checks the code first and hands it back to be bound again, never calling through the wrong address,
+    and every layer still runs compiled with the array layers' bits."""
+    tf = tiny(tmp_path, "llama")
+    prompt = [[5, 9, 3, 17]]
+    want = run(tf, False, prompt, 2, dtype="float16")
+    tf.compile_layers = True
+    other = tf.new_caches(max_chunk=4, **PLAIN)                    # float32: its copy bound
+    tf.forward(np.array(prompt), other)
+    fast = tf._compiled
+    wrong = fast.kv(other[0])
+    caches = tf.new_caches(max_chunk=4, dtype="float16", **PLAIN)
+    for i, c in enumerate(caches):
+        fast.kv(c, tf.value_rounding(i, c.spec))
+        fast.caches[id(c)][2] = fast.caches[id(c)][2]._replace(attend=wrong.attend, code=wrong.code)
+    spy = Spy(monkeypatch)
+    out = [tf.forward(np.array(prompt), caches)]
+    for _ in range(2):
+        out.append(tf.forward(out[-1][:, -1:].argmax(-1), caches))
+    assert spy.done == 3 * tf.config.n_layers
+    bound = [fast.kv(c, tf.value_rounding(i, c.spec)) for i, c in enumerate(caches)]
+    assert all(kv.attend and kv.attend != wrong.attend and kv.code != wrong.code for kv in bound)
+    assert_same((out, caches), want)
+
+
 @pytest.mark.parametrize("dtype,mode", [("q4_0", "full"), ("q8_0", "window"), ("q8_0", "sinks")])
 def test_default_quantized_caches(tmp_path, monkeypatch, dtype, mode):
     """The defaults for a quantized K: keys rotated, and a sinks cache keeps its sinks in float16 (its k/v

@@ -355,18 +355,32 @@ def _refuses(kv, counts):
     return False
 
 
+def _stage(x, st, kind, counts, serial, rounding, search, queries):
+    """K or V of a step as stored in ``st`` (the storage, viewed as its bits), by their element type:
+    :func:`_stage_32`, :func:`_stage_16` or :func:`_stage_quantized`, chosen when typed."""
+
+
+@overload(_stage)
+def _stage_by_bits(x, st, kind, counts, serial, rounding, search, queries):
+    fn = {types.uint32: _stage_32, types.uint16: _stage_16, types.uint8: _stage_quantized}[st.dtype]
+
+    def impl(x, st, kind, counts, serial, rounding, search, queries):
+        return fn(x, kind, st.shape[3], counts, serial, rounding, search, queries)
+    return impl
+
+
 #: Each storage's element as written (bits) and as the attention reads it, by cpu.KIND; and the name of
 #: its class: float32, 16-bit patterns, quantized rows.
 _READS = {0: ("32", np.uint32, np.float32), 1: ("16", np.uint16, np.uint16), 2: ("16", np.uint16, np.uint16),
           3: ("q", np.uint8, np.uint8), 4: ("q", np.uint8, np.uint8)}
-_STAGE = {"32": _stage_32, "16": _stage_16, "q": _stage_quantized}
 
 
 def _attend_kernel(k_class: str, v_class: str):
-    """:func:`attend_stored` for K stored as ``k_class`` and V as ``v_class`` (names of :data:`_READS`)."""
+    """:func:`attend_stored` for K stored as ``k_class`` and V as ``v_class`` (names of :data:`_READS`).
+    It holds only dtypes: Numba keys a closure's cache files on its variables' pickled bytes, and a
+    dispatcher pickles differently in every process, so one held here would never be loaded."""
     (_, k_bits, k_read), (_, v_bits, v_read) = (next(r for r in _READS.values() if r[0] == c)
                                                 for c in (k_class, v_class))
-    stage_k, stage_v = _STAGE[k_class], _STAGE[v_class]
 
     def attend_stored(q, k, v, kv, scale, softcap, counts, status, serial):
         """The attend op of the compiled layer: stage the step's K and V (float32 [B, Hk, T, D]) as the cache
@@ -378,8 +392,8 @@ def _attend_kernel(k_class: str, v_class: str):
         kst, vst = kv.kst.view(k_bits), kv.vst.view(v_bits)     # [B, Hk, slots, D or row bytes] as written
         if kv.rotate:                                 # streamattn.rotation: keys stored, queries scored as x @ H
             k, q = rotate_rows(np.ascontiguousarray(k)), rotate_rows(np.ascontiguousarray(q))
-        ks = stage_k(k, kv.kind, kst.shape[3], counts, serial, _NO_ROUNDING, kv.ksearch, q)
-        vs = stage_v(v, kv.kind_v, vst.shape[3], counts, serial, kv.vround, False, q)
+        ks = _stage(k, kst, kv.kind, counts, serial, _NO_ROUNDING, kv.ksearch, q)
+        vs = _stage(v, vst, kv.kind_v, counts, serial, kv.vround, False, q)
         refused = kv.check and kv.mixed and (first_not_finite(ks, counts, kv.kind, kv.expbits) >= 0
                                              or first_not_finite(vs, counts, kv.kind_v, kv.expbits_v) >= 0)
         if refused or write_rows(kst, vst, ks, vs, kv.lengths, counts, kv.last_counts, kv.held_from, kv.sinks,
@@ -467,15 +481,15 @@ def run_layer(x, w, at):
     chunk refused as not finite (found inside, after the projections) leaves its mark in ``status`` and
     x is put back. (No exception leaves the layer: Numba does not free the arrays a raising function
     holds, ~2 MB a layer in a prefill chunk.) A Kv whose attend copy was compiled for other types than
-    this call's does nothing either, with status 2 (:meth:`CompiledLayers.run` raises)."""
+    this call's does nothing either, with status 2 (:meth:`CompiledLayers.run` binds it again)."""
     cfg, kv, step = at
     if kv.code != _attend_code(kv, cfg.scale, cfg.softcap, step.counts, step.status, step.serial) * 9 \
             + _storage_pair(kv.kind, kv.kind_v):
         step.status[0] = 2
         return False
+    step.status[0] = 0
     if _refuses(kv, step.counts):
         return False
-    step.status[0] = 0
     saved = x.copy() if kv.check else x[:0]
     compiled_layer(x, w, at)
     if step.status[0] != 0:
