@@ -634,25 +634,26 @@ class CompiledLayers:
         if w is None or cache.xp is not np:
             return False
         vround = self.value_rounding(i, cache.spec)
-        kv = self.bound(cache, vround, step)
-        if self._run(x, w, cache, vround, step, kv):
+        kv = self.kv(cache, vround)
+        if not kv.attend:
+            kv = self.bound(cache, vround, step)
+        if run_layer(x, w, (self.cfg, kv, step)) or self._again(x, w, cache, vround, step):
             return True
         if kv.window:
             return False
         old = cache.k, cache.v
         if not self._grow(cache, step.counts):
             return False
-        if self._run(x, w, cache, vround, step, self.bound(cache, vround, step)):
+        if run_layer(x, w, (self.cfg, self.bound(cache, vround, step), step)) \
+                or self._again(x, w, cache, vround, step):
             return True
         cache.k, cache.v = old                       # refused as not finite: the ring as it was (and its
         self.caches.pop(id(cache), None)             # contents, which write_rows left untouched)
         return False
 
-    def _run(self, x, w, cache, vround, step: Step, kv: Kv) -> bool:
-        """:func:`run_layer`, with the attend copy bound again where the step's types are not those it was
-        bound for."""
-        if run_layer(x, w, (self.cfg, kv, step)):
-            return True
+    def _again(self, x, w, cache, vround, step: Step) -> bool:
+        """After :func:`run_layer` did nothing: where that was because its attend copy was bound for other
+        types than this step's (status 2), bind it again and run the layer again."""
         if step.status[0] != 2:
             return False
         if run_layer(x, w, (self.cfg, self.bound(cache, vround, step, again=True), step)):
