@@ -83,3 +83,14 @@ def served(request):
     yield base, app.state.serve
     server.should_exit = True
     thread.join(30)
+
+
+@pytest.fixture
+def server(served):
+    """(base URL, state) of :func:`served`, its forced replies (tests/tool_templates.py ``force``) and
+    swapped template (``use_template``) undone after the test."""
+    from tool_templates import force, use_template
+    base, st = served
+    yield base, st
+    force(st, None)
+    use_template(st, None)

@@ -35,15 +35,6 @@ WRONG = {"name": "Paris", "population": "many", "capital": True}       # populat
 ASK = "Tell me about Paris."
 
 
-@pytest.fixture
-def server(served):
-    """(base URL, state) with the model's own replies and the file's own template restored after."""
-    base, st = served
-    yield base, st
-    force(st, None)
-    use_template(st, None)
-
-
 def compact(value) -> str:
     """JSON as the server's JSON-schema grammars write it (no whitespace between tokens)."""
     return json.dumps(value, separators=(",", ":"))

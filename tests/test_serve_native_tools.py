@@ -43,15 +43,6 @@ def calls_text(family: str, calls: list) -> str:
     return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
 
 
-@pytest.fixture
-def server(served):
-    """(base URL, state) with the file's own template and the model's own replies restored after."""
-    base, st = served
-    yield base, st
-    force(st, None)
-    use_template(st, None)
-
-
 @pytest.fixture(scope="module")
 def client(served):
     return openai.OpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0, timeout=300)
