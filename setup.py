@@ -2,7 +2,7 @@
 
 The CUDA sources live in kernels/ at the repository root (one place for the GPU backend, the NVRTC
 compile check and the CPU emulation harness). Wheels carry them as package data:
-build_py copies them into the build tree, and streamattn.backends.gpu_source.kernel_dir() looks there
+build_py copies them into the build tree, and streamattn.kv.backends.gpu_source.kernel_dir() looks there
 first, then in a checkout's kernels/. All metadata is in pyproject.toml.
 """
 import shutil

@@ -31,7 +31,7 @@ def _warm(model: str, storages: list) -> list:
     from streamattn.gguf.hub import resolve_model
     from streamattn.gguf.loader import load_gguf
     from streamattn.models.transformer import Transformer
-    from streamattn.threads import set_threads
+    from streamattn.runtime.threads import set_threads
     set_threads(1)
     tf = Transformer(load_gguf(resolve_model(model, quiet=True)))
     top, depth = [], []

@@ -5,7 +5,7 @@ and how much faster do quantized K/V rows (q8_0, q4_0: 1.0625 / 0.5625 bytes a v
 make it? For L in {4k, 32k, 128k}, B in {1, 16}, GQA 32/8, head_dim 128, float16, bfloat16, q8_0 and q4_0
 storage, each (L, B) point's kinds timed back to back:
 - correctness first: sequence 0 of every config against a float32 CuPy reference over the stored values
-  (quantized rows dequantized: streamattn.storage.dequantize);
+  (quantized rows dequantized: streamattn.kv.storage.dequantize);
 - the launches the backend makes (decode, merge) are captured once and replayed, so host-side Python
   does not enter the timing; a spin kernel holds the GPU while the replays are queued;
 - median over >= 50 launches, each between two CUDA events, rotating over enough cache copies that
@@ -31,10 +31,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from streamattn.backends import gpu, gpu_plan  # noqa: E402
-from streamattn.reference import TOLERANCE  # noqa: E402
-from streamattn.spec import BLOCK_BYTES, QBLOCK, QUANTIZED, row_width  # noqa: E402
-from streamattn.storage import dequantize  # noqa: E402
+from streamattn.kv.backends import gpu, gpu_plan  # noqa: E402
+from streamattn.kv.reference import TOLERANCE  # noqa: E402
+from streamattn.kv.spec import BLOCK_BYTES, QBLOCK, QUANTIZED, row_width  # noqa: E402
+from streamattn.kv.storage import dequantize  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "q8_0", "q4_0")
 # q8_0 / q4_0 block scales are drawn as c * (|N(0, 1)| + 1/2): stored values of about unit size, as the

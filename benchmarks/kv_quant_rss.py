@@ -16,7 +16,7 @@ import numpy as np
 from streamattn.gguf.hub import resolve_model
 from streamattn.gguf.loader import load_gguf
 from streamattn.models.transformer import Transformer
-from streamattn.storage import to_storage
+from streamattn.kv.storage import to_storage
 
 TOKENS = 65536
 

@@ -7,7 +7,7 @@ SmolLM2's post-RoPE queries and keys of every layer over --tokens tokens of the 
 attention hook), then per transform T: keys k -> q4_0(k T) T^-1, and per layer and query head the RMS
 of the score error q.(k_hat - k) over all (query, key) pairs divided by the std of the scores q.k, averaged
 over layers and heads (and the worst layer-head). Also the keys' relative squared error. Transforms: none;
-block Walsh-Hadamard of 32 (streamattn.rotation, the cache's); one Hadamard over all 64; each with fixed
+block Walsh-Hadamard of 32 (streamattn.kv.rotation, the cache's); one Hadamard over all 64; each with fixed
 random signs first; and the cache's blocks with a q4_0 scale searched per block for the least squared
 error (same format, other bytes). Nothing here changes what the cache stores: it measures what would.
 """
@@ -21,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from streamattn.rotation import hadamard                                        # noqa: E402
-from streamattn.storage import dequantize, quantize                             # noqa: E402
+from streamattn.kv.rotation import hadamard                                        # noqa: E402
+from streamattn.kv.storage import dequantize, quantize                             # noqa: E402
 
 
 def collect(text_path, tokens):

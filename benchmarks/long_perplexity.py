@@ -29,7 +29,7 @@ from streamattn.gguf.loader import load_gguf
 from streamattn.engine.perplexity import label, load_ids, perplexity, plot, progress_bar
 from streamattn.text.tokenizer import Tokenizer
 from streamattn.models.transformer import Transformer
-from streamattn.threads import set_threads
+from streamattn.runtime.threads import set_threads
 
 CONFIGS = {  # name -> perplexity() keywords
     "a": dict(cache="full"),

@@ -27,7 +27,7 @@ from streamattn.bench import report as benchreport, suites, sweep as bench
 from streamattn.gguf.loader import load_gguf
 from streamattn.gguf.hub import resolve_model
 from streamattn.models.transformer import Transformer
-from streamattn.threads import set_threads
+from streamattn.runtime.threads import set_threads
 
 SINKS = suites.SINKS
 
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=ints, default=(1, 8))
     ap.add_argument("--caches", type=lambda s: tuple(s.split(",")), default=("full", "window"),
                     help="comma list of full, window, sinks")
-    ap.add_argument("--threads", type=int, default=1, help="OpenBLAS + Numba threads (streamattn/threads.py)")
+    ap.add_argument("--threads", type=int, default=1, help="OpenBLAS + Numba threads (streamattn/runtime/threads.py)")
     ap.add_argument("--model", default=None, help="GGUF path or known name (default: smollm2-135m)")
     ap.add_argument("--window", type=int, default=512, help="visible keys of window/sinks caches")
     ap.add_argument("--chunk", type=int, default=64, help="prefill tokens per forward call")

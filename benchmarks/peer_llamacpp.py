@@ -264,7 +264,7 @@ def plot(rows: list, path: Path) -> bool:
 def resolve_path(name: str) -> Path:
     """``streamattn.gguf.hub.resolve_model(name)``, asked of a child process. This process must not load
     Numba: a page of its LLVM library mapped here too stays resident in our engine's process, whose
-    release of those pages (streamattn.memory.release_compiler_pages) skips shared ones, and its peak
+    release of those pages (streamattn.runtime.memory.release_compiler_pages) skips shared ones, and its peak
     RSS read 287-289 MB here against 267 MB for the same command run alone (2026-12-01)."""
     code = "import sys; from streamattn.gguf.hub import resolve_model; print(resolve_model(sys.argv[1]))"
     out = subprocess.run([sys.executable, "-c", code, name], cwd=ROOT, check=True, capture_output=True, text=True)

@@ -34,7 +34,7 @@ from streamattn.gguf.hub import resolve_model
 from streamattn.gguf.loader import load_gguf
 from streamattn.text.tokenizer import Tokenizer
 from streamattn.models.transformer import Transformer
-from streamattn.threads import set_threads
+from streamattn.runtime.threads import set_threads
 
 PROMPT = Path(__file__).resolve().parent / "data" / "prompt_rome.txt"
 

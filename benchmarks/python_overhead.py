@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from streamattn.threads import set_threads
+from streamattn.runtime.threads import set_threads
 
 
 def _median_step(tf, caches, tok, n):
@@ -36,7 +36,7 @@ def main():
     ap.add_argument("--array-layers", action="store_true", help="run every layer as array code (no compiled layers)")
     args = ap.parse_args()
     set_threads(1)
-    from streamattn.backends import cpu
+    from streamattn.kv.backends import cpu
     from numba import njit
     from streamattn.models import compiled, heads_kernel
     from streamattn.quant import matmul as qmatmul

@@ -20,7 +20,7 @@ from numba import njit
 
 from streamattn.quant.matmul import qmatmul
 from streamattn.quant.weights import pack
-from streamattn.threads import set_threads
+from streamattn.runtime.threads import set_threads
 
 SHAPES = [("Q4_1", 1536 * 2, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q5_0", 2048 * 2, 640),
           ("Q4_K", 640, 1024), ("Q6_K", 640, 2048)]

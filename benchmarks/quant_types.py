@@ -20,7 +20,7 @@ import numpy as np
 from streamattn.bench.ceiling import Ceiling
 from streamattn.quant.matmul import qmatmul
 from streamattn.quant.weights import SUPPORTED_TYPES, pack
-from streamattn.threads import set_threads
+from streamattn.runtime.threads import set_threads
 
 #: (block columns, block bytes, offset of the float16 scales, their count) of the types gguf-py cannot
 #: quantize (the same table as tests/_model_util.py's RANDOM_BLOCKS).

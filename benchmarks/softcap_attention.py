@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/softcap_attention.py [--contexts 512,4096] [--repeats 7] [--threads 1]
 
 One decode query per sequence (Gemma-2 2B's shape: 8 query heads over 4 kv heads of 256, a float16 cache)
-attends over ``context`` keys through ``streamattn.backends.cpu.attend``, without a cap and with one of
+attends over ``context`` keys through ``streamattn.kv.backends.cpu.attend``, without a cap and with one of
 50 (the models' value), alternating the two in every repeat; before timing, the capped output is
 checked against the float64 oracle with the cap. Prints the median microseconds of each, the ratio,
 and the K/V bytes read per call over the time, next to the read-bandwidth ceiling probed in the same
@@ -18,10 +18,10 @@ import time
 
 import numpy as np
 
-from streamattn import reference
-from streamattn.backends import cpu
+from streamattn.kv import reference
+from streamattn.kv.backends import cpu
 from streamattn.bench.ceiling import Ceiling
-from streamattn.threads import set_threads
+from streamattn.runtime.threads import set_threads
 
 Q_HEADS, KV_HEADS, HEAD_DIM, CAP = 8, 4, 256, 50.0
 

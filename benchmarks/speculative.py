@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from streamattn import cpu_target
+from streamattn.runtime import cpu_target
 from streamattn.bench.report import machine
 from streamattn.bench.llama_server import PEER_BIN, PEER_STATUS, LlamaServer, find_binary, server_version
 
@@ -89,7 +89,7 @@ def bench_model(name: str, threads: int, tokens: int, repeats: int, draft_max: i
     from streamattn.engine.options import ModelOptions
     from streamattn.engine.generate import warm_model
     from streamattn.engine.speculative import SpecParams
-    from streamattn.threads import threads as use_threads
+    from streamattn.runtime.threads import threads as use_threads
     opts = ModelOptions(model=MODELS[name], threads=threads, cache_dtype="float16", prefill_chunk=256)
     tf, tok, _ = opts.load()
     warm_model(tf, "float16")

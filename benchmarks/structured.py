@@ -85,7 +85,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tag", default=datetime.date.today().isoformat())
     args = p.parse_args()
-    from streamattn.threads import set_threads
+    from streamattn.runtime.threads import set_threads
     set_threads(1)
     rows = [r for m in args.models for r in bench(m, args.batches, args.tokens, args.repeats)]
     out = ROOT / "benchmarks" / "results" / f"structured_{args.tag}"

@@ -10,7 +10,7 @@ repeat:
 - ``1 thread``;
 - ``2 fixed``: ``set_threads(2)``, ``EngineConfig(adapt_threads=False)``, every step on 2 threads;
 - ``2 adaptive``: ``set_threads(2)``, the default: each decode step on 1 or 2 threads, whichever its
-  recent steps were faster on (streamattn.threads.ThreadChooser; the model's, so what one run learnt
+  recent steps were faster on (streamattn.runtime.threads.ThreadChooser; the model's, so what one run learnt
   carries into the next, as in a server or a process that generates repeatedly).
 
 ``--neighbour DUTY`` runs a second process for the whole run that keeps one core busy DUTY of the time
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     from streamattn.engine.generate import Generator, warm_model
     from streamattn.engine.options import ModelOptions
     from streamattn.gguf.hub import resolve_model
-    from streamattn.threads import set_threads
+    from streamattn.runtime.threads import set_threads
 
     opts = ModelOptions() if args.model is None else ModelOptions(model=args.model)
     tf, tok, _ = replace(opts, model=str(resolve_model(opts.model, quiet=True))).load()

@@ -6,7 +6,7 @@ Each run is a fresh ``python -m streamattn.cli generate - --ignore-eos --stats``
 prompt of benchmarks/data/prompt_rome.txt (prefill tok/s over it, then decode tok/s of ``--tokens``
 tokens). Variants, in an order that flips every repeat:
 
-- ``1 thread``, ``2 threads``: what a user gets (streamattn/threads.py sets the wait policy at import);
+- ``1 thread``, ``2 threads``: what a user gets (streamattn/runtime/threads.py sets the wait policy at import);
 - ``2 threads, spin``: the runtimes' own defaults put back by hand (libgomp GOMP_SPINCOUNT=300000,
   OpenBLAS OPENBLAS_THREAD_TIMEOUT=28): the behaviour before the wait policy was set in code;
 - ``2 threads, numba 1``: BLAS on 2 threads, Numba's attention on 1 (NUMBA_NUM_THREADS=1).

@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def measure(model: str, threads: int, rows: list, context: int, calls: int) -> dict:
-    from streamattn import state
+    from streamattn.kv import state
     from streamattn.engine.generate import warm_model
     from streamattn.engine.options import ModelOptions
-    from streamattn.threads import threads as use_threads
+    from streamattn.runtime.threads import threads as use_threads
     opts = ModelOptions(model=model, threads=threads, cache_dtype="float16", prefill_chunk=max(rows))
     tf, tok, _ = opts.load()
     with use_threads(threads):
@@ -60,7 +60,7 @@ def measure(model: str, threads: int, rows: list, context: int, calls: int) -> d
 
 
 def markdown(results: list, rows: list, command: str) -> str:
-    from streamattn import cpu_target
+    from streamattn.runtime import cpu_target
     from streamattn.bench.report import machine
     m = machine()
     lines = ["# Verify step cost: 1 + k rows (every row's logits) against one row", "", f"`{command}`", "",

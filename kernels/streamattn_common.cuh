@@ -7,7 +7,7 @@
 // Storage kinds (template parameter KIND): 0 = float32, 1 = float16, 2 = bfloat16 (uint16 bits),
 // 3 = q8_0, 4 = q4_0 (each row HD / 32 GGUF blocks: a float16 scale d, then 32 int8 q (34 bytes) or 16
 // bytes of nibbles, value j in byte j's low nibble and j + 16 in its high one (18 bytes); value q * d or
-// (q - 8) * d, read in place, one scale per half block of 16 values: streamattn/storage.py).
+// (q - 8) * d, read in place, one scale per half block of 16 values: streamattn/kv/storage.py).
 // Cache layout: k, v: [batch, kv_heads, slots, head_dim] (quantized: [.., slots, HD / 32 * block bytes]),
 // C-contiguous. Arithmetic in float32. K and V may be of different kinds (template parameter VKIND of the
 // decode and prefill kernels; sa_load_part).

@@ -25,7 +25,7 @@ from streamattn.gguf.hub import resolve_model
 from streamattn.models.array_ops import linear
 from streamattn.models.transformer import Transformer
 from streamattn.engine.sampling import SamplingParams, sample
-from streamattn.threads import set_threads
+from streamattn.runtime.threads import set_threads
 from streamattn.text.tokenizer import Tokenizer
 from streamattn import attend
 
@@ -45,7 +45,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompt", default="The history of Rome")
-    ap.add_argument("--threads", type=int, default=1, help="OpenBLAS + Numba threads (streamattn/threads.py)")
+    ap.add_argument("--threads", type=int, default=1, help="OpenBLAS + Numba threads (streamattn/runtime/threads.py)")
     ap.add_argument("--weights", choices=("quant", "f32", "both"), default="quant")
     args = ap.parse_args()
     set_threads(args.threads)

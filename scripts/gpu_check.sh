@@ -32,7 +32,7 @@ step() {
 
 python - <<'PY' 2>&1 | tee -a "$SUMMARY"
 import sys
-from streamattn.backends import gpu
+from streamattn.kv.backends import gpu
 if not gpu.available():
     sys.exit("device: none (CuPy sees no CUDA device, or CuPy is missing); nothing to check here")
 import cupy

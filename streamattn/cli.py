@@ -42,7 +42,7 @@ def _check_model_args(args):
     except ValueError as e:
         raise UsageError(str(e)) from None
     if opts.backend == "gpu":
-        from streamattn.backends import gpu
+        from streamattn.kv.backends import gpu
         if not gpu.available():
             raise UsageError("--backend gpu: no CUDA device is visible (or CuPy is not installed); use "
                              "--backend cpu")
@@ -56,10 +56,10 @@ def _warm_kernels(args, model=None) -> None:
     its forward calls); say so when compiling."""
     if args.backend not in ("cpu", "auto"):
         return
-    from streamattn.backends import gpu
+    from streamattn.kv.backends import gpu
     if args.backend == "auto" and gpu.available():
         return
-    from streamattn.backends import cpu, warmup
+    from streamattn.kv.backends import cpu, warmup
     lines = {} if args.quiet else {cpu.attend_all: warmup.ATTENTION, cpu.write_attend: warmup.ATTENTION}
     if not args.quiet and model is not None and getattr(args, "weights", "quant") == "quant":
         from streamattn.models import compiled
@@ -185,7 +185,7 @@ def _generate_run(args) -> int:
     _OPEN_LINE = False
     if args.stats or not args.quiet:
         s = gen.stats
-        from streamattn.threads import thread_count
+        from streamattn.runtime.threads import thread_count
         most = max([thread_count(), *s.decode_threads])  # the count set: the steps on it (0 if all ran on one)
         on = f"; {s.decode_threads.count(most)} on {most} threads" if most > 1 else ""
         print(f"[prompt {s.prompt_tokens[0]} tokens, prefill {s.prefill_s * 1e3:.0f} ms; "
@@ -228,7 +228,7 @@ def _inspect_configure(p):
 
 
 def _inspect_run(args) -> int:
-    from streamattn.introspect import inspect_attention
+    from streamattn.kv.introspect import inspect_attention
 
     _check_model_args(args)
     if args.step < 0:

@@ -15,9 +15,9 @@ def one_thread():
 
     The tests' calls are small, so a second thread only adds wake-up cost, and on a busy 2-core host a
     2-thread launch waits for a descheduled worker (measured: attend 37 us with 1 thread, 21 ms with 2 at
-    load ~100); the model tests decode one sequence, which streamattn/threads.py explains.
+    load ~100); the model tests decode one sequence, which streamattn/runtime/threads.py explains.
     """
-    from streamattn.threads import threads
+    from streamattn.runtime.threads import threads
     with threads(1):
         yield
 

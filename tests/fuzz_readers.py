@@ -32,7 +32,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from streamattn import CacheSpec, KVCache, snapshot          # noqa: E402
+from streamattn import CacheSpec, KVCache
+from streamattn.kv import snapshot          # noqa: E402
 from streamattn.gguf.loader import ModelFileError, load_gguf      # noqa: E402
 
 BIG = [0, 1, 2, 255, 2**15, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**40, 2**62, 2**63 - 1, 2**64 - 1]

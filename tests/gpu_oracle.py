@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from oracle import rel_err  # noqa: F401  (go.rel_err: the suite's one error measure)
-from streamattn import reference
+from streamattn.kv import reference
 
 try:
     import ml_dtypes
@@ -15,7 +15,7 @@ TOL = reference.TOLERANCE  # max abs diff / max abs ref
 
 
 def attention(q, k_hist, v_hist, q_pos, *, window, sinks, scale, softcap=None):
-    """Batched front of streamattn.reference.attention (the project's one float64 oracle).
+    """Batched front of streamattn.kv.reference.attention (the project's one float64 oracle).
 
     q: [batch, q_heads, T, d]; k_hist, v_hist: [batch, kv_heads, n, d] (position j at index j);
     q_pos: [batch, T] absolute positions, -1 for a padding row (zeros, lse = -inf).
@@ -63,7 +63,7 @@ def storage(a, dtype: str):
             from gguf import GGMLQuantizationType
             from gguf.quants import dequantize, quantize
         except ImportError:         # a GPU image without gguf (scripts/gpu_check.sh installs nothing): our
-            from streamattn import storage   # quantizer, the same bytes (tests/test_kv_quant.py checks them)
+            from streamattn.kv import storage   # quantizer, the same bytes (tests/test_kv_quant.py checks them)
             stored = storage.quantize(np.asarray(a, np.float32), dtype)[0]
             return stored, storage.dequantize(stored, dtype, a.shape[-1]).astype(np.float64)
         qt = GGMLQuantizationType[dtype.upper()]

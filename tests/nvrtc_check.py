@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from streamattn.backends import gpu_source
+from streamattn.kv.backends import gpu_source
 
 ARCHS = ("sm_80", "sm_90")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from streamattn.reference import TOLERANCE, attention
+from streamattn.kv.reference import TOLERANCE, attention
 
-# max |out - oracle| / max |oracle| (streamattn.reference.TOLERANCE says what it measures; quantized
+# max |out - oracle| / max |oracle| (streamattn.kv.reference.TOLERANCE says what it measures; quantized
 # storage against the dequantized stored values, as_stored).
 TOL = TOLERANCE
 LSE_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2, "q8_0": 1e-4, "q4_0": 1e-4}  # absolute, natural log
@@ -26,7 +26,7 @@ def rel_err(got, ref, floor: float = 1e-30) -> float:
 
 
 def rotation(head_dim: int) -> np.ndarray:
-    """The key rotation of a ``rotate_k`` cache, built apart from streamattn.rotation (scipy's Sylvester
+    """The key rotation of a ``rotate_k`` cache, built apart from streamattn.kv.rotation (scipy's Sylvester
     Hadamard): float64 [head_dim, head_dim], block diagonal, blocks of 32 and the tail's powers of two."""
     from scipy.linalg import hadamard, block_diag
     sizes, rest = [32] * (head_dim // 32), head_dim % 32

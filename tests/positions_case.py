@@ -1,6 +1,6 @@
 """Test support for cache-relative positions: a stream of UNrotated q/k/v, what the cache and the kernels
 are given (keys rotated at absolute positions; queries rotated twice), and the float64 oracle that
-rotates everything at cache positions itself (streamattn.reference.attention_cache_positions)."""
+rotates everything at cache positions itself (streamattn.kv.reference.attention_cache_positions)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 
 from oracle import rel_err
 from streamattn import CacheSpec, KVCache
-from streamattn.reference import attention_cache_positions, cache_position, rope
+from streamattn.kv.reference import attention_cache_positions, cache_position, rope
 
 BASE = 1e4
 
@@ -46,7 +46,7 @@ def check_gpu_plan(runner, *, head_dim: int, C: int, wraps: int = 3) -> int:
     """Stream through a sinks ring (window 5, 2 sinks, GQA 6/2) for ``wraps`` wraps with ``runner.attend``
     (the emulator, or a device runner: the GPU plan's kernels), decode with 2 splits when T == 1, prefill
     otherwise; assert each step equals the cache-position oracle. Returns the number of steps checked."""
-    from streamattn.reference import TOLERANCE
+    from streamattn.kv.reference import TOLERANCE
     spec = CacheSpec(batch=1, kv_heads=2, head_dim=head_dim, window=5, sinks=2, max_chunk=C)
     ps = PositionStream(spec, q_heads=6, seed=head_dim + C)
     total, step = 0, 0

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from streamattn import CacheSpec, KVCache, attend
-from streamattn.dispatch import append_attend
+from streamattn.kv.dispatch import append_attend
 
 from test_errors import assert_unchanged, snapshot
 
@@ -147,7 +147,7 @@ def test_causal_cpu_chunks_take_the_one_compiled_call(monkeypatch):
     """A causal cache without sinks, every row real: write and attention in one compiled call
     (backends.cpu.write_attend); ragged counts, sinks and windows go the staged way. Both give the bits of
     append then attend (test_same_answers_and_state_as_append_then_attend)."""
-    from streamattn.backends import cpu
+    from streamattn.kv.backends import cpu
     calls = []
     real = cpu.write_attend
     monkeypatch.setattr(cpu, "write_attend", lambda *a: calls.append(a[9].copy()) or real(*a))

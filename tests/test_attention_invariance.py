@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from streamattn import CacheSpec, KVCache, attend
-from streamattn.backends import cpu
-from streamattn.threads import threads
+from streamattn.kv.backends import cpu
+from streamattn.runtime.threads import threads
 
 H, HK = 6, 2           # a GQA group of 3 rows per kv head: the 2-row and 1-row kernels both run
 

@@ -52,7 +52,7 @@ def test_visibility_matches_the_window_rule():
     # ring of sinks 1 + window 3 (+ chunk slack 1): after 9 tokens it holds positions 0, 5, 6, 7, 8
     mask = peers.visibility([9], 2, slots=5, sinks=1, window=3)    # queries at positions 7 and 8
     pos = [0, 5, 6, 7, 8]                                            # slot order: 0 | 5 6 7 8 at slots 0,2,3,4,1
-    from streamattn.storage import slot_positions
+    from streamattn.kv.storage import slot_positions
     held = slot_positions(9, slots=5, sinks=1).tolist()
     assert sorted(held) == pos
     seen = [[held[s] for s in range(5) if mask[0, t, s]] for t in range(2)]

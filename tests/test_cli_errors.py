@@ -42,7 +42,7 @@ def test_generate_checks_values_before_loading(no_load, capsys, argv, match):
 
 
 def test_backend_gpu_without_a_device(no_load, capsys):
-    from streamattn.backends import gpu
+    from streamattn.kv.backends import gpu
     if gpu.available():
         pytest.skip("this machine has a GPU: --backend gpu is valid here")
     assert cli.main(["generate", "hello", "--backend", "gpu"]) == 2
@@ -116,7 +116,7 @@ def test_cold_kernel_cache_is_announced_and_warmed_before_timing(monkeypatch, ca
     """The notice comes when the attention kernel starts compiling (a fresh function stands in for it),
     and not when it is already compiled or loaded; quiet says nothing either way."""
     from numba import njit
-    from streamattn.backends import cpu, warmup
+    from streamattn.kv.backends import cpu, warmup
 
     @njit
     def attend_all(x):
@@ -134,7 +134,7 @@ def test_cold_kernel_cache_is_announced_and_warmed_before_timing(monkeypatch, ca
 def test_notices_say_each_line_once_when_a_compile_starts():
     import io
     from numba import njit
-    from streamattn.backends import warmup
+    from streamattn.kv.backends import warmup
 
     @njit
     def f(x):
@@ -164,6 +164,6 @@ def test_a_closed_pipe_exits_quietly():
 
 
 def test_warm_compiles_or_loads_every_storage_kind():
-    from streamattn.backends import warmup
+    from streamattn.kv.backends import warmup
     for kind in ("float32", "float16", "bfloat16"):
         assert warmup.warm(kind) >= 0

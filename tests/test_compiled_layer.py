@@ -19,7 +19,7 @@ from streamattn.models import compiled
 from streamattn.quant import matmul as qmatmul
 from streamattn.gguf.loader import load_gguf
 from streamattn.models.transformer import Transformer
-from streamattn.storage import to_storage
+from streamattn.kv.storage import to_storage
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not qmatmul.HAVE_KERNELS, reason="the packed kernels need AVX2")]
@@ -255,7 +255,7 @@ def test_two_threads_give_the_same_bits(tmp_path, monkeypatch, dtype):
     """A 40-token prompt: its heads, staging and attention rows go through the parallel builds."""
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
-    from streamattn.threads import many_threads
+    from streamattn.runtime.threads import many_threads
     tf = tiny(tmp_path, "gemma3")
     prompt = [list(range(3, 43)), list(range(20, 60))]
     want = run(tf, False, prompt, 4, batch=2, dtype=dtype)
@@ -427,7 +427,7 @@ def test_quantized_staging_is_the_caches(dtype):
     that is no multiple of 32, a NaN and an overflow among them; rounded to nearest, with V's rounding
     factors, or with K's searched scales), and first_not_finite finds the sequence
     whose real rows hold a block that quantized_bad_rows calls bad, skipping padding rows."""
-    from streamattn.storage import first_not_finite, quantized_bad_rows, rounding_factor
+    from streamattn.kv.storage import first_not_finite, quantized_bad_rows, rounding_factor
     rng = np.random.default_rng(2)
     x = (rng.standard_normal((3, 2, 5, 80)) * 10.0 ** rng.integers(-3, 4, (3, 2, 5, 1))).astype(np.float32)
     x[0, 1, 2, 7], x[0, 0, 3, 40] = 0.5, -0.5                         # a tie of the largest magnitudes
@@ -466,8 +466,8 @@ def test_quantized_staging_over_threads_gives_the_serial_bytes(dtype):
     real row the bytes the cache's own staging gives the whole chunk (ragged counts across a piece
     boundary; rounded to nearest, with V's rounding factors, and q4_0 keys with searched scales recoded
     for their queries), with 1 and 2 threads."""
-    from streamattn.cache import _recode_keys
-    from streamattn.storage import rounding_factor
+    from streamattn.kv.cache import _recode_keys
+    from streamattn.kv.storage import rounding_factor
     rng = np.random.default_rng(3)
     B, H, T, D, G = 2, 3, 2 * compiled.STAGE_ROWS + 5, 64, 3
     x = rng.standard_normal((B, H, T, D)).astype(np.float32)

@@ -12,8 +12,9 @@ import pytest
 from numba import njit
 from numba.core.errors import TypingError
 
-from streamattn.backends import cpu_simd
-from streamattn.storage import to_storage, widen_bf16
+from streamattn.kv.backends import cpu_simd
+from streamattn.runtime import llvm_ir
+from streamattn.kv.storage import to_storage, widen_bf16
 
 KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -110,7 +111,7 @@ def test_row_max(n):
 @njit
 def _pow2_all(ks, out):
     for i in range(ks.shape[0]):
-        out[i] = cpu_simd.pow2(ks[i])
+        out[i] = llvm_ir.pow2(ks[i])
 
 
 def test_row_max_refuses_a_strided_row():

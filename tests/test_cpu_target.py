@@ -1,4 +1,4 @@
-"""streamattn.cpu_target: the kernels are chosen for the CPU Numba compiles for, and a target they
+"""streamattn.runtime.cpu_target: the kernels are chosen for the CPU Numba compiles for, and a target they
 cannot run on is refused by name at import (it was LLVM aborting the process). Each case runs in a
 fresh interpreter, since Numba reads NUMBA_CPU_NAME / NUMBA_CPU_FEATURES once."""
 
@@ -38,8 +38,9 @@ def test_kernels_follow_numba_cpu_features_not_the_host(tmp_path):
     less = ",".join("-" + f[1:] if f[1:].startswith(("avx512", "amx")) else f for f in host)
     code = """
 import numpy as np
-from streamattn import CacheSpec, KVCache, attend, cpu_target
-from streamattn.backends import cpu_simd
+from streamattn import CacheSpec, KVCache, attend
+from streamattn.runtime import cpu_target
+from streamattn.kv.backends import cpu_simd
 from streamattn.quant import kernels
 assert not cpu_target.has("avx512f") and cpu_target.has("f16c")
 assert not cpu_simd._AVX512 and not kernels.WIDE and kernels.LANES == 8

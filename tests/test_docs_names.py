@@ -9,7 +9,7 @@ What counts as a cited name (anything else in backticks is prose, a command, a k
   (``engine/grammar.py``), optionally with ``::name`` (``models/compiled.py::run_layer``);
 - a dotted name whose first part is the package, one of its top-level modules or packages
   (``quant.weights.pack``, ``state.rewind``, ``streamattn.engine.grammar.GrammarError``), a module
-  deeper down whose name is unique (``cpu_simd.load16``) or a class the package defines (``KVCache.head``, ``Tokenizer.apply_chat``); a call's arguments are dropped
+  deeper down whose name is unique (``llvm_ir.load16``) or a class the package defines (``KVCache.head``, ``Tokenizer.apply_chat``); a call's arguments are dropped
   (``KVCache.head(m+1)`` is ``KVCache.head``).
 
 A dotted name resolves when the longest importable module prefix, tried with and without
@@ -62,7 +62,7 @@ def _classes() -> tuple:
 
 def _submodules() -> dict:
     """A module's own name -> its dotted path, for modules below the top level whose name is unique
-    (``cpu_simd.load16`` is ``streamattn.backends.cpu_simd.load16``)."""
+    (``llvm_ir.load16`` is ``streamattn.runtime.llvm_ir.load16``)."""
     seen: dict = {}
     for path in PKG.rglob("*.py"):
         parts = path.relative_to(REPO).with_suffix("").parts
@@ -178,7 +178,7 @@ def test_every_cited_name_resolves():
 def test_a_wrong_name_is_caught(tmp_path):
     """Planted wrong names are reported; right ones, prose and commands are not."""
     doc = tmp_path / "x.md"
-    doc.write_text("`state.rewind` `streamattn/cache.py` `state.no_such_function` `engine/no_such.py` "
+    doc.write_text("`state.rewind` `streamattn/kv/cache.py` `state.no_such_function` `engine/no_such.py` "
                    "`KVCache.no_such_method` `models/compiled.py::no_such` `str.format` `--threads 2`\n")
     found = [span for span in cited_names(doc.read_text()) if _check(span)]
     assert found == ["state.no_such_function", "engine/no_such.py", "KVCache.no_such_method",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gpu_oracle as go
-from streamattn.backends import gpu, gpu_gemv, gpu_plan
+from streamattn.kv.backends import gpu, gpu_gemv, gpu_plan
 
 if not gpu.available():
     pytest.skip("no CUDA device through CuPy (the emulation tests cover the same kernels)",
@@ -92,7 +92,7 @@ def test_cache_positions(runner, head_dim, C):
 
 def test_float16_sinks_cache():
     """A q4_0 sinks cache on the device keeps its sinks in float16: the sink part and the quantized ring
-    run through the GPU kernels and are merged (streamattn.sink_parts); against the oracle over the stored
+    run through the GPU kernels and are merged (streamattn.kv.sink_parts); against the oracle over the stored
     values at every step, ragged chunks 1..3, GQA 4/1, >= 3 ring wraps."""
     from oracle import History, check
     from streamattn import CacheSpec, KVCache, attend

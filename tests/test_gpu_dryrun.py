@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cuda_emu import emu
-from streamattn.reference import TOLERANCE
+from streamattn.kv.reference import TOLERANCE
 from gpu_fixtures import emu_library  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import pytest
 import gpu_oracle as go
 from cuda_emu import emu
 from gpu_fixtures import runner  # noqa: F401  (fixture)
-from streamattn.backends import gpu_source
+from streamattn.kv.backends import gpu_source
 
 pytestmark = pytest.mark.skipif(not emu.have_compiler(), reason="g++ (C++20) is needed for the emulation harness")
 

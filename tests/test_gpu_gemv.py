@@ -22,8 +22,8 @@ from gguf.quants import dequantize, quantize
 
 from _model_util import gemma_path, need_gemma, need_smollm2, smollm2_path
 from cuda_emu import emu
-from streamattn.backends import gpu_gemv, gpu_source
-from streamattn.backends.gpu_gemv import GGUFMatrix
+from streamattn.kv.backends import gpu_gemv, gpu_source
+from streamattn.kv.backends.gpu_gemv import GGUFMatrix
 
 pytestmark = pytest.mark.skipif(not emu.have_compiler(), reason="g++ (C++20) is needed for the emulation harness")
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,7 +238,7 @@ def test_refusals_name_the_argument():
 
 
 def test_launcher_through_the_fake_cupy(tmp_path, library):
-    """streamattn.backends.gpu.upload + gemv, CuPy calls and all, on the fake CuPy over the emulation: the
+    """streamattn.kv.backends.gpu.upload + gemv, CuPy calls and all, on the fake CuPy over the emulation: the
     result matches the oracle, out= is written in place, and host arrays are refused by name."""
     rng = np.random.default_rng(6)
     w = random_matrix(rng, "Q6_K", 9, 512)
@@ -248,8 +248,8 @@ def test_launcher_through_the_fake_cupy(tmp_path, library):
     script = textwrap.dedent(f"""
         import json
         import cupy, numpy as np
-        from streamattn.backends import gpu
-        from streamattn.backends.gpu_gemv import GGUFMatrix
+        from streamattn.kv.backends import gpu
+        from streamattn.kv.backends.gpu_gemv import GGUFMatrix
         host = GGUFMatrix(gguf_type="Q6_K", shape=(9, 512), blocks=np.load({str(tmp_path / 'blocks.npy')!r}))
         w = gpu.upload(host)
         x = cupy.asarray(np.load({str(tmp_path / 'x.npy')!r}))
@@ -275,7 +275,7 @@ def test_the_loader_keeps_gemv_types_as_the_files_bytes(tmp_path):
     """load_gguf(weights="gguf") (what --backend gpu loads): a matrix of a gemv type is a GGUFMatrix over
     exactly the file's bytes, another stays float32; a block with a NaN scale is refused by name."""
     from _model_util import write_tiny_gguf
-    from streamattn.files import ModelFileError
+    from streamattn.runtime.files import ModelFileError
     from streamattn.gguf.loader import load_gguf
     from streamattn.gguf.reader import GGUFFile
     kw = dict(arch="llama", n_layers=1, d_model=64, n_heads=1, n_kv_heads=1, head_dim=64, d_ff=64, vocab=40,

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from streamattn.backends import gpu_source
+from streamattn.kv.backends import gpu_source
 
 try:
     import nvrtc_check

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamattn.backends import gpu, gpu_plan, gpu_source
+from streamattn.kv.backends import gpu, gpu_plan, gpu_source
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def test_wheel_build_ships_the_kernels(tmp_path):
     assert done.returncode == 0, done.stderr
     for source in [*ROOT.glob("kernels/*.cu"), *ROOT.glob("kernels/*.cuh")]:
         assert (build_lib / "streamattn" / "kernels" / source.name).read_bytes() == source.read_bytes()
-    probe = "from streamattn.backends import gpu_source as g; print(g.kernel_dir()); print(len(g.source('decode')))"
+    probe = "from streamattn.kv.backends import gpu_source as g; print(g.kernel_dir()); print(len(g.source('decode')))"
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
                           env={"PYTHONPATH": str(build_lib), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
@@ -37,7 +37,7 @@ def test_wheel_build_ships_the_kernels(tmp_path):
 
 
 def test_missing_sources_say_where_they_were_looked_for(tmp_path, monkeypatch):
-    fake = tmp_path / "pkg" / "streamattn" / "backends" / "gpu_source.py"
+    fake = tmp_path / "pkg" / "streamattn" / "kv" / "backends" / "gpu_source.py"
     fake.parent.mkdir(parents=True)
     monkeypatch.setattr(gpu_source, "__file__", str(fake))
     with pytest.raises(FileNotFoundError, match="kernel sources not found"):

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from _model_util import smollm2_path, tokenizer
-from streamattn.files import BadFile
+from streamattn.runtime.files import BadFile
 from streamattn.engine.sampling import SamplingParams
 from streamattn.scale.jobs import MAX_STOP, BadLine, OutputFile, parse_line, read_requests
 

@@ -6,9 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from streamattn import CacheSpec, KVCache, attend, state
-from streamattn import snapshot as snapshot_file
-from streamattn.spec import LIMITS
+from streamattn import CacheSpec, KVCache, attend
+from streamattn.kv import state
+from streamattn.kv import snapshot as snapshot_file
+from streamattn.kv.spec import LIMITS
 
 from test_errors import assert_unchanged, snapshot
 
@@ -134,7 +135,7 @@ def test_reserve_validates(tokens):
 
 def test_the_device_form_of_the_nan_rule_matches_the_host_form():
     """dispatch._poison_on_device (used for CuPy results) run with numpy as the array module."""
-    from streamattn import dispatch
+    from streamattn.kv import dispatch
     rng = np.random.default_rng(3)
     out = rng.standard_normal((2, 3, 4, 8)).astype(np.float16)
     lse = rng.standard_normal((2, 3, 4)).astype(np.float32)

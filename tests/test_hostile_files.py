@@ -13,8 +13,9 @@ import zlib
 import numpy as np
 import pytest
 
-from streamattn import CacheSpec, KVCache, snapshot
-from streamattn.files import BadFile, check_writable, open_regular, read_bytes, read_text
+from streamattn import CacheSpec, KVCache
+from streamattn.kv import snapshot
+from streamattn.runtime.files import BadFile, check_writable, open_regular, read_bytes, read_text
 
 from test_hostile_snapshot import refused, saved
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from streamattn import CacheSpec, KVCache
-from streamattn.dispatch import attend
-from streamattn.reference import attention
+from streamattn.kv.dispatch import attend
+from streamattn.kv.reference import attention
 
 BACKENDS = ["cpu", "reference"]
 

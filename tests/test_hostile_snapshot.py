@@ -10,7 +10,8 @@ import zipfile
 import numpy as np
 import pytest
 
-from streamattn import CacheSpec, KVCache, snapshot
+from streamattn import CacheSpec, KVCache
+from streamattn.kv import snapshot
 
 from test_state import assert_same_state, clone, reseal, rewrite
 

@@ -3,7 +3,7 @@
 import numpy as np
 
 from streamattn import CacheSpec, KVCache, attend
-from streamattn.introspect import inspect_attention
+from streamattn.kv.introspect import inspect_attention
 
 
 def filled_cache(rng, steps=30):

@@ -1,5 +1,5 @@
 """Numba's on-disk cache: the registry of cached kernel modules and the stale code it drops, saves shared
-by several processes, and closures compiled in several copies (streamattn/kernel_cache.py)."""
+by several processes, and closures compiled in several copies (streamattn/runtime/kernel_cache.py)."""
 
 import ast
 import importlib
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import streamattn  # noqa: F401  (applies lock_cache_saves)
-from streamattn import kernel_cache
-from streamattn.kernel_cache import lock_cache_saves
+from streamattn.runtime import kernel_cache
+from streamattn.runtime.kernel_cache import lock_cache_saves
 from test_layout import ROOT, graph, modules
 
 #: Modules with ``cache=True`` kernels that may not register yet, each with why. The test fails once one
@@ -41,7 +41,7 @@ def test_every_cached_kernel_module_is_registered():
     """A module whose kernels are cached but that never registers keeps running its old machine code
     after a file it inlines changes: every one must call kernel_cache.register on import."""
     found = _cached_kernel_modules()
-    assert {"streamattn.backends.cpu", "streamattn.quant.matmul", "streamattn.models.compiled"} <= found
+    assert {"streamattn.kv.backends.cpu", "streamattn.quant.matmul", "streamattn.models.compiled"} <= found
     for name in sorted(found):
         importlib.import_module(name)
     registered = set(kernel_cache.registered())
@@ -66,7 +66,7 @@ def test_registered_dependencies_cover_the_kernel_code_each_module_imports():
     ``depends_on`` would not drop the cache when it changes."""
     mods, imports = modules(), graph()
     kernel = {n for n, p in mods.items() if _kernel_code(p)}
-    assert {"streamattn.backends.cpu_simd", "streamattn.quant.kernels", "streamattn.storage"} <= kernel
+    assert {"streamattn.kv.backends.cpu_simd", "streamattn.quant.kernels", "streamattn.kv.storage"} <= kernel
     for name in sorted(_cached_kernel_modules()):
         importlib.import_module(name)
     registered = kernel_cache.registered()
@@ -107,9 +107,9 @@ def test_only_kernel_cache_touches_numbas_caching_internals(tmp_path):
     """Numba's cache paths and files are private to it and move between versions: one module adapts to
     them, so a Numba upgrade is mended in one place."""
     uses = {name: lines for name, path in modules().items()
-            if name != "streamattn.kernel_cache" and (lines := _numba_cache_uses(path))}
+            if name != "streamattn.runtime.kernel_cache" and (lines := _numba_cache_uses(path))}
     assert not uses, f"Numba's caching internals used outside kernel_cache.py (module: lines): {uses}"
-    assert _numba_cache_uses(ROOT / "kernel_cache.py")         # (the scan sees them where they are)
+    assert _numba_cache_uses(ROOT / "runtime" / "kernel_cache.py")         # (the scan sees them where they are)
     probe = tmp_path / "probe.py"
     probe.write_text("import numba.core.caching\nf = g._cache._cache_path\nh = self._cache.get(1)\n")
     assert _numba_cache_uses(probe) == [1, 2, 2]
@@ -176,8 +176,8 @@ def test_register_refuses_what_it_cannot_follow(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="module must name an imported module.*'no_such_module'"):
         kernel_cache.register("no_such_module")
     fake = _fake_module(monkeypatch, tmp_path / "kernels_d.py", "# d\n")
-    with pytest.raises(TypeError, match="depends_on must hold imported modules.*'streamattn.storage'"):
-        kernel_cache.register(fake.__name__, depends_on=["streamattn.storage"])
+    with pytest.raises(TypeError, match="depends_on must hold imported modules.*'streamattn.kv.storage'"):
+        kernel_cache.register(fake.__name__, depends_on=["streamattn.kv.storage"])
     with pytest.raises(TypeError, match="compiles must hold Python functions"):
         kernel_cache.register(fake.__name__, compiles=[len])
     assert kernel_cache.registered() == before
@@ -210,7 +210,7 @@ def test_numba_alone_runs_a_changed_helper_stale_and_the_registry_does_not(tmp_p
     the helper changes, Numba loads the old machine code (the first case), unless the kernel's module
     registered the helper (the second), which compiles afresh once and then hits its cache again."""
     (tmp_path / "helper_ir.py").write_text("from numba import njit\n\n@njit\ndef value():\n    return 1\n")
-    line = "from streamattn import kernel_cache\nkernel_cache.register(__name__, depends_on=[helper_ir])"
+    line = "from streamattn.runtime import kernel_cache\nkernel_cache.register(__name__, depends_on=[helper_ir])"
     (tmp_path / "kernel.py").write_text(KERNEL.format(register=line if register else ""))
     assert _run_kernel(tmp_path) == ["1", "0"]
     assert _run_kernel(tmp_path) == ["1", "1"]                  # (from the cache)
@@ -268,7 +268,7 @@ def test_copies_of_a_closure_have_their_own_environment_names():
     from gguf.quants import quantize
 
     from streamattn.models import compiled
-    from streamattn.backends import cpu
+    from streamattn.kv.backends import cpu
     from streamattn.quant.matmul import KernelPlan, qdrivers, qmatmul
     from streamattn.quant.weights import pack
     rng = np.random.default_rng(0)

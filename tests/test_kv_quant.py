@@ -10,8 +10,9 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from streamattn import CacheSpec, KVCache, attend, snapshot, state
-from streamattn.storage import dequantize, quantize
+from streamattn import CacheSpec, KVCache, attend
+from streamattn.kv import snapshot, state
+from streamattn.kv.storage import dequantize, quantize
 from oracle import as_stored, rotation
 from test_oracle import stream   # every output against the oracle over the values as stored
 
@@ -317,7 +318,7 @@ def _stream_with_q_sink(spec, backend, steps, chunks, seed):
     """Like test_oracle.stream with a second query for the sink keys (positions within the cache, §5),
     checked against reference.attention(q_sink=...) over the stored values."""
     from oracle import TOL, History
-    from streamattn.reference import attention
+    from streamattn.kv.reference import attention
     rng = np.random.default_rng(seed)
     cache, hist = KVCache(spec), History(spec.batch, spec)
     for step in range(steps):
@@ -535,7 +536,7 @@ def test_fed_rounding_keeps_the_scales_and_lowers_the_weighted_error(dtype, d):
     """With an identity factor the fed quantizer gives gguf's bytes; with the factor of a random H it keeps
     every block's scale (the same q8_0 / q4_0 layout, read by the same kernels) and lowers eᵀ H e against
     rounding to nearest, over 64 rows, by more than a fifth."""
-    from streamattn.storage import quantize_rows_fed, rounding_factor
+    from streamattn.kv.storage import quantize_rows_fed, rounding_factor
     rng = np.random.default_rng(d)
     x = rows(rng, 64, d)
     nearest = quantize(x, dtype)[0]
@@ -556,13 +557,13 @@ def test_fed_rounding_keeps_the_scales_and_lowers_the_weighted_error(dtype, d):
 def test_fed_rounding_leaves_non_finite_rows_marked():
     """A row holding NaN or inf keeps the quantizer's marker (NaN scale) under fed rounding, and the count
     of bad blocks is the same."""
-    from streamattn.storage import quantize_rows_fed, rounding_factor
+    from streamattn.kv.storage import quantize_rows_fed, rounding_factor
     rng = np.random.default_rng(5)
     x = rows(rng, 4, 64)
     x[1, 3], x[2, 40] = np.nan, np.inf
     nearest = np.empty((4, 36), np.uint8)
     fed = np.empty_like(nearest)
-    from streamattn.storage import quantize_rows
+    from streamattn.kv.storage import quantize_rows
     assert quantize_rows(x, nearest, True) == quantize_rows_fed(x, fed, True, rounding_factor(np.eye(64) + 1.0)) == 2
     np.testing.assert_array_equal(fed[1:3], nearest[1:3])
     assert (fed[[0, 3]] != nearest[[0, 3]]).any()
@@ -584,7 +585,7 @@ def test_searched_q4_0_scales_never_lose_to_gguf_on_a_block(d):
     nearest ones under that scale, and its squared error is at most gguf's; on rows whose blocks hold a
     few large values (as keys do) a row's error falls by more than 3% on average. Zero rows keep gguf's
     bytes, q8_0 ignores the search."""
-    from streamattn.storage import SCALE_STEPS
+    from streamattn.kv.storage import SCALE_STEPS
     rng = np.random.default_rng(d)
     x = rows(rng, 64, d)
     x[4:] *= np.where(rng.random((60, d)) < 0.05, 6.0, 1.0).astype(np.float32)     # a few channels stand out
@@ -628,7 +629,7 @@ def test_model_rounds_q4_0_keys_for_their_queries(tiny, rotate_k):
     as the cache holds them: rotated for a rotate_k cache) and codes rounded for each token's own query group
     (storage.recode_for_queries, queries in the same frame); other key storages with gguf's rule."""
     from streamattn.models.transformer import Transformer
-    from streamattn.storage import recode_for_queries
+    from streamattn.kv.storage import recode_for_queries
     tf, _ = tiny
     c = tf.config
     mk = lambda dt, dv: CacheSpec(batch=1, kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=dt, dtype_v=dv,  # noqa: E731
@@ -640,7 +641,7 @@ def test_model_rounds_q4_0_keys_for_their_queries(tiny, rotate_k):
     caches = [KVCache(spec) for _ in range(c.n_layers)]
     tf.forward(np.array([[3, 9, 17, 4, 30, 8, 2, 11]]), caches,          # a hook: the array layers
                attn_hook=lambda i, q, k, v, o: seen.setdefault(i, (np.array(q), np.array(k))))
-    from streamattn.rotation import rotate                           # (checked against scipy's elsewhere)
+    from streamattn.kv.rotation import rotate                           # (checked against scipy's elsewhere)
     G = c.n_heads // c.n_kv_heads
     for i, cache in enumerate(caches):
         q, k = (rotate(a, np) if rotate_k else a for a in seen[i])
@@ -680,7 +681,7 @@ def test_keys_recoded_for_queries_match_gptq_and_lower_the_score_error(D, G):
     mean squared score error below rounding to nearest on average (measured ~0.3x on random rows). A
     head_dim with a last block padded with zeros (16, 80) reads that block's scale (it read past the
     scales' array, and the codes of a tiny model's keys changed from run to run) and keeps its padding."""
-    from streamattn.storage import QUERY_DAMPING, recode_for_queries
+    from streamattn.kv.storage import QUERY_DAMPING, recode_for_queries
     rng = np.random.default_rng(D + G)
     n = 24
     x = rows(rng, n, D)
@@ -705,7 +706,7 @@ def test_keys_recoded_for_queries_match_gptq_and_lower_the_score_error(D, G):
 def test_keys_recoded_for_queries_leave_what_they_cannot_weigh():
     """Rows with a non-finite block (the quantizer's marker), rows whose queries are all zero or not finite
     keep their bytes; the others change."""
-    from streamattn.storage import recode_for_queries
+    from streamattn.kv.storage import recode_for_queries
     rng = np.random.default_rng(11)
     x = rng.standard_normal((5, 64)).astype(np.float32)
     x[1, 3] = np.nan
@@ -724,7 +725,7 @@ def test_model_rounds_q4_0_values_for_its_output_projection(tiny):
     """A model's q4_0 V rows are stored as storage.quantize_fed rounds them with the layer's factors, which
     are the upper Cholesky factor of (H + 1% mean diag) ^ -1 with H = W_oᵀ W_o over each kv head's query
     heads; keys, and V of other storages, are rounded to nearest (value_rounding None)."""
-    from streamattn.storage import quantize_fed
+    from streamattn.kv.storage import quantize_fed
     tf, _ = tiny
     c = tf.config
     spec = CacheSpec(batch=1, kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype="q8_0", dtype_v="q4_0")

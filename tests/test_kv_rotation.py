@@ -1,4 +1,4 @@
-"""The key rotation of quantized K caches (streamattn.rotation, CacheSpec.rotate_k): H is orthonormal, the
+"""The key rotation of quantized K caches (streamattn.kv.rotation, CacheSpec.rotate_k): H is orthonormal, the
 cache stores k @ H and attention scores q @ H, so every backend is exact against the oracle over what is
 stored and the scores are those of the unrotated cache; the flag travels with snapshots and the engine."""
 
@@ -7,11 +7,12 @@ import argparse
 import numpy as np
 import pytest
 
-from streamattn import CacheSpec, KVCache, attend, snapshot
-from streamattn.dispatch import append_attend
-from streamattn.introspect import inspect_attention
-from streamattn.rotation import _butterflies, hadamard, rotate, rotate_rows
-from streamattn.storage import dequantize
+from streamattn import CacheSpec, KVCache, attend
+from streamattn.kv import snapshot
+from streamattn.kv.dispatch import append_attend
+from streamattn.kv.introspect import inspect_attention
+from streamattn.kv.rotation import _butterflies, hadamard, rotate, rotate_rows
+from streamattn.kv.storage import dequantize
 from oracle import rotation
 from test_oracle import stream
 
@@ -142,7 +143,7 @@ def test_snapshot_carries_the_flag_and_refuses_a_mismatch(tmp_path):
 def test_version_2_files_hold_unrotated_keys(tmp_path):
     """A file written before rotate_k (version 2) loads as rotate_k=False, never as the new default."""
     import json
-    from streamattn.snapshot import _digest
+    from streamattn.kv.snapshot import _digest
     spec = CacheSpec(batch=1, kv_heads=1, head_dim=32, dtype="q4_0", rotate_k=False)
     cache = KVCache(spec)
     cache.append(np.ones((1, 1, 2, 32), np.float32), np.ones((1, 1, 2, 32), np.float32))

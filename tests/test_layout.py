@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "streamattn"
-#: The rooms above the attention core (the top-level modules and backends/): packed weights, model files,
+#: The rooms above the attention core (kv/ and runtime/): packed weights, model files,
 #: text, the forward pass, the decode engine, and the tools and entry points built on them.
 UPPER = ("streamattn.quant", "streamattn.gguf", "streamattn.text", "streamattn.models", "streamattn.engine",
          "streamattn.bench", "streamattn.serve", "streamattn.scale", "streamattn.cli")
@@ -90,9 +90,9 @@ def find_cycle(g: dict):
 
 def test_the_import_graph_sees_every_kind_of_import():
     g = graph()
-    assert "streamattn.backends.gpu" in g["streamattn.cache"]            # function-local: device="auto"
-    assert "streamattn.storage" in g["streamattn.backends"]              # relative, two levels
-    assert "streamattn.state" not in g["streamattn.cache"]
+    assert "streamattn.kv.backends.gpu" in g["streamattn.kv.cache"]            # function-local: device="auto"
+    assert "streamattn.kv.storage" in g["streamattn.kv.backends"]              # relative, two levels
+    assert "streamattn.kv.state" not in g["streamattn.kv.cache"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
@@ -144,7 +144,7 @@ def test_no_import_cycle_among_streamattn_modules():
 
 
 def test_the_attention_core_imports_no_upper_layer():
-    """The attention core (top-level modules and backends/) knows nothing of packed weights, model files,
+    """The attention core (kv/, runtime/) knows nothing of packed weights, model files,
     text, models, the decode engine, tooling, serving or the CLI."""
     bad = {n: sorted(m for m in deps if m.startswith(UPPER))
            for n, deps in graph().items()
@@ -187,3 +187,17 @@ def test_no_import_cycle_among_packages():
     assert find_cycle(package_graph({"p.a.x": {"p.b.y"}, "p.b.z": {"p.a.w"}, "p.a.w": set(), "p.b.y": set()}))
     cycle = find_cycle(package_graph(graph()))
     assert cycle is None, "package cycle: " + " -> ".join(cycle)
+
+
+def test_runtime_imports_no_other_room():
+    """runtime/ is the floor: every room may use it, so it uses none of them."""
+    bad = {n: sorted(m for m in deps if not m.startswith("streamattn.runtime"))
+           for n, deps in graph().items() if n.startswith("streamattn.runtime")}
+    assert {n: d for n, d in bad.items() if d} == {}
+
+
+def test_the_top_level_holds_rooms_not_loose_modules():
+    """Beside the rooms, the package's top level has only its front door and the CLI."""
+    loose = sorted(p.name for p in ROOT.glob("*.py"))
+    assert loose == ["__init__.py", "cli.py"]
+    assert {"kv", "runtime"} <= {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}

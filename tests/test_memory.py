@@ -1,4 +1,4 @@
-"""streamattn/memory.py: numba's BLAS probe runs without importing scipy.linalg, and nothing stays hidden."""
+"""streamattn/runtime/memory.py: numba's BLAS probe runs without importing scipy.linalg, and nothing stays hidden."""
 
 import subprocess
 import sys
@@ -41,12 +41,12 @@ def test_release_compiler_pages_drops_llvm_pages_and_compiling_still_works():
     the kernel never reclaims a page another process maps) leave the resident set; a fresh compile after
     it, and a call of a function compiled before it, still work. This process (pytest, which has loaded
     numba) first hands its own pages back, so that the child's are its own."""
-    from streamattn.memory import release_compiler_pages
+    from streamattn.runtime.memory import release_compiler_pages
     release_compiler_pages()
     got = _run("""
         import numpy as np
         from numba import njit
-        from streamattn.memory import release_compiler_pages
+        from streamattn.runtime.memory import release_compiler_pages
 
         def llvm_private_kb():
             total, inside = 0, False

@@ -12,7 +12,7 @@ import pytest
 from _model_util import load, need_smollm2, smollm2_path, write_tiny_gguf
 from streamattn.gguf.loader import load_gguf
 from streamattn.models.transformer import Transformer
-from streamattn.reference import attention
+from streamattn.kv.reference import attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -92,7 +92,7 @@ for name in ("sqrt", "tanh", "concatenate", "arange", "zeros", "isfinite"):
         setattr(cupy, name, (lambda f: lambda *a, **k: cupy.asarray(f(*a, **k)))(getattr(np, name)))
 sys.path.insert(0, "tests")
 from _model_util import write_tiny_gguf
-from streamattn.backends.gpu_gemv import GGUFMatrix
+from streamattn.kv.backends.gpu_gemv import GGUFMatrix
 from streamattn.gguf.loader import load_gguf
 from streamattn.models.transformer import Transformer
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from streamattn import CacheSpec, KVCache, attend
-from streamattn import reference
+from streamattn.kv import reference
 from oracle import History, check
 
 BACKENDS = ["cpu", "reference"]
@@ -67,7 +67,7 @@ def test_head_dims_and_long_history(head_dim, window):
 
 def test_page_merge_over_several_pages():
     """B=1, one KV head, 3000 keys: two pages of keys, merged by their log-sum-exps; exact."""
-    from streamattn.backends import cpu
+    from streamattn.kv.backends import cpu
     assert cpu.count_pages([3000], [1], 0, 0) == 2 and cpu.count_pages([3000], [1000], 0, 0) == 2
     spec = CacheSpec(batch=1, kv_heads=1, head_dim=64, window=None, max_chunk=1000)
     stream(spec, 1, 4, "cpu", chunks=[1000, 1000, 999, 1])
@@ -137,7 +137,7 @@ def test_sinks_never_overwritten():
 
 def test_vectorised_exp_is_accurate_and_flushes_masked_scores():
     """The kernel's own exp (a polynomial, not libm): relative error <= 1e-6, -inf -> exactly 0."""
-    from streamattn.backends.cpu_tiles import exp_tile, tile_sum
+    from streamattn.kv.backends.cpu_tiles import exp_tile, tile_sum
     x = np.concatenate([np.linspace(-87, 0, 997), [-np.inf, -200.0, -1e-30], [-np.inf] * 8]).astype(np.float32)
     ref = np.exp(x.astype(np.float64) - 0.25)
     got = x.copy()
@@ -162,7 +162,7 @@ def test_long_history_keeps_float32_tolerance(kv_heads, q_heads):
     cache.append(k, v)
     hist.append(k, v, [65536])
     q = rng.standard_normal((1, q_heads, 1, 128)).astype(np.float32)
-    from streamattn.backends import cpu
+    from streamattn.kv.backends import cpu
     out, lse = cpu.attend(q, cache.k, cache.v, cache.lengths, np.array([1]), window=0, sinks=0,
                           scale=128 ** -0.5, kind="float32")
     check(out, lse, q, hist, [1], spec)
@@ -173,7 +173,7 @@ def test_long_history_keeps_float32_tolerance(kv_heads, q_heads):
 def test_scores_rising_over_several_pages(dtype, q_heads):
     """Keys over 2 full pages and part of a third, the scores rising from page to page, so the merge
     rescales every earlier page; decode must stay exact."""
-    from streamattn.backends import cpu
+    from streamattn.kv.backends import cpu
     rng = np.random.default_rng(11)
     L, D = 2 * cpu.PAGE + 300, 16
     spec = CacheSpec(batch=1, kv_heads=1, head_dim=D, dtype=dtype)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from streamattn import CacheSpec, attend
-from streamattn.reference import TOLERANCE, attention_cache_positions, cache_position, rope
+from streamattn.kv.reference import TOLERANCE, attention_cache_positions, cache_position, rope
 from oracle import rel_err
 from positions_case import PositionStream, check_gpu_plan
 from gpu_fixtures import runner  # noqa: F401  (fixture)
@@ -49,7 +49,7 @@ def test_cache_positions_rule():
 
 def test_oracle_equals_absolute_before_the_window_slides():
     """While nothing has left the window, cache positions are absolute positions (RoPE: the oracles agree)."""
-    from streamattn.reference import attention
+    from streamattn.kv.reference import attention
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 9, 16)) for _ in range(3))
     pos = np.arange(9)

@@ -40,7 +40,7 @@ def single_process_texts():
     """id -> greedy text of the local runner (batches of 4 in this process)."""
     from streamattn.engine.generate import Generator
     from streamattn.scale.batch import ModelOptions, complete
-    from streamattn.threads import threads
+    from streamattn.runtime.threads import threads
     _, tf, tok = load(smollm2_path(), weights="quant")          # what the runners load
     reqs = _requests()
     with threads(1):

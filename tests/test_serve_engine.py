@@ -83,7 +83,7 @@ def test_steps_on_one_thread_or_two_give_the_same_tokens(tiny):
     the first steps of each kind: the chooser's warm-up), their output heads too, each on its own count,
     and every request's tokens stay those of it alone on one thread."""
     import numba
-    from streamattn.threads import ThreadChooser, threads
+    from streamattn.runtime.threads import ThreadChooser, threads
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
     eng = make_engine(tiny)
@@ -111,7 +111,7 @@ def test_a_long_output_head_tries_two_threads_whatever_the_gate(tiny):
     (no CPU idle) its step stays on one thread while the head alternates in its warm-up."""
     import numba
     from streamattn.engine import core
-    from streamattn.threads import ThreadChooser, threads
+    from streamattn.runtime.threads import ThreadChooser, threads
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
     eng = make_engine(tiny)

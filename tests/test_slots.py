@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from streamattn import CacheSpec, KVCache, attend, snapshot
-from streamattn.storage import ring_slots, slot_positions
-from streamattn.reference import visible
+from streamattn import CacheSpec, KVCache, attend
+from streamattn.kv import snapshot
+from streamattn.kv.storage import ring_slots, slot_positions
+from streamattn.kv.reference import visible
 
 
 def test_ring_slots_literal():

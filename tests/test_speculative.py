@@ -66,7 +66,7 @@ class FreeRows(StepCosts):
 
 def drafting_generator(path, **kw):
     """A generator whose drafts do not depend on timing (:class:`FreeRows` at every thread count)."""
-    from streamattn.threads import thread_count
+    from streamattn.runtime.threads import thread_count
     g = generator(path, **kw)
     g._step_costs[thread_count()] = FreeRows()
     return g
@@ -103,7 +103,7 @@ MODELS = {"SmolLM2": smollm2_path, "Gemma-3": gemma_path}
 def reference(model: str, cache: str):
     """(generator, prompt ids, plain greedy ids) of N_PROMPTS prompts: plain decoding, ragged batches of
     10, one thread; and the prompt cache that run filled."""
-    from streamattn.threads import threads
+    from streamattn.runtime.threads import threads
     g = generator(MODELS[model](), **CACHES[cache])
     ids = [g.encode_prompt(t, chat=True) for t in prompts(N_PROMPTS)]
     e = engine(g, 10)
@@ -114,7 +114,7 @@ def reference(model: str, cache: str):
 
 
 def check_matrix(ref, n_threads, slots):
-    from streamattn.threads import threads
+    from streamattn.runtime.threads import threads
     g, ids, plain, pc = ref
     with threads(n_threads):
         got, seqs = run(engine(g, slots, pc), g, ids, SPEC)
@@ -366,7 +366,8 @@ def test_a_draft_rewind_is_always_allowed(window, sinks, chunk, steps):
     """Random prompt chunks (<= max_chunk) and verify steps (1 + k tokens, k <= max_chunk - 1, a of them
     accepted): the rewind of the k - a rejected tokens is always allowed, in every ring, as the engine
     assumes (it calls state.rewind, which would raise)."""
-    from streamattn import CacheSpec, KVCache, state
+    from streamattn import CacheSpec, KVCache
+    from streamattn.kv import state
     c = KVCache(CacheSpec(batch=1, kv_heads=1, head_dim=4, window=window, sinks=sinks if sinks else 0,
                           max_chunk=chunk))
     for k, a, prefill in steps:

@@ -9,7 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from streamattn import CacheSpec, KVCache, attend, backends, snapshot, state
+from streamattn import CacheSpec, KVCache, attend
+from streamattn.kv import backends, snapshot, state
 from oracle import History, as_stored, check
 
 DTYPES = ["float32", "float16", "bfloat16"]

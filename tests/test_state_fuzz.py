@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, Phase, event, note, settings, strategies as 
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-import streamattn.cache
-from streamattn import CacheSpec, KVCache, attend, snapshot, state
-from streamattn.backends import gpu
+import streamattn.kv.cache
+from streamattn import CacheSpec, KVCache, attend
+from streamattn.kv import snapshot, state
+from streamattn.kv.backends import gpu
 from oracle import History, as_stored, check
 
 FUZZ_EXAMPLES = int(os.environ.get("STREAMATTN_FUZZ_EXAMPLES", "0"))   # scripts/fuzz.sh sets these
@@ -284,7 +285,7 @@ def test_fuzzer_catches_a_planted_slot_bug(monkeypatch, planted):
     The planted rule reaches what the cache says it holds (``temporal_view``) and the array write path;
     CPU writes are one compiled call (``storage.write_rows``) with its own copy of the rule, so the
     mismatch shows as stored rows that are not the history, or as attention off the oracle."""
-    monkeypatch.setattr(streamattn.cache, "ring_slots", planted)
+    monkeypatch.setattr(streamattn.kv.cache, "ring_slots", planted)
     quick = settings(CI, max_examples=60, derandomize=True, database=None, phases=[Phase.generate])
     with pytest.raises(AssertionError, match=r"relative error|lse error|padding rows|[KV] rows of sequence"):
         run_state_machine_as_test(CacheStateMachine, settings=quick)
@@ -320,7 +321,7 @@ def test_one_token_more_permissive_rewind_gives_wrong_attention(monkeypatch):
     """The rewind rule is exact on the permissive side too: allowing one token past it loses a key the next
     query needs, which attend's guard or the float64 oracle exposes."""
     from streamattn import CacheSpec, KVCache, attend
-    from streamattn.reference import TOLERANCE, attention
+    from streamattn.kv.reference import TOLERANCE, attention
     spec = CacheSpec(batch=1, kv_heads=1, head_dim=8, window=4, max_chunk=2)     # ring R = 4 + 2 - 1 = 5
     rng = np.random.default_rng(7)
     ks, vs = rng.standard_normal((2, 10, 8)).astype(np.float32)                    # [positions, d]

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from streamattn.threads import REPORTED, RUNTIME_ENV, runtime_report, set_threads
+from streamattn.runtime.threads import REPORTED, RUNTIME_ENV, runtime_report, set_threads
 
 _PROBE = """
 import streamattn                                          # first, as the CLI does
 import json, numpy as np
 from streamattn.bench.ceiling import _parallel_sum       # a cached parallel kernel: no compile here
-from streamattn.threads import runtime_report
+from streamattn.runtime.threads import runtime_report
 _parallel_sum(np.ones(64, np.float32), 2, 1)
 print(json.dumps(runtime_report()))
 """
@@ -50,7 +50,7 @@ def test_an_exported_value_wins():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps is Linux's")
 def test_numpy_imported_first_is_reported_late():
-    p = subprocess.run([sys.executable, "-c", "import numpy, json, streamattn.threads as t; "
+    p = subprocess.run([sys.executable, "-c", "import numpy, json, streamattn.runtime.threads as t; "
                         "print(json.dumps(t.runtime_report()['late']))"], capture_output=True, text=True, timeout=300)
     assert json.loads(p.stdout) == {"openblas": True, "libgomp": False}, p.stderr[-2000:]
 
@@ -74,7 +74,7 @@ class Host:
 
 
 def test_the_chooser_alternates_then_keeps_the_faster_count_and_probes_the_other():
-    from streamattn.threads import ThreadChooser
+    from streamattn.runtime.threads import ThreadChooser
     chooser, host = ThreadChooser(first=3, keep=5, probe_every=8, idle=None), Host({1: 5e-3, 2: 8e-3})   # 2 threads slower
     ran = [host.run(chooser, "decode", 2) for _ in range(6 + 200)]
     assert ran[:6] == [1, 2, 1, 2, 1, 2]                                  # warm-up: alternated, one thread first
@@ -88,7 +88,7 @@ def test_the_chooser_alternates_then_keeps_the_faster_count_and_probes_the_other
 def test_the_chooser_follows_a_host_that_changes_within_a_few_steps():
     """Once the other count wins a probe it is probed again at once: three wins of five samples flip the
     choice, whatever the wait before that probe had grown to."""
-    from streamattn.threads import ThreadChooser
+    from streamattn.runtime.threads import ThreadChooser
     chooser, host = ThreadChooser(first=3, keep=5, probe_every=8, idle=None), Host({1: 5e-3, 2: 8e-3})
     for _ in range(100):
         host.run(chooser, 1, 2)
@@ -103,7 +103,7 @@ def test_the_chooser_follows_a_host_that_changes_within_a_few_steps():
 def test_a_host_that_slows_both_counts_alike_moves_no_choice():
     """Only probes switch: when a busy spell makes every step slower, the chosen count's new times are not
     set against the other count's older (quieter) ones, which would put the steps on the slower count."""
-    from streamattn.threads import ThreadChooser
+    from streamattn.runtime.threads import ThreadChooser
     chooser, host = ThreadChooser(first=2, keep=5, probe_every=8, idle=None), Host({1: 5e-3, 2: 4e-3})
     for _ in range(20):
         host.run(chooser, 1, 2)
@@ -114,7 +114,7 @@ def test_a_host_that_slows_both_counts_alike_moves_no_choice():
 
 
 def test_a_probe_that_wins_once_by_chance_switches_nothing():
-    from streamattn.threads import ThreadChooser
+    from streamattn.runtime.threads import ThreadChooser
     chooser = ThreadChooser(first=2, keep=5, probe_every=4, switch=3, idle=None)
     ran, times = [], iter([5e-3, 4e-3, 5e-3, 4e-3] + [4e-3] * 4 + [3e-3, 6e-3] + [4e-3] * 40)
     for _ in range(50):
@@ -128,7 +128,7 @@ def test_a_wrong_warm_up_choice_is_undone_within_a_few_steps():
     """Beside a noisy neighbour two warm-up steps of each count can favour the count that is slower from
     then on: the first probe comes after ``settle`` steps, so the choice turns after settle + switch
     steps (at probe_every = 32 it took 35)."""
-    from streamattn.threads import ThreadChooser
+    from streamattn.runtime.threads import ThreadChooser
     chooser = ThreadChooser(first=2, keep=5, probe_every=32, switch=3, settle=4, idle=None)
     warm = iter([9e-3, 4e-3, 9e-3, 4e-3])              # 1, 2, 1, 2 threads: two threads look faster
     ran = []
@@ -156,7 +156,7 @@ def test_the_gate_keeps_steps_off_the_ceiling_while_the_host_has_no_cpu_to_spare
     """Two threads are faster by their times here, yet while the other CPU is busy half the time no step
     goes to two threads (not the warm-up's, not a probe); once it is free, twelve readings later, the
     warm-up takes two threads and keeps them."""
-    from streamattn.threads import ThreadChooser
+    from streamattn.runtime.threads import ThreadChooser
     idle = Neighbour()
     chooser, host = ThreadChooser(first=2, keep=5, probe_every=8, idle=idle), Host({1: 5e-3, 2: 3e-3})
     idle.busy = True
@@ -173,7 +173,7 @@ def test_the_gate_holds_probes_back_not_a_choice_already_made():
     """On a quiet host the choice goes to two threads; a neighbour then makes them slower and one-thread
     probes turn the choice (the gate never stops a step from going to one thread); from then on no probe
     goes to two threads while the neighbour stays, and the first comes once it has left."""
-    from streamattn.threads import ThreadChooser
+    from streamattn.runtime.threads import ThreadChooser
     idle = Neighbour()
     chooser, host = ThreadChooser(first=2, keep=5, probe_every=8, idle=idle), Host({1: 5e-3, 2: 3e-3})
     ran = [host.run(chooser, 1, 2) for _ in range(30)]
@@ -189,13 +189,13 @@ def test_the_gate_holds_probes_back_not_a_choice_already_made():
 
 
 def test_an_unreadable_host_leaves_the_times_to_decide():
-    from streamattn.threads import ThreadChooser
+    from streamattn.runtime.threads import ThreadChooser
     chooser, host = ThreadChooser(first=2, keep=5, probe_every=8, idle=lambda: None), Host({1: 5e-3, 2: 3e-3})
     assert [host.run(chooser, 1, 2) for _ in range(6)] == [1, 2, 1, 2, 2, 2]
 
 
 def test_idle_cpus_reads_the_host():
-    from streamattn.threads import idle_cpus
+    from streamattn.runtime.threads import idle_cpus
     n = idle_cpus()
     if not os.path.exists("/proc/loadavg"):
         assert n is None
@@ -205,7 +205,7 @@ def test_idle_cpus_reads_the_host():
 
 def test_the_chooser_sets_the_count_for_its_block_and_puts_the_callers_back():
     import numba
-    from streamattn.threads import ThreadChooser
+    from streamattn.runtime.threads import ThreadChooser
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
     chooser, before = ThreadChooser(first=1, keep=1, idle=None), numba.get_num_threads()
@@ -229,7 +229,7 @@ def test_a_step_inside_another_runs_on_its_own_count_and_puts_the_outer_one_back
     """The engine's output head: a step of its own kind inside a decode step, under the outer ceiling,
     decided by its times alone (``gate=False``) while the gate keeps the outer step on one thread."""
     import numba
-    from streamattn.threads import ThreadChooser
+    from streamattn.runtime.threads import ThreadChooser
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one thread only in this process (NUMBA_NUM_THREADS=1)")
     reads = []
@@ -257,7 +257,7 @@ def test_a_step_inside_another_runs_on_its_own_count_and_puts_the_outer_one_back
                                     ({"settle": 0}, "settle must be an integer >= 1"),
                                     ({"idle": 3}, "idle must be a callable returning idle CPUs, or None")])
 def test_the_chooser_validates(kw, msg):
-    from streamattn.threads import ThreadChooser
+    from streamattn.runtime.threads import ThreadChooser
     with pytest.raises(ValueError, match=msg):
         ThreadChooser(**kw)
 
@@ -270,7 +270,7 @@ def test_warm_model_loads_the_one_thread_decode_step_too():
     import numba
     from types import SimpleNamespace
     from streamattn.engine.generate import warm_model
-    from streamattn.threads import serial_kernels, threads
+    from streamattn.runtime.threads import serial_kernels, threads
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("Numba has one thread on this host")
 
@@ -309,7 +309,7 @@ def test_serial_kernels_follow_the_ceiling_not_the_count():
     to one thread under a higher ceiling (ThreadChooser, warm_model) says True, so a 2-thread run
     compiles one specialization, not a second serial-only one."""
     import numba
-    from streamattn.threads import ceiling, serial_kernels, threads
+    from streamattn.runtime.threads import ceiling, serial_kernels, threads
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("Numba has one thread on this host")
     with threads(2):
@@ -323,9 +323,9 @@ def test_serial_kernels_follow_the_ceiling_not_the_count():
 
 _ONE_THREAD_PROBE = """
 import json, numpy as np
-from streamattn.backends import cpu
+from streamattn.kv.backends import cpu
 from streamattn.models import compiled, heads_kernel
-from streamattn.threads import serial_kernels, set_threads
+from streamattn.runtime.threads import serial_kernels, set_threads
 set_threads(1)
 assert serial_kernels() is None
 rng = np.random.default_rng(0)

@@ -3,7 +3,7 @@
 A probe is a ceiling only if no kernel beats it. The first probe (a Numba parallel sum, LLVM's own
 vectorisation) read less than the attention kernels do: ``streamattn bench --suite decode`` showed the
 CPU kernel at 110-122% of it (float32 and float16, L = 16k). The kernels load 16-lane vectors and, for
-some shapes, prefetch each line PREFETCH_BYTES ahead (streamattn/backends/cpu_simd.py). So the probe now
+some shapes, prefetch each line PREFETCH_BYTES ahead (streamattn/kv/backends/cpu_simd.py). So the probe now
 times several readers over the same buffer and reports the best:
 
 - ``sum`` 1 or 2 streams: the first probe (a loop over a slice vectorises; over a range it did not);
@@ -25,11 +25,13 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .. import kernel_cache
-from ..backends import cpu_simd
-from ..backends.cpu_simd import VF, W, c_arrays, load16, prefetch_line, Rows, const
+from ..runtime import kernel_cache
+from ..kv.backends import cpu_simd
+from ..runtime import llvm_ir
+from ..kv.backends.cpu_simd import prefetch_line
+from ..runtime.llvm_ir import VF, W, Rows, c_arrays, const, load16
 
-kernel_cache.register(__name__, depends_on=[cpu_simd])
+kernel_cache.register(__name__, depends_on=[cpu_simd, llvm_ir])
 
 ROW = 64                    # floats per row of the vector readers' view of the buffer: four 16-lane loads
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from .. import CacheSpec, KVCache, attend
-from ..reference import TOLERANCE, attention
+from ..kv.reference import TOLERANCE, attention
 
 
 def main(argv=None) -> int:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..storage import slot_positions, widen_bf16
-from ..reference import visible
+from ..kv.storage import slot_positions, widen_bf16
+from ..kv.reference import visible
 
 
 def visibility(lengths, T: int, *, slots: int, sinks: int, window: int | None):

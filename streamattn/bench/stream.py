@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .. import CacheSpec, KVCache, attend
-from ..reference import attention
+from ..kv.reference import attention
 
-from ..reference import TOLERANCE as TOL  # vs the float32 originals
+from ..kv.reference import TOLERANCE as TOL  # vs the float32 originals
 WIN = 1000                                                    # tokens per latency median
 
 

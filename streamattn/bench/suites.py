@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .. import CacheSpec
-from ..backends import gpu
+from ..kv.backends import gpu
 from . import peers
 
 SINKS = 4

@@ -27,13 +27,14 @@ from dataclasses import asdict
 
 import numpy as np
 
-from .. import KVCache, attend, backends
-from ..arrays import to_host
+from .. import KVCache, attend
+from ..kv import backends
+from ..runtime.arrays import to_host
 from . import peers
 from . import report as benchreport
-from ..rotation import rotate
-from ..reference import TOLERANCE as TOL  # same numbers as tests/oracle.py; here vs the stored values
-from ..storage import to_storage
+from ..kv.rotation import rotate
+from ..kv.reference import TOLERANCE as TOL  # same numbers as tests/oracle.py; here vs the stored values
+from ..kv.storage import to_storage
 from .suites import Point, available_impls, select, suite
 
 ROTATE_BYTES = 64 << 20          # rotate caches until this much K+V: 2x the 32 MiB L3 of this machine kind

@@ -37,13 +37,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from streamattn import state
-from streamattn.arrays import to_host
+from streamattn.kv import state
+from streamattn.runtime.arrays import to_host
 from streamattn.engine.options import EngineConfig
 from streamattn.engine.prompt_cache import PromptCache
 from streamattn.engine.sequence import Sequence
 from streamattn.engine.speculative import StepCosts
-from streamattn.threads import ThreadChooser, thread_count
+from streamattn.runtime.threads import ThreadChooser, thread_count
 
 
 #: Steps of at most this many real rows run on 1 thread or on the count set, whichever measured faster
@@ -59,7 +59,7 @@ _CHOOSERS = weakref.WeakKeyDictionary()          # model -> its ThreadChooser
 
 
 def _chooser(model) -> ThreadChooser:
-    """The model's :class:`~streamattn.threads.ThreadChooser`, shared by its engines (a Generator makes one
+    """The model's :class:`~streamattn.runtime.threads.ThreadChooser`, shared by its engines (a Generator makes one
     per call), so that what a process measured outlives each call; a fresh one for a model that takes no
     weak reference."""
     try:
@@ -267,7 +267,7 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         if self.cfg.threads is not None:
-            from streamattn.threads import set_threads
+            from streamattn.runtime.threads import set_threads
             set_threads(self.cfg.threads)             # numba's thread count is per calling thread
         while True:
             with self._cv:

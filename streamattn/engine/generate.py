@@ -211,7 +211,7 @@ class Generator:
         as :meth:`stream_batch` does. ``seqs``, if given, receives the jobs' :class:`Sequence` objects."""
         B = len(jobs)
         from streamattn.engine.speculative import StepCosts
-        from streamattn.threads import thread_count
+        from streamattn.runtime.threads import thread_count
         costs = self._step_costs.setdefault(thread_count(), StepCosts())     # step times at this thread count
         engine = Engine(self.model, self.tok, replace(self.config, slots=B), isolate_failures=False,
                         reset_finished=False, step_costs=costs)
@@ -288,15 +288,15 @@ def warm_model(model, kind: str, kind_v: str | None = None) -> float:
     (the packed matmul drivers of each weight kind, the fused norm and activation quantizers, attention
     for storage ``kind``) is compiled or loaded from Numba's cache now, outside any timing, as
     llama.cpp's warm-up decode does. With more than one Numba thread set, the one-token and padded
-    calls run on one thread too: the engine's :class:`~streamattn.threads.ThreadChooser` runs decode
+    calls run on one thread too: the engine's :class:`~streamattn.runtime.threads.ThreadChooser` runs decode
     steps there, whose serial drivers were otherwise loaded by the first such step (~60 ms, 4% of a
     128-token SmolLM2 run). Seconds taken.
 
     LLVM's library pages, which only loading needs, are handed back before and after each of the two
-    kinds of loading (:func:`streamattn.memory.release_compiler_pages`): the compiled layers, then the
+    kinds of loading (:func:`streamattn.runtime.memory.release_compiler_pages`): the compiled layers, then the
     array layers' kernels, so that their pages never add up (docs/DESIGN.md §11; the figures:
     docs/PERF.md)."""
-    from streamattn.memory import release_compiler_pages
+    from streamattn.runtime.memory import release_compiler_pages
     t0 = time.perf_counter()
     release_compiler_pages()          # those touched by what loaded before (the CLI's attention warm-up)
     rows = model.plan.rows
@@ -314,10 +314,10 @@ def warm_model(model, kind: str, kind_v: str | None = None) -> float:
 
 def _on_each_count(call) -> None:
     """``call()`` on the Numba thread count set, then, where it is above 1, on one thread under the same
-    ceiling, as a ThreadChooser's step runs (:func:`streamattn.threads.threads`: the counts put back after,
+    ceiling, as a ThreadChooser's step runs (:func:`streamattn.runtime.threads.threads`: the counts put back after,
     also when it raises)."""
     import numba
-    from streamattn.threads import threads
+    from streamattn.runtime.threads import threads
     call()
     if numba.get_num_threads() > 1:
         with threads(1, step_down=True):

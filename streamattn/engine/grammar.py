@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from streamattn import kernel_cache
+from streamattn.runtime import kernel_cache
 
 kernel_cache.register(__name__)    # (its mask kernel calls only its own code)
 

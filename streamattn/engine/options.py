@@ -42,7 +42,7 @@ class EngineConfig:
         V is quantized keeps its sinks apart, in float16 (float32 where K or V is float32:
         ``CacheSpec.sink_dtype``, docs/DESIGN.md §6).
     rotate_k : bool or None
-        Keys stored rotated by a Walsh–Hadamard transform (:class:`~streamattn.spec.CacheSpec`); None: on
+        Keys stored rotated by a Walsh–Hadamard transform (:class:`~streamattn.kv.spec.CacheSpec`); None: on
         for a quantized K, off for float storage.
     backend : {"reference", "cpu", "gpu", "auto"}
     prefill_chunk : int
@@ -58,7 +58,7 @@ class EngineConfig:
     adapt_threads : bool
         The thread count is a ceiling: each kind of decode step (its real rows, by powers of two, up to
         ``core.ADAPT_ROWS``) runs on one thread or on the count set, whichever recent steps measured faster
-        (:class:`~streamattn.threads.ThreadChooser`; the same tokens either way). False: always the count set.
+        (:class:`~streamattn.runtime.threads.ThreadChooser`; the same tokens either way). False: always the count set.
     speculative : {"ngram"} or None
         Speculative decoding for the requests that do not say otherwise (:attr:`spec_params`).
     draft_max : int
@@ -151,7 +151,7 @@ class ModelOptions:
         they are kept in float16 when K or V is quantized (docs/DESIGN.md §6).
     rotate_k : bool or None
         Store keys rotated by a Walsh–Hadamard transform (``--no-rotate-k``: False); None: on for a
-        quantized K, off for float storage (:class:`~streamattn.spec.CacheSpec`).
+        quantized K, off for float storage (:class:`~streamattn.kv.spec.CacheSpec`).
     prefill_chunk : int
         Prompt tokens per forward call (and the caches' ``max_chunk``), 1..8192.
     threads : int
@@ -276,10 +276,10 @@ class ModelOptions:
         from streamattn.gguf.loader import load_gguf
         from streamattn.text.tokenizer import Tokenizer
         from streamattn.models.transformer import Transformer
-        from streamattn.threads import set_threads
+        from streamattn.runtime.threads import set_threads
 
         if self.backend == "gpu":
-            from streamattn.backends import gpu
+            from streamattn.kv.backends import gpu
             if not gpu.available():
                 raise ValueError("--backend gpu: no CUDA device is visible (or CuPy is not installed); use "
                                  "--backend cpu")
@@ -334,7 +334,7 @@ def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int | None = Non
                    help="prompt tokens per forward call")
     g.add_argument("--threads", type=int, default=d.threads,
                    help="CPU threads for matmuls and attention, at most (default 1); decode steps run on "
-                        "one thread where that measured faster (streamattn/threads.py ThreadChooser)")
+                        "one thread where that measured faster (streamattn/runtime/threads.py ThreadChooser)")
     if chat:
         g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
         g.add_argument("--system", default=None, help="system message for --chat")

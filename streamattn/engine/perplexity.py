@@ -29,9 +29,9 @@ import numpy as np
 from streamattn.engine.core import Engine
 from streamattn.engine.options import EngineConfig
 from streamattn.engine.sequence import Job, Sequence
-from streamattn.files import check_writable, read_text, same_file
+from streamattn.runtime.files import check_writable, read_text, same_file
 from streamattn.models.transformer import Transformer
-from streamattn.spec import CacheSpec
+from streamattn.kv.spec import CacheSpec
 
 
 #: Tokens per forward call when scoring: longer than the engine's default chunk, since a text scored alone
@@ -188,9 +188,9 @@ MAX_TEXT_BYTES = 1 << 30     # a text file to score (a 1 GiB text is ~250M token
 
 
 def read_text_file(file) -> str:
-    """The UTF-8 text of ``file``, read through :func:`streamattn.files.read_text`: a missing file is
+    """The UTF-8 text of ``file``, read through :func:`streamattn.runtime.files.read_text`: a missing file is
     FileNotFoundError, a folder, FIFO or device, a file over MAX_TEXT_BYTES or one that is not UTF-8 is
-    :class:`~streamattn.files.BadFile`, each naming the file."""
+    :class:`~streamattn.runtime.files.BadFile`, each naming the file."""
     if not os.path.lexists(file):
         raise FileNotFoundError(f"text file {str(file)!r} not found (scripts/get_text.sh writes a long one)")
     return read_text(file, limit=MAX_TEXT_BYTES, what="text file")

@@ -1,14 +1,14 @@
 """Prompt cache: a token trie of saved sequence states, least recently used evicted under a byte budget.
 
 Each entry is one sequence's cache state (one batch-1 ``KVCache`` per layer, copied out of an engine
-slot with :func:`streamattn.state.fork`) keyed by the tokens it has seen. A new request takes the entry
+slot with :func:`streamattn.kv.state.fork`) keyed by the tokens it has seen. A new request takes the entry
 sharing the longest prefix with its prompt, forks it into its slot and rewinds it to that prefix, so
 only the rest of the prompt is prefilled.
 
 Which prefixes a ring can serve exactly: a causal cache can be rewound anywhere, so any common prefix is
 reusable. A window (or sinks) cache that has wrapped no longer holds its oldest keys; rewinding it from
 the entry's length M to L is exact only when the keys the query at L needs are still in the ring, which
-is :func:`streamattn.state.rewind`'s rule (for a ring filled by appends alone: M <= slots, or
+is :func:`streamattn.kv.state.rewind`'s rule (for a ring filled by appends alone: M <= slots, or
 M - L <= max_chunk, or L <= sinks). Entries that fail it are not used. docs/DESIGN.md §25 says why.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from streamattn import state
+from streamattn.kv import state
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamattn.files import ModelFileError
+from streamattn.runtime.files import ModelFileError
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def cache_dir() -> Path:
 
 
 def sha256_file(path, *, chunk: int = 1 << 22) -> str:
-    from streamattn.files import open_regular
+    from streamattn.runtime.files import open_regular
     h = hashlib.sha256()
     with open_regular(path) as f:                # a FIFO or device in the cache: refused by name, no hang
         while block := f.read(chunk):
@@ -203,7 +203,7 @@ def _remember(target: Path, digest: str) -> None:
 
 def _read_marker(target: Path) -> str:
     """The marker's text: a regular file of at most 4 KiB (anything else raises BadFile, a ValueError)."""
-    from streamattn.files import read_text
+    from streamattn.runtime.files import read_text
     return read_text(_marker(target), limit=4096, what="checksum marker")
 
 

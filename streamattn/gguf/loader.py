@@ -22,9 +22,9 @@ import numpy as np
 import gguf.quants
 from gguf.constants import Keys
 
-from streamattn.backends.gpu_gemv import GGUFMatrix
-from streamattn.backends.gpu_source import GEMV_TYPES
-from streamattn.files import ModelFileError
+from streamattn.kv.backends.gpu_gemv import GGUFMatrix
+from streamattn.kv.backends.gpu_source import GEMV_TYPES
+from streamattn.runtime.files import ModelFileError
 from streamattn.gguf.metadata import Metadata, check_tensor_names, read_metadata
 from streamattn.gguf.reader import GGUFFile
 from streamattn.models.architectures import ARCHITECTURES
@@ -89,7 +89,7 @@ def open_container(path: str) -> GGUFFile:
                              "`streamattn pull smollm2-135m`")
     if os.path.isdir(path):
         raise ModelFileError(f"{path}: is a directory, expected a .gguf file")
-    from streamattn.files import BadFile, open_regular
+    from streamattn.runtime.files import BadFile, open_regular
     try:
         fh = open_regular(path)     # a FIFO or a device is refused by name (reading one blocks or never ends)
     except BadFile as e:
@@ -131,7 +131,7 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
         1-D tensors such as norms are float32); "f32": every tensor dequantized to float32 (the
         reference path); "gguf": the GPU's (``Transformer.to(cupy)``): matrices of a type the packed
         GEMV kernels read (``gpu_source.GEMV_TYPES``) kept as the file's bytes
-        (:class:`~streamattn.backends.gpu_gemv.GGUFMatrix`, not fused), every other tensor float32.
+        (:class:`~streamattn.kv.backends.gpu_gemv.GGUFMatrix`, not fused), every other tensor float32.
     tokenizer : bool
         Refuse a file whose tokenizer :meth:`~streamattn.text.tokenizer.Tokenizer.from_metadata` would
         refuse (:meth:`~streamattn.text.tokenizer.Tokenizer.check_metadata`), before any tensor is read

@@ -12,7 +12,7 @@ import math
 import numpy as np
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
 
-from streamattn.files import ModelFileError
+from streamattn.runtime.files import ModelFileError
 
 
 # Bounds of the integer metadata (inclusive): far above real models, low enough that a hostile value is

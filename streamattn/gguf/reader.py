@@ -59,7 +59,7 @@ class GGUFFile:
     def __init__(self, path: str):
         import gguf
 
-        from streamattn.files import open_regular
+        from streamattn.runtime.files import open_regular
         open_regular(path).close()                # a FIFO or a device: refused by name, before the map
         self.data = np.memmap(path, mode="r", dtype=np.uint8)
         self._mv = memoryview(self.data)

@@ -3,7 +3,7 @@
 Written against an array module ``xp`` (numpy on the CPU; CuPy on the GPU once weights are moved with
 ``Transformer.to``). Weight matrices are float arrays or packed GGUF blocks
 (:class:`~streamattn.quant.weights.QWeight`; on the GPU, the file's own blocks,
-:class:`~streamattn.backends.gpu_gemv.GGUFMatrix`); :func:`linear` and :func:`embed_rows` are the two
+:class:`~streamattn.kv.backends.gpu_gemv.GGUFMatrix`); :func:`linear` and :func:`embed_rows` are the two
 operations that look at which (on numpy, packed integer weights go to the fused kernels of
 :mod:`streamattn.quant.matmul`). :class:`ArrayOps` binds them to one forward call as the layer's ops.
 """
@@ -15,8 +15,8 @@ import math
 import gguf
 import numpy as np
 
-from streamattn.backends.gpu_gemv import GGUFMatrix
-from streamattn.dispatch import append_attend   # attend() without re-checking what forward built
+from streamattn.kv.backends.gpu_gemv import GGUFMatrix
+from streamattn.kv.dispatch import append_attend   # attend() without re-checking what forward built
 from streamattn.models.heads_kernel import heads_rope_cpu
 from streamattn.models.rope import rope, rope_tables  # noqa: F401  (rope_tables: heads_rope's doctest)
 from streamattn.quant import matmul as qmatmul
@@ -31,7 +31,7 @@ def linear(xp, x, w, mm):
     if isinstance(w, QWeight):
         return qmatmul.qmatmul(x, w, group_rows=mm.plan.rows, vnni=mm.plan.vnni)
     if isinstance(w, GGUFMatrix):                # the file's blocks on the GPU: the packed GEMV kernels
-        from streamattn.backends import gpu
+        from streamattn.kv.backends import gpu
         flat = xp.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=xp.float32)
         return gpu.gemv(w, flat).reshape(*x.shape[:-1], w.shape[0])
     if isinstance(w, tuple):                     # row groups of different block kinds

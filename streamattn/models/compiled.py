@@ -15,7 +15,7 @@ names the drivers (:func:`_tag`), so one compiled layer serves every model with 
 The attend op stages the step's K and V as the cache stores them, each by its own storage (float32 as it
 is, float16/bfloat16 patterns: :func:`stored_16`; q8_0/q4_0 blocks: :func:`stored_quantized`, the same
 quantizer as the cache's), writes them and runs the CPU attention over the ring (quantized rows read in
-place). A ``rotate_k`` cache gets its keys and the queries rotated first (:func:`streamattn.rotation.rotate_rows`).
+place). A ``rotate_k`` cache gets its keys and the queries rotated first (:func:`streamattn.kv.rotation.rotate_rows`).
 That op is the one part that differs between storages, so it is compiled apart (:data:`ATTENDS`, one copy
 per pair of K and V storage classes) and called through its address; the layer sees the cache's storage
 as bytes, and so is compiled once for every storage (docs/DESIGN.md §15).
@@ -43,19 +43,19 @@ from numba import njit, prange, typeof, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from streamattn import kernel_cache, storage
-from streamattn.backends import cpu
-from streamattn.kernel_cache import variant
+from streamattn.runtime import kernel_cache
+from streamattn.kv import storage
+from streamattn.kv.backends import cpu
+from streamattn.runtime.kernel_cache import variant
 from streamattn.models import heads_kernel, layer
 from streamattn.models.heads_kernel import heads_rope_alloc, heads_rope_rows_parallel, rms_row
 from streamattn.models.layer import LayerWeights
 from streamattn.quant import matmul as qmatmul
 from streamattn.quant.matmul import GELU, NORM, PLAIN, SILU
-from streamattn import rotation
-from streamattn.rotation import rotate_rows
-from streamattn.spec import QUANTIZED
-from streamattn.storage import (EXPONENT_BITS, bits, first_not_finite, quantize_rows, quantize_rows_fed,
-                                recode_for_queries, write_rows)
+from streamattn.kv import rotation
+from streamattn.kv.rotation import rotate_rows
+from streamattn.kv.spec import QUANTIZED
+from streamattn.kv.storage import (EXPONENT_BITS, bits, first_not_finite, quantize_rows, quantize_rows_fed, recode_for_queries, write_rows)
 
 # The layer is compiled here, with this module's ops inlined into it: its cache files go with this module's.
 kernel_cache.register(__name__, depends_on=[cpu, heads_kernel, layer, qmatmul, rotation, storage],
@@ -72,7 +72,7 @@ Cfg = namedtuple("Cfg", "H Hk eps eps32 neox scale gelu softcap")
 #: ``kind_v``: cpu.KIND, 0 float32, 1 float16, 2 bfloat16, 3 q8_0, 4 q4_0) and the exponent bits of each (0 for
 #: a quantized one), and ``mixed``: K and V differ or are quantized, so the finite check runs per array
 #: (storage.first_not_finite), not in write_rows;
-#: ``rotate``: keys stored as ``k @ H`` and queries scored as ``q @ H`` (streamattn.rotation); ``vround``: the
+#: ``rotate``: keys stored as ``k @ H`` and queries scored as ``q @ H`` (streamattn.kv.rotation); ``vround``: the
 #: factors a q4_0 V is rounded with (float64 [Hk, D, D], ``Transformer.value_rounding``), else [0, 0, 0];
 #: ``ksearch``: a q4_0 K's block scales searched and its codes rounded for the step's queries
 #: (``Transformer.key_search``); ``attend``, ``code``: the address of the compiled :data:`ATTENDS` copy for
@@ -82,7 +82,7 @@ Kv = namedtuple("Kv", "kst vst lengths last_counts held_from sinks ring window m
                       "check expbits kind kind_v expbits_v mixed rotate vround ksearch attend code")
 #: One step: RoPE cos, sin rows [B*T, hd] of the layer's base, the batch, whether to stay on one thread
 #: (True / False, or None: one thread, decided when the layer is typed, so that its parallel kernels are
-#: never compiled: :func:`streamattn.threads.serial_kernels`), int64 [1] set to 1 by a layer whose chunk
+#: never compiled: :func:`streamattn.runtime.threads.serial_kernels`), int64 [1] set to 1 by a layer whose chunk
 #: the cache refused (:func:`run_layer`), the real tokens of each sequence (counts: int64 [B], each in
 #: 0..T), and which rows of x [B*T] they are (real: int64 [n], ascending; all B*T of them when every row
 #: is real). The matmuls see only the real rows.
@@ -277,10 +277,10 @@ def _quantized_kernel(items):
 
     def stored_quantized(x, width, q4, counts, rounding, search, queries=None):
         """float32 x [B, H, T, D] -> the q8_0 (or q4_0 when ``q4``) rows ``storage.to_storage`` stores, uint8
-        [B, H, T, width]: :func:`streamattn.storage.quantize_rows` over each sequence's counts[b] real rows
-        (:func:`streamattn.storage.quantize_rows_fed` with rounding[h] when ``rounding`` has rows; the q4_0
+        [B, H, T, width]: :func:`streamattn.kv.storage.quantize_rows` over each sequence's counts[b] real rows
+        (:func:`streamattn.kv.storage.quantize_rows_fed` with rounding[h] when ``rounding`` has rows; the q4_0
         scales searched when ``search``, and with ``queries`` [B, Hq, T, D] the codes then rounded for each
-        row's own query group, :func:`streamattn.storage.recode_for_queries`), the same function on the same
+        row's own query group, :func:`streamattn.kv.storage.recode_for_queries`), the same function on the same
         float32 values, so the same bytes (the padding rows are left unset: nothing reads or writes them)."""
         B, H, T, D = x.shape
         out = np.empty((B, H, T, width), np.uint8)
@@ -390,7 +390,7 @@ def _attend_kernel(k_class: str, v_class: str):
         ``counts``, ``status``, ``serial``: :class:`Step`'s."""
         B, Hk, T, D = k.shape
         kst, vst = kv.kst.view(k_bits), kv.vst.view(v_bits)     # [B, Hk, slots, D or row bytes] as written
-        if kv.rotate:                                 # streamattn.rotation: keys stored, queries scored as x @ H
+        if kv.rotate:                                 # streamattn.kv.rotation: keys stored, queries scored as x @ H
             k, q = rotate_rows(np.ascontiguousarray(k)), rotate_rows(np.ascontiguousarray(q))
         ks = _stage(k, kst, kv.kind, counts, serial, _NO_ROUNDING, kv.ksearch, q)
         vs = _stage(v, vst, kv.kind_v, counts, serial, kv.vround, False, q)

@@ -18,7 +18,7 @@ from typing import Callable
 
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
 
-from streamattn.files import ModelFileError
+from streamattn.runtime.files import ModelFileError
 
 ROPE_STYLES = ("interleaved", "neox")
 ACTIVATIONS = ("silu", "gelu_tanh")

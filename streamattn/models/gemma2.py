@@ -23,7 +23,7 @@ import numbers
 
 from gguf.constants import MODEL_TENSOR as T, Keys
 
-from streamattn.files import ModelFileError
+from streamattn.runtime.files import ModelFileError
 from streamattn.models.config import Architecture, ModelConfig, common_fields
 
 ATTN_SOFTCAP, FINAL_SOFTCAP = 50.0, 30.0   # llama.cpp's defaults (llama-hparams.h), Gemma-2's own values

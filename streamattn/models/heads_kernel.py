@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from streamattn import kernel_cache
+from streamattn.runtime import kernel_cache
 
 kernel_cache.register(__name__)    # (its kernels call only its own code)
 

@@ -37,8 +37,8 @@ import numba
 import numpy as np
 
 from streamattn import CacheSpec, KVCache
-from streamattn import storage
-from streamattn.arrays import to_host
+from streamattn.kv import storage
+from streamattn.runtime.arrays import to_host
 from streamattn.models import compiled
 from streamattn.models.architectures import ARCHITECTURES
 from streamattn.models.array_ops import ArrayOps, embed_rows, norm_linear, rms_norm
@@ -47,9 +47,9 @@ from streamattn.models.config import (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS
 from streamattn.models.layer import LayerWeights, decoder_layer
 from streamattn.models.rope import RopeTables, inverse_frequencies, rope_tables, yarn_divisors
 from streamattn.quant.matmul import KernelPlan, Matmuls
-from streamattn.backends.gpu_gemv import GGUFMatrix
+from streamattn.kv.backends.gpu_gemv import GGUFMatrix
 from streamattn.quant.weights import QWeight, concat_rows
-from streamattn.threads import serial_kernels, thread_count
+from streamattn.runtime.threads import serial_kernels, thread_count
 
 #: Prompt chunks run as a wavefront of row blocks, one Python thread each (:meth:`Transformer._wavefront`),
 #: when the thread count is at most WAVEFRONT_MAX_LANES and every block gets WAVEFRONT_MIN_ROWS rows.
@@ -228,14 +228,14 @@ class Transformer:
         max_chunk : int
             Largest chunk that ``forward`` will be given (prefill chunk size).
         dtype : {"float32", "float16", "bfloat16", "q8_0", "q4_0"}
-            K's storage (and V's unless ``dtype_v``): :class:`~streamattn.spec.CacheSpec`.
+            K's storage (and V's unless ``dtype_v``): :class:`~streamattn.kv.spec.CacheSpec`.
         dtype_v : str, optional
             V's storage where it differs.
         sink_dtype : {"auto", "float16", None}
-            The sink tokens' storage (:class:`~streamattn.spec.CacheSpec`): "auto" keeps them in float16
+            The sink tokens' storage (:class:`~streamattn.kv.spec.CacheSpec`): "auto" keeps them in float16
             when K or V is quantized; None stores them like every other token.
         rotate_k : bool, optional
-            Store keys rotated (:class:`~streamattn.spec.CacheSpec`); None: on for a quantized K.
+            Store keys rotated (:class:`~streamattn.kv.spec.CacheSpec`); None: on for a quantized K.
         max_len : int, optional
             Cap for causal caches.
         """
@@ -273,7 +273,7 @@ class Transformer:
 
     def value_rounding(self, i: int, spec: CacheSpec):
         """How layer i's V rows are rounded into ``spec``'s storage: None (to nearest) unless V is q4_0;
-        then float64 [kv_heads, head_dim, head_dim] factors (:func:`streamattn.storage.rounding_factor`) of
+        then float64 [kv_heads, head_dim, head_dim] factors (:func:`streamattn.kv.storage.rounding_factor`) of
         H = sum of W_o,hᵀ W_o,h over the query heads h of each kv head, W_o,h the output projection's
         columns that head h's attention output meets (docs/DESIGN.md §6). A V row's rounding error e
         reaches the layer's output as W_o,h e weighted by the attention, so rounding each row for eᵀ H e
@@ -298,9 +298,9 @@ class Transformer:
     @staticmethod
     def key_search(spec: CacheSpec) -> bool:
         """Whether K rows are stored in ``spec``'s storage with searched block scales and codes rounded for
-        their own token's queries: True for q4_0 keys (``streamattn.storage.quantize_rows(..., search=True)``:
+        their own token's queries: True for q4_0 keys (``streamattn.kv.storage.quantize_rows(..., search=True)``:
         each block's scale the one of 16, 0.70-1.0 of gguf's, that leaves the least squared error; then
-        :func:`streamattn.storage.recode_for_queries`: attention pays a key's error e as q·e over the queries
+        :func:`streamattn.kv.storage.recode_for_queries`: attention pays a key's error e as q·e over the queries
         that read it, and the token's own query group is the nearest sample of those, which took issue 28's
         q4_0 run from +6.2% to +3.0% perplexity; docs/DESIGN.md §6), False (gguf's rule) otherwise. A
         function of each token's own k and q alone, so every chunking, fork, rewind and draft stores the
@@ -310,7 +310,7 @@ class Transformer:
     def _compiled_layers(self, backend, counts_ok, hook, positions, caches):
         """The compiled layers (:mod:`streamattn.models.compiled`) where this call may use them — CPU
         arrays, the CPU backend, counts [B] each in 0..T, no hook, no query rotated for sinks, no cache
-        with float16 sinks (attended in two parts by streamattn.dispatch) — else None (the array layers
+        with float16 sinks (attended in two parts by streamattn.kv.dispatch) — else None (the array layers
         then raise what is wrong)."""
         if not (self.compile_layers and self.xp is np and backend in ("cpu", "auto") and counts_ok
                 and hook is None and (positions == "absolute" or not any(k.spec.sinks for k in caches))
@@ -409,7 +409,7 @@ class Transformer:
         counts : int array [B], optional
             Real tokens per sequence (ragged batch). Default: all T.
         backend : str
-            Attention backend for :func:`streamattn.dispatch`.
+            Attention backend for :func:`streamattn.kv.dispatch`.
         last_only : bool
             Return logits of each sequence's last real token only: [B, vocab].
         logits_at : (rows, cols) int arrays [N], optional

@@ -1,6 +1,6 @@
 """Activations of :mod:`streamattn.quant.matmul` quantized to 8 bits (llama.cpp's Q8_1 layout), with the
 elementwise work fused in front of it (RMSNorm, the gated activation). Plain Numba, but for a block's
-quantization (LLVM IR, as streamattn.backends.cpu_simd); the dot products themselves are in
+quantization (LLVM IR, with streamattn.runtime.llvm_ir); the dot products themselves are in
 streamattn.quant.kernels."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from streamattn import kernel_cache
-from streamattn.backends import cpu_simd
-from streamattn.backends.cpu_simd import Rows, addr, c_arrays, llvm_fn, pow2
+from streamattn.runtime import kernel_cache
+from streamattn.runtime import llvm_ir
+from streamattn.runtime.llvm_ir import Rows, addr, c_arrays, llvm_fn, pow2
 
-kernel_cache.register(__name__, depends_on=[cpu_simd])
+kernel_cache.register(__name__, depends_on=[llvm_ir])
 
 
 @intrinsic

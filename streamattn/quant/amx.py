@@ -35,8 +35,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from streamattn import cpu_target
-from streamattn.backends.cpu_simd import addr, c_arrays, llvm_fn, Rows
+from streamattn.runtime import cpu_target
+from streamattn.runtime.llvm_ir import addr, c_arrays, llvm_fn, Rows
 from streamattn.quant.kernels import (WIDE_VNNI, I8, I32, I64, F32, _i64, _load_floats, _splat_int, _stable,
                                       block_epilogue, block_steps, q8_correction,
                                       store_outputs)
@@ -59,7 +59,7 @@ def _request_tiles() -> bool:
 
 
 #: Whether the prompt matmuls can run on AMX here: 16-lane VNNI kernels (the same packed layout), AMX-TILE
-#: and AMX-INT8 in what Numba compiles for (streamattn.cpu_target), and Linux's permission for the tile state.
+#: and AMX-INT8 in what Numba compiles for (streamattn.runtime.cpu_target), and Linux's permission for the tile state.
 AVAILABLE = WIDE_VNNI and cpu_target.has("amx-tile") and cpu_target.has("amx-int8") and _request_tiles()
 #: Whether models use them by default (``KernelPlan().amx``): where available, unless ``STREAMATTN_AMX=0``.
 DEFAULT = AVAILABLE and os.environ.get("STREAMATTN_AMX", "1") != "0"

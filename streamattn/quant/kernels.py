@@ -2,7 +2,7 @@
 activation rows.
 
 Numba has no vector types, and plain Numba loops over the same blocks did not vectorise (0.3-0.4 G
-weights/s, see docs/PERF.md), so the dot products are emitted as IR here, like streamattn/backends/cpu_simd.
+weights/s, see docs/PERF.md), so the dot products are emitted as IR here, like streamattn/kv/backends/cpu_simd.py (with streamattn/runtime/llvm_ir.py).
 
 A packed weight is stored in groups of :data:`LANES` rows interleaved by four bytes
 (:mod:`streamattn.quant.weights`), so each vector lane is one weight row: a block's integer products
@@ -21,8 +21,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from streamattn import cpu_target
-from streamattn.backends.cpu_simd import addr, c_arrays, fmuladd, llvm_fn, load16, Rows
+from streamattn.runtime import cpu_target
+from streamattn.runtime.llvm_ir import addr, c_arrays, fmuladd, llvm_fn, load16, Rows
 from streamattn.quant.levels import IQ4_VALUES, Q6K_WORDS
 
 I1, I8, I16, I32, I64, F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),

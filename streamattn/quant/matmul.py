@@ -32,18 +32,17 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from streamattn import cpu_target, kernel_cache
-from streamattn.backends import cpu_simd
-from streamattn.kernel_cache import variant
+from streamattn.runtime import cpu_target, kernel_cache, llvm_ir
+from streamattn.runtime.kernel_cache import variant
 from streamattn.quant import activations, kernels, levels
 from streamattn.quant import amx as amx_kernels
 from streamattn.quant.activations import (glu_quantize_rows, glu_quantize_rows_parallel, norm_quantize_rows,  # noqa: F401
                                       norm_quantize_rows_parallel, quantize_rows)
 from streamattn.quant.kernels import LANES, LANES_VNNI, make_fdot_rows, make_qdot
 from streamattn.quant.weights import QWeight
-from streamattn.threads import many_threads
+from streamattn.runtime.threads import many_threads
 
-kernel_cache.register(__name__, depends_on=[activations, amx_kernels, cpu_simd, kernels, levels])  # the IR they inline
+kernel_cache.register(__name__, depends_on=[activations, amx_kernels, kernels, levels, llvm_ir])  # the IR they inline
 
 #: Activation rows per weight-block unpacking of the default :class:`KernelPlan` (measured: docs/PERF.md).
 #: Results do not depend on it.
@@ -130,7 +129,7 @@ def _lines(rows, cols):
 def _njit_drivers(loops, tag: str):
     """The serial and the row-parallel driver from one source: ``loops(rows)`` returns the loop over
     weight rows, ``rows`` being ``range`` or ``prange``; ``tag`` names the drivers' variant (each copy
-    is compiled under its own name: :func:`streamattn.kernel_cache.variant`)."""
+    is compiled under its own name: :func:`streamattn.runtime.kernel_cache.variant`)."""
     return (njit(cache=True)(variant(loops(range), f"{tag}_serial")),
             njit(parallel=True, cache=True)(variant(loops(prange), f"{tag}_parallel")))
 

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from streamattn.memory import trim_heap
+from streamattn.runtime.memory import trim_heap
 from streamattn.quant.levels import IQ4_VALUES, Q6K_WORDS
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q3_K",

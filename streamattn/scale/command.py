@@ -11,7 +11,7 @@ import sys
 
 from streamattn.engine.options import ModelOptions, add_arguments as add_model_arguments
 from streamattn.engine.sampling import SamplingParams, add_arguments as add_sampling_arguments
-from streamattn.files import check_regular, open_regular, same_file
+from streamattn.runtime.files import check_regular, open_regular, same_file
 from streamattn.scale.batch import run_local
 from streamattn.scale.jobs import MAX_STOP, MAX_STOP_CHARS, OutputFile, Progress, read_requests
 

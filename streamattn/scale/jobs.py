@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 
 from streamattn.engine.grammar import ResponseFormatError, check_response_format
 from streamattn.engine.sampling import SamplingParams
-from streamattn.files import BadFile, kind, open_regular, short
+from streamattn.runtime.files import BadFile, kind, open_regular, short
 
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 _KEYS = {"id", "prompt", "messages", "max_tokens", "stop", "response_format", *_SAMPLING_KEYS}
@@ -198,7 +198,7 @@ def read_requests(path, *, done: set = frozenset(), done_lines: set = frozenset(
     context, the chat template) and raises ValueError for a line that cannot run; it sees only lines
     still to run. ``defaults`` go to :func:`parse_line` (max_tokens, sampling, stop).
 
-    Raises :class:`~streamattn.files.BadFile` if ``path`` is not a regular file (a FIFO, a device).
+    Raises :class:`~streamattn.runtime.files.BadFile` if ``path`` is not a regular file (a FIFO, a device).
     """
     res, seen = ReadResult(), set()
     with open_regular(path) as f:

@@ -78,7 +78,7 @@ class BatchPredictor:
 
     def __call__(self, batch: dict) -> dict:
         """``{"request": [n] JSON strings}`` -> ``{"result": [n] JSON strings}`` (see ``complete``)."""
-        from streamattn.threads import set_threads
+        from streamattn.runtime.threads import set_threads
         set_threads(self.opts.threads)      # Numba's count is per thread; Ray may call from another thread
         reqs = [Request.from_json(str(s)) for s in batch["request"]]
         results = complete(self.gen, reqs, self.opts)

@@ -58,7 +58,7 @@ class ServerState:
             from streamattn.gguf.loader import load_gguf
             from streamattn.text.tokenizer import Tokenizer
             from streamattn.models.transformer import Transformer
-            from streamattn.threads import set_threads
+            from streamattn.runtime.threads import set_threads
 
             set_threads(self.cfg.threads)
             path = resolve_model(self.cfg.model, quiet=True)

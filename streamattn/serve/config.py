@@ -45,7 +45,7 @@ class ServeConfig:
         Store the sink tokens like every other token (default: kept apart where K or V is quantized, in
         float16, or float32 beside a float32 side).
     rotate_k : bool or None
-        Keys stored rotated (:class:`~streamattn.spec.CacheSpec`); None: on for a quantized K.
+        Keys stored rotated (:class:`~streamattn.kv.spec.CacheSpec`); None: on for a quantized K.
     positions : {"absolute", "cache"}
         RoPE positions: in the text, or within the cache (StreamingLLM; sinks caches only differ,
         docs/DESIGN.md §5).

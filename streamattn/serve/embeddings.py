@@ -31,7 +31,7 @@ from typing import Literal, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from streamattn.arrays import to_host
+from streamattn.runtime.arrays import to_host
 from streamattn.serve.config import POOLINGS
 from streamattn.serve.protocol import APIError, load_request
 from streamattn.text.tokenizer import TooLong
@@ -95,7 +95,7 @@ class Embedder:
     def __init__(self, model, *, pooling: str, threads: int, backend: str, max_queue: int):
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS} (got {pooling!r})")
-        from streamattn.threads import set_threads
+        from streamattn.runtime.threads import set_threads
         self.model, self.pooling, self.backend, self.max_queue = model, pooling, backend, max_queue
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamattn-embed",
                                         initializer=set_threads, initargs=(threads,))

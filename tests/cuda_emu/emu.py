@@ -1,8 +1,8 @@
 """Build and drive the CPU emulation of the CUDA kernels (cuda_emu.h) from Python through ctypes.
 
-``build`` writes the exact text the GPU backend compiles (streamattn.backends.gpu_source.source) next
+``build`` writes the exact text the GPU backend compiles (streamattn.kv.backends.gpu_source.source) next
 to a generated translation unit that includes it after cuda_emu.h, and compiles a shared library with
-g++. ``Emulator.attend`` then runs streamattn.backends.gpu_plan.attend_with, the GPU backend's own
+g++. ``Emulator.attend`` then runs streamattn.kv.backends.gpu_plan.attend_with, the GPU backend's own
 orchestration, with numpy arrays and this launcher (``Emulator.gemv``: gpu_gemv.gemv_with's).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streamattn.backends import gpu_gemv, gpu_plan, gpu_source
+from streamattn.kv.backends import gpu_gemv, gpu_plan, gpu_source
 
 HERE = Path(__file__).resolve().parent
 CXX_FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing",

@@ -1,7 +1,7 @@
 """A stand-in for CuPy, backed by numpy and the CPU emulation harness: dry runs of GPU-only code.
 
 Put ``tests/fake_cupy`` first on PYTHONPATH (and ``STREAMATTN_FAKE_CUPY_LIB`` = a library from
-tests/cuda_emu/emu.py ``build``) to run streamattn.backends.gpu, tests/test_gpu_device.py and
+tests/cuda_emu/emu.py ``build``) to run streamattn.kv.backends.gpu, tests/test_gpu_device.py and
 benchmarks/gpu_decode.py on a machine without a GPU. It covers only the CuPy calls those make, and
 proves their wiring (names, arguments, shapes), not their speed.
 """
@@ -83,7 +83,7 @@ _state: dict = {}
 
 class RawModule:
     def __init__(self, code, options=(), name_expressions=()):
-        from streamattn.backends import gpu_source
+        from streamattn.kv.backends import gpu_source
         self._names = {gpu_source.name_expression(n): n for n in gpu_source.all_specs()}
         assert all(e in self._names for e in name_expressions), name_expressions
 

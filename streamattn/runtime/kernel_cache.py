@@ -77,8 +77,8 @@ def register(module: str, depends_on=(), compiles=()) -> Registration:
     writable, a source cannot be read, or Numba's internals moved, nothing is deleted (the cache then
     works as Numba has it).
 
-    >>> from streamattn import kernel_cache                                   # doctest: +SKIP
-    >>> from streamattn.backends import cpu_simd                              # doctest: +SKIP
+    >>> from streamattn.runtime import kernel_cache                           # doctest: +SKIP
+    >>> from streamattn.kv.backends import cpu_simd                           # doctest: +SKIP
     >>> kernel_cache.register(__name__, depends_on=[cpu_simd])                # doctest: +SKIP
     """
     path = _source_of(module)

@@ -12,7 +12,7 @@ from .sink_parts import attend_parts
 from .rotation import rotate
 from .spec import QUANTIZED
 from .storage import EXPONENT_BITS, bits, check_stored_finite, non_finite_error
-from .threads import serial_kernels
+from ..runtime.threads import serial_kernels
 
 
 def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = None, counts=None,
@@ -38,7 +38,7 @@ def attend(q, cache: KVCache, *, backend: str = "auto", scale: float | None = No
         docs/DESIGN.md §5); default q, i.e. absolute positions throughout.
 
     A ``rotate_k`` cache (a quantized K by default) stores its keys as ``k @ H``; q and q_sink are rotated by
-    the same H here, before any backend sees them (:mod:`streamattn.rotation`), so callers pass q as for any
+    the same H here, before any backend sees them (:mod:`streamattn.kv.rotation`), so callers pass q as for any
     cache and the scores are q·k in exact arithmetic.
     softcap : float, optional
         Attention logit soft-capping (Gemma-2): each scaled score s becomes softcap * tanh(s / softcap)
@@ -152,7 +152,7 @@ def _frame(q, q_sink, cache: KVCache):
 def _append_attend_cpu(q, k, v, cache: KVCache, scale: float, softcap, v_rounding, k_search, k_queries=None):
     """:func:`append_attend` for a causal CPU cache without sinks, every row real: the cache's own
     staging (cast, refuse before growing, grow), then one compiled call for the write and the attention
-    (:func:`streamattn.backends.cpu.write_attend`: the same kernels, the same bits)."""
+    (:func:`streamattn.kv.backends.cpu.write_attend`: the same kernels, the same bits)."""
     spec = cache.spec
     counts = np.full(spec.batch, k.shape[2], np.int64)
     if spec.max_len is not None:

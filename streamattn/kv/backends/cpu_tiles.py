@@ -14,12 +14,15 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .. import kernel_cache, storage
+from ...runtime import kernel_cache
+from .. import storage
 from ..storage import f16_to_f32
+from ...runtime import llvm_ir
 from . import cpu_simd
-from .cpu_simd import I32, PV, QK, QK_KEYS, VF, W, const, bf16_to_f32
+from ...runtime.llvm_ir import I32, VF, W, bf16_to_f32, const
+from .cpu_simd import PV, QK, QK_KEYS
 
-kernel_cache.register(__name__, depends_on=[cpu_simd, storage])
+kernel_cache.register(__name__, depends_on=[cpu_simd, llvm_ir, storage])
 
 # Reassociation and contraction let LLVM vectorise the reductions; no 'nnan'/'ninf' because the
 # masked scores are -inf on purpose.

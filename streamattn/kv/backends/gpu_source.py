@@ -34,7 +34,7 @@ from pathlib import Path
 
 HEAD_DIMS = (64, 128, 256)
 KV_KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}  # storage dtype tag -> KIND template argument
-QUANT_BLOCK_BYTES = {"q8": 34, "q4": 18}  # bytes per 32 values (streamattn.spec.BLOCK_BYTES)
+QUANT_BLOCK_BYTES = {"q8": 34, "q4": 18}  # bytes per 32 values (streamattn.kv.spec.BLOCK_BYTES)
 # (K, V) storage pairs of different kinds the kernels are instantiated for: a quantized side beside float16
 # or the other quantized kind (each pair is 12 more specialisations to compile and check)
 MIXED_PAIRS = (("f16", "q8"), ("f16", "q4"), ("q8", "f16"), ("q4", "f16"), ("q8", "q4"), ("q4", "q8"))
@@ -74,7 +74,7 @@ def kernel_dir() -> Path:
     pathlib.Path
         The first of those two folders that holds ``decode.cu``.
     """
-    package = Path(__file__).resolve().parent.parent  # .../streamattn
+    package = Path(__file__).resolve().parents[2]  # .../streamattn
     for folder in (package / "kernels", package.parent / "kernels"):
         if (folder / "decode.cu").is_file():
             return folder

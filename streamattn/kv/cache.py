@@ -27,7 +27,7 @@ Every mutation validates first and writes second: a rejected call leaves the cac
 
 What a window ring still holds: ``held_from[b]``. A write at position j destroys position j - R (R = slots - n_s),
 so after appends alone the ring holds the last R positions, ``max(n_s, L - R) .. L - 1``. A rewind
-(``truncate``, called by streamattn.state.rewind) lowers L but cannot bring back what the dropped tokens overwrote, so the cache records the
+(``truncate``, called by streamattn.kv.state.rewind) lowers L but cannot bring back what the dropped tokens overwrote, so the cache records the
 oldest ring position it still holds for each sequence; ``answerable()`` and ``state.rewind`` derive from it
 which queries can still be attended exactly. Slots that hold no current position are zero.
 
@@ -35,7 +35,7 @@ Sinks apart (``spec.sink_dtype`` "float16" or "float32": a sinks cache with quan
 tokens live in ``sink_k``, ``sink_v`` (of that dtype, row j = position j) and ``k``, ``v`` hold only the ring:
 R = n_c + C - 1 slots, position j >= n_s in slot (j - n_s) mod R, the slot rule of a window cache without
 sinks over positions shifted by n_s. So each part is a cache the backends already attend, and
-``streamattn.dispatch`` merges the two answers by their log-sum-exps (docs/DESIGN.md §6). ``slots`` and
+``streamattn.kv.dispatch`` merges the two answers by their log-sum-exps (docs/DESIGN.md §6). ``slots`` and
 ``ring`` keep their meaning (n_s + R and R); the state dicts (export_state, write_sequence) keep the
 layout of a cache with its sinks inside, sink slots zero, plus the sink store's rows.
 """
@@ -46,7 +46,7 @@ import dataclasses
 
 import numpy as np
 
-from .arrays import check_sequence_index, to_host
+from ..runtime.arrays import check_sequence_index, to_host
 from .rotation import rotate
 from .spec import QUANTIZED, CacheSpec
 from .storage import (EXPONENT_BITS, bits, check_stored_finite, non_finite_error, ring_slots, slot_positions,
@@ -171,7 +171,7 @@ class KVCache:
 
     def _write(self, k, v, counts, v_rounding=None, k_search=False, k_queries=None) -> None:
         """Store a validated chunk: cast, check finite as stored (before writing), grow, write, count (on
-        the CPU the check, write and count are one compiled call, :func:`streamattn.storage.write_rows`)."""
+        the CPU the check, write and count are one compiled call, :func:`streamattn.kv.storage.write_rows`)."""
         xp, spec = self.xp, self.spec
         ks, vs = self.stage(k, v, counts, v_rounding, k_search, k_queries)
         if self.sink_k is not None:
@@ -242,18 +242,18 @@ class KVCache:
     def stage(self, k, v, counts, v_rounding=None, k_search=False, k_queries=None):
         """A validated chunk cast to the storage (ks, vs), with room made for it: a causal cache grows,
         after refusing a chunk that is not finite as stored (so a refused chunk changes nothing). A
-        ``rotate_k`` spec rotates the keys first (:func:`streamattn.rotation.rotate`), before they are cast.
+        ``rotate_k`` spec rotates the keys first (:func:`streamattn.kv.rotation.rotate`), before they are cast.
         ``v_rounding``: None (round to nearest), or float64 [kv_heads, D, D] factors with which a quantized V
-        is rounded for the layer's output projection (:func:`streamattn.storage.quantize_rows_fed`; the model
+        is rounded for the layer's output projection (:func:`streamattn.kv.storage.quantize_rows_fed`; the model
         passes them, :meth:`streamattn.models.transformer.Transformer.value_rounding`). ``k_search``: a q4_0
-        K's block scales searched for the least error (:func:`streamattn.storage.quantize_rows`;
+        K's block scales searched for the least error (:func:`streamattn.kv.storage.quantize_rows`;
         the model asks for it, :meth:`~streamattn.models.transformer.Transformer.key_search`), else gguf's.
         ``k_queries``: None, or float32 [batch, heads, T, head_dim] queries of the chunk's own tokens in the frame
         the keys are stored in (rotated with them): a q4_0 K then has its codes rounded for them, each row
-        for its own token's query group (:func:`streamattn.storage.recode_for_queries`; the model passes
+        for its own token's query group (:func:`streamattn.kv.storage.recode_for_queries`; the model passes
         them with ``k_search``, :meth:`~streamattn.models.transformer.Transformer.key_search`)."""
         xp, spec = self.xp, self.spec
-        if spec.rotate_k:                                # keys stored as k @ H (streamattn.rotation)
+        if spec.rotate_k:                                # keys stored as k @ H (streamattn.kv.rotation)
             k = rotate(k, xp)                            # [batch, kv_heads, T, head_dim] float32
         if k.dtype == spec.storage_dtype and v.dtype == spec.storage_dtype_v:    # no cast: no overflow
             ks, vs = k, v                                # (not bf16 or q*: their storage dtype is no float)
@@ -394,7 +394,7 @@ class KVCache:
     def truncate(self, b: int, k: int) -> None:
         """Drop the last ``k`` tokens of sequence ``b`` without asking whether that is exact: zero their
         slots, ``last_counts[b] = 0``, lower ``held_from[b]`` to at most the new length.
-        :func:`streamattn.state.rewind` checks the rule first; tests call this to show the check is needed."""
+        :func:`streamattn.kv.state.rewind` checks the rule first; tests call this to show the check is needed."""
         b = check_sequence_index("b", b, self.spec.batch)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= self.lengths[b]:
             raise ValueError(f"k must be an integer in 0..lengths[{b}]={int(self.lengths[b])} (got {k!r})")
@@ -447,7 +447,7 @@ class KVCache:
         pos = pos[order] if not split else np.concatenate([np.arange(min(L, n_s)), pos[order]])
         return out[0], out[1], pos.astype(np.int64)
 
-    # -- whole state and one sequence: copy, restore, rewrite (streamattn.state, streamattn.snapshot, the
+    # -- whole state and one sequence: copy, restore, rewrite (streamattn.kv.state, streamattn.kv.snapshot, the
     #    server's prompt cache) ------------------------------------------------------------------
     def export_state(self, rows: slice = slice(None)) -> dict:
         """Host copies of the state of sequences ``rows``: what a snapshot stores.
@@ -478,7 +478,7 @@ class KVCache:
     def from_state(cls, spec: CacheSpec, state: dict, *, slots: int, device: str = "cpu") -> "KVCache":
         """A new cache of ``slots`` slots holding ``state`` (as :meth:`export_state` gives it for all rows).
 
-        The caller vouches that the counters fit the spec (streamattn.snapshot checks a file's before).
+        The caller vouches that the counters fit the spec (streamattn.kv.snapshot checks a file's before).
         """
         kinds = {"k": (spec.storage_dtype, spec.k_width), "v": (spec.storage_dtype_v, spec.v_width)}
         for n in ("k", "v"):
@@ -580,8 +580,8 @@ def _check_sinks(cache: KVCache, sink_k, sink_v, where: str, batch: tuple) -> in
 def _recode_keys(k, ks, q, xp):
     """q4_0 rows ks [B, kv_heads, T, row bytes] of keys k [B, kv_heads, T, D] re-rounded for the queries q
     [B, heads, T, D] of the same tokens, each kv head for its group of query heads
-    (:func:`streamattn.storage.recode_for_queries`; on the host, as the quantizer runs): returns ks."""
-    from .arrays import to_host
+    (:func:`streamattn.kv.storage.recode_for_queries`; on the host, as the quantizer runs): returns ks."""
+    from ..runtime.arrays import to_host
     k, q = (np.ascontiguousarray(to_host(a, copy=False), np.float32) for a in (k, q))
     out = np.ascontiguousarray(to_host(ks, copy=False))
     B, Hk, T, D = k.shape

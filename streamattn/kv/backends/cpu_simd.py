@@ -14,11 +14,11 @@ float max reduction did not vectorise at all. Here the code generators emit LLVM
   than 8 FMA chains get a second set for odd keys.
 - ``row_max``: a vector max over a score row, four running vectors (llvm.maxnum; NaN operands are
   skipped, not propagated: a NaN score still makes its exp, and the output, NaN).
-- ``bf16_to_f32``, ``pow2``: scalar bit conversions Numba lacks (``f16_to_f32`` is streamattn.storage's,
-  whose quantizers read float16 scales too).
+- The shared pieces (vector types, :class:`~streamattn.runtime.llvm_ir.Rows`, the widening loads of
+  every storage kind, ``bf16_to_f32``, ``pow2``) are in streamattn.runtime.llvm_ir.
 
 kind: 0 float32 storage, 1 float16 bits, 2 bfloat16 bits (uint16), 3 q8_0 and 4 q4_0 blocks (uint8 rows,
-streamattn.storage); 16-bit rows are widened as loaded, quantized ones read in place: a chunk of 16
+streamattn.kv.storage); 16-bit rows are widened as loaded, quantized ones read in place: a chunk of 16
 values is one 16-byte load (q8_0) or half of one block's nibbles (q4_0), widened to <16 x float> in
 registers and multiplied by the block's float16 scale (exact: an int8 times a float16 fits a float32).
 Every vector kernel needs head_dim % 16 == 0; the backend keeps a plain-Numba path for other sizes.
@@ -36,127 +36,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .. import cpu_target
+from ...runtime import cpu_target
+from ...runtime.llvm_ir import (F32, I8P, I32, VF, W, Rows, addr, c_arrays, const, fmuladd, llvm_fn, load16,
+                                 load32, splat)
 
-W = 16                      # lanes per vector
 PREFETCH_BYTES = 8192       # how far ahead of each load to prefetch, hint T0 (32 rows of float32 K at head_dim 64)
 PREFETCH_MIN_ROWS = 4       # float32 kernels of fewer query rows do not prefetch (see the module docstring)
-F32, I16, I32, I64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-VF = ir.VectorType(F32, W)  # <16 x float>
-I8P = ir.IntType(8).as_pointer()
-
-
-def const(n: int):
-    return ir.Constant(I64, n)
-
-
-def llvm_fn(builder, name: str, ret, args):
-    """The module's declaration of an LLVM intrinsic (declared once per module)."""
-    mod = builder.module
-    return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, args), name)
-
-
-def fmuladd(builder, a, b, c):
-    """a * b + c, fused where the target has FMA."""
-    return builder.call(llvm_fn(builder, "llvm.fmuladd.v16f32", VF, [VF, VF, VF]), [a, b, c])
-
-
-def _splat(builder, x):
-    """<16 x float> of the scalar x."""
-    v = builder.insert_element(ir.Constant(VF, ir.Undefined), x, ir.Constant(I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(VF, ir.Undefined), ir.Constant(ir.VectorType(I32, W), [0] * W))
-
-
-class Rows:
-    """A 2-D C-contiguous Numba array inside a code generator: its data pointer, row stride and item size.
-
-    The column offset is col * a constant item size, so LLVM folds a row's chunks into displacements of
-    one pointer (a runtime inner stride cost a register per chunk and spilled them).
-    """
-
-    def __init__(self, context, builder, ty, value):
-        ary = context.make_array(ty)(context, builder, value=value)
-        self.data = builder.bitcast(ary.data, I8P)
-        self.row_stride = cgutils.unpack_tuple(builder, ary.strides)[0]
-        self.itemsize = ty.dtype.bitwidth // 8
-        self.cols = cgutils.unpack_tuple(builder, ary.shape)[1]
-
-
-def addr(builder, ary, row, col, elem):
-    """&ary[row, col] of a :class:`Rows` as an ``elem``*."""
-    off = builder.add(builder.mul(row, ary.row_stride), builder.mul(col, const(ary.itemsize)))
-    return builder.bitcast(builder.gep(ary.data, [off], source_etype=ir.IntType(8)), elem.as_pointer())
-
-
-def _load_quantized(builder, ary, row, col, kind: int):
-    """Values col .. col + 16 (col a multiple of 16) of a row of q8_0 (kind 3) or q4_0 (kind 4) blocks."""
-    nbytes = 34 if kind == 3 else 18
-    block = builder.udiv(col, const(32))
-    half = builder.urem(builder.udiv(col, const(16)), const(2))               # 0 or 1 within the block
-    base = builder.add(builder.mul(row, ary.row_stride), builder.mul(block, const(nbytes)))
-    at = lambda off, ty: builder.bitcast(builder.gep(ary.data, [off], source_etype=ir.IntType(8)),  # noqa: E731
-                                         ty.as_pointer())
-    d = builder.fpext(builder.bitcast(builder.load(at(base, I16), align=1, typ=I16), ir.HalfType()), F32)
-    v8 = ir.VectorType(ir.IntType(8), W)
-    vi = ir.VectorType(I32, W)
-    if kind == 3:
-        q = builder.load(at(builder.add(base, builder.add(const(2), builder.mul(half, const(16)))), v8),
-                         align=1, typ=v8)
-        x = builder.sitofp(q, VF)
-    else:
-        q = builder.zext(builder.load(at(builder.add(base, const(2)), v8), align=1, typ=v8), vi)
-        shift = builder.trunc(builder.mul(half, const(4)), I32)
-        nib = builder.and_(builder.lshr(q, _splat_int(builder, shift)), ir.Constant(vi, [15] * W))
-        x = builder.sitofp(builder.sub(nib, ir.Constant(vi, [8] * W)), VF)
-    return builder.fmul(x, _splat(builder, d))
-
-
-def load32(builder, ary, row, col, kind: int):
-    """ary[row, col:col + 32] (col a multiple of 32) as two <16 x float>, the same values as two
-    :func:`load16` calls; a quantized block is read once (one scale, one 32- or 16-byte load)."""
-    if kind < 3:
-        return load16(builder, ary, row, col, kind), load16(builder, ary, row, builder.add(col, const(16)), kind)
-    nbytes = 34 if kind == 3 else 18
-    base = builder.add(builder.mul(row, ary.row_stride), builder.mul(builder.udiv(col, const(32)), const(nbytes)))
-    at = lambda off, ty: builder.bitcast(builder.gep(ary.data, [off], source_etype=ir.IntType(8)),  # noqa: E731
-                                         ty.as_pointer())
-    d = _splat(builder, builder.fpext(builder.bitcast(builder.load(at(base, I16), align=1, typ=I16),
-                                                      ir.HalfType()), F32))
-    vi = ir.VectorType(I32, W)
-    if kind == 3:
-        v8 = ir.VectorType(ir.IntType(8), 2 * W)
-        q = builder.load(at(builder.add(base, const(2)), v8), align=1, typ=v8)
-        halves = [builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(I32, W), list(range(h * W, h * W + W))))
-                  for h in (0, 1)]
-        xs = [builder.sitofp(x, VF) for x in halves]
-    else:
-        v8 = ir.VectorType(ir.IntType(8), W)
-        q = builder.zext(builder.load(at(builder.add(base, const(2)), v8), align=1, typ=v8), vi)
-        nibs = [builder.and_(q, ir.Constant(vi, [15] * W)), builder.lshr(q, ir.Constant(vi, [4] * W))]
-        xs = [builder.sitofp(builder.sub(x, ir.Constant(vi, [8] * W)), VF) for x in nibs]
-    return builder.fmul(xs[0], d), builder.fmul(xs[1], d)
-
-
-def _splat_int(builder, x):
-    """<16 x i32> of the scalar i32 x."""
-    vi = ir.VectorType(I32, W)
-    v = builder.insert_element(ir.Constant(vi, ir.Undefined), x, ir.Constant(I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vi, ir.Undefined), ir.Constant(vi, [0] * W))
-
-
-def load16(builder, ary, row, col, kind: int):
-    """ary[row, col:col + 16] as <16 x float>, widening float16 (kind 1) or bfloat16 (kind 2) bits, or
-    reading q8_0 (3) / q4_0 (4) blocks in place."""
-    if kind >= 3:
-        return _load_quantized(builder, ary, row, col, kind)
-    if kind == 0:
-        return builder.load(addr(builder, ary, row, col, VF), align=4, typ=VF)
-    vi = ir.VectorType(I16, W)
-    bits = builder.load(addr(builder, ary, row, col, vi), align=2, typ=vi)
-    if kind == 1:                                   # fpext: vcvtph2ps on x86
-        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), W)), VF)
-    wide = builder.zext(bits, ir.VectorType(I32, W))  # bfloat16: the top half of a float32
-    return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(I32, W), [16] * W)), VF)
 
 
 def _prefetches(R: int, kind: int) -> bool:
@@ -218,11 +103,6 @@ def _transpose_sum(builder, vecs):
         vecs, owners, s = nxt, nown, h
     order = owners[0]
     return vecs[0], [order.index(i) for i in range(len(order))]
-
-
-def c_arrays(*tys) -> bool:
-    """Typing guard: the kernels load runs of consecutive elements, so every array must be C-contiguous."""
-    return all(isinstance(t, types.Array) and t.layout == "C" for t in tys)
 
 
 def _by_storage(builder, storage_ty, kind, emit):
@@ -367,7 +247,7 @@ def _make_pv(R: int):
                 else:
                     xs = [load16(builder, va, key, cols[c], kind) for c in range(CG)]
                 for g in range(R):
-                    w = _splat(builder, builder.load(addr(builder, pa, rows[g], key, F32), typ=F32))
+                    w = splat(builder, builder.load(addr(builder, pa, rows[g], key, F32), typ=F32))
                     for c in range(CG):
                         a = acc_set[g * CG + c]
                         builder.store(fmuladd(builder, w, xs[c], builder.load(a)), a)
@@ -418,7 +298,7 @@ def row_max(typingctx, x, n, init):
             return builder.bitcast(builder.gep(base, [builder.mul(i, stride)], source_etype=ir.IntType(8)),
                                    ty.as_pointer())
         # four vectors of running maxima, 64 floats per step: one chain of maxnum was latency-bound
-        accs = [cgutils.alloca_once_value(builder, _splat(builder, init)) for _ in range(4)]
+        accs = [cgutils.alloca_once_value(builder, splat(builder, init)) for _ in range(4)]
         quads = builder.udiv(nv, const(4 * W))          # steps of four vectors
         with cgutils.for_range(builder, quads) as loop:
             for a, acc in enumerate(accs):
@@ -441,29 +321,4 @@ def row_max(typingctx, x, n, init):
             builder.store(builder.call(smax, [builder.load(best), v]), best)
         return builder.load(best)
     return types.float32(x, n, init), codegen
-
-
-@intrinsic
-def bf16_to_f32(typingctx, bits):
-    """bfloat16 bits (uint16) -> float32: the top half of a float32's bits."""
-    if bits != types.uint16:
-        return None
-
-    def codegen(context, builder, signature, args):
-        wide = builder.shl(builder.zext(args[0], I32), ir.Constant(I32, 16))
-        return builder.bitcast(wide, F32)
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def pow2(typingctx, k):
-    """2.0 ** k as float32 for an int32 k in [-127, 127]: k + 127 written into the exponent bits
-    (k = -127 gives the bits of +0.0)."""
-    if k != types.int32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        e = builder.shl(builder.add(args[0], ir.Constant(I32, 127)), ir.Constant(I32, 23))
-        return builder.bitcast(e, F32)
-    return types.float32(types.int32), codegen
 

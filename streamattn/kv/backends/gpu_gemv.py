@@ -5,7 +5,7 @@ matrix as its GGUF file stores it: the type's blocks, row by row, the bytes unch
 ``GGUFFile`` tensors are views of exactly these bytes); the kernels dequantize them in registers, so a
 device holds the file's bytes and nothing wider. ``gemv_with`` runs on any array module ``xp`` through a
 ``launch(name, grid, block, args)`` callable, as ``gpu_plan.attend_with`` does: CuPy on a device
-(``streamattn.backends.gpu.gemv``), numpy in the CPU emulation of the tests.
+(``streamattn.kv.backends.gpu.gemv``), numpy in the CPU emulation of the tests.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def batch_width(batch: int) -> int:
 
 
 def gemv_with(xp, launch, weight: GGUFMatrix, x, *, out=None):
-    """``y = x @ W.T`` for a packed GGUF matrix, through ``launch``; see ``streamattn.backends.gpu.gemv``.
+    """``y = x @ W.T`` for a packed GGUF matrix, through ``launch``; see ``streamattn.kv.backends.gpu.gemv``.
 
     Parameters
     ----------

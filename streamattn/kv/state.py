@@ -1,4 +1,4 @@
-"""Cache state: fork a sequence, rewind a sequence (snapshots to a file: ``streamattn.snapshot``).
+"""Cache state: fork a sequence, rewind a sequence (snapshots to a file: ``streamattn.kv.snapshot``).
 
 The state of one layer's ``KVCache`` is everything attention depends on:
 
@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from .arrays import check_sequence_index
+from ..runtime.arrays import check_sequence_index
 from .cache import KVCache
 from .spec import POLICY_FIELDS, CacheSpec
 
@@ -107,7 +107,7 @@ def rewind(cache: KVCache, b: int, k: int) -> None:
     >>> rewind(cache, 0, 1)
     Traceback (most recent call last):
     ...
-    streamattn.state.RewindError: cannot rewind sequence 0 by 1 (length 7 -> 6) in this window cache: ...
+    streamattn.kv.state.RewindError: cannot rewind sequence 0 by 1 (length 7 -> 6) in this window cache: ...
     """
     b = check_sequence_index("b", b, cache.spec.batch)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= cache.lengths[b]:

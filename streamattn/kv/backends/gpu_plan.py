@@ -90,7 +90,7 @@ def max_visible_keys(lengths, *, window: int, sinks: int, slots: int) -> int:
 
 def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int, scale: float,
                 sm_count: int, splits: int | None = None, q_sink=None, softcap: float | None = None):
-    """Attention of q against the cache through ``launch``; see streamattn.backends.gpu.attend.
+    """Attention of q against the cache through ``launch``; see streamattn.kv.backends.gpu.attend.
 
     Parameters
     ----------
@@ -99,13 +99,13 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
     launch : callable
         ``launch(name, grid, block, args)``: runs specialisation ``name`` (see gpu_source.spec_name).
     q, k, v, lengths, counts, window, sinks, scale
-        As in ``streamattn.backends.gpu.attend``.
+        As in ``streamattn.kv.backends.gpu.attend``.
     sm_count : int
         Multiprocessors of the device; with the keys it sets the number of decode splits.
     splits : int, optional
         Force the number of decode splits (tests use it to exercise the merge on small caches).
     q_sink : array like q, optional
-        The queries scored against sink keys (default q), as in ``streamattn.backends.gpu.attend``.
+        The queries scored against sink keys (default q), as in ``streamattn.kv.backends.gpu.attend``.
     softcap : float, optional
         Attention logit soft-capping (None: none): launches the ``_softcap`` kernel variants.
 

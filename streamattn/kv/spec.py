@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0")
-QUANTIZED = ("q8_0", "q4_0")   # block-quantized storage: uint8 rows of GGUF blocks (streamattn.storage)
+QUANTIZED = ("q8_0", "q4_0")   # block-quantized storage: uint8 rows of GGUF blocks (streamattn.kv.storage)
 SINK_DTYPES = (None, "float16", "float32")   # a separate sink store's dtype (CacheSpec.sink_dtype; None: no store)
 POLICY_FIELDS = ("check_finite",)  # CacheSpec fields that are input policy, not state: never compared
 
@@ -79,7 +79,7 @@ class CacheSpec:
         nothing); "float16" or "float32" elsewhere is refused.
     rotate_k : bool or None
         Store keys rotated by an orthonormal Walsh–Hadamard transform H along head_dim (after RoPE, before
-        quantizing), and score them with the query rotated by the same H (:mod:`streamattn.rotation`): q·k
+        quantizing), and score them with the query rotated by the same H (:mod:`streamattn.kv.rotation`): q·k
         is unchanged in exact arithmetic, the 4-bit error of keys with outlier channels falls. None
         (default): on for a quantized K (``q8_0``, ``q4_0``), off for float storage.
     window : int or None

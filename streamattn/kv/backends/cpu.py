@@ -28,10 +28,11 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .. import kernel_cache, storage
-from ..kernel_cache import variant
+from ...runtime import kernel_cache
+from .. import storage
+from ...runtime.kernel_cache import variant
 from ..storage import write_rows
-from ..threads import serial_kernels
+from ...runtime.threads import serial_kernels
 from . import cpu_simd, cpu_tiles
 from .cpu_simd import row_max
 from .cpu_tiles import FASTMATH, KIND, accumulate, exp_tile, soft_cap, tile_sum, scores, tile_accumulate, tile_scores
@@ -68,7 +69,7 @@ def _pages_kernels(items):
     """:func:`attend_pages` and :func:`_merge_splits` with their work items in ``items`` (``prange``: over
     Numba's threads; ``range``: serially). One source for both; a call on one thread takes the serial
     pair (:func:`attend_all`), which skips the parallel launch (measured: docs/perf/2026-12-01.md). Each copy is
-    compiled under its own name (:func:`streamattn.kernel_cache.variant`)."""
+    compiled under its own name (:func:`streamattn.runtime.kernel_cache.variant`)."""
 
     def attend_pages(q, qs, k, v, lengths, counts, window, sinks, npages, nblocks, kind, kind_v, softcap, part_out,
                      part_lse, rb=ROW_BLOCK):
@@ -262,7 +263,7 @@ def _grid(lengths, counts, window, sinks, group):
 def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, kind_v, softcap, serial):
     """:func:`attend_pages` then :func:`_merge_splits`, with their buffers: one call from Python instead
     of two calls and four allocations. Arguments as for attend_pages;
-    ``serial`` (:func:`streamattn.threads.serial_kernels`): True takes the serial pair (one thread now,
+    ``serial`` (:func:`streamattn.runtime.threads.serial_kernels`): True takes the serial pair (one thread now,
     under a higher ceiling), False the parallel one; None the serial pair, decided when the call is typed:
     the parallel pair is then never compiled (a quarter of a one-thread model's first compile,
     docs/PERF.md). Returns out [B, Hq, T, D], lse [B, Hq, T] float32."""
@@ -289,7 +290,7 @@ def attend_all(q, qs, k, v, lengths, counts, window, sinks, kind, kind_v, softca
 def write_attend(q, scale, kst, vst, ks, vs, ka, va, lengths, counts, last_counts, held_from, ring, check,
                  expbits, kind, kind_v, softcap, serial):
     """Append then attend for a causal cache without sinks, one call from Python (the model's decode and
-    prefill chunks): :func:`streamattn.storage.write_rows` of the chunk (kst, vst: the storage as bits;
+    prefill chunks): :func:`streamattn.kv.storage.write_rows` of the chunk (kst, vst: the storage as bits;
     ks, vs: the chunk as stored, as bits; refused whole if not finite), then :func:`attend_all` of
     ``q * scale`` (q: float32 [B, Hq, T, D]) over ka, va (the storage as the kernels read it; ``kind``,
     ``kind_v``, ``softcap`` as :func:`attend_pages`; quantized rows arrive quantized and checked, ``check`` False). The same

@@ -1,7 +1,7 @@
 """Storage of the ring: allocation, the slot rule as arithmetic, and the bfloat16 bit conversions.
 
 Pure functions over arrays, shared by the cache, the backends and the benchmarks; the rule they
-compute is explained in streamattn/cache.py and docs/DESIGN.md.
+compute is explained in streamattn/kv/cache.py and docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from . import cpu_target, kernel_cache
+from ..runtime import cpu_target, kernel_cache
 from .spec import BLOCK_BYTES, QBLOCK, QUANTIZED, row_width
 
 cpu_target.check()                 # float16 conversions need F16C (a clear error, not LLVM's abort)
@@ -462,12 +462,12 @@ def to_storage(x, dtype: str, xp, rounding=None, search: bool = False):
     ``search``: q4_0 block scales searched (:func:`quantize_rows`; not with ``rounding``)."""
     if dtype in QUANTIZED:
         if rounding is not None:
-            from .arrays import to_host
+            from ..runtime.arrays import to_host
             q = quantize_fed(to_host(x, copy=False), dtype, rounding)[0]
             return q if xp is np else xp.asarray(q)
         if xp is np:
             return quantize(x, dtype, search)[0]
-        from .arrays import to_host
+        from ..runtime.arrays import to_host
         return xp.asarray(quantize(to_host(x, copy=False), dtype, search)[0])
     if dtype == "bfloat16":
         if x.dtype.name == "bfloat16":  # ml_dtypes input: already bf16

@@ -28,7 +28,7 @@ def import_numba_arraymath() -> None:
     real = linalg.ensure_blas
 
     def no_probe():
-        raise ImportError("numba's BLAS probe skipped at import (streamattn/memory.py)")
+        raise ImportError("numba's BLAS probe skipped at import (streamattn/runtime/memory.py)")
 
     linalg.ensure_blas = no_probe
     try:

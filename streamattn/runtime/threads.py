@@ -171,7 +171,7 @@ def ceiling() -> int:
 
 def serial_kernels():
     """The ``serial`` argument of the kernels that have a serial and a parallel variant
-    (:func:`streamattn.backends.cpu.attend_all`, the compiled layer's ``Step``): None where this thread's
+    (:func:`streamattn.kv.backends.cpu.attend_all`, the compiled layer's ``Step``): None where this thread's
     :func:`ceiling` is 1, a value Numba types ``none``, so the choice is made when the caller is compiled
     and the parallel variants are never compiled (measured: docs/perf/2026-12-05.md); else whether it
     runs on one thread now (True: a ThreadChooser's step down, which must

@@ -3,7 +3,7 @@ two exact parts merged by their log-sum-exps.
 
 A cache with ``spec.sink_dtype`` "float16" or "float32" holds the n_s sink tokens in ``sink_k``, ``sink_v``
 ([batch, kv_heads, n_s, head_dim] of that dtype) and the ring in ``k``, ``v`` as a window cache without sinks
-over positions shifted by n_s (streamattn/cache.py). Each part is a cache every backend already attends, so
+over positions shifted by n_s (streamattn/kv/cache.py). Each part is a cache every backend already attends, so
 no kernel learns a new layout: the sink part is a causal call over the n_s rows (scored with ``q_sink``),
 the ring part a window call over the ring, and softmax over the union of two disjoint key sets is
 
@@ -23,12 +23,12 @@ def attend_parts(fn, q, cache, *, scale: float, counts, q_sink, softcap):
 
     Parameters
     ----------
-    fn : a backend (``streamattn.backends.get``): ``fn(q, k, v, lengths, counts, *, window, sinks, scale,
+    fn : a backend (``streamattn.kv.backends.get``): ``fn(q, k, v, lengths, counts, *, window, sinks, scale,
         kind, q_sink, kind_v, softcap) -> (out, lse)``
     q : [batch, q_heads, T, head_dim] on the cache's device; query t < counts[b] at position
         ``lengths[b] - counts[b] + t``
     q_sink : like q or None (q): the queries scored against the sinks (docs/DESIGN.md §5)
-    scale, softcap : as :func:`streamattn.dispatch.attend` (resolved: a float, None or a float)
+    scale, softcap : as :func:`streamattn.kv.dispatch.attend` (resolved: a float, None or a float)
 
     Returns
     -------

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .arrays import check_sequence_index, to_host
+from ..runtime.arrays import check_sequence_index, to_host
 from .cache import KVCache
 from .rotation import rotate
 from .reference import visible

@@ -1,6 +1,6 @@
 """Snapshots of cache state in a file: save, load, restore, and one sequence at a time.
 
-What is saved is a cache's whole state (spec, K/V, lengths, last_counts, held_from; see ``streamattn.state``),
+What is saved is a cache's whole state (spec, K/V, lengths, last_counts, held_from; see ``streamattn.kv.state``),
 for one cache or a model's list of per-layer caches, as ``KVCache.export_state`` gives it; loading builds
 caches with ``KVCache.from_state`` and writes single sequences with ``KVCache.write_sequence``.
 
@@ -23,7 +23,7 @@ An uncompressed ``.npz`` (a zip of ``.npy`` members; read with ``allow_pickle=Fa
 Version 5 allows ``sink_dtype`` "float32" (float32 sink members: the default where K or V is float32 and
 the other quantized; version 4 kept those sinks in float16, and such files load as they were written,
 with their explicit "float16"). Version 4 added the spec's ``rotate_k`` (keys stored as ``k @ H``,
-:mod:`streamattn.rotation`): a rotated cache's key bytes mean nothing without it. Files of versions 1 to 3
+:mod:`streamattn.kv.rotation`): a rotated cache's key bytes mean nothing without it. Files of versions 1 to 3
 hold unrotated keys and load as ``rotate_k=False`` (so a version-3 q4_0 file restores into a q4_0 cache
 only with ``rotate_k=False``, refused by name otherwise). Version 3 added the spec's ``sink_dtype`` and
 the float16 sink members; version 1 and 2 files have no ``sink_dtype`` key and load as
@@ -60,8 +60,8 @@ import zipfile
 
 import numpy as np
 
-from .arrays import check_sequence_index
-from .files import BadFile, read_bytes
+from ..runtime.arrays import check_sequence_index
+from ..runtime.files import BadFile, read_bytes
 from .cache import KVCache
 from .spec import POLICY_FIELDS, CacheSpec
 

@@ -22,7 +22,7 @@ import functools
 import numpy as np
 from numba import njit
 
-from . import kernel_cache
+from ..runtime import kernel_cache
 from .spec import QBLOCK
 
 kernel_cache.register(__name__)    # (its kernels call only its own code)

@@ -2,14 +2,14 @@
 
 Every backend is ``fn(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None,
 softcap=None) -> (out, lse)`` over the
-ring storage of one layer (see ``streamattn.backends.cpu.attend`` for the argument contract).
+ring storage of one layer (see ``streamattn.kv.backends.cpu.attend`` for the argument contract).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import to_host
+from ...runtime.arrays import to_host
 from ..storage import slot_positions, widen
 from .. import reference
 
