@@ -41,11 +41,11 @@ def _check_model_args(args):
         opts = ModelOptions.from_args(args)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if opts.backend == "gpu":
-        from streamattn.kv.backends import gpu
-        if not gpu.available():
-            raise UsageError("--backend gpu: no CUDA device is visible (or CuPy is not installed); use "
-                             "--backend cpu")
+    try:
+        opts.check_device()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    args.backend, args.device = opts.backend, opts.device      # resolved: what the rest of the command uses
     if getattr(args, "max_tokens", 1) < 1:
         raise UsageError(f"-n/--max-tokens must be >= 1 (got {args.max_tokens})")
     return opts

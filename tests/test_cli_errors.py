@@ -34,6 +34,9 @@ def one_error_line(capsys, match):
     (["--prefill-chunk", "1000000"], "--prefill-chunk must be in 1..8192 (got 1000000)"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be in 1..8192 (got 0)"),
     (["--threads", "0"], "--threads must be >= 1 (got 0)"),
+    (["--device", "gpu", "--backend", "cpu"], "--backend cpu runs attention on the host, where --device gpu"),
+    (["--device", "gpu", "--backend", "reference"], "--backend reference runs attention on the host"),
+    (["--device", "cpu", "--backend", "gpu"], "--backend gpu runs attention on the GPU, where --device cpu"),
 ])
 def test_generate_checks_values_before_loading(no_load, capsys, argv, match):
     assert cli.main(["generate", "hello", *argv]) == 2
@@ -47,6 +50,17 @@ def test_backend_gpu_without_a_device(no_load, capsys):
         pytest.skip("this machine has a GPU: --backend gpu is valid here")
     assert cli.main(["generate", "hello", "--backend", "gpu"]) == 2
     one_error_line(capsys, "--backend gpu: no CUDA device is visible")
+
+
+@pytest.mark.parametrize("argv", [["--device", "gpu"], ["--device", "gpu", "--backend", "auto"]])
+def test_device_gpu_without_a_device(no_load, capsys, argv):
+    from streamattn.kv.backends import gpu
+    if gpu.available():
+        pytest.skip("this machine has a GPU: --device gpu is valid here")
+    assert cli.main(["generate", "hello", *argv]) == 2
+    one_error_line(capsys, "--device gpu: no CUDA device is visible (or CuPy is not installed); use --device cpu")
+    assert cli.main(["serve", *argv]) == 2
+    one_error_line(capsys, "--device gpu: no CUDA device is visible")
 
 
 @pytest.mark.parametrize("argv,match", [(["--layers", "a,b"], "--layers must be comma-separated layer indices"),

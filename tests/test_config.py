@@ -49,3 +49,33 @@ def test_generator_keywords_replace_the_config_fields():
         Generator(model, None, prefill_chunk=0)
     with pytest.raises(TypeError, match="chunk_size"):
         Generator(model, None, chunk_size=8)
+
+
+def _parsed(*argv):
+    import argparse
+    from streamattn.engine.options import add_arguments
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return ModelOptions.from_args(p.parse_args(list(argv)))
+
+
+def test_device_places_the_model_and_backend_gpu_keeps_meaning_it():
+    """--device says where the model runs; the attention kernels follow it unless --backend names others,
+    and --backend gpu alone still puts the model on the GPU (the flag it replaces)."""
+    from streamattn.kv.backends import gpu
+    here = "gpu" if gpu.available() else "cpu"
+    assert (_parsed().device, _parsed().backend) == ("cpu", DEFAULTS.backend)
+    assert (_parsed("--device", "gpu").device, _parsed("--device", "gpu").backend) == ("gpu", "gpu")
+    assert (_parsed("--backend", "gpu").device, _parsed("--backend", "gpu").backend) == ("gpu", "gpu")
+    assert _parsed("--device", "auto").device == here
+    assert _parsed("--device", "auto", "--backend", "cpu").device == "cpu"
+    assert _parsed("--device", "cpu", "--backend", "reference").backend == "reference"
+    opts = ModelOptions(device="gpu", backend="auto")
+    assert dataclasses.replace(opts, threads=2).device == "gpu"          # resolved values survive a replace
+    with pytest.raises(ValueError, match="--device must be one of cpu, gpu, auto"):
+        ModelOptions(device="tpu")
+    if here == "cpu":
+        with pytest.raises(ValueError, match="--device gpu: no CUDA device"):
+            opts.check_device()
+        with pytest.raises(ValueError, match="--backend gpu: no CUDA device.*use --backend cpu"):
+            ModelOptions(backend="gpu").check_device()

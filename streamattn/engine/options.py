@@ -13,6 +13,7 @@ import argparse
 from dataclasses import dataclass
 
 BACKENDS = ("reference", "cpu", "gpu", "auto")
+DEVICES = ("cpu", "gpu", "auto")
 CACHE_MODES = ("full", "window", "sinks")
 CACHE_DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0")
 POSITIONS = ("absolute", "cache")
@@ -142,6 +143,12 @@ class ModelOptions:
     positions : {"absolute", "cache"}
         RoPE positions in the text, or within the cache (StreamingLLM; sinks caches only differ).
     backend : {"reference", "cpu", "gpu", "auto"}
+        The attention kernels. On a model placed on the GPU it is "gpu" (set from ``device``).
+    device : {"cpu", "gpu", "auto"} or None
+        Where the model runs: "gpu" puts its weights (the file's blocks) and caches on the CUDA device,
+        "auto" does so when CuPy sees a device, else "cpu". None: where ``backend`` says (the GPU for
+        ``--backend gpu``, the older spelling of ``--device gpu``), else the CPU. A host backend
+        ("cpu", "reference") with ``device="gpu"``, or ``backend="gpu"`` with ``device="cpu"``, is refused.
     cache_dtype : {"float32", "float16", "bfloat16", "q8_0", "q4_0"}
         Storage of K and V (q8_0 / q4_0: GGUF's blocks of 32 with a float16 scale, read in place).
     cache_dtype_k, cache_dtype_v : str or None
@@ -174,6 +181,7 @@ class ModelOptions:
     sinks: int | None = DEFAULTS.sinks
     positions: str = DEFAULTS.positions
     backend: str = DEFAULTS.backend
+    device: str | None = None
     cache_dtype: str = DEFAULTS.cache_dtype
     cache_dtype_k: str | None = None
     cache_dtype_v: str | None = DEFAULTS.cache_dtype_v
@@ -217,6 +225,22 @@ class ModelOptions:
         need(self.sinks is None or (is_int(self.sinks) and self.sinks >= 1), "--sinks", self.sinks, ">= 1")
         need(self.speculative in (None, "ngram"), "--speculative", self.speculative, "ngram (or absent)")
         need(is_int(self.draft_max) and self.draft_max >= 1, "--draft-max", self.draft_max, ">= 1")
+        need(self.device is None or self.device in DEVICES, "--device", self.device, "one of " + ", ".join(DEVICES))
+        if self.device == "gpu" and self.backend in ("cpu", "reference"):
+            raise ValueError(f"--backend {self.backend} runs attention on the host, where --device gpu keeps no "
+                             "cache (use --backend gpu or auto, or --device cpu)")
+        if self.device == "cpu" and self.backend == "gpu":
+            raise ValueError("--backend gpu runs attention on the GPU, where --device cpu keeps no cache "
+                             "(use --device gpu, or --backend cpu)")
+        object.__setattr__(self, "_device_flag", "--device" if self.device is not None else "--backend")
+        if self.device == "auto" and self.backend in ("auto", "gpu"):
+            from streamattn.kv.backends import gpu
+            object.__setattr__(self, "device", "gpu" if gpu.available() else "cpu")
+        if self.device == "gpu" or (self.device is None and self.backend == "gpu"):
+            object.__setattr__(self, "device", "gpu")
+            object.__setattr__(self, "backend", "gpu")
+        elif self.device is None or self.device == "auto":
+            object.__setattr__(self, "device", "cpu")
 
     @property
     def spec_params(self):
@@ -227,7 +251,10 @@ class ModelOptions:
     def from_args(cls, args) -> "ModelOptions":
         """From parsed flags of :func:`add_arguments` (``chat``/``system`` where the parser has them)."""
         return cls(model=args.model, weights=args.weights, cache=args.cache, window=args.window, sinks=args.sinks,
-                   positions=args.positions, backend=args.backend, cache_dtype=args.cache_dtype,
+                   positions=args.positions, device=getattr(args, "device", None),
+                   backend=args.backend if args.backend is not None else
+                   ("auto" if getattr(args, "device", None) in ("gpu", "auto") else DEFAULTS.backend),
+                   cache_dtype=args.cache_dtype,
                    cache_dtype_k=getattr(args, "cache_dtype_k", None), cache_dtype_v=getattr(args, "cache_dtype_v", None),
                    quantized_sinks=getattr(args, "quantized_sinks", False), rotate_k=getattr(args, "rotate_k", None),
                    prefill_chunk=args.prefill_chunk, threads=args.threads, chat=getattr(args, "chat", False),
@@ -269,8 +296,8 @@ class ModelOptions:
     def load(self, *, progress=None, quiet: bool = True):
         """Set the thread count, resolve and load the model once: ``(Transformer, Tokenizer, ModelFile)``.
 
-        ``progress(done, total, name)`` sees the tensors being read. A ``--backend gpu`` without a visible
-        CUDA device is refused before the file is read.
+        ``progress(done, total, name)`` sees the tensors being read. A model placed on the GPU
+        (``device == "gpu"``) without a visible CUDA device is refused before the file is read.
         """
         from streamattn.gguf.hub import resolve_model
         from streamattn.gguf.loader import load_gguf
@@ -278,25 +305,32 @@ class ModelOptions:
         from streamattn.models.transformer import Transformer
         from streamattn.runtime.threads import set_threads
 
-        if self.backend == "gpu":
-            from streamattn.kv.backends import gpu
-            if not gpu.available():
-                raise ValueError("--backend gpu: no CUDA device is visible (or CuPy is not installed); use "
-                                 "--backend cpu")
+        self.check_device()
         set_threads(self.threads)
         m = load_gguf(resolve_model(self.model, quiet=quiet), progress=progress,
-                      weights=file_weights(self.weights, self.backend))
+                      weights=file_weights(self.weights, self.device))
         tf = Transformer(m)
-        if self.backend == "gpu":
+        if self.device == "gpu":
             import cupy
             tf.to(cupy)
         return tf, Tokenizer.from_metadata(m.metadata), m
 
 
-def file_weights(weights: str, backend: str) -> str:
-    """``load_gguf``'s ``weights`` for a model run on ``backend``: on the GPU, packed matrices stay the
-    file's blocks ("gguf", read by the packed GEMV kernels) instead of the CPU kernels' layouts."""
-    return "gguf" if backend == "gpu" and weights == "quant" else weights
+    def check_device(self) -> None:
+        """ValueError naming the flag when the model is to run on the GPU and no CUDA device is visible."""
+        if self.device != "gpu":
+            return
+        from streamattn.kv.backends import gpu
+        if not gpu.available():
+            flag = getattr(self, "_device_flag", "--device")
+            raise ValueError(f"{flag} gpu: no CUDA device is visible (or CuPy is not installed); use {flag} cpu")
+
+
+def file_weights(weights: str, device: str) -> str:
+    """``load_gguf``'s ``weights`` for a model run on ``device`` ("gpu", or a backend name, "gpu" meaning
+    the same): on the GPU, packed matrices stay the file's blocks ("gguf", read by the packed GEMV
+    kernels) instead of the CPU kernels' layouts."""
+    return "gguf" if device == "gpu" and weights == "quant" else weights
 
 
 def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int | None = None, chat: bool = True) -> None:
@@ -319,7 +353,12 @@ def add_arguments(p: argparse.ArgumentParser, *, prefill_chunk: int | None = Non
                    help=f"attention-sink tokens for --cache sinks (default {DEFAULT_SINKS})")
     g.add_argument("--positions", choices=POSITIONS, default=d.positions,
                    help="RoPE positions in the text, or within the cache (StreamingLLM; --cache sinks only)")
-    g.add_argument("--backend", default=d.backend, help="attention backend: reference|cpu|gpu|auto")
+    g.add_argument("--device", choices=DEVICES, default=None,
+                   help="where the model runs: cpu (default), gpu (weights as the file's blocks and the caches "
+                        "on the CUDA device), auto (the GPU when CuPy sees one)")
+    g.add_argument("--backend", default=None,
+                   help=f"attention kernels: reference|cpu|gpu|auto (default {d.backend}; gpu with --device gpu; "
+                        "--backend gpu alone also means --device gpu)")
     g.add_argument("--cache-dtype", default=d.cache_dtype, choices=CACHE_DTYPES,
                    help="K/V cache storage (q8_0, q4_0: GGUF blocks of 32 values with a float16 scale)")
     g.add_argument("--cache-dtype-k", default=None, choices=CACHE_DTYPES, help="K's storage, if not --cache-dtype")

@@ -31,10 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> ServeConfig:
     opts = ModelOptions.from_args(args)                    # the shared flags' checks and defaults
+    opts.check_device()                                    # --device gpu without a device: refused here
     return ServeConfig(model=args.model, model_id=args.model_id, host=args.host, port=args.port,
                        parallel=args.parallel, cache=opts.cache, window=opts.window, sinks=opts.sinks,
                        max_queue=args.max_queue, prompt_cache_mb=args.prompt_cache_mb, threads=args.threads,
-                       backend=args.backend, prefill_chunk=args.prefill_chunk, cache_dtype=opts.k_dtype,
+                       backend=opts.backend, prefill_chunk=args.prefill_chunk, cache_dtype=opts.k_dtype,
                        cache_dtype_v=opts.v_dtype, quantized_sinks=opts.quantized_sinks,
                        rotate_k=opts.rotate_k,
                        positions=args.positions, weights=args.weights, speculative=args.speculative,
