@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # GPU check: the oracle tests through real CuPy (attention, soft-capped attention and the packed gemv), then
-# the decode bandwidth benchmark (table + JSON): float16, bfloat16, q8_0 and q4_0 K/V, each kind's tok/s
-# against float16's in the same run.
+# a whole model (benchmarks/gpu_model.py: a packed model's logits and 32 greedy ids against the CPU float32
+# path, then decode tok/s and % of the copy bandwidth at Llama-3.2-1B and 3.1-8B Q4_K_M shapes, batch 1 and
+# 16, fixtures written on the machine), then the attention decode benchmark (table + JSON): float16,
+# bfloat16, q8_0 and q4_0 K/V at 4k and 32k, each kind's tok/s against float16's in the same run.
 # For a machine with an NVIDIA GPU and CuPy, pytest and hypothesis preinstalled: no network, no pip installs,
 # nothing but this repository's files. Every step runs even when one before it failed; each step's exit
-# status and time go to one summary file, and the script exits non-zero when any step failed. The two steps
-# stop at 200 s and 300 s (not yet run on a device).
-#   bash scripts/gpu_check.sh            # results in out/: summary.txt, gpu_tests.xml, gpu_decode.json
+# status and time go to one summary file, and the script exits non-zero when any step failed. The three
+# steps stop at 80 s, 150 s and 60 s, under 5 minutes in all (not yet run on a device).
+#   bash scripts/gpu_check.sh            # results in out/: summary.txt, gpu_tests.xml, gpu_model.json,
+#                                        # gpu_decode.json
 #   OUT=/some/dir bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,15 +53,20 @@ done
 # 1. correctness on the device: the emulated oracle tests again (quantized K/V, soft-capping and the packed
 #    gemv included), plus long caches with default splits
 if [ -z "$missing" ]; then
-    step "oracle tests (tests/test_gpu_device.py)" timeout 200 python -m pytest -q -p no:cacheprovider -m gpu \
+    step "oracle tests (tests/test_gpu_device.py)" timeout 80 python -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_gpu_device.py --junitxml "$OUT/gpu_tests.xml"
 else
     note "oracle tests: FAILED (not run: missing Python modules:$missing)"
     failed=1
 fi
 
-# 2. bandwidth: decode vs a D2D copy measured in the same run
-bench() { timeout 300 python benchmarks/gpu_decode.py --json "$OUT/gpu_decode.json" | tee "$OUT/gpu_decode.txt"; }
+# 2. a whole model: equal to the CPU path, then its decode speed at 1B and 8B shapes
+model() { timeout 150 python benchmarks/gpu_model.py --json "$OUT/gpu_model.json" | tee "$OUT/gpu_model.txt"; }
+step "model (benchmarks/gpu_model.py)" model
+
+# 3. attention bandwidth: decode vs a D2D copy measured in the same run
+bench() { timeout 60 python benchmarks/gpu_decode.py --lengths 4096 32768 --json "$OUT/gpu_decode.json" \
+          | tee "$OUT/gpu_decode.txt"; }
 step "decode benchmark (benchmarks/gpu_decode.py)" bench
 
 note "total: $(( $(date +%s) - start )) s; $([ "$failed" -eq 0 ] && echo "all steps ok" || echo "some step FAILED")"
