@@ -54,10 +54,11 @@ def _check_model_args(args):
 def _warm_kernels(args, model=None) -> None:
     """Compile or load the CPU kernels before the timed prefill (attention; with ``model``, everything
     its forward calls); say so when compiling."""
-    if args.backend not in ("cpu", "auto"):
+    backend = args.backend or "cpu"              # (None: no --backend given, and no --device gpu)
+    if backend not in ("cpu", "auto") or getattr(args, "device", None) == "gpu":
         return
     from streamattn.kv.backends import gpu
-    if args.backend == "auto" and gpu.available():
+    if backend == "auto" and gpu.available():
         return
     from streamattn.kv.backends import cpu, warmup
     lines = {} if args.quiet else {cpu.attend_all: warmup.ATTENTION, cpu.write_attend: warmup.ATTENTION}
