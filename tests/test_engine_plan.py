@@ -47,12 +47,12 @@ def test_prefill_chunks_and_decode_rows_share_one_ragged_batch():
     assert p.tokens[1].tolist() == [0] * 8                  # slot 1 is idle
     assert p.rows.tolist() == [0, 2] and p.cols.tolist() == [7, 0]          # each slot's last real token
     assert p.first == {0: -7, 2: 1} and not p.only_last and not p.decoding
-    assert p.logits_at is not None
+    assert p.feed.rows is not None and not p.feed.last_only
 
 
 def test_all_decoding_without_gaps_needs_only_the_last_rows():
     p = plan_step([Seq(0, [1, 2], next_token=3), Seq(1, [4], next_token=5)], 8, waits=never_waits, price=price)
-    assert p.only_last and p.logits_at is None and p.decoding
+    assert p.only_last and p.feed.last_only and p.feed.rows is None and p.decoding
     assert p.counts.tolist() == [1, 1] and p.tokens.tolist() == [[3], [5]]
 
 

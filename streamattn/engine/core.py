@@ -43,6 +43,7 @@ from streamattn.engine.options import EngineConfig
 from streamattn.engine.prompt_cache import PromptCache
 from streamattn.engine.sequence import Sequence
 from streamattn.engine.speculative import StepCosts
+from streamattn.models.feed import Feed
 from streamattn.runtime.threads import ThreadChooser, thread_count
 
 
@@ -114,9 +115,12 @@ class StepPlan:
         return int(self.counts.sum())
 
     @property
-    def logits_at(self):
-        """``Transformer.forward``'s ``logits_at``: None when ``only_last``."""
-        return None if self.only_last else (self.rows, self.cols)
+    def feed(self) -> Feed:
+        """The forward pass's input (:meth:`Transformer.run`): the tokens and counts, and the logits of
+        ``rows``/``cols`` (each slot's last token instead, when ``only_last``)."""
+        if self.only_last:
+            return Feed(self.tokens, self.counts, last_only=True)
+        return Feed(self.tokens, self.counts, self.rows, self.cols)
 
 
 def plan_step(active: list, chunk: int, *, waits, price) -> StepPlan:
@@ -321,10 +325,8 @@ class Engine:
         try:
             with self.threads.step(kind) if adapt else contextlib.nullcontext() as n:
                 self.step_threads = n if adapt else ceiling
-                return to_host(self.model.forward(plan.tokens, caches, counts=plan.counts,
-                                                  backend=self.cfg.backend, last_only=plan.only_last,
-                                                  positions=self.cfg.positions, logits_at=plan.logits_at,
-                                                  head_threads=head), copy=False)
+                return to_host(self.model.run(plan.feed, caches, backend=self.cfg.backend,
+                                              positions=self.cfg.positions, head_threads=head), copy=False)
         except Exception as e:                                             # shared by the batch
             if not self.isolate_failures:
                 raise

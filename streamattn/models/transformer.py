@@ -38,6 +38,7 @@ import numpy as np
 
 from streamattn import CacheSpec, KVCache
 from streamattn.kv import storage
+from streamattn.models.feed import Feed
 from streamattn.runtime.arrays import to_host
 from streamattn.models import compiled
 from streamattn.models.architectures import ARCHITECTURES
@@ -398,24 +399,24 @@ class Transformer:
 
     def forward(self, tokens, caches: list, *, counts=None, backend: str = "cpu", last_only: bool = False,
                 logits_at=None, attn_hook: Callable | None = None, positions: str = "absolute", head_threads=None):
-        """Run T new tokens per sequence through every layer, appending their K/V to ``caches``.
+        """:meth:`run` of ``Feed(tokens, counts, *logits_at, last_only)``: the same pass with the feed's
+        fields as keywords (``logits_at``: the (rows, cols) pair, or None)."""
+        rows, cols = logits_at if logits_at is not None else (None, None)
+        return self.run(Feed(tokens, counts, rows, cols, last_only), caches, backend=backend, attn_hook=attn_hook,
+                        positions=positions, head_threads=head_threads)
+
+    def run(self, feed: Feed, caches: list, *, backend: str = "cpu", attn_hook: Callable | None = None,
+            positions: str = "absolute", head_threads=None):
+        """Run ``feed``'s T new tokens per sequence through every layer, appending their K/V to ``caches``.
 
         Parameters
         ----------
-        tokens : int array [B, T]
-            New tokens; row b's first ``counts[b]`` entries are real, the rest padding.
+        feed : Feed
+            The tokens [B, T], the real ones per row, and which positions' logits come back.
         caches : list of KVCache
             From :meth:`new_caches` (one per layer), ``max_chunk >= T``.
-        counts : int array [B], optional
-            Real tokens per sequence (ragged batch). Default: all T.
         backend : str
             Attention backend for :func:`streamattn.kv.dispatch`.
-        last_only : bool
-            Return logits of each sequence's last real token only: [B, vocab].
-        logits_at : (rows, cols) int arrays [N], optional
-            Return the logits of these (sequence, token) positions only: [N, vocab] (the engine's steps,
-            which need the last token of a prompt chunk but every position of a speculative draft); a
-            position's logits are the same bits as in the full [B, T, vocab] result.
         attn_hook : callable(layer, q, k, v, out), optional
             Sees each layer's post-RoPE q: [B, Hq, T, hd], k, v: [B, Hkv, T, hd] and attention output.
         positions : {"absolute", "cache"}
@@ -429,15 +430,15 @@ class Transformer:
 
         Returns
         -------
-        logits : float32 [B, T, vocab] (or [B, vocab] with ``last_only``, [N, vocab] with ``logits_at``)
+        logits : float32 [B, T, vocab], [B, vocab] (``feed.last_only``) or [N, vocab] (``feed.rows``)
         """
-        x, cnt = self._layers(tokens, caches, counts=counts, backend=backend, attn_hook=attn_hook,
+        x, cnt = self._layers(feed.tokens, caches, counts=feed.counts, backend=backend, attn_hook=attn_hook,
                               positions=positions)                               # [B, T, d]
         xp, c, B = self.xp, self.config, x.shape[0]
-        if last_only:
+        if feed.last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
-        elif logits_at is not None:
-            x = x[xp.asarray(logits_at[0]), xp.asarray(logits_at[1])]                   # [N, d]
+        elif feed.rows is not None:
+            x = x[xp.asarray(feed.rows), xp.asarray(feed.cols)]                          # [N, d]
         with head_threads() if head_threads is not None else contextlib.nullcontext():
             logits = norm_linear(xp, x, self.output_norm, c.norm_eps, self.output, self.matmuls)   # [..., vocab]
         if c.final_softcap is not None:                     # gemma2: cap * tanh(logits / cap), in float32
