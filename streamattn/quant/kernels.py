@@ -168,6 +168,21 @@ def _prefetch(builder, ptr):
                       ir.Constant(I32, 1)])
 
 
+def _qdot_operands(context, builder, sig, args, R: int, arrays=(0, 1, 2, 4, 5, 6, 7, 9)):
+    """What every ``qdot`` code generator opens with: a :class:`Rows` of each array argument at ``arrays``
+    (of qs, scale, minv, g, xq, xd, xs, xc, m, out), the weight row group g (int64) and the R activation
+    rows m .. m + R - 1 (int64)."""
+    views = [Rows(context, builder, sig.args[i], args[i]) for i in arrays]
+    g0 = context.cast(builder, args[3], sig.args[3], types.int64)
+    m0 = context.cast(builder, args[8], sig.args[8], types.int64)
+    return views, g0, [builder.add(m0, _i64(j)) for j in range(R)]
+
+
+def _zero_accumulators(builder, ty, n: int) -> list:
+    """n stack slots holding a zero vector of type ``ty``."""
+    return [cgutils.alloca_once_value(builder, ir.Constant(ty, [0.0] * ty.count)) for _ in range(n)]
+
+
 @functools.cache
 def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: bool = LANES_VNNI,
               prefetch: int = 0):
@@ -218,14 +233,9 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
             return None                          # _load_floats reads float32, or float16 bits as uint16
 
         def codegen(context, builder, sig, args):
-            qa, sa, ma, xa, da, ua, ca, oa = (Rows(context, builder, sig.args[i], args[i])
-                                              for i in (0, 1, 2, 4, 5, 6, 7, 9))
-            g0 = context.cast(builder, args[3], sig.args[3], types.int64)
-            m0 = context.cast(builder, args[8], sig.args[8], types.int64)
-            rows = [builder.add(m0, _i64(j)) for j in range(R)]
-            zero = ir.Constant(VG, [0.0] * G)
-            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
-            accms = [cgutils.alloca_once_value(builder, zero) for _ in range(R)] if mins else []
+            (qa, sa, ma, xa, da, ua, ca, oa), g0, rows = _qdot_operands(context, builder, sig, args, R)
+            accs = _zero_accumulators(builder, VG, R)
+            accms = _zero_accumulators(builder, VG, R) if mins else []
             nblk = builder.udiv(xa.cols, _i64(bcols))
             with cgutils.for_range(builder, nblk) as loop:
                 b = loop.index
@@ -309,12 +319,9 @@ def _make_qdot_q6k(group: int, R: int, lanes: int, vnni: bool, prefetch: int):
             return None
 
         def codegen(context, builder, sig, args):
-            qa, sa, xa, da, ua, ca, oa = (Rows(context, builder, sig.args[i], args[i]) for i in (0, 1, 4, 5, 6, 7, 9))
-            g0 = context.cast(builder, args[3], sig.args[3], types.int64)
-            m0 = context.cast(builder, args[8], sig.args[8], types.int64)
-            rows = [builder.add(m0, _i64(j)) for j in range(R)]
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(F32, G), [0.0] * G))
-                    for _ in range(R)]
+            (qa, sa, xa, da, ua, ca, oa), g0, rows = _qdot_operands(context, builder, sig, args, R,
+                                                                     arrays=(0, 1, 4, 5, 6, 7, 9))
+            accs = _zero_accumulators(builder, ir.VectorType(F32, G), R)
             with cgutils.for_range(builder, builder.udiv(xa.cols, _i64(128))) as loop:
                 u = loop.index
                 wcol = builder.mul(u, _i64(wbytes))
@@ -391,14 +398,8 @@ def _make_qdot_q4k(group: int, R: int, lanes: int, vnni: bool, prefetch: int):
             return None
 
         def codegen(context, builder, sig, args):
-            qa, sa, ma, xa, da, ua, ca, oa = (Rows(context, builder, sig.args[i], args[i])
-                                              for i in (0, 1, 2, 4, 5, 6, 7, 9))
-            g0 = context.cast(builder, args[3], sig.args[3], types.int64)
-            m0 = context.cast(builder, args[8], sig.args[8], types.int64)
-            rows = [builder.add(m0, _i64(j)) for j in range(R)]
-            zero = ir.Constant(VG, [0.0] * G)
-            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
-            accms = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
+            (qa, sa, ma, xa, da, ua, ca, oa), g0, rows = _qdot_operands(context, builder, sig, args, R)
+            accs, accms = _zero_accumulators(builder, VG, R), _zero_accumulators(builder, VG, R)
 
             def ints(v):
                 return ir.Constant(VGI, [v] * G)
