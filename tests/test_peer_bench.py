@@ -115,7 +115,7 @@ def test_a_run_with_both_noise_levels_and_the_wall(tmp_path, monkeypatch, capsys
             active.remove(self)
             return super().__exit__(*exc)
 
-    def fake_run(engine, model_path, threads, tokens, ours_args, peer_dir, timeout):
+    def fake_run(engine, model_path, threads, tokens, ours_args, peer_dir, timeout, **where):
         seen.append((engine, [n.duty for n in active if n.proc is not None and n.proc.poll() is None]))
         return peer.rates({"prompt_tokens": 705, "prefill_s": 2.0, "decode_steps": tokens - 1,
                            "decode_s": (tokens - 1) / (50.0 if engine == "streamattn" else 40.0)}) | {
