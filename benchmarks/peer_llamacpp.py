@@ -6,6 +6,7 @@
     PYTHONPATH=. python benchmarks/peer_llamacpp.py --ours-args "--prefill-chunk 512 --weights f32"   # the f32 path
     PYTHONPATH=. python benchmarks/peer_llamacpp.py --noise both   # quiet and beside a 50% busy neighbour
     PYTHONPATH=. python benchmarks/peer_llamacpp.py --models /work/fixtures/llama-3.2-1b-q4_k_m.gguf  # any GGUF
+    PYTHONPATH=. python benchmarks/peer_llamacpp.py --models llama-3.2-1b-q4_k_m --fixtures /work/fixtures
     PYTHONPATH=. python benchmarks/peer_llamacpp.py --peers llama.cpp ik_llama.cpp --models F.gguf   # both peers
 
 streamattn and llama.cpp get the same GGUF file, the same prompt text (benchmarks/data/prompt_rome.txt, ~700 tokens),
@@ -348,6 +349,38 @@ def resolve_path(name: str) -> Path:
     return Path(out.stdout.strip())
 
 
+def fixture_names() -> list:
+    """``<model>-<type>`` for every model and file type scripts/make_real_size_gguf.py writes (its MODELS
+    and FILE_TYPES; the file it writes is ``<name>.gguf``)."""
+    import importlib.util
+    name = "_peer_bench_make_real_size_gguf"
+    if name not in sys.modules:               # its dataclasses look their module up in sys.modules
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "make_real_size_gguf.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    mod = sys.modules[name]
+    return [f"{m}-{t}" for m in mod.MODELS for t in mod.FILE_TYPES]
+
+
+def fixture_paths(models: list, folder: Path) -> list:
+    """``--models`` with each fixture name (:func:`fixture_names`) replaced by ``folder/<name>.gguf``.
+    ValueError for a fixture not written yet, with the command that writes it."""
+    names = set(fixture_names())
+    out = []
+    for m in models:
+        if m not in names:
+            out.append(m)
+            continue
+        path = Path(folder) / f"{m}.gguf"
+        if not path.is_file():
+            model, kind = m.rsplit("-", 1)
+            raise ValueError(f"--models {m}: no {path}; write it with PYTHONPATH=. python scripts/make_real_size_gguf.py "
+                             f"--models {model} --types {kind} --out {folder} (or give --fixtures the folder "
+                             "that holds it)")
+        out.append(str(path))
+    return out
+
+
 def model_labels(models: list) -> dict:
     """``--models`` entry -> its label in the results: a short name of :data:`MODELS` as it is, a GGUF file
     by its name without ``.gguf``. ValueError naming an entry that is neither, or two with one label."""
@@ -478,8 +511,12 @@ def host() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), metavar="NAME|PATH.gguf",
-                    help=f"short names ({', '.join(MODELS)}) or GGUF files, e.g. the fixtures of "
-                         "scripts/make_real_size_gguf.py (labelled by the file name without .gguf)")
+                    help=f"short names ({', '.join(MODELS)}), fixture names of scripts/make_real_size_gguf.py "
+                         "(<model>-<type>, e.g. llama-3.2-1b-q4_k_m, found in --fixtures) or GGUF files "
+                         "(labelled by the file name without .gguf)")
+    ap.add_argument("--fixtures", type=Path, default=_standalone("peer_home").peer_home(ROOT) / "fixtures",
+                    help="where --models looks for fixture names such as llama-3.2-1b-q4_k_m (the --out of "
+                         "scripts/make_real_size_gguf.py; default: fixtures/ in the peer home, .peer/)")
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--peers", nargs="+", default=["llama.cpp"], choices=PEERS,
                     help="engines to time beside ours: llama.cpp (node-llama-cpp's prebuilt binaries) and/or "
@@ -530,6 +567,7 @@ def main(argv=None) -> int:
     if args.ceiling_mb < 0:
         ap.error(f"--ceiling-mb must be >= 0 (got {args.ceiling_mb}; 0 skips the probe)")
     try:
+        args.models = fixture_paths(args.models, args.fixtures)
         labels = model_labels(args.models)
     except ValueError as e:
         ap.error(str(e))

@@ -153,3 +153,16 @@ def test_a_run_with_both_peers(tmp_path, monkeypatch):
     md = (tmp_path / "peer_llamacpp_t.md").read_text()
     assert "llama.cpp / ik_llama.cpp / streamattn" in md and "from an empty cache" in md
     assert not cuts[0][2].exists()                                        # the cut prompt's folder removed
+
+
+def test_models_take_fixture_names(tmp_path):
+    names = peer.fixture_names()
+    assert {"llama-3.2-1b-q4_k_m", "llama-3.2-1b-q4_0", "llama-3.2-1b-q8_0", "llama-3.1-8b-q4_k_m"} <= set(names)
+    (tmp_path / "llama-3.2-1b-q4_0.gguf").write_bytes(b"GGUF")
+    other = tmp_path / "mine.gguf"
+    other.write_bytes(b"GGUF")
+    paths = peer.fixture_paths(["smollm2", "llama-3.2-1b-q4_0", str(other)], tmp_path)
+    assert paths == ["smollm2", str(tmp_path / "llama-3.2-1b-q4_0.gguf"), str(other)]
+    assert peer.model_labels(paths)[paths[1]] == "llama-3.2-1b-q4_0"
+    with pytest.raises(ValueError, match="--models llama-3.1-8b --types q4_k_m --out"):
+        peer.fixture_paths(["llama-3.1-8b-q4_k_m"], tmp_path)
