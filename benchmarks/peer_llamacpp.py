@@ -70,7 +70,6 @@ PROMPT = Path(__file__).resolve().parent / "data" / "prompt_rome.txt"
 MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}     # our names -> streamattn.gguf.hub names
 OURS = "streamattn"
 PEERS = ("llama.cpp", "ik_llama.cpp")      # node-llama-cpp's prebuilt llama.cpp; ik_llama.cpp's llama-bench
-ENGINES = (OURS, "llama.cpp")             # the default run
 _OURS_STATS = re.compile(r"\[prompt (\d+) tokens, prefill (\d+) ms; (\d+) decode steps, ([\d.]+) tok/s"
                          r"(?:; (\d+) on (\d+) threads)?\]")
 
@@ -243,9 +242,8 @@ def summarize(runs: list) -> list:
                          for p in peers}
         for what in ("decode", "prefill"):
             row[f"{what}_ratio"] = row["ratios"][peers[0]][what]
-        probed = [r for r in runs if key(r) == (model, threads, duty) and "wall_tok_s" in r
-                  and r.get("decode_start", r["prompt_tokens"]) > 0] or \
-                 [r for r in runs if key(r) == (model, threads, duty) and "wall_tok_s" in r]
+        probed = [r for r in runs if key(r) == (model, threads, duty) and "wall_tok_s" in r]
+        probed = [r for r in probed if r.get("decode_start", r["prompt_tokens"]) > 0] or probed
         if probed:
             row["wall_tok_s"] = statistics.median(r["wall_tok_s"] for r in probed)
             row["ceiling_gbps"] = statistics.median(r["ceiling_gbps"] for r in probed)

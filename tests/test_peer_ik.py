@@ -149,6 +149,7 @@ def test_a_run_with_both_peers(tmp_path, monkeypatch):
     per_step = {r["engine"]: r["bytes_per_step"] for r in doc["runs"]}
     assert per_step["ik_llama.cpp"] == pytest.approx(100e6 + 4 * 1000 * statistics.mean(range(1, 65)))
     assert per_step["streamattn"] == pytest.approx(100e6 + 4 * 1000 * statistics.mean(range(512, 576)))
+    assert doc["summary"][0]["wall_tok_s"] == pytest.approx(10e9 / per_step["streamattn"])   # after the prompt
     assert doc["meta"]["peers"] == ["llama.cpp", "ik_llama.cpp"] and doc["meta"]["prompt_tokens_cut"] == 512
     md = (tmp_path / "peer_llamacpp_t.md").read_text()
     assert "llama.cpp / ik_llama.cpp / streamattn" in md and "from an empty cache" in md
