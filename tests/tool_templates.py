@@ -132,24 +132,58 @@ class Script:
 
 
 def force(st, text):
-    """Make the server ``st`` (``app.ServerState``) reply ``text`` to every request from now on (None:
-    the model's own replies again): its engine's ``submit`` puts a :class:`Script` on each sequence."""
+    """Make the server ``st`` (``app.ServerState``) reply ``text`` (a string, encoded as a raw prompt is:
+    control-token strings become their tokens; or a list of token ids) to every request from now on
+    (None: the model's own replies again): its engine's ``submit`` puts a :class:`Script` on each sequence,
+    after the request's own logits processors."""
     engine = st.engine
     original = getattr(engine, "_unforced_submit", None) or engine.submit
     engine._unforced_submit = original
     if text is None:
         engine.submit = original
         return
-    ids = st.tok.encode(text, add_bos=False)
+    ids = list(text) if isinstance(text, list) else st.tok.encode(text, add_bos=False)
 
     def submit(seq):
-        seq.job = replace(seq.job, logits_processors=(Script(ids, len(seq.job.prompt), st.tok.eos_id),))
+        script = Script(ids, len(seq.job.prompt), st.tok.eos_id)
+        seq.job = replace(seq.job, logits_processors=(script,) + seq.job.logits_processors)
         return original(seq)
     engine.submit = submit
 
 
-def use_template(st, name: str | None):
-    """Render chats on ``st`` with the template ``name`` of :data:`TEMPLATES` (None: the file's own)."""
+# Magistral style: the Mistral template, told to think in a [THINK] block first.
+MAGISTRAL = "{{ bos_token }}[SYSTEM_PROMPT]Think in [THINK]...[/THINK] first.[/SYSTEM_PROMPT]" + \
+    MISTRAL.removeprefix("{{ bos_token }}")
+TEMPLATES["magistral"] = MAGISTRAL
+
+#: The marker vocabulary: SmolLM2's vocabulary with five of its unused control tokens (<repo_name>, ...)
+#: renamed, as real files hold them: Mistral's [TOOL_CALLS] and Magistral's [THINK] / [/THINK] as control
+#: tokens (type 3), Qwen3's <think> / </think> as user-defined ones (type 4).
+MARKERS = {3: ("[TOOL_CALLS]", 3), 4: ("[THINK]", 3), 5: ("[/THINK]", 3), 6: ("<think>", 4), 7: ("</think>", 4)}
+
+
+def marker_tokenizer(path: str):
+    """The Tokenizer of the SmolLM2 file at ``path`` with :data:`MARKERS` in its vocabulary."""
+    from _model_util import tokenizer
+    from streamattn.text.tokenizer import Tokenizer
+    md = dict(tokenizer(path)[0])
+    tokens, types = list(md["tokenizer.ggml.tokens"]), list(md["tokenizer.ggml.token_type"])
+    for i, (text, kind) in MARKERS.items():
+        tokens[i], types[i] = text, kind
+    md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"] = tokens, types
+    return Tokenizer.from_metadata(md)
+
+
+def use_template(st, name: str | None, markers: bool = False):
+    """Render chats on ``st`` with the template ``name`` of :data:`TEMPLATES` (None: the file's own), with
+    the marker vocabulary (:func:`marker_tokenizer`) and its grammars when ``markers``."""
+    from _model_util import smollm2_path
+    from streamattn.engine.grammar import Grammars
     original = getattr(st, "_file_tok", None) or st.tok
     st._file_tok = original
-    st.tok = original if name is None else replace(original, chat_template=TEMPLATES[name])
+    st._file_grammars = getattr(st, "_file_grammars", None) or st.grammars
+    if markers and getattr(st, "_marker_grammars", None) is None:
+        st._marker_grammars = Grammars(marker_tokenizer(smollm2_path()))
+    base = st._marker_grammars.tok if markers else original
+    st.tok = base if name is None else replace(base, chat_template=TEMPLATES[name])
+    st.grammars = st._marker_grammars if markers else st._file_grammars

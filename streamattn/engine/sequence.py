@@ -56,7 +56,8 @@ class Job:
     speculative : draft tokens and verify them in one step (:mod:`streamattn.engine.speculative`):
     greedy output is token for token that of plain decoding; grammar : a compiled
     :class:`~streamattn.engine.grammar.Grammar` enforced on every token (the sequence finishes "stop"
-    when it completes); logit_bias : ``(token_id, bias)`` pairs added to the logits before anything else.
+    when it completes); logit_bias : ``(token_id, bias)`` pairs added to the logits before anything else;
+    show_special : control-token ids whose strings stay in the emitted text (the others are dropped).
     """
 
     prompt: tuple
@@ -72,6 +73,7 @@ class Job:
     speculative: SpecParams | None = None
     grammar: object = None
     logit_bias: tuple = ()
+    show_special: frozenset = frozenset()
     fail: bool = False                      # testing aid (ServeConfig.debug_fail_text)
 
     def __post_init__(self):
@@ -167,7 +169,7 @@ class Sequence:
     def __post_init__(self):
         self.rng = np.random.default_rng(self.job.sampling.seed)    # this sequence's own stream
         self.nll = np.empty(len(self.job.prompt) if self.job.targets is not None else 0, np.float64)
-        self.decoder = StreamDecoder(self.tok) if self.tok is not None else None    # None: scoring only
+        self.decoder = StreamDecoder(self.tok, keep=self.job.show_special) if self.tok is not None else None
         self.stops = StopFilter(self.job.stop)
         spec = self.job.speculative
         self.proposer = make_proposer(spec) if spec is not None else None

@@ -27,7 +27,7 @@ import json
 import re
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -165,12 +165,37 @@ def think_mode(facts: TemplateFacts, prompt: str) -> str:
 @dataclass(frozen=True)
 class ReadSpec:
     """How to read one request's replies: ``think`` ("none" | "optional" | "open") with ``markers``
-    (open, close); ``calls`` ("none" | "auto" | "call") in ``syntax``."""
+    (open, close); ``calls`` ("none" | "auto" | "call") in ``syntax``; ``keep``: the control-token ids of
+    those markers, whose strings the engine writes into the reply's text so that they can be read here
+    (``Job.show_special``)."""
 
     think: str = "none"
     markers: tuple | None = None
     calls: str = "none"
     syntax: Syntax = SYNTAXES["json"]
+    keep: frozenset = frozenset()
+
+    def marker_texts(self) -> tuple:
+        """The marker strings this reading looks for: the think markers, the calls' start (and Hermes'
+        ``</tool_call>``)."""
+        out = tuple(self.markers) if self.think != "none" and self.markers else ()
+        if self.calls != "none":
+            out += (self.syntax.start,) + (("</tool_call>",) if self.syntax.name == "hermes" else ())
+        return out
+
+    def with_keep(self, tok) -> "ReadSpec":
+        """This spec with ``keep`` set for ``tok``: the ids of its markers that are control tokens there
+        (user-defined ones, Qwen3's ``<think>``, are text already); unchanged when ``tok`` is None."""
+        if tok is None:
+            return self
+        ids = (marker_token(tok, m) for m in self.marker_texts())
+        return replace(self, keep=frozenset(i for i in ids if i is not None and i in tok.special_ids))
+
+
+def marker_token(tok, text: str) -> int | None:
+    """The id of the vocabulary entry of ``tok`` that is exactly the marker ``text``, or None."""
+    i = tok.hf.token_to_id(text)
+    return None if i is None or not 0 <= i < tok.vocab_size else int(i)
 
 
 def _partial(text: str, marker: str) -> int:

@@ -371,7 +371,7 @@ def parse_request(obj: dict, kind: str, *, model_id: str, tok, context: int, fai
         spec = SpecParams(draft_max=req.draft_max or (speculative or SpecParams()).draft_max)
     job = Job(prompt=tuple(ids), max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=want_lp,
               top_logprobs=top, ignore_eos=req.ignore_eos, cache_prompt=req.cache_prompt,
-              speculative=spec, grammar=structured.grammar, logit_bias=bias,
+              speculative=spec, grammar=structured.grammar, logit_bias=bias, show_special=structured.read.keep,
               fail=bool(fail_text) and fail_text in text)
     meta = dict(kind=kind, model=model_id, stream=bool(req.stream), n=req.n or 1, read=structured.read,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))

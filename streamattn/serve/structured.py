@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 from streamattn.engine.grammar import (GrammarError, ResponseFormatError, check_response_format, check_schema,
                                        response_format_grammar)
-from streamattn.serve.output import SYNTAXES, ReadSpec, TemplateFacts
+from streamattn.serve.output import SYNTAXES, ReadSpec, TemplateFacts, marker_token
 
 TOOLS_PREAMBLE = ("You can call these functions (each: name, description, parameters as a JSON schema):\n"
                   "{functions}\n"
@@ -107,13 +107,16 @@ def offer(req, facts: TemplateFacts) -> Plan:
 def plan(req, grammars, facts: TemplateFacts = TemplateFacts(), think: str = "none") -> Plan:
     """The Plan of a chat request's ``response_format``, ``tools`` and ``tool_choice``, for a template
     of ``facts`` and a prompt whose reply reasons as ``think`` (``output.think_mode``): where the reply
-    may reason, the grammar lets a think block through first and constrains what follows it."""
+    may reason, the grammar lets a think block through first and constrains what follows it. A marker
+    that is one added token of the vocabulary (a control token such as Mistral's ``[TOOL_CALLS]``, or a
+    user-defined one such as Qwen3's ``<think>``) is that token in the grammar, never its spelling."""
     offered = offer(req, facts)
     fmt = getattr(req, "response_format", None)
     tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None) or "auto"
-    lead = None if think == "none" else _think_lexeme(facts.think, think)
+    atom = _Atoms(grammars)
+    lead = None if think == "none" else _think_rules(atom, facts.think, think)
     if offered.tools is None and offered.tools_message is None:          # no functions: text or a format
-        read = ReadSpec(think=think, markers=facts.think)
+        read = ReadSpec(think=think, markers=facts.think).with_keep(getattr(grammars, "tok", None))
         if lead is None:
             return Plan(grammar=response_format_grammar(fmt, grammars), read=read)
         kind, schema = check_response_format(fmt)
@@ -130,17 +133,34 @@ def plan(req, grammars, facts: TemplateFacts = TemplateFacts(), think: str = "no
         functions = [f for f in functions if f["name"] == choice.function.name]
     syntax = facts.syntax if offered.native else SYNTAXES["json"]
     parallel = offered.native and getattr(req, "parallel_tool_calls", None) is not False
-    read = ReadSpec(think=think, markers=facts.think, calls="auto" if choice == "auto" else "call", syntax=syntax)
+    read = ReadSpec(think=think, markers=facts.think, calls="auto" if choice == "auto" else "call",
+                    syntax=syntax).with_keep(getattr(grammars, "tok", None))
     schema = _call_schema(functions, syntax.args)
     try:
         if lead is None and syntax.name == "json":   # the templates without tools: as before reasoning
             g = grammars.lark(f"start: call | text\ncall: %json {json.dumps(schema)}\ntext: /[^{{](.|\\n)*/\n") \
                 if choice == "auto" else grammars.json_schema(json.dumps(schema))
         else:
-            g = grammars.lark(_lark(lead, think, _calls_rules(syntax, schema, parallel, choice == "auto")))
+            g = grammars.lark(_lark(lead, think, _calls_rules(atom, syntax, schema, parallel, choice == "auto")))
     except GrammarError as e:
         raise StructuredError(f"tools: a function's parameters cannot be enforced: {e}", "tools")
     return replace(offered, grammar=g, read=read)
+
+
+class _Atoms:
+    """A marker as a grammar symbol for one tokenizer: ``<[id]>`` where the vocabulary holds it as one
+    added token (llguidance treats every added token, control or user-defined, as a special token that
+    no text lexeme can produce, and names one by id as ``<[id]>``: its docs/syntax.md), else None (the
+    marker is text, spelled by ordinary tokens)."""
+
+    def __init__(self, grammars):
+        self.grammars = grammars
+
+    def token(self, marker: str) -> str | None:
+        if self.grammars is None:
+            return None
+        i = marker_token(self.grammars.tok, marker)
+        return f"<[{i}]>" if i is not None and self.grammars.lltok.is_special_token(i) else None
 
 
 def _rx(text: str) -> str:
@@ -149,6 +169,7 @@ def _rx(text: str) -> str:
 
 
 _ANY = "(.|\\n)*"
+_WS = "[ \\t\\r\\n]"
 
 
 def _up_to_first(marker: str) -> str:
@@ -157,37 +178,64 @@ def _up_to_first(marker: str) -> str:
     return f"/{_ANY}{m}/ & ~/{_ANY}{m}{_ANY}{m}{_ANY}/"
 
 
-def _think_lexeme(markers: tuple, think: str) -> str:
-    """The think block a reply may open (``optional``) or is already in (``open``), and the whitespace
-    after it, as one lexeme: it ends at the first closing marker, so that what follows is constrained."""
-    lead = "" if think == "open" else f"[ \\t\\r\\n]*{_rx(markers[0])}"
-    return f"/{lead}{_ANY}{_rx(markers[1])}[ \\t\\r\\n]*/ & ~/{_ANY}{_rx(markers[1])}{_ANY}{_rx(markers[1])}{_ANY}/"
+def _without(marker: str) -> str:
+    """A lexeme: any text that does not contain ``marker``."""
+    return f"/{_ANY}/ & ~/{_ANY}{_rx(marker)}{_ANY}/"
 
 
-def _lark(lead: str | None, think: str, body: str) -> str:
-    head = "start: body" if lead is None else f"start: THINK{'?' if think == 'optional' else ''} body"
-    return f"{head}\n{body}\n" + (f"THINK: {lead}\n" if lead else "")
+def _think_rules(atom: _Atoms, markers: tuple, think: str) -> str:
+    """Lark rules of ``think``: the think block a reply may open (``optional``) or is already in
+    (``open``), and the whitespace after it. Spelled markers make one lexeme that ends at the first
+    closing marker, so that what follows is constrained; a marker that is a token is that token, the
+    text before it free of the spelled closing marker (which the reply's reader would take for it)."""
+    opening, closing = atom.token(markers[0]), atom.token(markers[1])
+    if opening is None and closing is None:
+        lead = "" if think == "open" else f"{_WS}*{_rx(markers[0])}"
+        return (f"think: THINK\nTHINK: /{lead}{_ANY}{_rx(markers[1])}{_WS}*/ & "
+                f"~/{_ANY}{_rx(markers[1])}{_ANY}{_rx(markers[1])}{_ANY}/")
+    rules = [f"THINK_WS: /{_WS}+/"]
+    head = ""
+    if think != "open":
+        head = f"THINK_WS? {opening}" if opening is not None else "THINK_OPEN"
+        if opening is None:
+            rules.append(f"THINK_OPEN: /{_WS}*{_rx(markers[0])}/")
+    if closing is not None:
+        rules.append(f"THOUGHT: {_without(markers[1])}")
+        tail = f"THOUGHT? {closing}"
+    else:
+        rules.append(f"THOUGHT: {_up_to_first(markers[1])}")
+        tail = "THOUGHT"
+    return "\n".join([f"think: {head} {tail} THINK_WS?".replace("  ", " ")] + rules)
 
 
-def _calls_rules(syntax, schema: dict, parallel: bool, auto: bool) -> str:
+def _lark(think_rules: str | None, think: str, body: str) -> str:
+    head = "start: body" if think_rules is None else f"start: think{'?' if think == 'optional' else ''} body"
+    return f"{head}\n{body}\n" + (f"{think_rules}\n" if think_rules else "")
+
+
+def _calls_rules(atom: _Atoms, syntax, schema: dict, parallel: bool, auto: bool) -> str:
     """Lark rules of ``body``: the calls in ``syntax`` (several when ``parallel``), or (``auto``) text
-    with no call in it, or (``hermes``) text and then calls."""
+    with no call in it, or (``hermes``) text and then calls. The spelled start of the calls never begins
+    (Hermes: never appears in) the text, also where the start is a token, so that the reply reads one way."""
     obj = f"obj: %json {json.dumps(schema)}"
     more = lambda sep, item: f' ("{sep}" {item})*' if parallel else ""
     if syntax.name == "hermes":
-        rules = [r'call: "<tool_call>\n" obj "\n</tool_call>"', obj,
-                 r'rest: "\n" obj "\n</tool_call>"' + more(r"\n", "call")]
+        start, end = atom.token("<tool_call>"), atom.token("</tool_call>")
+        opening = start or '"<tool_call>"'
+        end = r'"\n" ' + end if end is not None else r'"\n</tool_call>"'
+        rules = [f"call: {opening}" + r' "\n" obj ' + end, obj, r'rest: "\n" obj ' + end + more(r"\n", "call")]
         if not auto:
-            return "\n".join([r'body: "<tool_call>" rest'] + rules)
+            return "\n".join([f"body: {opening} rest"] + rules)
+        if start is not None:
+            return "\n".join([f"body: TEXT | TEXT? {start} rest"] + rules + [f"TEXT: {_without('<tool_call>')}"])
         return "\n".join(["body: TEXT | PRE rest"] + rules + [
-            f"TEXT: /{_ANY}/ & ~/{_ANY}<tool_call>{_ANY}/", f"PRE: {_up_to_first('<tool_call>')}"])
+            f"TEXT: {_without('<tool_call>')}", f"PRE: {_up_to_first('<tool_call>')}"])
     if syntax.name == "mistral":
         arr = {"type": "array", "items": schema, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-        rules = ['calls: "[TOOL_CALLS]" arr', f"arr: %json {json.dumps(arr)}"]
+        rules = [f'calls: {atom.token(syntax.start) or json.dumps(syntax.start)} arr', f"arr: %json {json.dumps(arr)}"]
     else:                                            # llama3, json: one object a line
         rules = ["calls: obj" + more(r"\n", "obj"), obj]
     if not auto:
         return "\n".join(["body: calls"] + rules)
     return "\n".join(["body: TEXT | calls"] + rules + [
-        f"TEXT: /{_ANY}/ & ~/[ \\t\\r\\n]*{_rx(syntax.start)}{_ANY}/"])
-
+        f"TEXT: /{_ANY}/ & ~/{_WS}*{_rx(syntax.start)}{_ANY}/"])

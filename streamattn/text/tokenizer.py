@@ -611,9 +611,12 @@ class StreamDecoder:
     'héllo 👋'
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True):
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True, keep: frozenset = frozenset()):
+        """``skip_special``: drop control tokens from the text; ``keep``: the control-token ids whose
+        strings are written all the same (a chat reply's markers that the server reads, Mistral's
+        ``[TOOL_CALLS]``)."""
         self.tb = tokenizer.token_bytes
-        self.special = tokenizer.special_ids if skip_special else frozenset()
+        self.special = tokenizer.special_ids - keep if skip_special else frozenset()
         self.tok = tokenizer
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
