@@ -323,6 +323,67 @@ def test_anthropic_thinking_blocks(server):
         [("thinking", "Easy."), ("text", "Noon.")]
 
 
+@pytest.mark.parametrize("markers", [True, False], ids=["tokens", "spelled"])
+def test_a_reasoning_budget_closes_an_endless_think_block(server, client, markers):
+    """A forced reply that never closes its think block: with a budget of 10 (Anthropic's
+    thinking.budget_tokens, chat's thinking_token_budget) the block holds the 10 tokens after <think>,
+    then </think> is forced (one user-defined token, or its spelling in SmolLM2's vocabulary), and the
+    reply goes on as content; reasoning_tokens counts the block with its markers."""
+    base, st = server
+    use_template(st, "qwen", markers=markers)
+    ids = st.tok.encode("<think>" + "la " * 200, add_bos=False)
+    force(st, ids)
+    opening, closing = (len(st.tok.encode(m, add_bos=False)) for m in ("<think>", "</think>"))
+    assert (opening, closing) == (1, 1) if markers else closing > 1
+    thought = st.tok.decode(ids[opening:opening + 10])
+    answer = st.tok.decode(ids[opening + 10 + closing:40]).lstrip()
+    m = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=300).messages
+    kw = dict(model=MODEL, max_tokens=40, messages=ASK, thinking={"type": "enabled", "budget_tokens": 10})
+    blocks = lambda msg: [(b.type, getattr(b, "thinking", None) or b.text) for b in msg.content]
+    whole = m.create(**kw)
+    assert blocks(whole) == [("thinking", thought), ("text", answer)] and whole.stop_reason == "max_tokens"
+    with m.stream(**kw) as s:
+        assert blocks(s.get_final_message()) == blocks(whole)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40,
+                                       extra_body={"thinking_token_budget": 10})
+    assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == (thought, answer)
+    assert r.usage.completion_tokens_details.reasoning_tokens == opening + 10 + closing
+    assert _stream(client, messages=ASK, max_tokens=40, extra_body={"thinking_token_budget": 10}) == \
+        (thought, answer, None, "length")
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40)       # no budget: all reasoning
+    assert r.choices[0].message.content is None or r.choices[0].message.content == ""
+    assert r.usage.completion_tokens_details.reasoning_tokens == 40
+    use_template(st, None)
+    bad = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": ASK, "thinking_token_budget": 10})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_token_budget", bad.text
+
+
+def test_reasoning_tokens_in_usage(server, client):
+    """usage.completion_tokens_details.reasoning_tokens (chat) and
+    usage.output_tokens_details.reasoning_tokens (Responses), whole and streamed: the think block's
+    tokens, markers included; 0 when the reply did not reason."""
+    base, st = server
+    use_template(st, "qwen")
+    block = "<think>Think first.</think>"
+    force(st, block + "\n\nNoon in Rome.")
+    n = len(st.tok.encode(block, add_bos=False))
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60)
+    assert r.usage.completion_tokens_details.reasoning_tokens == n
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == n
+    r = client.responses.create(model=MODEL, input="Time in Rome?", max_output_tokens=60)
+    assert r.usage.output_tokens_details.reasoning_tokens == n and r.output_text == "Noon in Rome."
+    events = list(client.responses.create(model=MODEL, input="Time in Rome?", max_output_tokens=60, stream=True))
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == n
+    force(st, "Noon in Rome.")
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
+    assert client.responses.create(model=MODEL, input="x", max_output_tokens=60).usage \
+        .output_tokens_details.reasoning_tokens == 0
+
+
 def test_responses_reasoning_item(server, client):
     base, st = server
     use_template(st, "qwen")

@@ -130,7 +130,8 @@ def _prior_cost(k: int) -> float:
 @dataclass(frozen=True)
 class Event:
     """Engine -> HTTP handler. kind "delta": ``text`` (+ ``logprobs`` entries); "done": ``finish``,
-    ``usage`` and ``stop`` (the stop string that ended it, else None); "error": ``message`` and ``code`` ("grammar": the request's own grammar could not go on, a
+    ``usage``, ``stop`` (the stop string that ended it, else None) and ``tokens`` (the completion's token
+    ids); "error": ``message`` and ``code`` ("grammar": the request's own grammar could not go on, a
     client error; "engine": anything else)."""
 
     kind: str
@@ -141,6 +142,7 @@ class Event:
     stop: str | None = None
     message: str = ""
     code: str = "engine"
+    tokens: tuple = ()
 
 
 @dataclass(eq=False)
@@ -304,7 +306,8 @@ class Sequence:
 
     def finish(self, reason: str) -> None:
         self.finished, self.finish_reason = True, reason
-        self.emit(Event("done", finish=reason, usage=self.usage(), stop=self.stops.matched))
+        self.emit(Event("done", finish=reason, usage=self.usage(), stop=self.stops.matched,
+                        tokens=tuple(self.generated)))
 
     def fail(self, message: str, code: str = "engine") -> None:
         self.finished, self.finish_reason = True, "error"

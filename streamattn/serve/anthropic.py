@@ -20,7 +20,8 @@ Anthropic                chat request
 ``thinking``             ``chat_template_kwargs.enable_thinking`` where the template reads it;
                          ``enabled`` needs a template with reasoning markers, ``disabled`` one
                          that reads ``enable_thinking`` or has none (else 400); ``budget_tokens``
-                         is accepted and not enforced
+                         (with ``enabled``) ``thinking_token_budget``: the think block is closed
+                         after that many tokens (``serve/think_block.py``)
 ``output_config.effort`` ``reasoning_effort``, where the template reads it (else 400)
 ``max_tokens``,          the same (``max_tokens`` required; temperature at most 1)
 ``temperature``,
@@ -119,7 +120,7 @@ class ToolChoice(_Shape):
 
 class ThinkingConfig(_Shape):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: Optional[int] = None
+    budget_tokens: Optional[int] = Field(None, ge=0)    # enforced with "enabled" (serve/think_block.py)
     display: Optional[str] = None
 
 
@@ -179,6 +180,7 @@ _NAMES = (
     (r"response_format", "output_config.format"),
     (r"stop", "stop_sequences"),
     (r"reasoning_effort", "output_config.effort"),
+    (r"thinking_token_budget", "thinking.budget_tokens"),
 )
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -258,6 +260,8 @@ def to_chat(req: CountTokensRequest, facts: TemplateFacts = TemplateFacts()) -> 
         chat["parallel_tool_calls"] = False
     if kwargs:
         chat["chat_template_kwargs"] = kwargs
+    if mode == "enabled" and req.thinking.budget_tokens is not None:
+        chat["thinking_token_budget"] = req.thinking.budget_tokens
     if effort is not None:
         chat["reasoning_effort"] = effort
     if req.output_config is not None and req.output_config.format is not None:

@@ -156,6 +156,7 @@ class ChatRequest(_Common):
     parallel_tool_calls: Optional[bool] = None      # several calls in one reply (native templates; default true)
     chat_template_kwargs: Optional[dict] = None     # extension (vLLM, llama.cpp): variables of the template
     reasoning_effort: Optional[str] = Field(None, max_length=64)   # for a template that reads it
+    thinking_token_budget: Optional[int] = Field(None, ge=0)       # extension (vLLM): think block tokens at most
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -369,8 +370,17 @@ def parse_request(obj: dict, kind: str, *, model_id: str, tok, context: int, fai
     spec = None if req.speculative == "none" else speculative
     if req.speculative == "ngram" or (req.draft_max is not None and req.speculative != "none"):
         spec = SpecParams(draft_max=req.draft_max or (speculative or SpecParams()).draft_max)
+    processors = ()
+    if kind == "chat" and req.thinking_token_budget is not None:
+        if structured.read.think == "none":
+            raise APIError(400, f"thinking_token_budget={req.thinking_token_budget}: this reply cannot reason (the "
+                           "chat template has no think block, or the prompt closes it); omit it",
+                           param="thinking_token_budget", code="unsupported_value")
+        from streamattn.serve.think_block import ReasoningBudget
+        processors = (ReasoningBudget(tok=tok, read=structured.read, budget=req.thinking_token_budget,
+                                      prompt_len=len(ids)),)
     job = Job(prompt=tuple(ids), max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=want_lp,
-              top_logprobs=top, ignore_eos=req.ignore_eos, cache_prompt=req.cache_prompt,
+              top_logprobs=top, ignore_eos=req.ignore_eos, cache_prompt=req.cache_prompt, logits_processors=processors,
               speculative=spec, grammar=structured.grammar, logit_bias=bias, show_special=structured.read.keep,
               fail=bool(fail_text) and fail_text in text)
     meta = dict(kind=kind, model=model_id, stream=bool(req.stream), n=req.n or 1, read=structured.read,
@@ -391,7 +401,9 @@ _REFUSED = {
              "parallel_tool_calls": "parallel_tool_calls belongs to /v1/chat/completions",
              "functions": "functions belongs to /v1/chat/completions' legacy API; send tools there",
              "function_call": "function_call belongs to /v1/chat/completions' legacy API",
-             "suffix": "suffix is not supported"},
+             "suffix": "suffix is not supported",
+             "thinking_token_budget": "thinking_token_budget belongs to /v1/chat/completions (a completion has no "
+                                      "think block)"},
 }
 
 

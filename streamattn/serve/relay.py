@@ -28,6 +28,7 @@ from streamattn.engine.core import QueueFull
 from streamattn.engine.sequence import Sequence
 from streamattn.serve.protocol import APIError, parse_request
 from streamattn.serve.output import Reader, read_whole
+from streamattn.serve.think_block import reasoning_tokens
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def submit(st, request, job, meta: dict) -> "Run":
             st.engine.cancel(s)
         raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded") from None
     watcher = asyncio.create_task(_watch_disconnect(request, st.engine, seqs))
-    return Run(engine=st.engine, seqs=seqs, events=events, watcher=watcher, read=meta["read"])
+    return Run(engine=st.engine, seqs=seqs, events=events, watcher=watcher, read=meta["read"], tok=st.tok)
 
 
 @dataclass
@@ -132,6 +133,17 @@ class Run:
     events: asyncio.Queue
     watcher: asyncio.Task
     read: object                                     # output.ReadSpec: how to read each reply
+    tok: object = None                               # the tokenizer: reasoning tokens are counted with it
+
+    def usage(self, ev) -> dict:
+        """A done event's usage; where the reply may reason, with ``completion_tokens_details.
+        reasoning_tokens`` (``think_block.reasoning_tokens``)."""
+        if self.read.think == "none" or self.tok is None:
+            return ev.usage
+        details = {**(ev.usage.get("completion_tokens_details") or {}),
+                   "reasoning_tokens": reasoning_tokens(self.tok, self.read, ev.tokens)}
+        return {**ev.usage, "completion_tokens_details": details}
+
 
     async def pieces(self):
         """The request's output as :class:`Piece` s, until every choice is done or one fails."""
@@ -155,7 +167,7 @@ class Run:
                     yield Piece("text", i, "", lps[i])
                 if calls:
                     yield Piece("calls", i, calls=calls)
-                yield Piece("done", i, finish="tool_calls" if calls else ev.finish, stop=ev.stop, usage=ev.usage)
+                yield Piece("done", i, finish="tool_calls" if calls else ev.finish, stop=ev.stop, usage=self.usage(ev))
                 left -= 1
 
     @staticmethod
@@ -186,7 +198,7 @@ class Run:
         for i, ev in enumerate(done):
             reasoning, content, calls = read_whole("".join(text[i]), self.read)
             out.append(Choice(text=content, logprobs=tuple(lps[i]), finish=ev.finish, calls=calls, stop=ev.stop,
-                              usage=ev.usage, reasoning=reasoning))
+                              usage=self.usage(ev), reasoning=reasoning))
         return out
 
     def close(self) -> None:

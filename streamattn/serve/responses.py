@@ -412,8 +412,9 @@ class _Reply:
                 said["reasoning_content"] = thought
             self.api.store.put(self.id, self.history + [{**said, "tool_calls": calls} if calls else said])
         cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        thought = usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)
         u = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},   # not counted
+             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": thought},
              "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
         return self.response("incomplete" if finish == "length" else "completed", items, u)
 
