@@ -441,8 +441,11 @@ def test_tool_calls_required_named_auto_none_streamed_and_whole(client):
         chunks = list(_chat(client, ask, tools=tools, tool_choice=choice, max_tokens=80, temperature=0,
                             stream=True))
         deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-        assert len(deltas) == 1 and deltas[0].function.name == r.message.tool_calls[0].function.name
-        assert json.loads(deltas[0].function.arguments) == json.loads(r.message.tool_calls[0].function.arguments)
+        # the id and name first, then the arguments in fragments as they are generated
+        assert deltas[0].function.name == r.message.tool_calls[0].function.name and deltas[0].id.startswith("call_")
+        assert len(deltas) > 2 and all(d.index == 0 and d.function.name is None for d in deltas[1:])
+        args = "".join(d.function.arguments or "" for d in deltas)
+        assert json.loads(args) == json.loads(r.message.tool_calls[0].function.arguments)
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
     auto = _chat(client, ask, tools=tools, tool_choice="auto", max_tokens=80, temperature=0).choices[0]
     if auto.message.tool_calls:                              # the model chose a call: a valid one

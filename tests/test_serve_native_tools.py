@@ -132,6 +132,54 @@ def test_hermes_content_before_the_calls_and_plain_text(server, client):
         ("", "No call: <tool_call is text.", None, "stop")
 
 
+@pytest.mark.parametrize("family", ["qwen", "llama31", "mistral"])
+def test_call_arguments_stream_as_they_are_generated(server, client, family):
+    """A call's id and name come first, then its arguments in fragments as the tokens come (the raw
+    chunks, the openai stream helper, anthropic's input_json_delta, the Responses arguments deltas); the
+    fragments join to the whole reply's arguments, and the clients' accumulators build the same objects
+    as the whole replies."""
+    base, st = server
+    use_template(st, family)
+    want = [("get_weather", PARIS), ("get_time", ROME)]
+    force(st, calls_text(family, want))
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120)
+    args = [c.function.arguments for c in whole.choices[0].message.tool_calls]
+    deltas = [tc for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120,
+                                                            stream=True)
+              for ch in chunk.choices for tc in ch.delta.tool_calls or ()]
+    for k, (name, _) in enumerate(want):
+        mine = [d for d in deltas if d.index == k]
+        assert mine[0].id.startswith("call_") and mine[0].function.name == name and not mine[0].function.arguments
+        assert all(d.id is None and d.function.name is None for d in mine[1:]) and len(mine) > 4
+        assert "".join(d.function.arguments for d in mine[1:]) == args[k]
+    with client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120) as s:
+        final = s.get_final_completion().choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in final.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in final.tool_calls] == want
+
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    m = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=300).messages
+    whole = m.create(model=MODEL, max_tokens=120, messages=ASK, tools=tools)
+    with m.stream(model=MODEL, max_tokens=120, messages=ASK, tools=tools) as s:
+        events = list(s)
+        final = s.get_final_message()
+    pieces = [e for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    assert len(pieces) > 8 and final.stop_reason == whole.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in final.content] == [(b.name, b.input) for b in whole.content] == want
+
+    whole = client.responses.create(model=MODEL, input="Weather in Paris and the time in Rome?",
+                                    tools=[{"type": "function", **t["function"]} for t in TOOLS], max_output_tokens=120)
+    events = list(client.responses.create(model=MODEL, input="Weather in Paris and the time in Rome?", stream=True,
+                                          tools=[{"type": "function", **t["function"]} for t in TOOLS],
+                                          max_output_tokens=120))
+    for k, item in enumerate(whole.output):
+        got = [e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.output_index == k]
+        done = next(e for e in events if e.type == "response.function_call_arguments.done" and e.output_index == k)
+        assert len(got) > 4 and "".join(got) == done.arguments == item.arguments
+    assert [(o.name, o.arguments) for o in events[-1].response.output] == [(o.name, o.arguments) for o in whole.output]
+
+
 # ------------------------------------------------------------------------- markers that are tokens
 MARKER_REPLIES = {
     "mistral": "[TOOL_CALLS]" + json.dumps([{"name": "get_weather", "arguments": PARIS},

@@ -103,7 +103,7 @@ class ToolDef(_Shape):
     description: Optional[str] = None
     strict: Optional[bool] = None                      # the grammar enforces input_schema always
     cache_control: Optional[dict] = None
-    eager_input_streaming: Optional[bool] = None       # ignored: a call's input is streamed whole
+    eager_input_streaming: Optional[bool] = None       # ignored: a call's input is always streamed as generated
 
 
 class ToolChoice(_Shape):
@@ -333,8 +333,12 @@ class MessagesAPI:
         return {**out.head(), "content": blocks, **out.stopped(finish, choice.stop), "usage": out.usage(choice.usage)}
 
 
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def _tool_uses(calls: list) -> list:
-    return [{"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": c["function"]["name"],
+    return [{"type": "tool_use", "id": _tool_use_id(c["id"]), "name": c["function"]["name"],
              "input": json.loads(c["function"]["arguments"])} for c in calls]
 
 
@@ -369,8 +373,9 @@ class _Reply:
 
     async def events(self, run):
         """message_start, ping, then per content block content_block_start / _delta (thinking_delta and
-        signature_delta, text_delta, or input_json_delta) / _stop, then message_delta (stop_reason, usage) and message_stop; a failure
-        mid-way is an ``error`` event."""
+        signature_delta, text_delta, or a tool_use's input_json_delta fragments as its arguments are
+        generated) / _stop, then message_delta (stop_reason, usage) and message_stop; a failure mid-way is
+        an ``error`` event."""
         def event(obj: dict) -> str:
             return f"event: {obj['type']}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -393,17 +398,19 @@ class _Reply:
                         yield event({"type": "content_block_start", "index": block, "content_block": start})
                     yield event({"type": "content_block_delta", "index": block,
                                  "delta": {"type": delta_of[kind], kind: p.text}})
+                elif p.kind == "call":
+                    for e in self._close(block, open_kind):
+                        yield event(e)
+                    block, open_kind = block + 1, "tool_use"
+                    yield event({"type": "content_block_start", "index": block, "content_block": {
+                        "type": "tool_use", "id": _tool_use_id(p.call["id"]), "name": p.call["name"], "input": {}}})
+                elif p.kind == "args" and p.text:
+                    yield event({"type": "content_block_delta", "index": block,
+                                 "delta": {"type": "input_json_delta", "partial_json": p.text}})
                 elif p.kind == "calls":
                     for e in self._close(block, open_kind):
                         yield event(e)
                     open_kind = None
-                    for use in _tool_uses(p.calls):
-                        block += 1
-                        yield event({"type": "content_block_start", "index": block,
-                                     "content_block": {**use, "input": {}}})
-                        yield event({"type": "content_block_delta", "index": block, "delta": {
-                            "type": "input_json_delta", "partial_json": json.dumps(use["input"])}})
-                        yield event({"type": "content_block_stop", "index": block})
                 elif p.kind == "error":
                     yield event(error_body(p.error.renamed(_NAMES)))
                     return

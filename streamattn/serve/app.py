@@ -206,7 +206,8 @@ async def _complete(st: ServerState, request: Request, kind: str):
 
 async def _sse(run, reply: Reply, meta: dict):
     """The event stream of one request's choices (``relay.Run.pieces``): reasoning goes in
-    ``delta.reasoning_content``, and the calls of a reply in one ``delta.tool_calls`` chunk."""
+    ``delta.reasoning_content``; a tool call in ``delta.tool_calls``, first its id and name, then its
+    arguments in fragments as they are generated."""
     def data(obj) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -220,8 +221,15 @@ async def _sse(run, reply: Reply, meta: dict):
                 yield data(reply.chunk(p.text, p.logprobs, index=p.index))
             elif p.kind == "reasoning":
                 yield data(reply.chunk(index=p.index, reasoning=p.text))
-            elif p.kind == "calls":
-                yield data(reply.chunk(index=p.index, tool_calls=p.calls))
+            elif p.kind == "call":
+                c = p.call
+                yield data(reply.chunk(index=p.index, tool_call={"index": c["index"], "id": c["id"], "type": "function",
+                                                                 "function": {"name": c["name"], "arguments": ""}}))
+            elif p.kind == "args":
+                yield data(reply.chunk(index=p.index, tool_call={"index": p.call["index"],
+                                                                 "function": {"arguments": p.text}}))
+            elif p.kind == "calls":                  # every call was streamed by its "call" and "args" pieces
+                continue
             elif p.kind == "error":
                 yield data(p.error.body())
                 return

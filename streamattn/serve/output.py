@@ -206,13 +206,95 @@ def _partial(text: str, marker: str) -> int:
     return 0
 
 
+_NAME_KEY = re.compile(r'\{\s*"name"\s*:')
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:')
+
+
+class CallScanner:
+    """Finds the calls in the calls' text as it grows: each call object's name, and the text of its
+    arguments as far as it has come, so that both can be streamed before the call is whole.
+
+    A call object ``{"name": N, "arguments": {...}}`` (``"parameters"`` for Llama-3) opens at the list's
+    nesting depth (1 inside Mistral's array, else 0); the grammar writes ``name`` first, as the call
+    schema lists it (llguidance keeps a schema's property order), so the name is known once the
+    arguments' key is read. An object that begins otherwise is left to be read whole at the end.
+    """
+
+    def __init__(self, syntax: Syntax):
+        self.base = 1 if syntax.name == "mistral" else 0
+        self.pos = self.depth = 0
+        self.in_string = self.escape = False
+        self.calls: list = []                        # per call: dict(id, name, start, args, end, sent)
+        self.open: dict | None = None                # the call object being read
+
+    def feed(self, text: str) -> list:
+        """New pieces of ``text`` (all the calls' text so far, which only grows): ("call", entry) when a
+        call's name is known, ("args", (index, fragment)) for each new stretch of its arguments."""
+        out = []
+        for i in range(self.pos, len(text)):
+            self._char(text, i, out)
+        self.pos = len(text)
+        c = self.open
+        if c is not None and c["phase"] == "args" and c["sent"] < self.pos:
+            out.append(("args", (c["index"], text[c["sent"]:self.pos])))
+            c["sent"] = self.pos
+        return out
+
+    def _char(self, text: str, i: int, out: list) -> None:
+        ch = text[i]
+        if self.in_string:
+            self.escape, self.in_string = (False, True) if self.escape else (ch == "\\", ch != '"')
+            return
+        c = self.open
+        if c is not None and c["phase"] == "await" and not ch.isspace():
+            c.update(phase="args", args=i, sent=i)   # the arguments' first character
+        if ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            if ch == "{" and self.depth == self.base and c is None:
+                self.open = c = {"index": len(self.calls), "start": i, "phase": "head", "sent": 0}
+                self.calls.append(c)
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            if c is not None and c["phase"] == "args" and self.depth == self.base + 1:
+                self._close_args(text, c, i + 1, out)
+            if c is not None and self.depth == self.base:
+                self.open = None
+        elif ch == ":" and c is not None and c["phase"] == "head" and self.depth == self.base + 1:
+            c["colons"] = c.get("colons", 0) + 1     # the first ends "name", the second the arguments' key
+            m = (_NAME_KEY if c["colons"] == 1 else _CALL_HEAD).fullmatch(text, c["start"], i + 1)
+            if m is None:
+                c["phase"] = "whole"                 # not name-first: read whole at the end
+            elif c["colons"] == 2:
+                c.update(phase="await", name=m.group(1), id="call_" + uuid.uuid4().hex[:24])
+                out.append(("call", {"index": c["index"], "id": c["id"], "name": c["name"]}))
+        elif ch == "," and c is not None and c["phase"] == "args" and self.depth == self.base + 1:
+            self._close_args(text, c, i, out)       # an argument that is no object (never, with the grammar)
+
+    @staticmethod
+    def _close_args(text: str, c: dict, end: int, out: list) -> None:
+        c.update(phase="done", end=end)
+        if c["sent"] < end:
+            out.append(("args", (c["index"], text[c["sent"]:end])))
+            c["sent"] = end
+
+    def arguments(self, k: int, text: str) -> str | None:
+        """The text of call k's arguments once read to their end, else None."""
+        c = self.calls[k] if k < len(self.calls) else {}
+        return text[c["args"]:c["end"]] if c.get("phase") == "done" else None
+
+
 class Reader:
     """Splits one reply into reasoning, content and tool calls as its text arrives.
 
-    :meth:`push` returns the ("reasoning" | "text", text) pieces that are certain so far; a possible
-    marker's beginning is held until it is known, and a call is held whole. :meth:`end` returns the
-    last pieces and the calls (OpenAI ``tool_calls`` entries, or None: text that was no whole call goes
-    out as text). Pushing a reply in any cut gives the same pieces joined.
+    :meth:`push` returns the pieces that are certain so far: ("reasoning" | "text", text), and, once the
+    calls began, ("call", {"index", "id", "name"}) when a call's name is known and ("args", (index,
+    fragment)) as its arguments come (:class:`CallScanner`); a possible marker's beginning is held until
+    it is known. :meth:`end` returns the last pieces and the calls (OpenAI ``tool_calls`` entries whose
+    ids are those announced and whose ``arguments`` are the reply's own text of them, so that the streamed
+    fragments join to them; or None: text that was no whole call goes out as text, unless some of it was
+    already announced as a call, cut short). Pushing a reply in any cut gives the same pieces joined.
     """
 
     def __init__(self, spec: ReadSpec):
@@ -221,6 +303,7 @@ class Reader:
         self.buf = ""
         self.free = spec.calls == "none"             # content goes out as it comes: no call can follow
         self.held = "" if spec.calls == "call" else None   # the calls' text, once they began
+        self.scanner = CallScanner(spec.syntax)
 
     def push(self, text: str) -> list:
         self.buf += text
@@ -229,6 +312,8 @@ class Reader:
             before = (self.state, len(self.buf))
             self._step(out)
             if (self.state, len(self.buf)) == before:
+                if self.held is not None:
+                    out += self.scanner.feed(self.held)
                 return [p for p in out if p[1]]
 
     def _step(self, out: list) -> None:
@@ -289,12 +374,23 @@ class Reader:
         self.buf = ""
         if self.held is None:
             return [p for p in out if p[1]], None
+        out += self.scanner.feed(self.held)
         calls = self.spec.syntax.parse(self.held.strip()) if self.held.strip().startswith(
             self.spec.syntax.start) else None
         if calls is None:
-            out.append(("text", self.held))
+            if not any(c.get("id") for c in self.scanner.calls):   # nothing was announced as a call
+                out.append(("text", self.held))
             return [p for p in out if p[1]], None
-        return [p for p in out if p[1]], openai_calls(calls)
+        entries = []
+        for k, (name, args) in enumerate(calls):
+            c = self.scanner.calls[k] if k < len(self.scanner.calls) else {}
+            raw = self.scanner.arguments(k, self.held)
+            if c.get("id") is None or c.get("name") != name or raw is None or _loads(raw) != args:
+                c = {"id": "call_" + uuid.uuid4().hex[:24]}    # not streamed: announced and sent whole now
+                raw = json.dumps(args)
+                out += [("call", {"index": k, "id": c["id"], "name": name}), ("args", (k, raw))]
+            entries.append({"id": c["id"], "type": "function", "function": {"name": name, "arguments": raw}})
+        return [p for p in out if p[1]], entries
 
 
 def read_whole(text: str, spec: ReadSpec) -> tuple:

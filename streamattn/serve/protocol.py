@@ -550,17 +550,18 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, text: str = "", logprobs: tuple = (), finish: str | None = None, *, first=False,
-              index: int = 0, tool_calls: list | None = None, reasoning: str = "") -> dict:
+              index: int = 0, tool_call: dict | None = None, reasoning: str = "") -> dict:
         """One stream event's payload for choice ``index`` (``first``: the chat stream's opening role
-        delta; ``tool_calls``: a delta carrying whole calls, as OpenAI's ``delta.tool_calls``;
+        delta; ``tool_call``: one entry of OpenAI's ``delta.tool_calls``, a call's ``index`` with its
+        ``id``, ``type`` and ``function.name`` when it begins, then ``function.arguments`` fragments;
         ``reasoning``: a ``delta.reasoning_content``)."""
         if self.kind == "chat":
             if first:
                 delta = {"role": "assistant", "content": ""}
             elif reasoning:
                 delta = {"reasoning_content": reasoning}
-            elif tool_calls:
-                delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(tool_calls)]}
+            elif tool_call:
+                delta = {"tool_calls": [tool_call]}
             else:
                 delta = {"content": text} if text else {}
             choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}

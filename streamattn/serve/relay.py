@@ -9,14 +9,17 @@ Every API runs this one path: its module translates a request into the chat requ
 ===============  ==========================================================================
 ``"reasoning"``  the reply's reasoning (its think block's text) the client may see now: ``text``
 ``"text"``       content the client may see now (``text``, ``logprobs``)
-``"calls"``      the choice made tool calls: ``calls``, OpenAI ``tool_calls`` entries, sent when it ends
+``"call"``       a tool call begins: ``call`` {"index", "id", "name"} (its index among the reply's calls)
+``"args"``       the next stretch of a call's arguments (JSON text): ``text``, ``call`` {"index"}
+``"calls"``      the choice made tool calls: ``calls``, OpenAI ``tool_calls`` entries, when it ends (each
+                 announced by "call", its arguments the join of its "args" pieces)
 ``"done"``       the choice ended: ``finish`` ("stop", "length", "tool_calls"), ``stop``, ``usage``
 ``"error"``      the request failed: ``error``, an APIError; nothing follows
 ===============  ==========================================================================
 
-Each choice's text goes through an ``output.Reader`` of ``meta["read"]``: reasoning is never content, and
-calls are held back until the reply ends, so that they are sent whole and parsed once (the grammar,
-``serve/structured.py``, makes their syntax certain).
+Each choice's text goes through an ``output.Reader`` of ``meta["read"]``: reasoning is never content, and a
+call is streamed once its name is known, its arguments as they are generated (the grammar,
+``serve/structured.py``, makes their syntax certain, so no fragment is ever taken back).
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ from streamattn.serve.think_block import reasoning_tokens
 class Piece:
     """One output event of choice ``index`` (the kinds are in the module's table)."""
 
-    kind: str                                        # "reasoning" | "text" | "calls" | "done" | "error"
+    kind: str                                        # "reasoning" | "text" | "call" | "args" | "calls" | ...
     index: int = 0
     text: str = ""
     logprobs: tuple = ()
     calls: list | None = None
+    call: dict | None = None
     finish: str | None = None
     stop: str | None = None
     usage: dict | None = None
@@ -144,7 +148,6 @@ class Run:
                    "reasoning_tokens": reasoning_tokens(self.tok, self.read, ev.tokens)}
         return {**ev.usage, "completion_tokens_details": details}
 
-
     async def pieces(self):
         """The request's output as :class:`Piece` s, until every choice is done or one fails."""
         n = len(self.seqs)
@@ -173,12 +176,16 @@ class Run:
     @staticmethod
     def _pieces(i: int, parts: list, lps: list) -> list:
         out = []
-        for kind, text in parts:
+        for kind, value in parts:
             if kind == "text":
-                out.append(Piece("text", i, text, lps[i]))
+                out.append(Piece("text", i, value, lps[i]))
                 lps[i] = ()
+            elif kind == "call":
+                out.append(Piece("call", i, call=value))
+            elif kind == "args":
+                out.append(Piece("args", i, value[1], call={"index": value[0]}))
             else:
-                out.append(Piece("reasoning", i, text))
+                out.append(Piece("reasoning", i, value))
         return out
 
     async def whole(self) -> list:

@@ -404,7 +404,7 @@ class _Reply:
         if self.req.store is not False:
             calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"],
                                                                           "arguments": it["arguments"]}}
-                     for it in items if it["type"] == "function_call"]
+                     for it in items if it["type"] == "function_call" and it["status"] == "completed"]
             said = {"role": "assistant", "content": "".join(p["text"] for it in items if it["type"] == "message"
                                                              for p in it["content"])}
             thought = "".join(p["text"] for it in items if it["type"] == "reasoning" for p in it["content"])
@@ -432,6 +432,16 @@ class _Reply:
 
         items, text = [], None                         # text: the open message's text so far, or None
         thought = None                                 # the open reasoning item's text so far, or None
+        call = None                                    # the open function call: [entry, arguments so far]
+
+        def close_call(status="completed"):
+            entry, args = call
+            k, item = len(items), self.call_item({"id": entry["id"], "function": {"name": entry["name"],
+                                                                                 "arguments": args}}, status)
+            items.append(item)
+            return [event("response.function_call_arguments.done", output_index=k, item_id=item["id"],
+                          name=item["name"], arguments=args),
+                    event("response.output_item.done", output_index=k, item=item)]
 
         def close_thought(status):
             item = self.reasoning_item(thought, status)
@@ -470,7 +480,7 @@ class _Reply:
                     yield event("response.reasoning_text.delta", output_index=len(items), item_id=self.rs_id,
                                 content_index=0, delta=p.text)
                     continue
-                if thought is not None and p.kind in ("text", "calls", "done"):
+                if thought is not None and p.kind in ("text", "call", "calls", "done"):
                     for e in close_thought("incomplete" if p.kind == "done" and p.finish == "length" else
                                            "completed"):
                         yield e
@@ -483,25 +493,36 @@ class _Reply:
                     text += p.text
                     yield event("response.output_text.delta", output_index=len(items), **ids, delta=p.text,
                                 logprobs=[])
-                elif p.kind == "calls":
+                elif p.kind == "call":
                     if text is not None:
                         for e in close_text():
                             yield e
                         text = None
-                    for c in p.calls:
-                        k, item = len(items), self.call_item(c)
-                        items.append(item)
-                        yield event("response.output_item.added", output_index=k, item=self.call_item(c, "in_progress"))
-                        yield event("response.function_call_arguments.delta", output_index=k, item_id=item["id"],
-                                    delta=item["arguments"])
-                        yield event("response.function_call_arguments.done", output_index=k, item_id=item["id"],
-                                    name=item["name"], arguments=item["arguments"])
-                        yield event("response.output_item.done", output_index=k, item=item)
+                    if call is not None:
+                        for e in close_call():
+                            yield e
+                    call = [p.call, ""]
+                    c = {"id": p.call["id"], "function": {"name": p.call["name"], "arguments": ""}}
+                    yield event("response.output_item.added", output_index=len(items),
+                                item=self.call_item(c, "in_progress"))
+                elif p.kind == "args" and p.text:
+                    call[1] += p.text
+                    yield event("response.function_call_arguments.delta", output_index=len(items),
+                                item_id="fc_" + call[0]["id"].removeprefix("call_"), delta=p.text)
+                elif p.kind == "calls":
+                    if call is not None:
+                        for e in close_call():
+                            yield e
+                    call = None
                 elif p.kind == "error":
                     e = p.error.renamed(_NAMES)
                     yield event("error", code=e.code, message=e.message, param=e.param)
                     return
                 elif p.kind == "done":
+                    if call is not None:                 # a call cut short by max_output_tokens
+                        for e in close_call("incomplete"):
+                            yield e
+                        call = None
                     if text is None and not any(it["type"] != "reasoning" for it in items):   # nothing said
                         for e in open_text():
                             yield e

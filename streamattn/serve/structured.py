@@ -22,7 +22,8 @@ Where the reply may reason (a template with think markers), every grammar lets o
 first (a lexeme that ends at the first closing marker) and constrains what follows it.
 
 A completion with calls comes back as ``message.tool_calls`` with ``finish_reason: "tool_calls"``
-(streamed: one ``delta.tool_calls`` chunk carrying each call's id, name and arguments).
+(streamed: a ``delta.tool_calls`` entry with each call's id and name once it is read, then its
+arguments in fragments as they are generated: ``output.CallScanner``).
 """
 
 from __future__ import annotations
