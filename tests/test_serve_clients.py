@@ -1,6 +1,7 @@
 """Client libraries people put in front of an OpenAI-compatible server (issue 55 item 6), run against the
 in-process SmolLM2 server: instructor (a pydantic model in TOOLS and JSON modes), langchain-openai
-(invoke, stream, bind_tools, with_structured_output) and the openai-agents SDK (a two-step tool loop).
+(invoke, stream, bind_tools, with_structured_output), the openai-agents SDK and pydantic-ai (agent
+frameworks: a two-step tool loop, and a structured output).
 
 The replies are forced token by token under the request's own grammar (``tool_templates.force``), so
 each test knows what the model says and checks what the library makes of it: the pydantic object's
@@ -222,3 +223,78 @@ def test_agents_sdk_structured_final_output(server):
     with pytest.raises(openai.BadRequestError) as e:
         agents.Runner.run_sync(agent, ASK)
     assert e.value.code == "grammar_error"
+
+
+# ------------------------------------------------------------------------------------------ pydantic-ai
+def pydantic_ai_run(base, st, template, streamed):
+    """(final output, the arguments the tool was called with, the request bodies) of a pydantic-ai Agent
+    with one plain tool on OpenAIChatModel. The forced first reply calls the tool; the tool, when it runs,
+    forces the answer."""
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    import asyncio
+    import httpx
+    calls, bodies = [], []
+
+    async def keep(request):
+        bodies.append(json.loads(request.content))
+
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300,
+                                http_client=httpx.AsyncClient(event_hooks={"request": [keep]}))
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=client))
+    agent = pydantic_ai.Agent(model, instructions="Answer weather questions with the tool.",
+                              model_settings={"max_tokens": 80})
+
+    @agent.tool_plain
+    def weather(city: str, unit: str) -> str:
+        """The weather in a city, in celsius or fahrenheit."""
+        calls.append({"city": city, "unit": unit})
+        force(st, ANSWER)
+        return f"sunny in {city}, 21 degrees {unit}"
+
+    args = {"city": "Paris", "unit": "celsius"}
+    force(st, tool_call_text("weather", args) if template is None else
+          f'<tool_call>\n{compact({"name": "weather", "arguments": args})}\n</tool_call>')
+    if streamed:
+        async def run():
+            async with agent.run_stream("Weather in Paris?") as result:
+                return await result.get_output()
+        return asyncio.run(run()), calls, bodies
+    return agent.run_sync("Weather in Paris?").output, calls, bodies
+
+
+@pytest.mark.parametrize("template, streamed", [(None, False), (None, True), ("qwen", False), ("qwen", True)])
+def test_pydantic_ai_two_step_tool_loop(server, template, streamed):
+    """pydantic-ai's Agent loop: the model's first reply calls the plain tool, which pydantic-ai really
+    calls with the forced arguments; its result goes back in the history, and the second reply is the
+    output. Under SmolLM2's own template and a Hermes one (native calls), run and streamed."""
+    base, st = server
+    use_template(st, template)
+    final, calls, bodies = pydantic_ai_run(base, st, template, streamed)
+    assert calls == [{"city": "Paris", "unit": "celsius"}] and len(bodies) == 2
+    assert all(b.get("stream", False) == streamed for b in bodies)
+    history = bodies[1]["messages"]
+    assert [m["role"] for m in history[-2:]] == ["assistant", "tool"]
+    assert history[-2]["tool_calls"][0]["id"] == history[-1]["tool_call_id"]
+    assert history[-1]["content"] == "sunny in Paris, 21 degrees celsius"
+    assert final == ANSWER
+
+
+def test_pydantic_ai_structured_output(server):
+    """An Agent with ``output_type=City`` offers pydantic-ai's output tool (``final_result``): the forced
+    call of it is the run's output, and an object against the schema is the grammar's 400."""
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    from pydantic_ai.exceptions import ModelHTTPError
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    base, st = server
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+    agent = pydantic_ai.Agent(OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=client)),
+                              output_type=City, model_settings={"max_tokens": 80})
+    force(st, tool_call_text("final_result", PARIS))
+    assert agent.run_sync(ASK).output == City(**PARIS)
+    force(st, tool_call_text("final_result", WRONG))
+    with pytest.raises(ModelHTTPError) as e:
+        agent.run_sync(ASK)
+    assert e.value.status_code == 400 and "grammar" in str(e.value.body)
