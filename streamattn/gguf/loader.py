@@ -29,7 +29,7 @@ from streamattn.gguf.metadata import Metadata, check_tensor_names, read_metadata
 from streamattn.gguf.reader import GGUFFile
 from streamattn.models.architectures import ARCHITECTURES
 from streamattn.models.config import Architecture, ModelConfig, tensor_name
-from streamattn.quant.arrange import fuse, into_one_buffer
+from streamattn.quant.arrange import fuse, in_one_buffer, packed_in_order, place
 from streamattn.quant.weights import UnsupportedWeightType, check_type, pack
 
 
@@ -117,7 +117,7 @@ def load_header(path: str) -> tuple:
 
 
 def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = None,
-              weights: str = "quant", tokenizer: bool = True) -> GGUFModel:
+              weights: str = "quant", tokenizer: bool = True, packed_cache=None) -> GGUFModel:
     """Load a GGUF model: validate, read the config, keep matrices packed (or dequantize to float32).
 
     Parameters
@@ -136,6 +136,13 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
         Refuse a file whose tokenizer :meth:`~streamattn.text.tokenizer.Tokenizer.from_metadata` would
         refuse (:meth:`~streamattn.text.tokenizer.Tokenizer.check_metadata`), before any tensor is read
         (default); False: the file is used without its tokenizer (a fixture with placeholder tokens).
+    packed_cache : None, False or a folder
+        Where ``weights="quant"`` keeps the packed matrices on disk, mapped by every process that loads
+        this file (:mod:`streamattn.gguf.packed_cache`). None: ``$STREAMATTN_PACKED_CACHE`` (``off``: no
+        cache), else ``packed/`` beside the pulled models, for files of at least ``packed_cache.MIN_BYTES``;
+        a folder: that one, for any file; False: packed in memory. A cached file that is stale or damaged
+        is rebuilt; a folder that cannot be written warns and packs in memory. The weights are the same
+        bits either way.
 
     Returns
     -------
@@ -173,6 +180,8 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
         except ValueError as e:
             raise ModelFileError(f"{path}: {e}") from e
     used = set(order)
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}     # ggml order: [cols, rows]
+    header = reader.data[:reader.header_size]
     # only the tensors' views of the file map outlive the reader (GGUFReader's field objects, the
     # tokenizer's ~100k strings as numpy parts, took ~160 MB for SmolLM2; the metadata is in md now)
     tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors
@@ -186,22 +195,25 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
                     check_type(name, qtype.name)
                 except UnsupportedWeightType as e:
                     raise ModelFileError(f"{path}: {e}") from e
-    out = {}
     total = len(tensors)
-    for i, (name, qtype, shape, data) in enumerate(tensors):
-        floats_odd = qtype.name in ("F32", "F16", "BF16") and shape[0] % 16
+    # matrices packed below, in the order a forward pass reads them; odd float rows are kept float32
+    packs = {name for name, qtype, shape, _ in tensors if weights == "quant" and len(shape) == 2
+             and not (qtype.name in ("F32", "F16", "BF16") and shape[0] % 16)}
+    out = {}
+    read = []
+
+    def tick(name):
+        read.append(name)
+        if progress is not None:
+            progress(len(read), total, name)
+
+    for name, qtype, shape, data in tensors:
+        if name in packs:
+            out[name] = None
+            continue
         if weights == "gguf" and len(shape) == 2 and qtype.name in GEMV_TYPES:
             w = GGUFMatrix(qtype.name, (shape[1], shape[0]), np.array(data, np.uint8, order="C", copy=True))
             if not _finite_blocks(data, qtype):
-                raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf; the file is corrupt "
-                                     "- re-download it")
-            _drop_pages(file_map)
-        elif weights == "quant" and len(shape) == 2 and not floats_odd:      # odd float rows: kept float32
-            try:
-                w = pack(name, qtype.name, data, (shape[1], shape[0]))
-            except UnsupportedWeightType as e:
-                raise ModelFileError(f"{path}: {e}") from e
-            if not w.finite():
                 raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf; the file is corrupt "
                                      "- re-download it")
             _drop_pages(file_map)
@@ -215,15 +227,50 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
                 raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf after dequantization; the "
                                      "file is corrupt - re-download it")
         out[name] = w
-        if progress is not None:
-            progress(i + 1, total, name)
-    del tensors, file_map
+        tick(name)
     groups = [names for i in range(config.n_layers) for names in arch.layer_tensors(i).values()
-              if len(names) > 1 and len(out[names[0]].shape) == 2 and weights != "gguf"]
-    fused = fuse(out, groups)
-    if weights == "quant":
-        into_one_buffer(out, fused, order)
+              if len(names) > 1 and len(shapes[names[0]]) == 2 and weights != "gguf"]
+    fused = fuse(out, [g for g in groups if not any(n in packs for n in g)])
+    if packs:
+        packed = _packed(path, header, {t[0]: t for t in tensors if t[0] in packs}, file_map, order,
+                         [g for g in groups if all(n in packs for n in g)], packed_cache, tick)
+        place(out, fused, packed, {name: shapes[name][1] for name in packs})
+        for name in packs.difference(read):       # mapped from the disk cache, not read one by one
+            tick(name)
+    del tensors, file_map
     return GGUFModel(path=path, config=config, weights=out, metadata=md, weights_kind=weights, fused=fused)
+
+
+def _packed(path: str, header, tensors: dict, file_map, order, groups, option, done) -> list:
+    """The packed matrices of ``tensors`` (name -> (name, type, shape, data)) as ``(key, QWeight)`` pairs in
+    the order a forward pass reads them: mapped from the disk cache (built first when it is missing,
+    stale or damaged), or packed into one buffer in memory where there is no cache."""
+    from streamattn.gguf import packed_cache
+    from streamattn.quant.kernels import LANES
+
+    def pack_one(name):
+        _, qtype, shape, data = tensors[name]
+        try:
+            w = pack(name, qtype.name, data, (shape[1], shape[0]))
+        except UnsupportedWeightType as e:
+            raise ModelFileError(f"{path}: {e}") from e
+        if not w.finite():
+            raise ModelFileError(f"{path}: tensor {name!r} holds NaN or inf; the file is corrupt "
+                                 "- re-download it")
+        _drop_pages(file_map)
+        done(name)
+        return w
+
+    def build():
+        return packed_in_order([n for n in order if n in tensors], groups, pack_one)
+
+    where = packed_cache.folder(option, file_map.nbytes)
+    if where is not None:
+        want = packed_cache.key(path, header, LANES)
+        got = packed_cache.load(where, path, want, build, source=file_map, lanes=LANES)
+        if got is not None:
+            return got
+    return in_one_buffer(build())
 
 
 def _finite_blocks(data, qtype, rows: int = 256) -> bool:

@@ -49,7 +49,8 @@ class Tensor:
 
 class GGUFFile:
     """Parse ``path``. ``metadata``: key -> int / float / bool / str / list (as ``ReaderField.contents``
-    gives them); ``tensors``: list of :class:`Tensor`; ``data``: the read-only file map.
+    gives them); ``tensors``: list of :class:`Tensor`; ``data``: the read-only file map; ``header_size``: the
+    bytes before the tensor data (header, metadata and tensor table).
 
     Raises ValueError naming what is wrong (truncated, bad magic or version, a count past the file, an
     array of more than ``MAX_ARRAY_ITEMS`` items (naming its key), a duplicated key or tensor name, an
@@ -97,6 +98,8 @@ class GGUFFile:
         align = self.metadata.get("general.alignment", 32)
         if "general.alignment" in self.metadata and (self.types["general.alignment"] != _UINT32 or align < 1):
             raise ValueError("bad type or value for general.alignment")
+        #: Bytes before the tensor data: the header, every metadata value and the tensor table.
+        self.header_size = self._off
         start = -(-self._off // align) * align
         self.tensors = []
         names = set()

@@ -1,6 +1,7 @@
-"""How a loaded model's packed matrices sit in memory: fused row groups, and one buffer for all of them.
+"""How a loaded model's packed matrices sit in memory: fused row groups, one after another in the order a
+forward pass reads them, in one buffer or one file (:mod:`streamattn.quant.packed_file`).
 
-Both are layout only: every matrix keeps its values (the parts of a fused group are row views of it).
+All of it is layout only: every matrix keeps its values (the parts of a fused group are row views of it).
 """
 
 from __future__ import annotations
@@ -30,33 +31,65 @@ def fuse(weights: dict, groups) -> dict:
     return fused
 
 
-def _slice_parts(weights: dict, whole, names) -> None:
-    """weights[name] for each of ``names`` (in row order): its rows of the fused matrix ``whole``, as views."""
+def _slice_parts(weights: dict, whole, names, rows=None) -> None:
+    """weights[name] for each of ``names`` (in row order): its rows of the fused matrix ``whole``, as views
+    (``rows``: name -> row count; default: the parts' own shapes)."""
     row = 0
     for n in names:
-        rows = weights[n].shape[0]
-        weights[n] = row_slice(whole, row, row + rows)
-        row += rows
+        count = weights[n].shape[0] if rows is None else rows[n]
+        weights[n] = row_slice(whole, row, row + count)
+        row += count
 
 
-def into_one_buffer(weights: dict, fused: dict, order) -> None:
-    """Move every packed matrix into one allocation in the order a forward pass reads them (``order``:
-    tensor names; a fused group takes the place of its first part): :func:`streamattn.quant.weights.move_planes`.
-    The parts of a fused group become row views of its moved copy again."""
-    group_of = {names[0]: names for names in fused}
-    viewed = {n for names in fused for n in names}             # row views of a fused copy: not owners
-    owners = []
+def packed_in_order(order, groups, pack_one):
+    """Pack matrices one at a time, in the order a forward pass reads them, fusing row groups on the way.
+
+    ``order``: tensor names; ``groups``: tuples of names (in row order) to fuse where their kinds allow
+    (:func:`streamattn.quant.weights.concat_rows`), each group's names all packed; ``pack_one(name)``: the
+    QWeight of a tensor, or None for one that is not packed. Yields ``(key, QWeight)``: key a name, or the
+    tuple of a fused group, which takes the place of its first part (a group that does not fuse yields its
+    parts at their own places). Only a group's parts are held at once, so a consumer that writes each
+    weight out (:func:`streamattn.quant.packed_file.write`) keeps one weight in memory."""
+    first = {names[0]: tuple(names) for names in groups}
+    waiting = {}                                 # parts of a group that did not fuse, until their turn
     for n in order:
-        key = group_of.get(n, n)
-        w = fused[key] if n in group_of else None if n in viewed else weights[n]
-        if isinstance(w, QWeight):
-            owners.append((key, w))
+        if n in waiting:
+            yield n, waiting.pop(n)
+            continue
+        if n not in first:
+            w = pack_one(n)
+            if w is not None:
+                yield n, w
+            continue
+        names = first[n]
+        parts = [pack_one(m) for m in names]
+        whole = concat_rows(parts)
+        if whole is not None:
+            del parts
+            yield names, whole
+            continue
+        waiting.update(zip(names[1:], parts[1:]))
+        yield n, parts[0]
 
-    def moved(key, new):
-        if key not in fused:
-            weights[key] = new
-            return
-        fused[key] = new
-        _slice_parts(weights, new, key)
 
-    move_planes(owners, moved)                   # consumes owners: each old copy goes at once
+def in_one_buffer(owners) -> list:
+    """The ``(key, QWeight)`` pairs of ``owners`` (consumed) with their planes moved into one allocation, in
+    that order: :func:`streamattn.quant.weights.move_planes`."""
+    owners = list(owners)
+    out = []
+    move_planes(owners, lambda key, new: out.append((key, new)))
+    return out
+
+
+def place(weights: dict, fused: dict, owners, rows: dict) -> None:
+    """Put the ``(key, QWeight)`` pairs of ``owners`` in ``weights`` (a name) or ``fused`` (a tuple of names,
+    whose parts in ``weights`` become row views of it, ``rows[name]`` rows each)."""
+    for key, w in owners:
+        if isinstance(key, tuple):
+            if sum(rows[n] for n in key) != w.shape[0]:
+                raise ValueError(f"a fused matrix of {w.shape[0]} rows for parts {key} of "
+                                 f"{[rows[n] for n in key]} rows")
+            fused[key] = w
+            _slice_parts(weights, w, key, rows)
+        else:
+            weights[key] = w

@@ -366,7 +366,9 @@ def pack(name: str, type_name: str, data: np.ndarray, shape: tuple, lanes: int |
         GGUF type name, e.g. "Q4_1" (``tensor.tensor_type.name``).
     data : array
         The tensor's data as ``gguf.GGUFReader`` gives it: uint8 block bytes [rows, bytes_per_row] for
-        quantized types, the values [rows, cols] for F32/F16 (BF16: bytes or uint16).
+        quantized types, the values [rows, cols] for F32/F16 (BF16: bytes or uint16). The float kinds'
+        ``qs`` is a view of ``data`` where it is C-contiguous (a copy otherwise): the loader moves it into
+        its buffer, or records it by its offset in the file (:mod:`streamattn.quant.packed_file`).
     shape : (rows, cols)
     lanes : int, optional
         Rows per interleaved group (default: the kernels' :data:`~streamattn.quant.kernels.LANES`).
@@ -382,11 +384,11 @@ def pack(name: str, type_name: str, data: np.ndarray, shape: tuple, lanes: int |
     if k % block:
         raise UnsupportedWeightType(f"tensor {name!r} ({type_name}) has {k} columns, not a multiple of "
                                     f"{block} as the packed kernels need")
-    if type_name == "F32":
-        return QWeight("f32", shape, np.array(data, np.float32, order="C").reshape(n, k), source=type_name)
+    if type_name == "F32":      # the file's values as they are: a view of ``data`` where it is contiguous
+        return QWeight("f32", shape, np.ascontiguousarray(data, np.float32).reshape(n, k), source=type_name)
     if type_name in ("F16", "BF16"):
-        raw = np.ascontiguousarray(data).view(np.uint16).reshape(n, k)
-        return QWeight(type_name.lower(), shape, raw.copy(), source=type_name)
+        return QWeight(type_name.lower(), shape, np.ascontiguousarray(data).view(np.uint16).reshape(n, k),
+                       source=type_name)
     u8 = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
     from streamattn.quant.kernels import LANES      # the kernels' vector width (imports LLVM's)
     lanes = LANES if lanes is None else lanes

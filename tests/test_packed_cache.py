@@ -1,0 +1,285 @@
+"""The packed weights' disk cache (streamattn/gguf/packed_cache.py, streamattn/quant/packed_file.py): a warm
+load maps the bits a cold load packs, a damaged, stale or foreign file is rebuilt, an unusable folder
+falls back to packing in memory, and two processes on one model share the weights' pages."""
+
+import json
+import mmap
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from _model_util import need_smollm2, smollm2_path, write_tiny_gguf
+from streamattn.gguf import packed_cache
+from streamattn.gguf.loader import load_gguf
+from streamattn.models.transformer import Transformer
+from streamattn.quant import matmul as qmatmul
+from streamattn.quant import packed_file
+from streamattn.quant.weights import QWeight
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not qmatmul.HAVE_KERNELS, reason="the packed kernels need AVX2")]
+
+#: K-quants fused (q, k: Q4_K beside a Q6_K v does not fuse; gate/up Q4_K do), Q8_0 and Q5_K apart, the
+#: embedding F32: a plane of the file's own bytes, recorded by its offset in the GGUF.
+QUANT = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q4_K",
+         "ffn_up": "Q4_K", "ffn_down": "Q8_0"}
+SIZE = dict(arch="llama", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512, vocab=96,
+            matrix_scale=1 / 16)
+PROMPT, STEPS = [5, 9, 3, 17, 4, 8, 60, 2], [40, 7, 88]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return str(write_tiny_gguf(tmp_path / "tiny.gguf", quant=QUANT, **SIZE))
+
+
+@pytest.fixture
+def writes(monkeypatch):
+    """The packed files written in the test: their paths, in order."""
+    done, real = [], packed_file.write
+
+    def counted(path, *a, **k):
+        done.append(str(path))
+        return real(path, *a, **k)
+    monkeypatch.setattr(packed_file, "write", counted)
+    return done
+
+
+def logits(m, compiled=False):
+    tf = Transformer(m)
+    tf.compile_layers = compiled
+    caches = tf.new_caches(batch=1, max_chunk=len(PROMPT))
+    out = [tf.forward(np.array([PROMPT]), caches)[0]]
+    out += [tf.forward(np.array([[t]]), caches)[0] for t in STEPS]
+    return np.concatenate(out)
+
+
+def planes(m) -> dict:
+    """Every packed matrix's fields and planes, fused groups included."""
+    out = {}
+    for key, w in [*m.weights.items(), *m.fused.items()]:
+        if isinstance(w, QWeight):
+            out[key] = (w.kind, w.shape, w.group, w.source, w.lanes,
+                        *[None if p is None else (p.dtype.str, p.shape, p.tobytes()) for p in (w.qs, w.scale, w.minv)])
+    return out
+
+
+def the_file(folder) -> str:
+    files = [f for f in os.listdir(folder) if f.endswith(".packed")]
+    assert len(files) == 1, files
+    return os.path.join(folder, files[0])
+
+
+def index_of(path) -> dict:
+    """The index of a packed file, read by its documented layout (header: magic, format, 0, offset, length)."""
+    with open(path, "rb") as f:
+        _, _, _, at, length, _ = struct.unpack("<8sIIQQ32s", f.read(64))
+        f.seek(at)
+        return json.loads(f.read(length))
+
+
+def mapped_file_of(a: np.ndarray):
+    """The mmap an array's memory belongs to (None for numpy's own allocations)."""
+    while a is not None and not isinstance(a, mmap.mmap):
+        a = getattr(a, "base", None) if isinstance(a, np.ndarray) else getattr(a, "obj", None)
+    return a
+
+
+def test_warm_load_maps_the_bits_a_cold_load_packs(tiny, tmp_path, writes):
+    cache = tmp_path / "cache"
+    memory = load_gguf(tiny, packed_cache=False)
+    cold = load_gguf(tiny, packed_cache=cache)
+    assert len(writes) == 1
+    warm = load_gguf(tiny, packed_cache=cache)
+    assert len(writes) == 1                                  # mapped, not rebuilt
+    want = planes(memory)
+    assert {w.kind for w in memory.weights.values() if isinstance(w, QWeight)} == {"q4k", "q6k", "q5", "q8", "f32"}
+    assert any(len(k) == 2 for k in memory.fused)            # gate/up fused
+    assert planes(cold) == want and planes(warm) == want
+    assert memory.fused.keys() == warm.fused.keys()
+    for w in warm.weights.values():                          # views of a map, writable (Numba's types unchanged)
+        if isinstance(w, QWeight):
+            assert mapped_file_of(w.qs) is not None and w.qs.flags.writeable
+    entries = index_of(the_file(cache))["weights"]
+    embd = next(e for e in entries if e["key"] == "token_embd.weight")
+    assert "source" in embd["planes"][0]                     # the GGUF's own bytes, not copied
+    ref = logits(memory)
+    np.testing.assert_array_equal(logits(warm), ref)
+    np.testing.assert_array_equal(logits(warm, compiled=True), ref)
+    assert ref.std(axis=-1).min() > 0.01
+
+
+def damage(path, how):
+    data = bytearray(open(path, "rb").read())
+    at = index_of(path)
+    if how == "payload byte":
+        data[packed_file.PAGE + (at["end"] - packed_file.PAGE) // 2] ^= 0x10
+    elif how == "index byte":
+        data[-10] ^= 0x01
+    elif how == "header byte":
+        data[3] ^= 0xFF
+    elif how == "truncated":
+        data = data[:len(data) - 1000]
+    elif how == "empty":
+        data = b""
+    elif how == "garbage":
+        data = np.random.default_rng(0).integers(0, 256, len(data), dtype=np.uint8).tobytes()
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("how", ["payload byte", "index byte", "header byte", "truncated", "empty", "garbage"])
+def test_a_damaged_file_is_detected_and_rebuilt(tiny, tmp_path, writes, how):
+    cache = tmp_path / "cache"
+    want = planes(load_gguf(tiny, packed_cache=False))
+    load_gguf(tiny, packed_cache=cache)
+    path = the_file(cache)
+    key = index_of(path)["key"]
+    damage(path, how)
+    with pytest.raises(packed_file.Miss, match="damaged|shorter|not a packed"):
+        packed_file.read(path, key, source=tiny)
+    assert planes(load_gguf(tiny, packed_cache=cache)) == want
+    assert writes == [path, path]                            # rebuilt in place, once
+    packed_file.read(path, key, source=tiny)                 # whole again
+    assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("change", ["mtime", "size", "layout version", "sources"])
+def test_a_stale_file_misses(tiny, tmp_path, writes, monkeypatch, change):
+    cache = tmp_path / "cache"
+    load_gguf(tiny, packed_cache=cache)
+    old = index_of(the_file(cache))["key"]
+    if change == "mtime":
+        st = os.stat(tiny)
+        os.utime(tiny, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    elif change == "size":
+        with open(tiny, "ab") as f:                          # bytes after the last tensor: still a valid GGUF
+            f.write(bytes(64))
+    elif change == "layout version":
+        monkeypatch.setattr(packed_cache, "LAYOUT_VERSION", packed_cache.LAYOUT_VERSION + 1)
+    else:
+        monkeypatch.setattr(packed_cache, "_sources_digest", lambda: "another packing")
+    with pytest.raises(packed_file.Miss, match="stale"):
+        packed_file.read(the_file(cache), packed_cache.key(tiny, _header(tiny), old["lanes"]), source=tiny)
+    m = load_gguf(tiny, packed_cache=cache)
+    assert len(writes) == 2 and index_of(the_file(cache))["key"] != old
+    assert planes(m) == planes(load_gguf(tiny, packed_cache=False))
+
+
+def _header(path):
+    from streamattn.gguf.reader import GGUFFile
+    r = GGUFFile(path)
+    return r.data[:r.header_size]
+
+
+def test_the_key_reads_the_header_not_the_tensor_data(tiny):
+    """A changed tensor byte with the same size, mtime and header gives the same key (the data is not read);
+    a changed metadata byte a different one."""
+    from streamattn.gguf.reader import GGUFFile
+    r = GGUFFile(tiny)
+    k = packed_cache.key(tiny, r.data[:r.header_size], 8)
+    data, st = bytearray(open(tiny, "rb").read()), os.stat(tiny)
+    data[r.tensors[0].data_offset] ^= 1
+    with open(tiny, "wb") as f:
+        f.write(data)
+    os.utime(tiny, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert packed_cache.key(tiny, _header(tiny), 8) == k
+    data[r.header_size // 2] ^= 1
+    with open(tiny, "wb") as f:
+        f.write(data)
+    os.utime(tiny, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert packed_cache.key(tiny, bytes(data[:r.header_size]), 8) != k
+
+
+def test_an_unusable_folder_warns_and_packs_in_memory(tiny, tmp_path):
+    blocked = tmp_path / "a file"
+    blocked.write_text("not a folder")
+    with pytest.warns(RuntimeWarning, match="packed-weights cache .*packing .* in memory"):
+        m = load_gguf(tiny, packed_cache=blocked)
+    assert planes(m) == planes(load_gguf(tiny, packed_cache=False))
+    assert all(mapped_file_of(w.qs) is None for w in m.weights.values() if isinstance(w, QWeight))
+
+
+def test_the_folder_follows_the_option_and_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(packed_cache.ENV, raising=False)
+    monkeypatch.setenv("STREAMATTN_HOME", str(tmp_path))
+    big = packed_cache.MIN_BYTES
+    assert packed_cache.folder(None, big) == tmp_path / "packed"        # beside <home>/models
+    assert packed_cache.folder(None, big - 1) is None                   # small files: packed in memory
+    assert packed_cache.folder(tmp_path / "x", 1) == tmp_path / "x"
+    assert packed_cache.folder(False, big) is None
+    monkeypatch.setenv(packed_cache.ENV, "off")
+    assert packed_cache.folder(None, big) is None
+    monkeypatch.setenv(packed_cache.ENV, str(tmp_path / "y"))
+    assert packed_cache.folder(None, 1) == tmp_path / "y"
+    a, b = packed_cache.file_for(tmp_path, "m.gguf", 8), packed_cache.file_for(tmp_path, "m.gguf", 16)
+    assert a != b and a.name.startswith("m.")                           # one file per CPU target
+
+
+_LOADER = textwrap.dedent("""
+    import json, sys
+    from streamattn.gguf.loader import load_gguf
+    m = load_gguf(sys.argv[1], packed_cache=sys.argv[2])
+    def mapping(path):          # this process's pages of the packed file, from /proc/self/smaps
+        got, inside = {}, False
+        for line in open("/proc/self/smaps"):
+            head = line.split()
+            if not line[0].isupper() or ":" not in head[0]:          # a mapping's first line
+                inside = head[-1] == path
+            elif inside and head[0][:-1] in ("Rss", "Private_Clean", "Private_Dirty", "Shared_Clean",
+                                                                   "Shared_Dirty", "Anonymous"):
+                got[head[0][:-1]] = got.get(head[0][:-1], 0) + int(head[1]) * 1024
+        return got
+    print(json.dumps(mapping(sys.argv[3])), flush=True)
+    sys.stdin.read()            # hold the map until told
+""")
+
+
+def _start(model, cache, path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.Popen([sys.executable, "-c", _LOADER, model, str(cache), path], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    line = p.stdout.readline()
+    assert line, f"the loader process failed (exit {p.wait()})"
+    return p, json.loads(line)
+
+
+@need_smollm2
+def test_two_processes_on_one_model_share_its_pages(tmp_path):
+    """The second process's pages of the packed file are the first's (Shared), not its own (Private); the
+    control: one process alone holds them as Private, so the measure can tell the two apart."""
+    model, cache = smollm2_path(), tmp_path / "cache"
+    load_gguf(model, packed_cache=cache)
+    path = the_file(cache)
+    payload = index_of(path)["end"] - packed_file.PAGE
+    first, _ = _start(model, cache, path)                # a warm load reads (verifies) every page
+    try:
+        second, seen = _start(model, cache, path)
+        second.communicate("")
+    finally:
+        first.communicate("")
+    alone, control = _start(model, cache, path)
+    alone.communicate("")
+    print(f"\npayload {payload / 1e6:.1f} MB; second process: {seen}; alone: {control}")
+    assert seen["Rss"] >= 0.9 * payload                  # the pages are mapped ...
+    assert seen["Private_Clean"] + seen["Private_Dirty"] <= 0.05 * payload    # ... and shared
+    assert control["Private_Clean"] + control["Private_Dirty"] >= 0.9 * payload
+    assert seen.get("Anonymous", 0) == control.get("Anonymous", 0) == 0          # no page copied on write
+
+
+def test_concurrent_cold_loads_build_one_whole_file(tiny, tmp_path):
+    cache = tmp_path / "cache"
+    code = "import sys; from streamattn.gguf.loader import load_gguf; load_gguf(sys.argv[1], packed_cache=sys.argv[2])"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", code, tiny, str(cache)], env=env, cwd=ROOT) for _ in range(3)]
+    assert [p.wait() for p in procs] == [0, 0, 0]
+    path = the_file(cache)
+    assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
+    packed_file.read(path, index_of(path)["key"], source=tiny)    # whole: every CRC-32 holds
+    assert planes(load_gguf(tiny, packed_cache=cache)) == planes(load_gguf(tiny, packed_cache=False))
