@@ -106,7 +106,11 @@ def test_warm_load_maps_the_bits_a_cold_load_packs(tiny, tmp_path, writes):
     for w in warm.weights.values():                          # views of a map, writable (Numba's types unchanged)
         if isinstance(w, QWeight):
             assert mapped_file_of(w.qs) is not None and w.qs.flags.writeable
+    for names, whole in warm.fused.items():                  # parts are views of their group, held once
+        assert all(np.shares_memory(warm.weights[n].qs, whole.qs) for n in names)
     entries = index_of(the_file(cache))["weights"]
+    held = [n for e in entries for n in (e["key"] if isinstance(e["key"], list) else [e["key"]])]
+    assert sorted(held) == sorted(n for n, w in memory.weights.items() if isinstance(w, QWeight))
     embd = next(e for e in entries if e["key"] == "token_embd.weight")
     assert "source" in embd["planes"][0]                     # the GGUF's own bytes, not copied
     ref = logits(memory)

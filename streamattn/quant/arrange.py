@@ -52,9 +52,12 @@ def packed_in_order(order, groups, pack_one):
     weight out (:func:`streamattn.quant.packed_file.write`) keeps one weight in memory."""
     first = {names[0]: tuple(names) for names in groups}
     waiting = {}                                 # parts of a group that did not fuse, until their turn
+    inside = set()                               # later parts of a fused group: yielded with its first
     for n in order:
         if n in waiting:
             yield n, waiting.pop(n)
+            continue
+        if n in inside:
             continue
         if n not in first:
             w = pack_one(n)
@@ -66,6 +69,7 @@ def packed_in_order(order, groups, pack_one):
         whole = concat_rows(parts)
         if whole is not None:
             del parts
+            inside.update(names[1:])
             yield names, whole
             continue
         waiting.update(zip(names[1:], parts[1:]))

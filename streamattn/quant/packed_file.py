@@ -90,6 +90,7 @@ def write(path, key: dict, owners, *, source=None) -> None:
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
     src = None if source is None else (source.ctypes.data, source.nbytes)
     try:
+        os.fchmod(fd, 0o644)                              # (mkstemp's 0600: other users sharing the folder read it)
         with os.fdopen(fd, "wb") as f:
             f.write(bytes(PAGE))                          # the header's place, written last
             crcs, at, entries = _Crcs(), PAGE, []
