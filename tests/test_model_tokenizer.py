@@ -174,3 +174,14 @@ def test_chat_without_a_template_falls_back_to_chatml():
     bare = dataclasses.replace(tok, chat_template=None)
     want = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert bare.apply_chat([{"role": "user", "content": "Hi"}]) == want
+
+
+def test_token_bytes_of_a_byte_level_vocabulary_read_at_once():
+    """The joined, translated read of every token's bytes gives what the per-character map gives: GPT-2's
+    alphabet, characters below 256 outside it and above it (both 0), an empty token."""
+    from streamattn.text.tokenizer import _BYTE_DECODER, _byte_level_bytes
+    tokens = ["ĠHello", "Ċ", "a\u0100b", "\u0143", "\n", "\x7f", "日本", "", "x\udc80y", "ÿ¡®", "\u0144"]
+    want = [bytes(_BYTE_DECODER.get(ch, 0) for ch in t) for t in tokens]
+    assert _byte_level_bytes(tokens) == want
+    assert want[0] == b" Hello" and want[4] == b"\0" and want[6] == b"\0\0"
+    assert _byte_level_bytes([]) == []
