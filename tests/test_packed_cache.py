@@ -216,6 +216,7 @@ def test_the_folder_follows_the_option_and_the_environment(monkeypatch, tmp_path
     big = packed_cache.MIN_BYTES
     assert packed_cache.folder(None, big) == tmp_path / "packed"        # beside <home>/models
     assert packed_cache.folder(None, big - 1) is None                   # small files: packed in memory
+    assert packed_cache.folder(True, 1) == tmp_path / "packed"          # ... unless asked
     assert packed_cache.folder(tmp_path / "x", 1) == tmp_path / "x"
     assert packed_cache.folder(False, big) is None
     monkeypatch.setenv(packed_cache.ENV, "off")

@@ -38,7 +38,8 @@ def folder(option, size: int) -> Path | None:
     """The cache folder for a model file of ``size`` bytes, or None (packed in memory).
 
     ``option``: False (no cache), a folder (that one, whatever the size), or None: ``$STREAMATTN_PACKED_CACHE``
-    (``off`` disables), else ``<models cache>/../packed``, for files of at least :data:`MIN_BYTES`."""
+    (``off`` disables), else ``<models cache>/../packed``, for files of at least :data:`MIN_BYTES` (True: for
+    any file)."""
     if option is False:
         return None
     if option is not None and option is not True:
