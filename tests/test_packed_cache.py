@@ -119,6 +119,20 @@ def test_warm_load_maps_the_bits_a_cold_load_packs(tiny, tmp_path, writes):
     assert ref.std(axis=-1).min() > 0.01
 
 
+@need_smollm2
+def test_smollm2_mapped_from_the_cache_gives_the_logits_of_a_load_in_memory(tmp_path):
+    model, cache = smollm2_path(), tmp_path / "cache"
+    memory = load_gguf(model, packed_cache=False)
+    cold = load_gguf(model, packed_cache=cache)
+    warm = load_gguf(model, packed_cache=cache)
+    want = planes(memory)
+    assert planes(cold) == want and planes(warm) == want
+    ref = logits(memory, compiled=True)
+    np.testing.assert_array_equal(logits(cold, compiled=True), ref)
+    np.testing.assert_array_equal(logits(warm, compiled=True), ref)
+    np.testing.assert_array_equal(logits(warm), ref)             # the array layers too
+
+
 def damage(path, how):
     data = bytearray(open(path, "rb").read())
     at = index_of(path)
