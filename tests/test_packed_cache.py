@@ -2,6 +2,7 @@
 load maps the bits a cold load packs, a damaged, stale or foreign file is rebuilt, an unusable folder
 falls back to packing in memory, and two processes on one model share the weights' pages."""
 
+import hashlib
 import json
 import mmap
 import os
@@ -148,11 +149,23 @@ def damage(path, how):
         data = b""
     elif how == "garbage":
         data = np.random.default_rng(0).integers(0, 256, len(data), dtype=np.uint8).tobytes()
+    elif how in ("a plane too short", "a plane past the end"):   # an index whose SHA-256 holds: planes checked
+        e = next(e for e in at["weights"] if e["kind"] == "q4k")
+        if how == "a plane too short":
+            e["planes"][0]["shape"][1] -= 4
+        else:
+            e["planes"][0]["offset"] = at["end"] - 64
+        index = json.dumps(at).encode()
+        start = struct.unpack("<8sIIQQ32s", bytes(data[:64]))[3]
+        data = data[:start] + index
+        data[:64] = struct.pack("<8sIIQQ32s", packed_file.MAGIC, packed_file.FORMAT, 0, start, len(index),
+                                hashlib.sha256(index).digest())
     with open(path, "wb") as f:
         f.write(data)
 
 
-@pytest.mark.parametrize("how", ["payload byte", "index byte", "header byte", "truncated", "empty", "garbage"])
+@pytest.mark.parametrize("how", ["payload byte", "index byte", "header byte", "truncated", "empty", "garbage",
+                                 "a plane too short", "a plane past the end"])
 def test_a_damaged_file_is_detected_and_rebuilt(tiny, tmp_path, writes, how):
     cache = tmp_path / "cache"
     want = planes(load_gguf(tiny, packed_cache=False))
@@ -160,7 +173,7 @@ def test_a_damaged_file_is_detected_and_rebuilt(tiny, tmp_path, writes, how):
     path = the_file(cache)
     key = index_of(path)["key"]
     damage(path, how)
-    with pytest.raises(packed_file.Miss, match="damaged|shorter|not a packed"):
+    with pytest.raises(packed_file.Miss, match="damaged|shorter|not a packed|malformed"):
         packed_file.read(path, key, source=tiny)
     assert planes(load_gguf(tiny, packed_cache=cache)) == want
     assert writes == [path, path]                            # rebuilt in place, once

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from streamattn.quant.weights import KINDS, QWeight
+from streamattn.quant.weights import KINDS, QWeight, layout_error
 
 MAGIC = b"SAPACKED"
 #: The container's own version (this module's layout of header, payload and index).
@@ -238,7 +238,11 @@ def _entry(path, e: dict, whole: np.ndarray, end: int, src) -> tuple:
             raise ValueError(f"kind {kind!r}, shape {shape}")
         planes = [None if p is None else _plane(p, whole, end, src) for p in e["planes"]]
         key = tuple(e["key"]) if isinstance(e["key"], list) else e["key"]
-        return key, QWeight(kind, shape, *planes, int(e["group"]), str(e["source"]), lanes)
+        w = QWeight(kind, shape, *planes, int(e["group"]), str(e["source"]), lanes)
+        wrong = layout_error(w)             # planes that do not fit their weight: kernels would read past them
+        if wrong:
+            raise ValueError(wrong)
+        return key, w
     except (KeyError, TypeError, ValueError) as err:
         raise Miss(f"{path}: entry {str(e.get('key'))[:80]} is malformed ({err}): damaged") from None
 

@@ -246,6 +246,35 @@ def block_cols(kind: str, group: int) -> int:
     return {"q6k": 128, "q4k": 256}.get(kind, 32 if kind in NIBBLE_KINDS else group)
 
 
+def layout_error(w: QWeight) -> str | None:
+    """What is wrong with ``w``'s planes for its kind, shape, group and lanes (the layout of the module
+    docstring), or None: their dtypes, their shapes, which of scale and minv are there. A weight that passes
+    is one the kernels read inside its planes (for planes from a file: :mod:`streamattn.quant.packed_file`)."""
+    n, k = w.shape
+    if w.kind in ("f32", "f16", "bf16"):
+        want = np.float32 if w.kind == "f32" else np.uint16
+        ok = w.lanes == 0 and w.qs.dtype == want and w.qs.shape == (n, k) and w.scale is None and w.minv is None
+        return None if ok else f"a {w.kind} weight {w.shape} with planes {_described(w)}"
+    if w.kind not in INT_KINDS or w.lanes not in (8, 16) or w.group not in (16, 32) or k % block_cols(w.kind, w.group):
+        return f"kind {w.kind!r}, group {w.group}, lanes {w.lanes}, shape {w.shape}"
+    groups = -(-n // w.lanes)
+    per_scale = 256 if w.kind in ("q4s", "q6k", "q4k") else w.group
+    want_qs = (groups, k // block_cols(w.kind, w.group) * _steps(w.kind, w.group) * 4 * w.lanes)
+    want_scale = (groups, k // per_scale * w.lanes)
+    has_min = w.kind in ("q4", "q5", "q4s", "q4k")
+    ok = (w.qs.dtype == np.uint8 and w.qs.shape == want_qs and (w.minv is not None) == has_min
+          and all(p.dtype in (np.uint16, np.float32) and p.shape == want_scale for p in (w.scale, w.minv)
+                  if p is not None) and w.scale is not None)
+    return None if ok else (f"a {w.kind} weight {w.shape} (group {w.group}, lanes {w.lanes}) needs qs uint8 "
+                            f"{want_qs} and scale{' and minv' if has_min else ''} {want_scale}; it has "
+                            f"{_described(w)}")
+
+
+def _described(w: QWeight) -> str:
+    return ", ".join(f"{name} {'none' if p is None else f'{p.dtype} {p.shape}'}"
+                     for name, p in (("qs", w.qs), ("scale", w.scale), ("minv", w.minv)))
+
+
 def interleave(w: QWeight, lanes: int) -> QWeight:
     """A row-major integer-kind QWeight (qs: q4/nl the nibble bytes [N, K/2], q5/q4s [N, K/32 * 20], q8 signed
     int8 [N, K], either
