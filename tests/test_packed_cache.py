@@ -149,12 +149,14 @@ def damage(path, how):
         data = b""
     elif how == "garbage":
         data = np.random.default_rng(0).integers(0, 256, len(data), dtype=np.uint8).tobytes()
-    elif how in ("a plane too short", "a plane past the end"):   # an index whose SHA-256 holds: planes checked
+    elif how in ("a plane too short", "a plane past the end", "a matrix renamed"):   # a re-signed index
         e = next(e for e in at["weights"] if e["kind"] == "q4k")
         if how == "a plane too short":
             e["planes"][0]["shape"][1] -= 4
-        else:
+        elif how == "a plane past the end":
             e["planes"][0]["offset"] = at["end"] - 64
+        else:
+            e["key"] = "blk.1.attn_output.weight" if e["key"] != "blk.1.attn_output.weight" else "blk.0.attn_output.weight"
         index = json.dumps(at).encode()
         start = struct.unpack("<8sIIQQ32s", bytes(data[:64]))[3]
         data = data[:start] + index
@@ -179,6 +181,19 @@ def test_a_damaged_file_is_detected_and_rebuilt(tiny, tmp_path, writes, how):
     assert writes == [path, path]                            # rebuilt in place, once
     packed_file.read(path, key, source=tiny)                 # whole again
     assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
+
+
+def test_an_index_that_misnames_a_matrix_is_rebuilt(tiny, tmp_path, writes):
+    """Planes that fit their weight but under another tensor's name (an index re-signed by hand): the loader
+    checks the names and shapes against the GGUF's tensor table, and rebuilds."""
+    cache = tmp_path / "cache"
+    want = planes(load_gguf(tiny, packed_cache=False))
+    load_gguf(tiny, packed_cache=cache)
+    path = the_file(cache)
+    damage(path, "a matrix renamed")
+    packed_file.read(path, index_of(path)["key"], source=tiny)          # the file itself reads
+    assert planes(load_gguf(tiny, packed_cache=cache)) == want
+    assert writes == [path, path]
 
 
 @pytest.mark.parametrize("change", ["mtime", "size", "layout version", "sources"])

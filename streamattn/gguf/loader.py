@@ -264,10 +264,21 @@ def _packed(path: str, header, tensors: dict, file_map, order, groups, option, d
     def build():
         return packed_in_order([n for n in order if n in tensors], groups, pack_one)
 
+    def check(pairs):                          # each matrix once, in the shape the file's tensor table gives
+        names = [n for key, _ in pairs for n in (key if isinstance(key, tuple) else (key,))]
+        if sorted(names) != sorted(tensors):
+            return f"holds {len(names)} matrices, the model {len(tensors)}"
+        for key, w in pairs:
+            parts = key if isinstance(key, tuple) else (key,)
+            shape = (sum(tensors[n][2][1] for n in parts), tensors[parts[0]][2][0])
+            if w.shape != shape or any(tensors[n][2][0] != shape[1] for n in parts):
+                return f"{key} is {w.shape}, the file's tensors {shape}"
+        return None
+
     where = packed_cache.folder(option, file_map.nbytes)
     if where is not None:
         want = packed_cache.key(path, header, LANES)
-        got = packed_cache.load(where, path, want, build, source=file_map, lanes=LANES)
+        got = packed_cache.load(where, path, want, build, source=file_map, lanes=LANES, check=check)
         if got is not None:
             return got
     return in_one_buffer(build())

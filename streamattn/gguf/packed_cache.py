@@ -82,7 +82,7 @@ def file_for(where: Path, path: str, lanes: int) -> Path:
     return where / f"{Path(real).stem}.{digest}.packed"
 
 
-def load(where: Path, path: str, want: dict, build, *, source=None, lanes: int) -> list | None:
+def load(where: Path, path: str, want: dict, build, *, source=None, lanes: int, check=None) -> list | None:
     """The model's packed weights as ``(key, QWeight)`` pairs mapped from its packed file in ``where``,
     building the file first when it is absent, stale or damaged; None where the folder cannot be used (a
     RuntimeWarning says why, and the caller packs in memory).
@@ -90,17 +90,27 @@ def load(where: Path, path: str, want: dict, build, *, source=None, lanes: int) 
     ``want``: :func:`key`; ``build()``: an iterable of the pairs, packed (called at most once, under an
     exclusive lock on ``<file>.lock``, so that concurrent loaders of one model build it once: the others
     wait, then map the file the first wrote); ``source``: the GGUF file's map (planes that are its bytes
-    are recorded by offset, :func:`streamattn.quant.packed_file.write`)."""
+    are recorded by offset, :func:`streamattn.quant.packed_file.write`); ``check(pairs)``: what is wrong with
+    a file's weights for this model (the names and shapes it expects), or None; a file it refuses is
+    rebuilt."""
     target = file_for(where, path, lanes)
+
+    def mapped():
+        got = packed_file.read(target, want, source=path)
+        wrong = check(got) if check is not None else None
+        if wrong:
+            raise packed_file.Miss(f"{target}: {wrong}")
+        return got
+
     try:
-        return packed_file.read(target, want, source=path)
+        return mapped()
     except packed_file.Miss:
         pass
     try:
         where.mkdir(parents=True, exist_ok=True)
         with _locked(target):
             try:                               # another process may have built it while this one waited
-                return packed_file.read(target, want, source=path)
+                return mapped()
             except packed_file.Miss:
                 pass
             for old in where.glob(target.name + ".*.tmp"):   # left by a writer that died (writers hold the lock)
