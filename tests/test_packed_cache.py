@@ -272,7 +272,7 @@ def test_the_folder_follows_the_option_and_the_environment(monkeypatch, tmp_path
 _LOADER = textwrap.dedent("""
     import json, sys
     from streamattn.gguf.loader import load_gguf
-    m = load_gguf(sys.argv[1], packed_cache=sys.argv[2])
+    m = load_gguf(sys.argv[1], packed_cache=sys.argv[2] if sys.argv[2] != "off" else False)
     def mapping(path):          # this process's pages of the packed file, from /proc/self/smaps
         got, inside = {}, False
         for line in open("/proc/self/smaps"):
@@ -283,7 +283,11 @@ _LOADER = textwrap.dedent("""
                                                                    "Shared_Dirty", "Anonymous"):
                 got[head[0][:-1]] = got.get(head[0][:-1], 0) + int(head[1]) * 1024
         return got
-    print(json.dumps(mapping(sys.argv[3])), flush=True)
+    got = mapping(sys.argv[3])
+    for line in open("/proc/self/smaps_rollup"):        # the whole process's private pages
+        if line.startswith(("Private_Clean:", "Private_Dirty:")):
+            got["process_private"] = got.get("process_private", 0) + int(line.split()[1]) * 1024
+    print(json.dumps(got), flush=True)
     sys.stdin.read()            # hold the map until told
 """)
 
@@ -313,7 +317,11 @@ def test_two_processes_on_one_model_share_its_pages(tmp_path):
         first.communicate("")
     alone, control = _start(model, cache, path)
     alone.communicate("")
-    print(f"\npayload {payload / 1e6:.1f} MB; second process: {seen}; alone: {control}")
+    packing, in_memory = _start(model, "off", path)
+    packing.communicate("")
+    print(f"\npayload {payload / 1e6:.1f} MB; second process: {seen}; alone: {control}; in memory: {in_memory}")
+    # the whole process (smaps_rollup): one packing in memory holds the planes privately, the second does not
+    assert in_memory["process_private"] - seen["process_private"] >= 0.8 * payload
     assert seen["Rss"] >= 0.9 * payload                  # the pages are mapped ...
     assert seen["Private_Clean"] + seen["Private_Dirty"] <= 0.05 * payload    # ... and shared
     assert control["Private_Clean"] + control["Private_Dirty"] >= 0.9 * payload
