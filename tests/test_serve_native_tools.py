@@ -180,6 +180,25 @@ def test_call_arguments_stream_as_they_are_generated(server, client, family):
     assert [(o.name, o.arguments) for o in events[-1].response.output] == [(o.name, o.arguments) for o in whole.output]
 
 
+def test_a_call_cut_short_by_max_tokens(server, client):
+    """A call that max_tokens cuts: streamed, its id, name and arguments go out as far as they came, with
+    finish_reason "length" and no content; whole, the reply's text is its content, with no call."""
+    base, st = server
+    use_template(st, "qwen")
+    text = calls_text("qwen", [("get_weather", PARIS)])
+    force(st, text)
+    ids = st.tok.encode(text, add_bos=False)
+    cut = next(k for k in range(len(ids)) if '"arguments": {"ci' in st.tok.decode(ids[:k]))
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=cut).choices[0]
+    assert (whole.finish_reason, whole.message.tool_calls) == ("length", None)
+    assert whole.message.content == st.tok.decode(ids[:cut])
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=cut, stream=True))
+    deltas = [tc for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or ()]
+    assert deltas[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(d.function.arguments or "" for d in deltas) == st.tok.decode(ids[:cut]).split('"arguments": ')[1]
+    assert not "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
+
+
 # ------------------------------------------------------------------------- markers that are tokens
 MARKER_REPLIES = {
     "mistral": "[TOOL_CALLS]" + json.dumps([{"name": "get_weather", "arguments": PARIS},

@@ -224,7 +224,7 @@ class CallScanner:
         self.base = 1 if syntax.name == "mistral" else 0
         self.pos = self.depth = 0
         self.in_string = self.escape = False
-        self.calls: list = []                        # per call: dict(id, name, start, args, end, sent)
+        self.calls: list = []                        # per call: index, start, phase, sent; id, name, args, end
         self.open: dict | None = None                # the call object being read
 
     def feed(self, text: str) -> list:
@@ -290,15 +290,16 @@ class Reader:
 
     :meth:`push` returns the pieces that are certain so far: ("reasoning" | "text", text), and, once the
     calls began, ("call", {"index", "id", "name"}) when a call's name is known and ("args", (index,
-    fragment)) as its arguments come (:class:`CallScanner`); a possible marker's beginning is held until
-    it is known. :meth:`end` returns the last pieces and the calls (OpenAI ``tool_calls`` entries whose
-    ids are those announced and whose ``arguments`` are the reply's own text of them, so that the streamed
-    fragments join to them; or None: text that was no whole call goes out as text, unless some of it was
-    already announced as a call, cut short). Pushing a reply in any cut gives the same pieces joined.
+    fragment)) as its arguments come (:class:`CallScanner`; ``streamed`` false: none before the end); a
+    possible marker's beginning is held until it is known. :meth:`end` returns the last pieces and the
+    calls (OpenAI ``tool_calls`` entries whose ids are those announced and whose ``arguments`` are the
+    reply's own text of them, so that the streamed fragments join to them; or None: text that was no
+    whole call goes out as text, unless some of it was already streamed as a call, cut short). Pushing
+    a reply in any cut gives the same pieces joined.
     """
 
-    def __init__(self, spec: ReadSpec):
-        self.spec = spec
+    def __init__(self, spec: ReadSpec, streamed: bool = True):
+        self.spec, self.streamed = spec, streamed
         self.state = {"none": "content", "optional": "lead", "open": "think"}[spec.think]
         self.buf = ""
         self.free = spec.calls == "none"             # content goes out as it comes: no call can follow
@@ -312,7 +313,7 @@ class Reader:
             before = (self.state, len(self.buf))
             self._step(out)
             if (self.state, len(self.buf)) == before:
-                if self.held is not None:
+                if self.held is not None and self.streamed:
                     out += self.scanner.feed(self.held)
                 return [p for p in out if p[1]]
 
@@ -378,7 +379,7 @@ class Reader:
         calls = self.spec.syntax.parse(self.held.strip()) if self.held.strip().startswith(
             self.spec.syntax.start) else None
         if calls is None:
-            if not any(c.get("id") for c in self.scanner.calls):   # nothing was announced as a call
+            if not (self.streamed and any(c.get("id") for c in self.scanner.calls)):   # none streamed
                 out.append(("text", self.held))
             return [p for p in out if p[1]], None
         entries = []
@@ -395,7 +396,7 @@ class Reader:
 
 def read_whole(text: str, spec: ReadSpec) -> tuple:
     """(reasoning, content, calls or None) of a finished reply."""
-    r = Reader(spec)
+    r = Reader(spec, streamed=False)
     pieces = r.push(text)
     more, calls = r.end()
     pieces += more
