@@ -212,7 +212,8 @@ MARKER_REPLIES = {
 @pytest.mark.parametrize("family", ["mistral", "magistral", "qwen"])
 def test_markers_that_are_tokens_are_generated_and_read_as_tokens(server, client, family):
     """With a vocabulary that holds the markers as tokens (tool_templates.MARKERS: [TOOL_CALLS], [THINK]
-    and [/THINK] control tokens, <think> and </think> user-defined ones), the forced reply takes the
+    and [/THINK] control tokens, <think>, </think>, <tool_call> and </tool_call> user-defined ones, as
+    Qwen's files hold them), the forced reply takes the
     marker tokens, which the grammar allows, and the server reads them: reasoning and calls, whole and
     streamed. The same markers spelled out in ordinary tokens are refused by the grammar."""
     from tool_templates import MARKERS

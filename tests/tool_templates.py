@@ -156,10 +156,11 @@ MAGISTRAL = "{{ bos_token }}[SYSTEM_PROMPT]Think in [THINK]...[/THINK] first.[/S
     MISTRAL.removeprefix("{{ bos_token }}")
 TEMPLATES["magistral"] = MAGISTRAL
 
-#: The marker vocabulary: SmolLM2's vocabulary with five of its unused control tokens (<repo_name>, ...)
+#: The marker vocabulary: SmolLM2's vocabulary with seven of its unused control tokens (<repo_name>, ...)
 #: renamed, as real files hold them: Mistral's [TOOL_CALLS] and Magistral's [THINK] / [/THINK] as control
-#: tokens (type 3), Qwen3's <think> / </think> as user-defined ones (type 4).
-MARKERS = {3: ("[TOOL_CALLS]", 3), 4: ("[THINK]", 3), 5: ("[/THINK]", 3), 6: ("<think>", 4), 7: ("</think>", 4)}
+#: tokens (type 3), Qwen's <think> / </think> and <tool_call> / </tool_call> as user-defined ones (type 4).
+MARKERS = {3: ("[TOOL_CALLS]", 3), 4: ("[THINK]", 3), 5: ("[/THINK]", 3), 6: ("<think>", 4), 7: ("</think>", 4),
+           8: ("<tool_call>", 4), 9: ("</tool_call>", 4)}
 
 
 def marker_tokenizer(path: str):
