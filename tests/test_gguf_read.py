@@ -6,13 +6,13 @@ import gguf
 import numpy as np
 import pytest
 
-from _model_util import gemma_path, need_gemma, need_smollm2, smollm2_path, write_tiny_gguf
+from _model_util import gemma_path, gguf_reader, need_gemma, need_smollm2, smollm2_path, write_tiny_gguf
 from streamattn.gguf.reader import GGUFFile
 from streamattn.gguf.metadata import read_metadata
 
 
 def same_as_gguf_reader(path):
-    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    ours, theirs = GGUFFile(path), gguf_reader(path)          # GGUFReader's parse (test below: the same)
     md = read_metadata(theirs, path)
     assert ours.metadata == md
     assert [type(v) for v in ours.metadata.values()] == [type(v) for v in md.values()]   # int stays int
@@ -62,6 +62,27 @@ def test_every_value_type_and_an_alignment(tmp_path):
     flat = {k: v for k, v in ours.metadata.items() if k != "t.nested"}
     assert flat == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.") and k != "t.nested"}
     assert [(t.name, t.data.tolist()) for t in ours.tensors] == [(t.name, t.data.tolist()) for t in theirs.tensors]
+    same_parse(gguf_reader(path), theirs)
+
+
+def same_parse(a, b):
+    """Two GGUFReaders hold the same fields (every part's dtype and values) and tensors."""
+    assert list(a.fields) == list(b.fields)
+    for k, fa in a.fields.items():
+        fb = b.fields[k]
+        assert (fa.offset, fa.types, fa.data) == (fb.offset, fb.types, fb.data), k
+        assert [(p.dtype, p.tolist()) for p in fa.parts] == [(p.dtype, p.tolist()) for p in fb.parts], k
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset, t.data.dtype, t.data.tolist()) for t in a.tensors] == \
+           [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset, t.data.dtype, t.data.tolist()) for t in b.tensors]
+
+
+def test_the_plain_view_reader_parses_as_gguf_reader(tmp_path):
+    """tests/_model_util.gguf_reader (GGUFReader over a plain view of the map, the reference here and in the
+    HF peer tests) parses a model file as GGUFReader does: its every value type is checked above."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", arch="llama", n_layers=2, quant={"ffn_gate": "Q8_0"})
+    a, b = gguf_reader(path), gguf.GGUFReader(path)
+    assert type(a.data) is np.ndarray and type(b.data) is np.memmap
+    same_parse(a, b)
 
 
 

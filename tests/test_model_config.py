@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from _model_util import need_smollm2, smollm2_path, write_tiny_gguf
+from _model_util import gguf_reader, need_smollm2, smollm2_path, write_tiny_gguf
 from streamattn.gguf.loader import config_from_metadata, load_gguf
 from streamattn.gguf.metadata import ModelFileError, read_metadata
 from streamattn.models.config import ModelConfig
@@ -14,8 +14,7 @@ from streamattn.models.config import ModelConfig
 
 @need_smollm2
 def test_smollm2_metadata_to_config():
-    import gguf
-    md = read_metadata(gguf.GGUFReader(smollm2_path()), smollm2_path())
+    md = read_metadata(gguf_reader(smollm2_path()), smollm2_path())
     c = config_from_metadata(md)
     assert (c.arch, c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim) == ("llama", 30, 576, 9, 3, 64)
     assert (c.d_ff, c.vocab_size, c.rope_base, c.rope_style) == (1536, 49152, 1e5, "interleaved")

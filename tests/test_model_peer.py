@@ -4,13 +4,12 @@ Runs only with the optional ``peer`` extra (torch, transformers, accelerate): ``
 Agreement metric: max |ours - theirs| / max |theirs| over all teacher-forced positions.
 """
 
-import contextlib
 import os
 
 import numpy as np
 import pytest
 
-from _model_util import gemma_path, load, smollm2_path
+from _model_util import gemma_path, gguf_parsed_once, load, smollm2_path
 from oracle import rel_err
 
 # heavy: two tests but ~70 s of work (HF's GGUF load and float32 forward of Gemma-3 past its window); handed
@@ -19,26 +18,6 @@ from oracle import rel_err
 pytestmark = [pytest.mark.peer, pytest.mark.heavy, pytest.mark.usefixtures("one_thread")]
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
-
-@contextlib.contextmanager
-def gguf_parsed_once():
-    """transformers parses a GGUF file three times to load it (tokenizer, config, weights: a new
-    ``gguf.GGUFReader`` each time), ~16 s a parse for Gemma-3's 262k-token vocabulary here; inside this
-    block a path is parsed once and its (read-only) reader handed out again."""
-    import gguf
-    real, readers = gguf.GGUFReader, {}
-
-    def reader(path, *args, **kwargs):
-        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = real(path, *args, **kwargs)
-        return readers[key]
-    gguf.GGUFReader = reader
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = real
 
 
 def hf_model(path):

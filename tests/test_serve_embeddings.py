@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import pytest
 
-from _model_util import load, smollm2_path, tokenizer
+from _model_util import gguf_parsed_once, load, smollm2_path, tokenizer
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -46,8 +46,9 @@ def hf_states():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     d, f = os.path.split(smollm2_path())
-    model = transformers.AutoModel.from_pretrained(d, gguf_file=f, dtype=torch.float32,
-                                                   attn_implementation="eager").eval()
+    with gguf_parsed_once():
+        model = transformers.AutoModel.from_pretrained(d, gguf_file=f, dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
     with torch.no_grad():
         return [model(torch.tensor([ids_of(t)])).last_hidden_state[0].double().numpy() for t in TEXTS]
 
