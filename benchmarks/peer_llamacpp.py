@@ -495,6 +495,13 @@ def _communicate_wait4(proc, timeout: float) -> tuple:
     return bufs["out"], bufs["err"]
 
 
+def _json_or_none(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def host() -> str:
     """The CPU's model name and its AVX2 / AVX-512 / AMX flags, from /proc/cpuinfo ("unknown" elsewhere)."""
     try:
@@ -632,6 +639,7 @@ def main(argv=None) -> int:
             "memory_wall": {"ceiling_mb": args.ceiling_mb, "kv_bytes": wall.KV_BYTES, "profiles": profiles},
             "llama_cpp": next((r.get("llama_cpp") for r in runs if r.get("llama_cpp")), None),
             "ik_llama_cpp": next((r.get("ik_llama_cpp") for r in runs if r.get("ik_llama_cpp")), None),
+            "ik_llama_cpp_build": _json_or_none(args.ik_bin.parents[2] / "status.json") if ik else None,
             "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     doc = {"meta": meta, "summary": rows, "runs": runs, "probes": probes}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))

@@ -88,6 +88,11 @@ else
   ORIGIN="PyPI sdist ik-llama-cpp-python $IK_PY_VERSION (vendor/ik_llama.cpp)"
 fi
 [ -f "$SRC_DIR/examples/llama-bench/llama-bench.cpp" ] || die "no examples/llama-bench in $SRC_DIR"
+# ik_llama.cpp's cmake/build-info.cmake asks git for the commit from the source folder; unpacked into the
+# peer home, which lies inside this checkout, git would answer with this checkout's commit. The ceiling
+# stops git above the source folder: a tree with its own .git still reports it, a tarball "unknown" (the
+# commit a tarball carries is in status.json).
+export GIT_CEILING_DIRECTORIES="$(dirname "$SRC_DIR")"
 
 # ------------------------------------------------------------------ build
 FLAGS=(

@@ -114,8 +114,10 @@ def test_a_run_with_both_peers(tmp_path, monkeypatch):
     order flipped each repeat, the cut prompt given to the text engines and its count to llama-bench, the
     wall bytes from the positions each engine decoded, the default 65 tokens (64 decode steps)."""
     (tmp_path / "peer" / "node_modules" / "node-llama-cpp").mkdir(parents=True)
-    ik_bin = tmp_path / "llama-bench"
+    ik_bin = tmp_path / "ik" / "build" / "bin" / "llama-bench"        # as scripts/install_ik_llamacpp.sh lays out
+    ik_bin.parent.mkdir(parents=True)
     ik_bin.write_text("#!/bin/sh\n")
+    (tmp_path / "ik" / "status.json").write_text(json.dumps({"source": "tarball ik.tar, commit abc"}))
     ik_bin.chmod(0o755)
     model = tmp_path / "tiny-q4_k_m.gguf"
     model.write_bytes(b"GGUF")
@@ -151,6 +153,7 @@ def test_a_run_with_both_peers(tmp_path, monkeypatch):
     assert per_step["streamattn"] == pytest.approx(100e6 + 4 * 1000 * statistics.mean(range(512, 576)))
     assert doc["summary"][0]["wall_tok_s"] == pytest.approx(10e9 / per_step["streamattn"])   # after the prompt
     assert doc["meta"]["peers"] == ["llama.cpp", "ik_llama.cpp"] and doc["meta"]["prompt_tokens_cut"] == 512
+    assert doc["meta"]["ik_llama_cpp_build"]["source"] == "tarball ik.tar, commit abc"
     md = (tmp_path / "peer_llamacpp_t.md").read_text()
     assert "llama.cpp / ik_llama.cpp / streamattn" in md and "from an empty cache" in md
     assert not cuts[0][2].exists()                                        # the cut prompt's folder removed
