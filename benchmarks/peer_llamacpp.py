@@ -262,7 +262,8 @@ def markdown(rows: list) -> str:
     def decode(e):
         if not e:
             return "–"
-        return f(e["decode_tok_s"]) + (f" ({e['wall_pct']:.0f}%)" if "wall_pct" in e else "")
+        rate = f(e["decode_tok_s"], ".1f" if e["decode_tok_s"] < 10 else ".0f")     # 1B-8B models: a few tok/s
+        return rate + (f" ({e['wall_pct']:.0f}%)" if "wall_pct" in e else "")
 
     peers = rows[0]["peers"] if rows else ["llama.cpp"]
     engines = [*peers, OURS]
