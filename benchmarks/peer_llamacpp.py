@@ -632,6 +632,9 @@ def main(argv=None) -> int:
     tag = args.tag or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"peer_llamacpp_{tag}"
+
+    def named(ext):                   # not with_suffix: a tag such as llama-3.2-1b holds a dot
+        return stem.parent / f"{stem.name}{ext}"
     cmdline = "PYTHONPATH=. python benchmarks/peer_llamacpp.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     meta = {"command": cmdline.strip(), "ours_args": args.ours_args, "tokens": args.tokens, "repeats": args.repeats,
             "peers": peers, "prompt_file": str(PROMPT.relative_to(ROOT)), "prompt_tokens_cut": args.prompt_tokens,
@@ -643,7 +646,7 @@ def main(argv=None) -> int:
             "ik_llama_cpp_build": _json_or_none(args.ik_bin.parents[2] / "status.json") if ik else None,
             "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     doc = {"meta": meta, "summary": rows, "runs": runs, "probes": probes}
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    named(".json").write_text(json.dumps(doc, indent=1))
     note = ""
     if profiles:
         weights = "; ".join(f"{m} {p['weights'] / 1e6:.1f} MB of weights" for m, p in profiles.items())
@@ -652,10 +655,10 @@ def main(argv=None) -> int:
                 "at that thread count; memory wall tok/s = that bandwidth / those bytes"
                 + (" (after the prompt; ik_llama.cpp's % counts the K/V of its decode test from an empty cache)"
                    if ik else "") + ".\n")
-    stem.with_suffix(".md").write_text(f"`{meta['command']}` ({meta['utc']}, {meta['host']}, load average at "
+    named(".md").write_text(f"`{meta['command']}` ({meta['utc']}, {meta['host']}, load average at "
                                        f"the start {load_start[0]:.1f}, at the end {os.getloadavg()[0]:.1f})"
                                        f"\n\n{table}{note}")
-    plot(rows, stem.with_suffix(".png"))
+    plot(rows, named(".png"))
     print(table)
     print(f"wrote {stem}.json/.md/.png", file=sys.stderr)
     return 0

@@ -142,19 +142,19 @@ def test_a_run_with_both_peers(tmp_path, monkeypatch):
     monkeypatch.setattr(peer, "probe_wall", lambda threads, mb, timeout: {"threads": threads, "gbps": 10.0})
     assert peer.main(["--models", str(model), "--peers", "ik_llama.cpp", "llama.cpp", "--threads", "1", "--repeats",
                       "2", "--peer-dir", str(tmp_path / "peer"), "--ik-bin", str(ik_bin), "--out", str(tmp_path),
-                      "--tag", "t"]) == 0
+                      "--tag", "t_llama-3.2-1b"]) == 0
     assert [c[:2] for c in cuts] == [(model.resolve(), 512)]
     assert [e for e, *_ in seen] == ["streamattn", "llama.cpp", "ik_llama.cpp", "ik_llama.cpp", "llama.cpp",
                                      "streamattn"]
     assert all(text == "cut" and n == 512 and tokens == 65 for _, text, n, tokens in seen)
-    doc = json.loads((tmp_path / "peer_llamacpp_t.json").read_text())
+    doc = json.loads((tmp_path / "peer_llamacpp_t_llama-3.2-1b.json").read_text())
     per_step = {r["engine"]: r["bytes_per_step"] for r in doc["runs"]}
     assert per_step["ik_llama.cpp"] == pytest.approx(100e6 + 4 * 1000 * statistics.mean(range(1, 65)))
     assert per_step["streamattn"] == pytest.approx(100e6 + 4 * 1000 * statistics.mean(range(512, 576)))
     assert doc["summary"][0]["wall_tok_s"] == pytest.approx(10e9 / per_step["streamattn"])   # after the prompt
     assert doc["meta"]["peers"] == ["llama.cpp", "ik_llama.cpp"] and doc["meta"]["prompt_tokens_cut"] == 512
     assert doc["meta"]["ik_llama_cpp_build"]["source"] == "tarball ik.tar, commit abc"
-    md = (tmp_path / "peer_llamacpp_t.md").read_text()
+    md = (tmp_path / "peer_llamacpp_t_llama-3.2-1b.md").read_text()
     assert "llama.cpp / ik_llama.cpp / streamattn" in md and "from an empty cache" in md
     assert not cuts[0][2].exists()                                        # the cut prompt's folder removed
 
