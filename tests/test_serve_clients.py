@@ -148,18 +148,17 @@ def test_langchain_structured_output(server, chat_model, method):
 ANSWER = "It is sunny in Paris, 21 degrees."
 
 
-def agent_run(base, st, template, streamed):
-    """(final output, the arguments the tool was called with, the run's item types, the request bodies)
-    of an Agent with one function tool. The forced first reply calls the tool; the tool, when it runs,
-    forces the answer."""
-    agents = pytest.importorskip("agents")
+def weather_loop(base, st, template):
+    """What both agent frameworks' two-step loops share: (the plain weather tool, which records its
+    arguments in ``calls`` and forces the answer when it runs; ``calls``; an AsyncOpenAI client on the
+    server that records each request body in ``bodies``; ``bodies``). The first reply is forced here to
+    call the tool, in the template's syntax."""
     import httpx
     calls, bodies = [], []
 
     async def keep(request):
         bodies.append(json.loads(request.content))
 
-    @agents.function_tool
     def weather(city: str, unit: str) -> str:
         """The weather in a city, in celsius or fahrenheit."""
         calls.append({"city": city, "unit": unit})
@@ -171,8 +170,17 @@ def agent_run(base, st, template, streamed):
           f'<tool_call>\n{compact({"name": "weather", "arguments": args})}\n</tool_call>')
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300,
                                 http_client=httpx.AsyncClient(event_hooks={"request": [keep]}))
+    return weather, calls, client, bodies
+
+
+def agent_run(base, st, template, streamed):
+    """(final output, the arguments the tool was called with, the run's item types, the request bodies)
+    of an Agent with one function tool. The forced first reply calls the tool; the tool, when it runs,
+    forces the answer."""
+    agents = pytest.importorskip("agents")
+    weather, calls, client, bodies = weather_loop(base, st, template)
     agent = agents.Agent(name="forecaster", instructions="Answer weather questions with the tool.",
-                         tools=[weather], model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+                         tools=[agents.function_tool(weather)], model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
                          model_settings=agents.ModelSettings(max_tokens=80))
     if streamed:
         import asyncio
@@ -234,28 +242,11 @@ def pydantic_ai_run(base, st, template, streamed):
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
     import asyncio
-    import httpx
-    calls, bodies = [], []
-
-    async def keep(request):
-        bodies.append(json.loads(request.content))
-
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300,
-                                http_client=httpx.AsyncClient(event_hooks={"request": [keep]}))
+    weather, calls, client, bodies = weather_loop(base, st, template)
     model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=client))
     agent = pydantic_ai.Agent(model, instructions="Answer weather questions with the tool.",
                               model_settings={"max_tokens": 80})
-
-    @agent.tool_plain
-    def weather(city: str, unit: str) -> str:
-        """The weather in a city, in celsius or fahrenheit."""
-        calls.append({"city": city, "unit": unit})
-        force(st, ANSWER)
-        return f"sunny in {city}, 21 degrees {unit}"
-
-    args = {"city": "Paris", "unit": "celsius"}
-    force(st, tool_call_text("weather", args) if template is None else
-          f'<tool_call>\n{compact({"name": "weather", "arguments": args})}\n</tool_call>')
+    agent.tool_plain(weather)
     if streamed:
         async def run():
             async with agent.run_stream("Weather in Paris?") as result:
