@@ -140,9 +140,9 @@ def load_gguf(path: str, *, progress: Callable[[int, int, str], None] | None = N
         Where ``weights="quant"`` keeps the packed matrices on disk, mapped by every process that loads
         this file (:mod:`streamattn.gguf.packed_cache`). None: ``$STREAMATTN_PACKED_CACHE`` (``off``: no
         cache), else ``packed/`` beside the pulled models, for files of at least ``packed_cache.MIN_BYTES``;
-        True: the same folder for any file; a folder: that one, for any file; False: packed in memory. A cached file that is stale or damaged
-        is rebuilt; a folder that cannot be written warns and packs in memory. The weights are the same
-        bits either way.
+        True: the same folder for any file; a folder: that one, for any file; False: packed in memory.
+        A cached file that is stale or damaged is rebuilt; a folder that cannot be written warns and
+        packs in memory. The weights are the same bits either way.
 
     Returns
     -------
