@@ -112,7 +112,8 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
                     n_kv_heads: int = 1, head_dim: int = 16, d_ff: int = 48, vocab: int = 64,
                     window: int = 4, seed: int = 0, nan_tensor: str | None = None, override: dict | None = None,
                     quant: dict | None = None, tokens: list | None = None, extra_tensors: dict | None = None,
-                    rope_freqs: bool = False, matrix_scale: float = 0.3, rope_scaling: str | None = None):
+                    rope_freqs: bool = False, matrix_scale: float = 0.3, rope_scaling: str | None = None,
+                    tokenizer_from: str | None = None, embed_scale: float = 1.0):
     """A small random GGUF of architecture ``arch`` written with gguf.GGUFWriter (float32 tensors): gemma3,
     gemma2 (soft caps 1 and 2, which bind on its scores and logits), llama, qwen2 (q/k/v biases), qwen3
     (q/k norms) or phi3 (fused attn_qkv and ffn_up); ``rope_freqs``: with a ``rope_freqs.weight`` of
@@ -128,10 +129,18 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
     default, with its own GGUF type inferred (a str stays a string: "a number stored as a string").
 
     ``tokens`` replaces the vocabulary's token list (its length need not match ``vocab``);
-    ``extra_tensors`` maps names to (raw uint8 block bytes, GGUF type name) written as they are.
+    ``extra_tensors`` maps names to (raw uint8 block bytes, GGUF type name) written as they are;
+    ``tokenizer_from``: a GGUF whose ``tokenizer.*`` metadata is copied (a real vocabulary and its chat
+    tokens, so real text encodes; ``vocab`` becomes its token count) instead of the stand-in tokenizer.
     """
     import gguf
     rng = np.random.default_rng(seed)
+    copied = {}
+    if tokenizer_from is not None:
+        for name, field in gguf.GGUFReader(tokenizer_from).fields.items():
+            if name.startswith("tokenizer."):
+                copied[name] = (field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+        vocab = len(copied["tokenizer.ggml.tokens"][0])
     w = gguf.GGUFWriter(str(path), arch)
     if override:
         plain = w.add_key_value
@@ -166,11 +175,15 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
     if arch == "gemma2":
         w.add_attn_logit_softcapping(1.0)
         w.add_final_logit_softcapping(2.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens if tokens is not None else [f"t{i}" for i in range(vocab)])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if copied:
+        for name, (value, vtype, sub_type) in copied.items():
+            w.add_key_value(name, value, vtype, sub_type=sub_type)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(tokens if tokens is not None else [f"t{i}" for i in range(vocab)])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
 
     def t(name, *shape, scale=matrix_scale, offset=0.0):
         a = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
@@ -186,7 +199,7 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
             w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
 
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
-    t("token_embd.weight", vocab, d_model, scale=1.0)
+    t("token_embd.weight", vocab, d_model, scale=embed_scale)
     t("output_norm.weight", d_model, scale=0.1, offset=1.0)
     for i in range(n_layers):
         p = f"blk.{i}."
