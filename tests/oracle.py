@@ -77,7 +77,9 @@ class History:
         for b, c in enumerate(counts):
             if c:
                 rows = [np.asarray(x[b, :, :c], np.float64) for x in (k, v)]
-                s = min(max(self.sinks_apart - self.length(b), 0), int(c))
+                # (length() walks the whole history: asked only where sinks are kept apart, or a long
+                # stream would spend quadratic time here)
+                s = min(max(self.sinks_apart - self.length(b), 0), int(c)) if self.sinks_apart else 0
                 for i in range(2 if s else 0):
                     rows[i][:, :s] = as_stored(raw[i][b, :, :s], self.sink_dtype)
                 self.k[b].append(rows[0])
