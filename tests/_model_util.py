@@ -123,7 +123,8 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
 
     ``quant`` maps tensor names' last part (e.g. ``"ffn_down"``) to a GGUF type that gguf-py quantizes
     (``"Q4_1"``, ``"Q8_0"``, ...): those tensors are stored quantized (columns: a multiple of 32); or to
-    one of :data:`RANDOM_BLOCKS` (K-quants, IQ4): random blocks of about the same spread.
+    one of :data:`RANDOM_BLOCKS` (K-quants, IQ4): random blocks of about the same spread. A key naming one
+layer's tensor (``"blk.2.attn_v"``) sets that tensor's type over its kind's.
 
     ``override`` maps metadata keys (e.g. ``"gemma3.block_count"``) to a value written instead of the
     default, with its own GGUF type inferred (a str stays a string: "a number stored as a string").
@@ -189,7 +190,7 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
         a = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
         if name == nan_tensor:
             a.flat[0] = np.nan
-        qtype = (quant or {}).get(name.split(".")[-2])
+        qtype = (quant or {}).get(name.rsplit(".", 1)[0], (quant or {}).get(name.split(".")[-2]))
         if qtype is None:
             w.add_tensor(name, a)
         elif qtype in RANDOM_BLOCKS:                    # gguf-py cannot quantize to it: random blocks

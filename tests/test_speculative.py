@@ -98,18 +98,38 @@ def run(e, g, ids, spec, max_tokens=TOKENS):
 
 
 # The Gemma-3 classes need Gemma-3's structure (local rings beside the global layers' cache kind, here
-# wrapping within a prompt; K-quant rows in verify), not its weights: with the real 270M model a class spent
-# 97 s on its reference alone, mostly in the 262k x 640 output matrix. A small embedding scale (0.1) lets the
-# layers steer the tied output away from echoing the current token: the greedy text repeats in runs, so
-# drafts are both accepted and rejected (measured: 255 drafted, 233 accepted over the 50 prompts).
-@pytest.fixture(scope="session")
-def tiny_gemma3(tmp_path_factory) -> str:
-    """A six-layer Gemma-3 of random weights (five sliding layers, window 24, then one global; some matrices
-    in K-quant and legacy GGUF types) with Gemma-3-270M's tokenizer, written once per worker."""
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gemma3") / "gemma3-6l.gguf", arch="gemma3", n_layers=6,
-                           d_model=64, n_heads=2, n_kv_heads=1, head_dim=128, d_ff=256, window=24, embed_scale=0.1,
-                           tokenizer_from=gemma_path(), quant=dict(attn_output="Q4_K", ffn_down="Q6_K", attn_v="Q8_0", ffn_gate="Q4_0"))
+# wrapping within a prompt; its layers' weight kinds in verify), not its weights: with the real 270M model
+# a class spent 97 s on its reference alone, mostly in the 262k x 640 output matrix. The stand-in's layers
+# take the real file's GGUF types, layer for layer (two patterns: v Q8_0 beside ffn_down Q6_K, v Q5_0 beside
+# Q4_K), so they run the compiled layers the real model runs, which test_structured.py's Gemma tests need
+# anyway: no specialisation of its own to compile. A small embedding scale (0.1) lets the layers steer the
+# tied output away from echoing the current token: the greedy text repeats in runs, so drafts are both
+# accepted and rejected.
+GEMMA3_KINDS = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_output": "Q4_K", "ffn_gate": "Q5_0", "ffn_up": "Q5_0",
+                "token_embd": "Q8_0"}
+for _i, _kinds in enumerate([{"attn_v": "Q8_0", "ffn_down": "Q6_K"}] * 2 + [{"attn_v": "Q5_0", "ffn_down": "Q4_K"}] * 2
+                            + [{"attn_v": "Q8_0", "ffn_down": "Q6_K"}, {"attn_v": "Q5_0", "ffn_down": "Q4_K"}]):
+    GEMMA3_KINDS.update({f"blk.{_i}.{name}": kind for name, kind in _kinds.items()})
 
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(request, tmp_path_factory) -> str:
+    """A six-layer Gemma-3 of random weights (five sliding layers, window 24, then one global), each layer
+    in the GGUF types of Gemma-3-270M's layer of that index, with Gemma-3-270M's tokenizer; written once per
+    run (under pytest-xdist the first worker to ask writes it, under a file lock)."""
+    import fcntl
+    root = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):       # an xdist worker: this run's folder, above the worker's
+        root = root.parent
+    path = root / "tiny-gemma3.gguf"
+    with open(root / "tiny-gemma3.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)              # released when the file closes
+        if not path.exists():
+            part = root / "tiny-gemma3.gguf.part"
+            write_tiny_gguf(part, arch="gemma3", n_layers=6, d_model=64, n_heads=2, n_kv_heads=1, head_dim=128,
+                            d_ff=256, window=24, embed_scale=0.1, tokenizer_from=gemma_path(), quant=GEMMA3_KINDS)
+            part.rename(path)
+    return str(path)
 
 
 def reference(path: str, cache: str):
