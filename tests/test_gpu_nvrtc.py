@@ -21,6 +21,10 @@ except Exception as err:  # ImportError without CuPy, OSError/CUDA errors withou
 if MISSING and os.environ.get("STREAMATTN_REQUIRE_NVRTC") == "1":
     raise RuntimeError(MISSING)
 needs_nvrtc = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+# heavy: nine tests but minutes of one core: NVRTC takes 70-90 s on the prefill kernels' 66 specialisations
+# per arch (most of it before ptxas: 77 s to PTX alone), handed out first (tests/conftest.py) lest it run
+# last with the other worker idle
+pytestmark = pytest.mark.heavy
 
 
 @needs_nvrtc
