@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -218,6 +219,79 @@ def test_a_stale_file_misses(tiny, tmp_path, writes, monkeypatch, change):
     assert planes(m) == planes(load_gguf(tiny, packed_cache=False))
 
 
+def crc_reads(monkeypatch) -> list:
+    """The chunks whose CRC-32 is computed from here on (one entry each)."""
+    done, real = [], packed_file._crc_of
+
+    def counted(view):
+        done.append(len(view))
+        return real(view)
+    monkeypatch.setattr(packed_file, "_crc_of", counted)
+    return done
+
+
+def test_a_file_checked_whole_is_read_again_only_once_it_changed(tiny, tmp_path, writes, monkeypatch):
+    """A whole check is recorded (once the file has settled) and a later load of the same file skips the
+    CRC-32s; a write to the file after that check sends it through the whole check again: rebuilt."""
+    cache = tmp_path / "cache"
+    want = planes(load_gguf(tiny, packed_cache=False))
+    load_gguf(tiny, packed_cache=cache)                      # built: just written, nothing recorded
+    path = the_file(cache)
+    crcs = crc_reads(monkeypatch)
+    load_gguf(tiny, packed_cache=cache)                      # the file changed under SETTLE_S ago: not recorded
+    assert crcs and not os.path.exists(path + packed_file.STAMP)
+    monkeypatch.setattr(packed_file, "SETTLE_S", 0.0)
+    crcs.clear()
+    load_gguf(tiny, packed_cache=cache)                      # whole check, recorded
+    assert crcs and os.path.exists(path + packed_file.STAMP)
+    crcs.clear()
+    assert planes(load_gguf(tiny, packed_cache=cache)) == want and not crcs     # unchanged: no CRC-32 read
+    recorded = json.loads(open(path + packed_file.STAMP).read())
+    time.sleep(0.1)                                          # past the file system clock's tick
+    damage(path, "payload byte")
+    assert os.stat(path).st_ctime_ns != recorded["ctime_ns"]
+    assert planes(load_gguf(tiny, packed_cache=cache)) == want
+    assert crcs and writes == [path, path]                   # checked whole, found damaged, rebuilt
+    assert not os.path.exists(path + packed_file.STAMP)      # the rebuilt file has no record yet
+
+
+def test_read_refuses_an_unknown_verify(tiny, tmp_path):
+    load_gguf(tiny, packed_cache=tmp_path)
+    with pytest.raises(ValueError, match="verify must be True, False or 'changed' .got 'yes'"):
+        packed_file.read(the_file(tmp_path), {}, verify="yes")
+
+
+def test_a_rebuild_leaves_no_packed_file_of_an_old_version(tiny, tmp_path, writes):
+    """Rebuilt for a changed model file: the file of the same name is replaced, and the model's file for the
+    other lanes, built from the old version, is deleted; one built from the current version stays."""
+    cache = tmp_path / "cache"
+    load_gguf(tiny, packed_cache=cache)
+    path = the_file(cache)
+    lanes = index_of(path)["key"]["lanes"]
+    other = str(packed_cache.file_for(cache, tiny, next(n for n in packed_cache.ALL_LANES if n != lanes)))
+    with open(path, "rb") as f, open(other, "wb") as g:     # (its key names the lanes of this CPU; only its
+        g.write(f.read())                                    # "gguf" part decides whether it is old)
+    damage(path, "payload byte")                             # rebuilt, the model file unchanged: the other stays
+    load_gguf(tiny, packed_cache=cache)
+    assert os.path.exists(other) and len(writes) == 2
+    st = os.stat(tiny)
+    os.utime(tiny, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    load_gguf(tiny, packed_cache=cache)                      # a new version: the old one's files go
+    assert len(writes) == 3 and not os.path.exists(other)
+    assert sorted(f for f in os.listdir(cache) if not f.endswith(".lock")) == [os.path.basename(path)]
+
+
+def test_key_of_reads_the_index_alone(tiny, tmp_path):
+    load_gguf(tiny, packed_cache=tmp_path)
+    path = the_file(tmp_path)
+    assert packed_file.key_of(path) == index_of(path)["key"]
+    damage(path, "index byte")
+    with pytest.raises(packed_file.Miss, match="damaged"):
+        packed_file.key_of(path)
+    with pytest.raises(packed_file.Miss, match="absent"):
+        packed_file.key_of(path + ".nothing")
+
+
 def _header(path):
     from streamattn.gguf.reader import GGUFFile
     r = GGUFFile(path)
@@ -272,7 +346,13 @@ def test_the_folder_follows_the_option_and_the_environment(monkeypatch, tmp_path
 _LOADER = textwrap.dedent("""
     import json, sys
     from streamattn.gguf.loader import load_gguf
+    import numpy as np
+    from streamattn.quant.weights import QWeight
     m = load_gguf(sys.argv[1], packed_cache=sys.argv[2] if sys.argv[2] != "off" else False)
+    for w in [*m.weights.values(), *m.fused.values()]:   # a byte of every page, as a forward pass reads
+        for p in (w.qs, w.scale, w.minv) if isinstance(w, QWeight) else ():
+            if p is not None:
+                p.reshape(-1).view(np.uint8)[::4096].sum()
     def mapping(path):          # this process's pages of the packed file, from /proc/self/smaps
         got, inside = {}, False
         for line in open("/proc/self/smaps"):
@@ -309,7 +389,7 @@ def test_two_processes_on_one_model_share_its_pages(tmp_path):
     load_gguf(model, packed_cache=cache)
     path = the_file(cache)
     payload = index_of(path)["end"] - packed_file.PAGE
-    first, _ = _start(model, cache, path)                # a warm load reads (verifies) every page
+    first, _ = _start(model, cache, path)                # (the loader reads a byte of every page)
     try:
         second, seen = _start(model, cache, path)
         second.communicate("")

@@ -32,6 +32,9 @@ LAYOUT_VERSION = 1
 #: The modules whose code decides the bytes of a packed file (relative to the streamattn package).
 LAYOUT_SOURCES = ("quant/weights.py", "quant/repack.py", "quant/levels.py", "quant/arrange.py",
                   "quant/packed_file.py")
+#: Every rows-per-group a packed file can have (``quant.kernels.LANES``: 8 for AVX2, 16 for AVX-512): one
+#: model file has at most one packed file per value in a folder.
+ALL_LANES = (8, 16)
 
 
 def folder(option, size: int) -> Path | None:
@@ -92,11 +95,17 @@ def load(where: Path, path: str, want: dict, build, *, source=None, lanes: int, 
     wait, then map the file the first wrote); ``source``: the GGUF file's map (planes that are its bytes
     are recorded by offset, :func:`streamattn.quant.packed_file.write`); ``check(pairs)``: what is wrong with
     a file's weights for this model (the names and shapes it expects), or None; a file it refuses is
-    rebuilt."""
+    rebuilt.
+
+    The CRC-32s of a mapped file are read when it changed since they last held
+    (``packed_file.read(verify="changed")``). A rebuild replaces the file of the same name; after it, this
+    model file's packed files for other lanes (:data:`ALL_LANES`) that were built from another version of
+    it (size, mtime or header) are deleted, each under its own lock, skipped while another process holds
+    that lock, so that no packed file of an old version stays behind."""
     target = file_for(where, path, lanes)
 
     def mapped():
-        got = packed_file.read(target, want, source=path)
+        got = packed_file.read(target, want, source=path, verify="changed")
         wrong = check(got) if check is not None else None
         if wrong:
             raise packed_file.Miss(f"{target}: {wrong}")
@@ -116,6 +125,7 @@ def load(where: Path, path: str, want: dict, build, *, source=None, lanes: int, 
             for old in where.glob(target.name + ".*.tmp"):   # left by a writer that died (writers hold the lock)
                 old.unlink(missing_ok=True)
             packed_file.write(target, want, build(), source=source)
+            _drop_old_versions(where, path, lanes, want)
             return packed_file.read(target, want, source=path, verify=False)   # (just written from memory)
     except (OSError, packed_file.Miss) as e:
         warnings.warn(f"packed-weights cache {where}: {e}; packing {path} in memory instead (set {ENV} to a "
@@ -123,20 +133,46 @@ def load(where: Path, path: str, want: dict, build, *, source=None, lanes: int, 
         return None
 
 
-class _locked:
-    """An exclusive ``flock`` on ``<target>.lock`` for the ``with`` block (none where fcntl is missing)."""
+def _drop_old_versions(where: Path, path: str, lanes: int, want: dict) -> None:
+    """Delete the packed files of ``path`` for lanes other than ``lanes`` whose key names another version
+    of the model file than ``want`` does (a file for another CPU target built from this version stays)."""
+    for other in ALL_LANES:
+        f = file_for(where, path, other)
+        if other == lanes or not f.exists():
+            continue
+        with _locked(f, wait=False) as lock:
+            if not lock.held:                  # being built or rebuilt now: that builder decides
+                continue
+            try:
+                old = packed_file.key_of(f).get("gguf") != want["gguf"]
+            except packed_file.Miss:
+                old = False                    # damaged: its own loader rebuilds it
+            if old:
+                packed_file.remove(f)
 
-    def __init__(self, target: Path):
+
+class _locked:
+    """An exclusive ``flock`` on ``<target>.lock`` for the ``with`` block (none where fcntl is missing);
+    ``wait=False``: try once, and ``held`` says whether it was taken."""
+
+    def __init__(self, target: Path, *, wait: bool = True):
         self.path = f"{target}.lock"
         self.fd = None
+        self.wait = wait
+        self.held = False
 
     def __enter__(self):
         try:
             import fcntl
         except ImportError:
+            self.held = True
             return self
         self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return self
+        self.held = True
         return self
 
     def __exit__(self, *exc):

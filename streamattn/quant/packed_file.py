@@ -19,7 +19,9 @@ unchanged).
 :func:`write` writes under a temporary name and renames (a reader never sees half a file; of two writers
 the last rename wins, both whole). :func:`read` checks the header, the index's SHA-256, the key, every
 plane's bounds and every chunk's CRC-32 before it returns views: a damaged or stale file is a
-:class:`Miss`, never wrong weights.
+:class:`Miss`, never wrong weights. With ``verify="changed"`` the CRC-32s are read only when the file
+changed since they last held: ``<file>.verified`` records the file's status (device, inode, size, mtime,
+ctime) and its index's SHA-256 at its last whole check (docs/DESIGN.md §19 says what this leaves out).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import mmap
 import os
 import struct
 import tempfile
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -46,6 +49,10 @@ CHUNK = 16 << 20              # bytes per CRC-32: a file verifies in parallel, a
 _HEADER = struct.Struct("<8sIIQQ32s")
 _DTYPES = ("uint8", "uint16", "float32")
 _PLANES = ("qs", "scale", "minv")
+#: A whole check is recorded only for a file whose status changed at least this many seconds before: a
+#: write within one tick of the file system's clock could otherwise leave ctime as recorded.
+SETTLE_S = 2.0
+STAMP = ".verified"           # the suffix of the record of a file's last whole check
 
 
 class Miss(Exception):
@@ -125,6 +132,7 @@ def write(path, key: dict, owners, *, source=None) -> None:
             f.seek(0)
             f.write(_HEADER.pack(MAGIC, FORMAT, 0, at, len(index), hashlib.sha256(index).digest()))
         os.replace(tmp, path)
+        _forget(path)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -141,7 +149,7 @@ def _within(p: np.ndarray, src) -> int | None:
     return off if 0 <= off and off + p.nbytes <= src[1] else None
 
 
-def read(path, key: dict, *, source=None, verify: bool = True, threads: int | None = None) -> list:
+def read(path, key: dict, *, source=None, verify: bool | str = True, threads: int | None = None) -> list:
     """The (key, QWeight) pairs of the packed file at ``path``, its planes views of a private map of it.
 
     Parameters
@@ -152,9 +160,12 @@ def read(path, key: dict, *, source=None, verify: bool = True, threads: int | No
         What the file must have been built from; another key is a :class:`Miss` (stale).
     source : str, optional
         The model file, for planes recorded by their offset in it (mapped the same way).
-    verify : bool
-        Check every chunk's CRC-32 (default; this reads the whole payload, in ``threads`` threads). The
-        header, the index's SHA-256, the key and every plane's bounds are checked either way.
+    verify : bool or "changed"
+        True: check every chunk's CRC-32 (default; this reads the whole payload, in ``threads`` threads).
+        "changed": the same, unless ``<path>.verified`` shows that they held for this very file (same
+        device, inode, size, mtime, ctime and index) at a check made at least :data:`SETTLE_S` seconds after
+        its last change; a whole check records itself there (where the folder is writable). False: no
+        CRC-32. The header, the index's SHA-256, the key and every plane's bounds are checked either way.
 
     Returns
     -------
@@ -167,41 +178,30 @@ def read(path, key: dict, *, source=None, verify: bool = True, threads: int | No
     Miss
         The file is absent, stale or damaged; the message says what was found.
     ValueError
-        The file records planes of the model file and ``source`` is None.
+        The file records planes of the model file and ``source`` is None; ``verify`` is none of the three.
     """
+    if verify is not True and verify is not False and verify != "changed":
+        raise ValueError(f"verify must be True, False or 'changed' (got {verify!r})")
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < PAGE + _HEADER.size:
-                raise Miss(f"{path}: {size} bytes, shorter than a header")
-            magic, fmt, _, at, length, digest = _HEADER.unpack(f.read(_HEADER.size))
-            if magic != MAGIC or fmt != FORMAT:
-                raise Miss(f"{path}: not a packed-weights file of format {FORMAT} (magic {magic!r}, format {fmt})")
-            if at < PAGE or at + length != size:
-                raise Miss(f"{path}: the index at {at}..{at + length} does not end the file ({size} bytes): "
-                           "truncated or damaged")
-            f.seek(at)
-            raw = f.read(length)
+            st, at, digest, index = _index(f, path)
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except FileNotFoundError:
         raise Miss(f"{path}: absent") from None
     except OSError as e:
         raise Miss(f"{path}: cannot be read ({e})") from None
-    if hashlib.sha256(raw).digest() != digest:
-        raise Miss(f"{path}: the index does not match its SHA-256: damaged")
-    try:
-        index = json.loads(raw)
-    except ValueError as e:
-        raise Miss(f"{path}: the index is not JSON ({e}): damaged") from None
     if index.get("key") != key:
         raise Miss(f"{path}: built for {index.get('key')!r}, not {key!r}: stale")
     whole = np.frombuffer(mm, np.uint8)
     end = index["end"]
     if not PAGE <= end <= at:
         raise Miss(f"{path}: payload end {end} outside {PAGE}..{at}: damaged")
-    if verify:
+    status = _status(st, digest)
+    if verify is True or (verify == "changed" and _stamp(path) != status):
         _verify(path, mm, whole[PAGE:end], index, threads)
+        if verify == "changed" and time.time() - st.st_ctime >= SETTLE_S:
+            _record(path, status)
     src = None
     if any(isinstance(p, dict) and "source" in p for e in index["weights"] for p in e.get("planes", ())):
         if source is None:
@@ -209,6 +209,59 @@ def read(path, key: dict, *, source=None, verify: bool = True, threads: int | No
         with open(os.fspath(source), "rb") as f:
             src = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), np.uint8)
     return [_entry(path, e, whole, end, src) for e in index["weights"]]
+
+
+def key_of(path) -> dict:
+    """The key a packed file was built for, from its header and index alone (no payload byte is read).
+
+    Raises
+    ------
+    Miss
+        Absent, not a packed file, or its index fails its SHA-256.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            key = _index(f, path)[3].get("key")
+    except FileNotFoundError:
+        raise Miss(f"{path}: absent") from None
+    except OSError as e:
+        raise Miss(f"{path}: cannot be read ({e})") from None
+    return key if isinstance(key, dict) else {}
+
+
+def _index(f, path: str) -> tuple:
+    """(status, index offset, index SHA-256, index) of the open packed file ``f``: header and index checked."""
+    st = os.fstat(f.fileno())
+    if st.st_size < PAGE + _HEADER.size:
+        raise Miss(f"{path}: {st.st_size} bytes, shorter than a header")
+    magic, fmt, _, at, length, digest = _HEADER.unpack(f.read(_HEADER.size))
+    if magic != MAGIC or fmt != FORMAT:
+        raise Miss(f"{path}: not a packed-weights file of format {FORMAT} (magic {magic!r}, format {fmt})")
+    if at < PAGE or at + length != st.st_size:
+        raise Miss(f"{path}: the index at {at}..{at + length} does not end the file ({st.st_size} bytes): "
+                   "truncated or damaged")
+    f.seek(at)
+    raw = f.read(length)
+    if hashlib.sha256(raw).digest() != digest:
+        raise Miss(f"{path}: the index does not match its SHA-256: damaged")
+    try:
+        index = json.loads(raw)
+    except ValueError as e:
+        raise Miss(f"{path}: the index is not JSON ({e}): damaged") from None
+    if not isinstance(index, dict):
+        raise Miss(f"{path}: the index is not a JSON object: damaged")
+    return st, at, digest, index
+
+
+def remove(path) -> None:
+    """Delete a packed file and the record of its last check (absent ones are fine). Processes that map
+    it keep their pages until they unmap them."""
+    for p in (os.fspath(path), os.fspath(path) + STAMP):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 def _verify(path, mm, payload: np.ndarray, index: dict, threads: int | None) -> None:
@@ -229,6 +282,48 @@ def _verify(path, mm, payload: np.ndarray, index: dict, threads: int | None) -> 
     if bad:
         raise Miss(f"{path}: bytes {bad[0] * chunk + PAGE}..{(bad[0] + 1) * chunk + PAGE} (and {len(bad) - 1} "
                    "more chunks) do not match their CRC-32: damaged")
+
+
+def _status(st, digest: bytes) -> dict:
+    """What identifies one state of a file: any write, truncation, rename over it or chmod changes one field."""
+    return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns, "index_sha256": digest.hex()}
+
+
+def _stamp(path: str) -> dict | None:
+    try:
+        with open(path + STAMP, "rb") as f:
+            got = json.loads(f.read(4096))
+        return got if isinstance(got, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _record(path: str, status: dict) -> None:
+    """Write ``<path>.verified`` atomically; a folder that cannot be written keeps whole checks."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + STAMP + ".", suffix=".tmp",
+                                   dir=os.path.dirname(os.path.abspath(path)))
+        try:
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "w") as f:
+                json.dump(status, f)
+            os.replace(tmp, path + STAMP)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    except OSError:
+        pass
+
+
+def _forget(path: str) -> None:
+    try:
+        os.unlink(path + STAMP)
+    except OSError:
+        pass
 
 
 def _entry(path, e: dict, whole: np.ndarray, end: int, src) -> tuple:
