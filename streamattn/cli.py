@@ -318,11 +318,16 @@ register("perplexity", "teacher-forced perplexity of a long text through the cac
          *_module_command(lambda: importlib.import_module("streamattn.engine.perplexity")))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand; with ``command`` (a registered name), only that one's arguments are
+    configured and the others listed by name and help: configuring ``serve`` imports the server's
+    modules, which a ``generate`` does not need."""
     parser = argparse.ArgumentParser(prog="streamattn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_, configure, _) in _COMMANDS.items():
-        configure(sub.add_parser(name, help=help_, description=help_))
+        p = sub.add_parser(name, help=help_, description=help_)
+        if command is None or command == name:
+            configure(p)
     return parser
 
 
@@ -333,7 +338,8 @@ def main(argv=None) -> int:
     (arguments, model files, templates, an unusable cache folder); 3 out of memory; 130 interrupted
     (Ctrl-C: the output line is finished first); 141 the reader of stdout went away (``| head``): quiet.
     """
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv[0] if argv and argv[0] in _COMMANDS else None).parse_args(argv)
     from streamattn.gguf.loader import ModelFileError
     try:
         return _COMMANDS[args.command][2](args)

@@ -181,3 +181,18 @@ def test_warm_compiles_or_loads_every_storage_kind():
     from streamattn.kv.backends import warmup
     for kind in ("float32", "float16", "bfloat16"):
         assert warmup.warm(kind) >= 0
+
+
+def test_a_subcommand_configures_its_own_arguments_alone():
+    """``streamattn generate`` parses as with every subcommand configured, and never imports the server's
+    or the scale-out's modules (their arguments are theirs); no name configures all (``--help``)."""
+    argv = ["generate", "x", "-n", "3", "--cache-dtype", "float16", "--top-p", "0.5"]
+    assert vars(cli.build_parser("generate").parse_args(argv)) == vars(cli.build_parser().parse_args(argv))
+    with pytest.raises(SystemExit):
+        cli.build_parser("generate").parse_args(["serve", "--port", "1"])   # not configured: refused
+    code = ("import sys; from streamattn import cli; cli.build_parser('generate').parse_args(['generate', 'x']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('streamattn.serve', 'streamattn.scale', "
+            "'fastapi', 'ray', 'uvicorn'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.stdout.strip() == "[]", out.stdout
