@@ -197,6 +197,11 @@ def read(path, key: dict, *, source=None, verify: bool | str = True, threads: in
     end = index["end"]
     if not PAGE <= end <= at:
         raise Miss(f"{path}: payload end {end} outside {PAGE}..{at}: damaged")
+    if hasattr(mmap, "MADV_WILLNEED"):        # read ahead now, in the background, not page by page at first use
+        try:
+            mm.madvise(mmap.MADV_WILLNEED)
+        except OSError:
+            pass
     status = _status(st, digest)
     if verify is True or (verify == "changed" and _stamp(path) != status):
         _verify(path, mm, whole[PAGE:end], index, threads)
@@ -269,11 +274,6 @@ def _verify(path, mm, payload: np.ndarray, index: dict, threads: int | None) -> 
     starts = range(0, len(payload), chunk)
     if len(starts) != len(crcs):
         raise Miss(f"{path}: {len(crcs)} checksums for {len(starts)} chunks: damaged")
-    if hasattr(mmap, "MADV_WILLNEED"):        # read ahead at once rather than page by page
-        try:
-            mm.madvise(mmap.MADV_WILLNEED)
-        except OSError:
-            pass
     views = [memoryview(payload[a:a + chunk]) for a in starts]
     workers = threads or min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
