@@ -79,3 +79,29 @@ def test_device_places_the_model_and_backend_gpu_keeps_meaning_it():
             opts.check_device()
         with pytest.raises(ValueError, match="--backend gpu: no CUDA device.*use --backend cpu"):
             ModelOptions(backend="gpu").check_device()
+
+
+def test_a_load_pauses_the_cyclic_gc_and_puts_it_back(tmp_path, monkeypatch):
+    """Paused while the file is read, enabled after (also when the load fails); left off when it was off."""
+    import gc
+    from _model_util import write_tiny_gguf
+    from streamattn.gguf import loader
+    path = str(write_tiny_gguf(tmp_path / "t.gguf"))
+    seen, real = [], loader.load_gguf
+
+    def spy(*a, **k):
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+    monkeypatch.setattr(loader, "load_gguf", spy)
+    assert gc.isenabled()
+    tf, tok, m = ModelOptions(model=path).load()
+    assert seen == [False] and gc.isenabled() and m.config.n_layers == tf.config.n_layers
+    with pytest.raises(Exception, match="no such file"):
+        ModelOptions(model=str(tmp_path / "absent.gguf")).load()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        ModelOptions(model=path).load()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -10,6 +10,7 @@ model code is imported.
 from __future__ import annotations
 
 import argparse
+import gc
 from dataclasses import dataclass
 
 BACKENDS = ("reference", "cpu", "gpu", "auto")
@@ -297,7 +298,8 @@ class ModelOptions:
         """Set the thread count, resolve and load the model once: ``(Transformer, Tokenizer, ModelFile)``.
 
         ``progress(done, total, name)`` sees the tensors being read. A model placed on the GPU
-        (``device == "gpu"``) without a visible CUDA device is refused before the file is read.
+        (``device == "gpu"``) without a visible CUDA device is refused before the file is read. Python's
+        cyclic garbage collector is paused meanwhile (and restored as it was, also on an error).
         """
         from streamattn.gguf.hub import resolve_model
         from streamattn.gguf.loader import load_gguf
@@ -307,13 +309,19 @@ class ModelOptions:
 
         self.check_device()
         set_threads(self.threads)
-        m = load_gguf(resolve_model(self.model, quiet=quiet), progress=progress,
-                      weights=file_weights(self.weights, self.device))
-        tf = Transformer(m)
-        if self.device == "gpu":
-            import cupy
-            tf.to(cupy)
-        return tf, Tokenizer.from_metadata(m.metadata), m
+        paused = gc.isenabled()     # the load makes ~10^6 objects that live with the model (the vocabulary, its
+        gc.disable()                # merges, the tokenizer's parts): collections during it only traverse them
+        try:
+            m = load_gguf(resolve_model(self.model, quiet=quiet), progress=progress,
+                          weights=file_weights(self.weights, self.device))
+            tf = Transformer(m)
+            if self.device == "gpu":
+                import cupy
+                tf.to(cupy)
+            return tf, Tokenizer.from_metadata(m.metadata), m
+        finally:
+            if paused:
+                gc.enable()
 
 
     def check_device(self) -> None:
