@@ -72,7 +72,10 @@ def _warm_kernels(args, model=None) -> None:
         warmup.warm(kind, kind_v)
         if model is not None:
             from streamattn.engine.generate import warm_model
-            warm_model(model, kind, kind_v)
+            # generate runs no hook: the compiled layers take every call but a sinks cache's (sinks at cache
+            # positions or kept apart in float16) and float32 weights' (Transformer._compiled_layers)
+            warm_model(model, kind, kind_v, array_layers=getattr(args, "cache", "full") == "sinks"
+                       or getattr(args, "weights", "quant") != "quant")
 
 
 # ---------------------------------------------------------------------------------------- shared

@@ -196,3 +196,16 @@ def test_a_subcommand_configures_its_own_arguments_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("argv,array_layers", [([], False), (["--cache", "sinks"], True),
+                                               (["--cache", "window"], False), (["--weights", "f32"], True)])
+def test_generate_warms_the_array_layers_only_where_its_run_takes_them(monkeypatch, argv, array_layers):
+    from streamattn.engine import generate
+    from streamattn.kv.backends import warmup
+    seen = []
+    monkeypatch.setattr(warmup, "warm", lambda kind, kind_v=None: None)
+    monkeypatch.setattr(generate, "warm_model", lambda model, kind, kind_v=None, **kw: seen.append(kw))
+    args = cli.build_parser("generate").parse_args(["generate", "x", "-q", *argv])
+    cli._warm_kernels(args, model=object())
+    assert seen == [{"array_layers": array_layers}]

@@ -361,3 +361,27 @@ def test_one_thread_compiles_no_parallel_kernel(tmp_path):
         "attend_pages": 0, "merge_splits": 0, "stored_16_parallel": 0, "heads_to_rows_parallel": 0,
         "heads_rope_rows_parallel": 0}
     assert all(sigs[n] > 0 for n in ("attend_pages_serial", "stored_16", "heads_to_rows", "heads_rope_alloc"))
+
+
+def test_warm_model_leaves_the_array_layers_out_when_told():
+    """``array_layers=False``: the chunk and the decode step, never the padded call through the array layers."""
+    from types import SimpleNamespace
+    from streamattn.engine.generate import warm_model
+    from streamattn.runtime.threads import threads
+
+    class Recorder:
+        plan = SimpleNamespace(rows=4)
+        calls: list = []
+
+        def new_caches(self, **kw):
+            return []
+
+        def forward(self, tokens, caches, **kw):
+            self.calls.append((tokens.shape[1], "attn_hook" in kw))
+    with threads(1):
+        m = Recorder()
+        warm_model(m, "float32", array_layers=False)
+        assert m.calls == [(4, False), (1, False)]
+        m.calls = []
+        warm_model(m, "float32")
+        assert m.calls == [(4, False), (1, False), (2, True)]

@@ -281,7 +281,7 @@ class Generator:
         return "".join(out)
 
 
-def warm_model(model, kind: str, kind_v: str | None = None) -> float:
+def warm_model(model, kind: str, kind_v: str | None = None, *, array_layers: bool = True) -> float:
     """Run ``model`` (a CPU :class:`~streamattn.models.transformer.Transformer`) once on throwaway caches:
     a chunk of ``model.plan.rows`` tokens (its kernel plan), one token, then a chunk with a padded row
     through the array layers, so that every kernel a prefill, a decode step and the array layers call
@@ -290,7 +290,9 @@ def warm_model(model, kind: str, kind_v: str | None = None) -> float:
     llama.cpp's warm-up decode does. With more than one Numba thread set, the one-token and padded
     calls run on one thread too: the engine's :class:`~streamattn.runtime.threads.ThreadChooser` runs decode
     steps there, whose serial drivers were otherwise loaded by the first such step (~60 ms, 4% of a
-    128-token SmolLM2 run). Seconds taken.
+    128-token SmolLM2 run). ``array_layers=False`` leaves out the padded call, for a run that never takes
+    the array layers (no sinks cache, no hook: :meth:`~streamattn.models.transformer.Transformer.run`
+    compiles the rest): each of its passes reads every weight once more. Seconds taken.
 
     LLVM's library pages, which only loading needs, are handed back before and after each of the two
     kinds of loading (:func:`streamattn.runtime.memory.release_compiler_pages`): the compiled layers, then the
@@ -306,9 +308,10 @@ def warm_model(model, kind: str, kind_v: str | None = None) -> float:
     release_compiler_pages()          # the compiled layers are loaded: LLVM's pages can go (memory.py), so
     # that they do not add to those the array layers' kernels touch next: a padded row through the array
     # layers (a hook keeps a call there), as sinks at cache positions and hooks run (dispatch._append_attend)
-    _on_each_count(lambda: model.forward(np.zeros((1, 2), np.int64), caches, counts=np.array([1]), last_only=True,
-                                         attn_hook=lambda *a: None))
-    release_compiler_pages()
+    if array_layers:
+        _on_each_count(lambda: model.forward(np.zeros((1, 2), np.int64), caches, counts=np.array([1]),
+                                             last_only=True, attn_hook=lambda *a: None))
+        release_compiler_pages()
     return time.perf_counter() - t0
 
 
