@@ -11,7 +11,8 @@ the packed file, Python's bytecode), then ``--rounds`` rounds, the trees in turn
 is the moment the pipe shows more bytes than the prompt: ``generate`` writes the prompt and the token and
 flushes once, after the token. ``PYTHONDONTWRITEBYTECODE`` is removed from the children's environment
 (a user's install has its bytecode written; without it every start compiles the package's sources). The
-host's load average is recorded beside each run. The tokens are checked elsewhere (tests/test_cli*.py).
+host's load average is recorded beside each run. Correctness: every run's output (greedy) must be the
+same text, across runs and trees, or the script stops.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def run(root: str, packed: str | None, model: str, threads: int | None) -> dict:
     wall = time.perf_counter() - t0
     if code != 0 or first is None:
         raise RuntimeError(f"generate from {root} failed (exit {code}): {err.decode(errors='replace')[-2000:]}")
-    return {"first_token_s": round(first, 3), "wall_s": round(wall, 3), "load_avg": [before, _load_avg()]}
+    return {"first_token_s": round(first, 3), "wall_s": round(wall, 3), "load_avg": [before, _load_avg()],
+            "text": got.decode(errors="replace")}
 
 
 def main(argv=None) -> None:
@@ -80,13 +82,19 @@ def main(argv=None) -> None:
         if not os.path.isdir(os.path.join(root, "streamattn")):
             ap.error(f"--tree {spec!r}: {root} holds no streamattn package")
         trees[name] = (root, os.path.expanduser(packed) if packed else None)
+    texts = set()
     for name, (root, packed) in trees.items():          # untimed: whatever is not warm yet is built here
-        print(f"warm-up {name}: {json.dumps(run(root, packed, args.model, args.threads))}", flush=True)
+        r = run(root, packed, args.model, args.threads)
+        texts.add(r["text"])
+        print(f"warm-up {name}: {json.dumps(r)}", flush=True)
     runs = {name: [] for name in trees}
     for _ in range(args.rounds):
         for name, (root, packed) in trees.items():
             runs[name].append(run(root, packed, args.model, args.threads))
+            texts.add(runs[name][-1]["text"])
             print(f"{name}: {json.dumps(runs[name][-1])}", flush=True)
+    if len(texts) != 1:
+        raise SystemExit(f"the runs wrote different texts: {sorted(texts)}")
     medians = {name: {"first_token_s": statistics.median(r["first_token_s"] for r in rs),
                       "wall_s": statistics.median(r["wall_s"] for r in rs)} for name, rs in runs.items()}
     print(json.dumps(medians))

@@ -209,3 +209,17 @@ def test_generate_warms_the_array_layers_only_where_its_run_takes_them(monkeypat
     args = cli.build_parser("generate").parse_args(["generate", "x", "-q", *argv])
     cli._warm_kernels(args, model=object())
     assert seen == [{"array_layers": array_layers}]
+
+
+def test_main_has_the_exit_freeze_the_collector_once(monkeypatch, capsys):
+    """The collector's objects are frozen at interpreter exit (registered once, whatever main returns)."""
+    import atexit
+    import gc
+    registered = []
+    monkeypatch.setattr(cli, "_FREEZE_REGISTERED", False)
+    monkeypatch.setattr(atexit, "register", lambda f, *a, **k: registered.append(f))
+    assert cli.main(["generate", "x", "-n", "0"]) == 2
+    assert cli.main(["generate", "x", "-n", "0"]) == 2
+    assert registered == [gc.freeze]
+    one_error_line_each = capsys.readouterr().err.count("streamattn: error: -n/--max-tokens must be >= 1")
+    assert one_error_line_each == 2
