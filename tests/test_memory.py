@@ -80,3 +80,21 @@ def test_release_compiler_pages_drops_llvm_pages_and_compiling_still_works():
         pytest.skip(f"another process on this host maps LLVM's pages too ({before} KB private here): "
                     "the kernel reclaims no shared page, so there is nothing to measure")
     assert after <= before // 4, (before, after)
+
+
+def test_paused_gc_pauses_and_puts_back_what_was():
+    import gc
+    from streamattn.runtime.memory import paused_gc
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with paused_gc():
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()                 # off before: left off
+    finally:
+        gc.enable()

@@ -10,7 +10,6 @@ model code is imported.
 from __future__ import annotations
 
 import argparse
-import gc
 from dataclasses import dataclass
 
 BACKENDS = ("reference", "cpu", "gpu", "auto")
@@ -305,13 +304,12 @@ class ModelOptions:
         from streamattn.gguf.loader import load_gguf
         from streamattn.text.tokenizer import Tokenizer
         from streamattn.models.transformer import Transformer
+        from streamattn.runtime.memory import paused_gc
         from streamattn.runtime.threads import set_threads
 
         self.check_device()
         set_threads(self.threads)
-        paused = gc.isenabled()     # the load makes ~10^6 objects that live with the model (the vocabulary, its
-        gc.disable()                # merges, the tokenizer's parts): collections during it only traverse them
-        try:
+        with paused_gc():           # the vocabulary's strings, the tokenizer's parts: they live with the model
             m = load_gguf(resolve_model(self.model, quiet=quiet), progress=progress,
                           weights=file_weights(self.weights, self.device))
             tf = Transformer(m)
@@ -319,9 +317,6 @@ class ModelOptions:
                 import cupy
                 tf.to(cupy)
             return tf, Tokenizer.from_metadata(m.metadata), m
-        finally:
-            if paused:
-                gc.enable()
 
 
     def check_device(self) -> None:

@@ -1,4 +1,5 @@
-"""Process memory: two steps that keep the resident set of ``streamattn generate`` small.
+"""Process memory: two steps that keep the resident set of ``streamattn generate`` small, and one that
+keeps the cyclic garbage collector out of a model's load (:func:`paused_gc`).
 
 - :func:`import_numba_arraymath` (run by ``import streamattn``) imports ``numba.np.arraymath`` with
   numba's BLAS probe answering "no BLAS" for that import only, so scipy.linalg is not imported for it.
@@ -11,7 +12,9 @@ Why each is safe: docs/DESIGN.md §11; what each saves: docs/perf/2026-12-01.md 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import sys
 
 
@@ -37,6 +40,22 @@ def import_numba_arraymath() -> None:
         linalg.ensure_blas = real
     if getattr(arraymath, "ensure_blas", None) is no_probe:
         arraymath.ensure_blas = real
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """Context manager: Python's cyclic garbage collector off inside, as it was after (also on an error).
+
+    For work that makes many objects that outlive it (a model's load: its vocabulary, its tokenizer's
+    parts): a full collection inside would traverse them only to find them alive. Garbage made inside is
+    collected after, as usual."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def trim_heap() -> None:
