@@ -55,7 +55,7 @@ def _check_model_args(args):
 
 def _warm_kernels(args, model=None) -> None:
     """Compile or load the CPU kernels before the timed prefill (attention; with ``model``, everything
-    its forward calls); say so when compiling."""
+    its forward calls: the array layers' kernels only where the run takes them); say so when compiling."""
     backend = args.backend or "cpu"              # (None: no --backend given, and no --device gpu)
     if backend not in ("cpu", "auto") or getattr(args, "device", None) == "gpu":
         return
@@ -70,14 +70,17 @@ def _warm_kernels(args, model=None) -> None:
                                      "Numba caches it) ...")
     kind = getattr(args, "cache_dtype_k", None) or args.cache_dtype
     kind_v = getattr(args, "cache_dtype_v", None) or args.cache_dtype
+    # generate runs no hook: the compiled layers take every call but a sinks cache's (sinks at cache
+    # positions or kept apart in float16) and float32 weights' (Transformer._compiled_layers); they carry
+    # their own copy of the attention kernel, so cpu.attend is the array layers' alone
+    array_layers = model is None or getattr(args, "cache", "full") == "sinks" \
+        or getattr(args, "weights", "quant") != "quant"
     with warmup.notices(lines):                 # said when a compile starts, not guessed from the cache's files
-        warmup.warm(kind, kind_v)
+        if array_layers:
+            warmup.warm(kind, kind_v)
         if model is not None:
             from streamattn.engine.generate import warm_model
-            # generate runs no hook: the compiled layers take every call but a sinks cache's (sinks at cache
-            # positions or kept apart in float16) and float32 weights' (Transformer._compiled_layers)
-            warm_model(model, kind, kind_v, array_layers=getattr(args, "cache", "full") == "sinks"
-                       or getattr(args, "weights", "quant") != "quant")
+            warm_model(model, kind, kind_v, array_layers=array_layers)
 
 
 # ---------------------------------------------------------------------------------------- shared

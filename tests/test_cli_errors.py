@@ -204,11 +204,14 @@ def test_generate_warms_the_array_layers_only_where_its_run_takes_them(monkeypat
     from streamattn.engine import generate
     from streamattn.kv.backends import warmup
     seen = []
-    monkeypatch.setattr(warmup, "warm", lambda kind, kind_v=None: None)
+    monkeypatch.setattr(warmup, "warm", lambda kind, kind_v=None: seen.append("attention"))
     monkeypatch.setattr(generate, "warm_model", lambda model, kind, kind_v=None, **kw: seen.append(kw))
     args = cli.build_parser("generate").parse_args(["generate", "x", "-q", *argv])
     cli._warm_kernels(args, model=object())
-    assert seen == [{"array_layers": array_layers}]
+    assert seen == ["attention"] * array_layers + [{"array_layers": array_layers}]
+    seen.clear()
+    cli._warm_kernels(args)                                  # no model: the attention kernel alone
+    assert seen == ["attention"]
 
 
 def test_main_has_the_exit_freeze_the_collector_once(monkeypatch, capsys):
