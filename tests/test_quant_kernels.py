@@ -131,7 +131,7 @@ def _rows_alone(x, w):
 
 @pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
 def test_grouped_rows_equal_each_row_alone(type_name):
-    """A call of M rows (groups of ROWS through the multi-row kernel, then a 1-row remainder; under
+    """A call of M rows (groups of ROWS through the multi-row kernel, then the rest in one pass; under
     ROWS = 4 a decode batch of 8-15 rows starts with one 8-row pass) is bit-identical to every row alone,
     for M = 1..15 and a prefill-sized 37, any offset, 1 and 2 threads."""
     cols = 512
@@ -403,13 +403,13 @@ def test_move_planes_into_one_buffer_keeps_values():
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K", "BF16"])
 def test_every_group_size_gives_the_same_bits(type_name):
     """Every supported group_rows R gives each row the bits of the 1-row kernel (M = 37: groups of R,
-    then 37 % R rows alone)."""
+    then 37 % R rows in one pass; M = 3, 6, 7: every remainder kernel under R = 8)."""
     data, _ = gguf_bytes(type_name, 13, 256, seed=2)
     w = pack("t", type_name, data, (13, 256))
     x = np.random.default_rng(4).standard_normal((37, 256)).astype(np.float32)
     alone = _rows_alone(x, w)
     for r in GROUP_ROWS:
-        for m in (8, 13, 37):                     # 8-15 rows: under R = 4 one 8-row pass first
+        for m in (3, 6, 7, 8, 13, 37):            # 8-15 rows: under R = 4 one 8-row pass first
             np.testing.assert_array_equal(qmatmul(x[:m], w, parallel=False, group_rows=r), alone[:m],
                                           err_msg=f"R={r}, M={m}")
     with pytest.raises(ValueError, match=r"group_rows must be one of \(1, 2, 4, 8\) \(got 3\)"):

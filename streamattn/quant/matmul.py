@@ -9,10 +9,10 @@ weight row is one exact integer dot product, turned to float and added with one 
 A packed weight's rows come in interleaved groups of :data:`~streamattn.quant.kernels.LANES`
 (one vector lane per row). Groups are the outer loop (split over threads); for each, the activation
 rows go in groups of ``rows`` (:class:`KernelPlan`) through a kernel that unpacks each weight block once
-for the whole group, then the remainder in groups of 4 and 2 and one by one; the kernel that reads a
-group's weights first also prefetches them :data:`PREFETCH_BYTES` ahead (but the kinds of
-:data:`NO_PREFETCH`, which the hardware prefetcher serves better). A group's weights are read from
-memory once and stay in L1/L2 for every activation row of the call (prefill chunks and decode batches).
+for the whole group, then the remainder (fewer rows) through one kernel of its size; the kernel that
+reads a group's weights first also prefetches them :data:`PREFETCH_BYTES` ahead (the kinds of
+:data:`NO_PREFETCH`: :data:`MULTI_ROW_PREFETCH_BYTES`, and not at all with one row). A group's weights
+are read from memory once and stay in L1/L2 for every activation row of the call (prefill chunks and decode batches).
 
 Batch invariance: an output element ``out[b, r]`` is always the same function of row ``r`` and
 activation row ``b`` alone — the blocks in column order into one float accumulator, whatever group
@@ -53,10 +53,15 @@ GROUP_ROWS = (1, 2, 4, 8)
 #: of 4 KiB: exactly one page ahead read slower (measured: docs/perf/2026-12-05.md). Read when a weight
 #: kind's drivers are first built (:func:`qdrivers` is cached).
 PREFETCH_BYTES = 3584
-#: Kinds whose kernels prefetch nothing: "q6k" and "q4k" read each row group's blocks forwards (their
+#: Kinds whose one-row kernels prefetch nothing: "q6k" and "q4k" read each row group's blocks forwards (their
 #: words in the order the kernel first takes them), which the hardware prefetcher follows; PREFETCH_BYTES
 #: ahead made their one-row GEMV 1.5-3x slower on the 16-lane route (measured: docs/PERF.md).
 NO_PREFETCH = ("q6k", "q4k")
+#: How far ahead the multi-row kernels of the :data:`NO_PREFETCH` kinds prefetch a group's weights on its first
+#: pass: with 2-8 activation rows a block takes several times the one-row kernel's instructions, and without
+#: prefetching a pass read from memory at half the one-row rate or less; about ten 128-column units ahead it
+#: runs near the one-row time (measured: docs/PERF.md).
+MULTI_ROW_PREFETCH_BYTES = 16384
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
@@ -152,26 +157,32 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int, vnni: bool, amx: bool):
     """Serial and group-parallel drivers ``run(mode, x, nw, eps, xq, xd, xs, xc, qs, scale, minv, out)
     -> out``: unless ``mode`` is GIVEN, first quantize ``x`` (see :data:`GIVEN`; norm weight ``nw``,
     ``eps``) into new activations and a new ``out`` (the arguments are then placeholders); then loop over
-    the weight's interleaved groups g: activation rows in groups of R, then the rest in groups of 4 and 2
-    (where smaller than R) and one by one, out[b, lanes g + n] = dot(qs, scale, minv, g, xq, xd, xs, xc,
-    b). ``vnni``: which integer dot product (:func:`~streamattn.quant.kernels.make_qdot`; the same
-    results); ``amx``: the rows in whole 16s by tile multiplies first where the kind takes them
-    (:func:`streamattn.quant.amx.tiled`; the same results). The kernel that reads a group's weights first prefetches them (:data:`PREFETCH_BYTES`; the
-    R-row kernel's later passes find them in cache), as a decode batch of R rows reads them once. Under
-    R = 4 (the AVX2 plan) a decode batch of 8-15 rows takes its first 8 in one 8-row pass (faster for
-    that step; prompt chunks keep R = 4, where 8 rows a pass measured slower: docs/perf/2026-12-03.md).
+    the weight's interleaved groups g: activation rows in groups of R, then the rest (< R rows) in one
+    pass of a kernel of its size, out[b, lanes g + n] = dot(qs, scale, minv, g, xq, xd, xs, xc, b).
+    ``vnni``: which integer dot product (:func:`~streamattn.quant.kernels.make_qdot`; the same results);
+    ``amx``: the rows in whole 16s by tile multiplies first where the kind takes them
+    (:func:`streamattn.quant.amx.tiled`; the same results). The kernel that reads a group's weights first
+    prefetches them (:data:`PREFETCH_BYTES`, :data:`MULTI_ROW_PREFETCH_BYTES`; the R-row kernel's later
+    passes find them in cache), as a decode batch of R rows reads them once. Under
+    R = 4 (the AVX2 plan) a decode batch of 8-15 rows takes its first 8 in one 8-row pass, then 4 and
+    the rest (faster for that step; prompt chunks keep R = 4, where 8 rows a pass measured slower:
+    docs/perf/2026-12-03.md).
 
     One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
     decode step streams megabytes of weights, and the Python of a call made of several (numpy buffers,
     two dispatches, lookups) ran with its data evicted (docs/DESIGN.md §23; measured: docs/PERF.md)."""
-    ahead = 0 if kind in NO_PREFETCH else PREFETCH_BYTES
+    def ahead(n):                              # bytes a first pass of n rows prefetches
+        return (0 if n == 1 else MULTI_ROW_PREFETCH_BYTES) if kind in NO_PREFETCH else PREFETCH_BYTES
     dot_r = make_qdot(kind, group, R, lanes, vnni)
-    dot_rp = make_qdot(kind, group, R, lanes, vnni, ahead)       # a group's first R rows
+    dot_rp = make_qdot(kind, group, R, lanes, vnni, ahead(R))    # a group's first R rows
     batch = R == 4                             # decode batches of 8-15 rows: the first 8 in one pass
-    dot_8p = make_qdot(kind, group, 8 if batch else R, lanes, vnni, ahead)
-    dot_4 = make_qdot(kind, group, min(R, 4), lanes, vnni, ahead)
-    dot_2 = make_qdot(kind, group, min(R, 2), lanes, vnni, ahead)
-    dot_1 = make_qdot(kind, group, 1, lanes, vnni, ahead)
+    dot_8p = make_qdot(kind, group, 8 if batch else R, lanes, vnni, ahead(8 if batch else R))
+    dot_4 = make_qdot(kind, group, min(R, 4), lanes, vnni, ahead(min(R, 4)))
+
+    def rest(n):                               # the kernel of the last n < R rows (1-row where none is used)
+        n = n if n < R else 1
+        return make_qdot(kind, group, n, lanes, vnni, ahead(n))
+    dot_1, dot_2, dot_3, dot_5, dot_6, dot_7 = (rest(n) for n in (1, 2, 3, 5, 6, 7))
     if amx:                                    # (None otherwise: the branch below is pruned, never compiled)
         tiles, dot_t, unpack = (amx_kernels.make_config(), amx_kernels.make_qdot_tiles(kind),
                                 amx_kernels.make_unpack(kind))
@@ -226,15 +237,23 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int, vnni: bool, amx: bool):
                     dot_rp(qs, scale, minv, g, xq, xd, xs, xc, t, out)
                     for b in range(t + R, full, R):
                         dot_r(qs, scale, minv, g, xq, xd, xs, xc, b, out)
-                b = full                       # the rest (< R rows, < 8 after 8): 4, 2, then 1 at a time
-                if (R > 4 or eight) and M - b >= 4:
+                b = full                       # the rest, < R rows (< 8 after 8: 4 first), in one pass
+                if (R > 4 or eight) and M - b >= 4 and (eight or M - b == 4):
                     dot_4(qs, scale, minv, g, xq, xd, xs, xc, b, out)
                     b += 4
-                if R > 2 and M - b >= 2:
-                    dot_2(qs, scale, minv, g, xq, xd, xs, xc, b, out)
-                    b += 2
-                for b in range(b, M):
+                n = M - b
+                if n == 1:
                     dot_1(qs, scale, minv, g, xq, xd, xs, xc, b, out)
+                elif n == 2:
+                    dot_2(qs, scale, minv, g, xq, xd, xs, xc, b, out)
+                elif n == 3:
+                    dot_3(qs, scale, minv, g, xq, xd, xs, xc, b, out)
+                elif n == 5:
+                    dot_5(qs, scale, minv, g, xq, xd, xs, xc, b, out)
+                elif n == 6:
+                    dot_6(qs, scale, minv, g, xq, xd, xs, xc, b, out)
+                elif n == 7:
+                    dot_7(qs, scale, minv, g, xq, xd, xs, xc, b, out)
             return out
         return run
     return _njit_drivers(loops, f"q_{kind}_{group}_{R}_{lanes}_{int(vnni)}_{int(amx)}")
