@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -238,6 +239,7 @@ def test_a_file_checked_whole_is_read_again_only_once_it_changed(tiny, tmp_path,
     load_gguf(tiny, packed_cache=cache)                      # built: just written, nothing recorded
     path = the_file(cache)
     crcs = crc_reads(monkeypatch)
+    monkeypatch.setattr(packed_file, "SETTLE_S", 3600.0)     # (a slow host must not let the file settle)
     load_gguf(tiny, packed_cache=cache)                      # the file changed under SETTLE_S ago: not recorded
     assert crcs and not os.path.exists(path + packed_file.STAMP)
     monkeypatch.setattr(packed_file, "SETTLE_S", 0.0)
@@ -418,3 +420,64 @@ def test_concurrent_cold_loads_build_one_whole_file(tiny, tmp_path):
     assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
     packed_file.read(path, index_of(path)["key"], source=tiny)    # whole: every CRC-32 holds
     assert planes(load_gguf(tiny, packed_cache=cache)) == planes(load_gguf(tiny, packed_cache=False))
+
+
+def _two_lanes(tiny, cache):
+    """Build the model's packed file, and a copy of it standing for the other lanes' file: (this, other)."""
+    load_gguf(tiny, packed_cache=cache)
+    path = the_file(cache)
+    lanes = index_of(path)["key"]["lanes"]
+    other = str(packed_cache.file_for(cache, tiny, next(n for n in packed_cache.ALL_LANES if n != lanes)))
+    with open(path, "rb") as f, open(other, "wb") as g:
+        g.write(f.read())
+    return path, other
+
+
+def _touch(path, seconds):
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 10**9))
+
+
+def test_a_file_of_a_newer_version_of_the_model_stays(tiny, tmp_path, writes):
+    """Two hosts sharing a folder, each with its copy of the model made at another time: the rebuild for the
+    older copy leaves the other lanes' file of the newer copy (neither deletes the other's, so neither
+    rebuilds at every other run)."""
+    cache = tmp_path / "cache"
+    path, other = _two_lanes(tiny, cache)
+    _touch(tiny, -5)                                         # this host's copy is older than the other's
+    load_gguf(tiny, packed_cache=cache)
+    assert len(writes) == 2 and os.path.exists(other)
+
+
+def test_a_file_whose_lock_is_held_is_not_deleted(tiny, tmp_path, writes):
+    """The other lanes' file of an old version, locked by a process (rebuilding it), stays: that one decides."""
+    import fcntl
+    cache = tmp_path / "cache"
+    path, other = _two_lanes(tiny, cache)
+    _touch(tiny, 1)
+    fd = os.open(other + ".lock", os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        load_gguf(tiny, packed_cache=cache)
+        assert len(writes) == 2 and os.path.exists(other)
+    finally:
+        os.close(fd)
+    _touch(tiny, 1)
+    load_gguf(tiny, packed_cache=cache)                      # unlocked now: deleted
+    assert len(writes) == 3 and not os.path.exists(other)
+
+
+def test_a_failed_deletion_keeps_the_rebuilt_file(tiny, tmp_path, writes, monkeypatch):
+    """Deleting an old version's file fails (a folder shared between users): the rebuild stands, mapped from
+    disk, no warning, no second packing."""
+    cache = tmp_path / "cache"
+    path, other = _two_lanes(tiny, cache)
+    _touch(tiny, 1)
+
+    def refused(f):
+        raise PermissionError(13, "Permission denied", str(f))
+    monkeypatch.setattr(packed_file, "remove", refused)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_gguf(tiny, packed_cache=cache)
+    assert len(writes) == 2 and os.path.exists(other) and os.path.exists(path)

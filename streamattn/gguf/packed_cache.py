@@ -99,9 +99,10 @@ def load(where: Path, path: str, want: dict, build, *, source=None, lanes: int, 
 
     The CRC-32s of a mapped file are read when it changed since they last held
     (``packed_file.read(verify="changed")``). A rebuild replaces the file of the same name; after it, this
-    model file's packed files for other lanes (:data:`ALL_LANES`) that were built from another version of
-    it (size, mtime or header) are deleted, each under its own lock, skipped while another process holds
-    that lock, so that no packed file of an old version stays behind."""
+    model file's packed files for other lanes (:data:`ALL_LANES`) that were built from an older version of
+    it (an earlier mtime) are deleted, each under its own lock, skipped while another process holds that
+    lock, so that no packed file of an old version stays behind; a failure there leaves the file and does
+    not undo the rebuild."""
     target = file_for(where, path, lanes)
 
     def mapped():
@@ -134,21 +135,27 @@ def load(where: Path, path: str, want: dict, build, *, source=None, lanes: int, 
 
 
 def _drop_old_versions(where: Path, path: str, lanes: int, want: dict) -> None:
-    """Delete the packed files of ``path`` for lanes other than ``lanes`` whose key names another version
-    of the model file than ``want`` does (a file for another CPU target built from this version stays)."""
+    """Delete the packed files of ``path`` for lanes other than ``lanes`` built from an older version of the
+    model file than ``want``'s (an earlier mtime): a file for another CPU target built from this version
+    or a newer one stays, so two hosts sharing the folder with copies of one model made at different times
+    do not delete each other's files. Best effort: a file that cannot be locked or deleted stays."""
     for other in ALL_LANES:
         f = file_for(where, path, other)
         if other == lanes or not f.exists():
             continue
-        with _locked(f, wait=False) as lock:
-            if not lock.held:                  # being built or rebuilt now: that builder decides
-                continue
-            try:
-                old = packed_file.key_of(f).get("gguf") != want["gguf"]
-            except packed_file.Miss:
-                old = False                    # damaged: its own loader rebuilds it
-            if old:
-                packed_file.remove(f)
+        try:
+            with _locked(f, wait=False) as lock:
+                if not lock.held:              # being built or rebuilt now: that builder decides
+                    continue
+                try:
+                    got = packed_file.key_of(f).get("gguf")
+                except packed_file.Miss:
+                    continue                   # damaged: its own loader rebuilds it
+                if isinstance(got, dict) and got != want["gguf"] \
+                        and isinstance(got.get("mtime_ns"), int) and got["mtime_ns"] < want["gguf"]["mtime_ns"]:
+                    packed_file.remove(f)
+        except OSError:
+            continue                           # (a lock file or folder this user may not write)
 
 
 class _locked:
@@ -172,6 +179,10 @@ class _locked:
             fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
             return self
+        except OSError:
+            os.close(self.fd)
+            self.fd = None
+            raise
         self.held = True
         return self
 
