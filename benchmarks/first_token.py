@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 PROMPT = "Hello there"
@@ -43,18 +44,19 @@ def run(root: str, packed: str | None, model: str, threads: int | None) -> dict:
         cmd += ["--threads", str(threads)]
     before = _load_avg()
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, cwd=os.path.abspath(root), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
-    got, first = b"", None
-    while True:
-        chunk = os.read(p.stdout.fileno(), 1 << 16)
-        if not chunk:
-            break
-        got += chunk
-        if first is None and len(got) > len(PROMPT.encode()):
-            first = time.perf_counter() - t0
-    err = p.stderr.read()
-    code = p.wait()
+    with tempfile.TemporaryFile() as errf:         # (a pipe could fill and stall the child)
+        p = subprocess.Popen(cmd, env=env, cwd=os.path.abspath(root), stdout=subprocess.PIPE, stderr=errf)
+        got, first = b"", None
+        while True:
+            chunk = os.read(p.stdout.fileno(), 1 << 16)
+            if not chunk:
+                break
+            got += chunk
+            if first is None and len(got) > len(PROMPT.encode()):
+                first = time.perf_counter() - t0
+        code = p.wait()
+        errf.seek(0)
+        err = errf.read()
     wall = time.perf_counter() - t0
     if code != 0 or first is None:
         raise RuntimeError(f"generate from {root} failed (exit {code}): {err.decode(errors='replace')[-2000:]}")

@@ -71,16 +71,22 @@ def _warm_kernels(args, model=None) -> None:
     kind = getattr(args, "cache_dtype_k", None) or args.cache_dtype
     kind_v = getattr(args, "cache_dtype_v", None) or args.cache_dtype
     # generate runs no hook: the compiled layers take every call but a sinks cache's (sinks at cache
-    # positions or kept apart in float16) and float32 weights' (Transformer._compiled_layers); they carry
+    # positions or kept apart in float16) and a layer's whose matrices they cannot bind (float32 weights,
+    # a type without a packed kernel: Transformer._compiled_layers, compiled.bind_weights); they carry
     # their own copy of the attention kernel, so cpu.attend is the array layers' alone
-    array_layers = model is None or getattr(args, "cache", "full") == "sinks" \
-        or getattr(args, "weights", "quant") != "quant"
+    array_layers = model is None or getattr(args, "cache", "full") == "sinks" or not _all_compiled(model)
     with warmup.notices(lines):                 # said when a compile starts, not guessed from the cache's files
         if array_layers:
             warmup.warm(kind, kind_v)
         if model is not None:
             from streamattn.engine.generate import warm_model
             warm_model(model, kind, kind_v, array_layers=array_layers)
+
+
+def _all_compiled(model) -> bool:
+    """Every layer of ``model`` (a CPU Transformer) binds to the compiled layers under its kernel plan."""
+    from streamattn.models import compiled
+    return model.compile_layers and all(compiled.bind_weights(lw, model.plan) is not None for lw in model.layers)
 
 
 # ---------------------------------------------------------------------------------------- shared

@@ -198,16 +198,29 @@ def test_a_subcommand_configures_its_own_arguments_alone():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-@pytest.mark.parametrize("argv,array_layers", [([], False), (["--cache", "sinks"], True),
-                                               (["--cache", "window"], False), (["--weights", "f32"], True)])
-def test_generate_warms_the_array_layers_only_where_its_run_takes_them(monkeypatch, argv, array_layers):
+@pytest.mark.parametrize("argv,packed,array_layers", [
+    ([], True, False), (["--cache", "sinks"], True, True), (["--cache", "window"], True, False),
+    (["--weights", "f32"], False, True), ([], False, True)])
+def test_generate_warms_the_array_layers_only_where_its_run_takes_them(monkeypatch, tmp_path, argv, packed,
+                                                                       array_layers):
+    """The array layers (and their attention kernel) are warmed where the run takes them: a sinks cache, or a
+    model whose layers the compiled layers cannot bind (float32 matrices, whatever the flags say)."""
     from streamattn.engine import generate
+    from streamattn.gguf.loader import load_gguf
     from streamattn.kv.backends import warmup
+    from streamattn.models.transformer import Transformer
+    from streamattn.quant import matmul as qmatmul
+    if packed and not qmatmul.HAVE_KERNELS:
+        pytest.skip("the packed kernels need AVX2")
+    quant = {n: "Q8_0" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    path = write_tiny_gguf(tmp_path / "m.gguf", arch="llama", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
+                           head_dim=16, d_ff=96, quant=quant if packed else None)
+    model = Transformer(load_gguf(path, packed_cache=False))
     seen = []
     monkeypatch.setattr(warmup, "warm", lambda kind, kind_v=None: seen.append("attention"))
     monkeypatch.setattr(generate, "warm_model", lambda model, kind, kind_v=None, **kw: seen.append(kw))
     args = cli.build_parser("generate").parse_args(["generate", "x", "-q", *argv])
-    cli._warm_kernels(args, model=object())
+    cli._warm_kernels(args, model=model)
     assert seen == ["attention"] * array_layers + [{"array_layers": array_layers}]
     seen.clear()
     cli._warm_kernels(args)                                  # no model: the attention kernel alone
