@@ -400,7 +400,7 @@ def test_move_planes_into_one_buffer_keeps_values():
     assert len(bases) == 1                                           # one allocation holds every plane
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K", "BF16"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "BF16"])
 def test_every_group_size_gives_the_same_bits(type_name):
     """Every supported group_rows R gives each row the bits of the 1-row kernel (M = 37: groups of R,
     then 37 % R rows in one pass; M = 3, 6, 7: every remainder kernel under R = 8)."""
