@@ -177,6 +177,7 @@ class Sequence:
         self.proposer = make_proposer(spec) if spec is not None else None
         self.policy = DraftPolicy(spec.draft_max) if spec is not None else None
         self.match = 0                                     # the match length this step's draft came from
+        self._ctx = None                                   # prompt + generated, for the proposer
         self.constraint = None                             # the grammar's matcher, made at the first draw
 
     @property
@@ -201,10 +202,19 @@ class Sequence:
         if self.proposer is not None:
             k = min(self.job.speculative.draft_max, limit, self.job.max_tokens - len(self.generated) - 1)
             if k > 0:
-                found, self.match = self.proposer.lookup(list(self.job.prompt) + self.generated, k)
+                found, self.match = self.proposer.lookup(self._context(), k)
                 k = self.policy.choose(self.match, len(found), cost or _prior_cost)
                 self.draft = found[:k]
         return self.draft
+
+    def _context(self) -> list:
+        """The prompt and the tokens generated so far, as one list grown in place (the proposer then
+        indexes only what is new)."""
+        ctx, p = self._ctx, len(self.job.prompt)
+        if ctx is None or len(ctx) > p + len(self.generated):
+            ctx = self._ctx = list(self.job.prompt)
+        ctx += self.generated[len(ctx) - p:]
+        return ctx
 
     def _prepare(self, logits, extra=()):
         """The logits a token is drawn from, after the taken tokens and then ``extra`` (drafted ones
