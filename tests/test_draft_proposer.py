@@ -1,8 +1,9 @@
 """The n-gram proposer's incremental index and its drafts round a repeating tail (no model needed)."""
 
 import numpy as np
+import pytest
 
-from streamattn.engine.speculative import NgramProposer, SpecParams
+from streamattn.engine.speculative import NgramProposer, SpecParams, StepCosts
 
 
 def test_a_repeating_tail_gets_a_full_draft():
@@ -31,3 +32,13 @@ def test_a_context_that_is_no_extension_is_indexed_afresh():
     assert p.lookup(other, 2) == NgramProposer(params).lookup(list(other), 2) == ([6, 4], 2)
     shorter = [4, 5, 6]
     assert p.lookup(shorter, 2) == ([], 0)                               # the old n-grams are gone
+
+
+def test_more_rows_are_never_priced_below_fewer():
+    c = StepCosts()
+    for rows, t in ((1, 10.0), (2, 14.0), (3, 12.0), (5, 13.0)):        # 3 and 5 rows timed on a quiet spell
+        c.record(rows, t)
+    assert c.ratio(1, 2) == pytest.approx(1.4)
+    assert c.ratio(1, 3) == c.ratio(1, 4) == c.ratio(1, 5) == pytest.approx(1.4)        # not below the 2-row step
+    assert c.ratio(1, 6) == pytest.approx(1.3 + StepCosts.PRIOR_SLOPE)                  # past them: from the last timed
+    assert c.ratio(2, 5) == 1.0                                          # >= 1 against any base

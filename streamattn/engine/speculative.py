@@ -136,7 +136,9 @@ class StepCosts:
     """What the engine's decode steps cost by the rows they feed, measured as they run: the median of
     the last :data:`KEEP` step times of each row count. Owned by an engine (one model, one thread
     setting); :class:`DraftPolicy` reads :meth:`ratio`. Row counts never timed are interpolated between
-    timed ones, or priced at :data:`PRIOR_SLOPE` of a one-row step per extra row past the last one timed.
+    timed ones, or priced at :data:`PRIOR_SLOPE` of a one-row step per extra row past the last one timed;
+    a count is never priced below a smaller count timed (noise on a busy host must not make a longer
+    draft look cheaper than a shorter one).
     Medians are kept up to date as times come in, so pricing a draft is a few additions."""
 
     KEEP = 16
@@ -182,6 +184,11 @@ class StepCosts:
                 t = tb + self.PRIOR_SLOPE * t0 * (rows - below)
             else:
                 t = tb + (self._median[above] - tb) * (rows - below) / (above - below)
+        for r in self._timed:                                   # never cheaper than fewer rows timed
+            if r > rows:
+                break
+            if r > base:
+                t = max(t, self._median[r])
         return max(t / t0, 1.0)
 
 
