@@ -26,6 +26,7 @@ ctime) and its index's SHA-256 at its last whole check (docs/DESIGN.md §19 says
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -93,52 +94,41 @@ def write(path, key: dict, owners, *, source=None) -> None:
     removed and the error raised (OSError for a full disk or an unwritable folder).
     """
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
     src = None if source is None else (source.ctypes.data, source.nbytes)
-    try:
-        os.fchmod(fd, 0o644)                              # (mkstemp's 0600: other users sharing the folder read it)
-        with os.fdopen(fd, "wb") as f:
-            f.write(bytes(PAGE))                          # the header's place, written last
-            crcs, at, entries = _Crcs(), PAGE, []
-            for wkey, w in owners:
-                planes = []
-                for name in _PLANES:
-                    p = getattr(w, name)
-                    if p is None:
-                        planes.append(None)
-                        continue
-                    where = _within(p, src)
-                    if where is not None:
-                        planes.append({"dtype": p.dtype.name, "shape": list(p.shape), "source": where})
-                        continue
-                    pad = -at % ALIGN
-                    if pad:
-                        crcs.update(memoryview(bytes(pad)))
-                        f.write(bytes(pad))
-                        at += pad
-                    data = memoryview(np.ascontiguousarray(p)).cast("B")
-                    crcs.update(data)
-                    f.write(data)
-                    planes.append({"dtype": p.dtype.name, "shape": list(p.shape), "offset": at})
-                    at += p.nbytes
-                entries.append({"key": list(wkey) if isinstance(wkey, tuple) else wkey, "kind": w.kind,
-                                "shape": list(w.shape), "group": w.group, "source": w.source, "lanes": w.lanes,
-                                "planes": planes})
-                del w, p
-            index = json.dumps({"key": key, "chunk": CHUNK, "crc": crcs.finish(), "end": at,
-                                "weights": entries}, separators=(",", ":")).encode()
-            f.write(index)
-            f.seek(0)
-            f.write(_HEADER.pack(MAGIC, FORMAT, 0, at, len(index), hashlib.sha256(index).digest()))
-        os.replace(tmp, path)
-        _forget(path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with _replacing(path, "b") as f:
+        f.write(bytes(PAGE))                          # the header's place, written last
+        crcs, at, entries = _Crcs(), PAGE, []
+        for wkey, w in owners:
+            planes = []
+            for name in _PLANES:
+                p = getattr(w, name)
+                if p is None:
+                    planes.append(None)
+                    continue
+                where = _within(p, src)
+                if where is not None:
+                    planes.append({"dtype": p.dtype.name, "shape": list(p.shape), "source": where})
+                    continue
+                pad = -at % ALIGN
+                if pad:
+                    crcs.update(memoryview(bytes(pad)))
+                    f.write(bytes(pad))
+                    at += pad
+                data = memoryview(np.ascontiguousarray(p)).cast("B")
+                crcs.update(data)
+                f.write(data)
+                planes.append({"dtype": p.dtype.name, "shape": list(p.shape), "offset": at})
+                at += p.nbytes
+            entries.append({"key": list(wkey) if isinstance(wkey, tuple) else wkey, "kind": w.kind,
+                            "shape": list(w.shape), "group": w.group, "source": w.source, "lanes": w.lanes,
+                            "planes": planes})
+            del w, p
+        index = json.dumps({"key": key, "chunk": CHUNK, "crc": crcs.finish(), "end": at,
+                            "weights": entries}, separators=(",", ":")).encode()
+        f.write(index)
+        f.seek(0)
+        f.write(_HEADER.pack(MAGIC, FORMAT, 0, at, len(index), hashlib.sha256(index).digest()))
+    _forget(path)
 
 
 def _within(p: np.ndarray, src) -> int | None:
@@ -302,21 +292,30 @@ def _stamp(path: str) -> dict | None:
 def _record(path: str, status: dict) -> None:
     """Write ``<path>.verified`` atomically; a folder that cannot be written keeps whole checks."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + STAMP + ".", suffix=".tmp",
-                                   dir=os.path.dirname(os.path.abspath(path)))
-        try:
-            os.fchmod(fd, 0o644)
-            with os.fdopen(fd, "w") as f:
-                json.dump(status, f)
-            os.replace(tmp, path + STAMP)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        with _replacing(path + STAMP, "") as f:
+            json.dump(status, f)
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def _replacing(path: str, binary: str):
+    """A file opened for writing (mode ``"w" + binary``) under a temporary name beside ``path``, renamed
+    over it when the block ends; on an error inside the block it is removed and the error raised. Readable
+    by other users (mkstemp's 0600 made 0644): a folder may be shared."""
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w" + binary) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _forget(path: str) -> None:
