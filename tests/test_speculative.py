@@ -21,8 +21,8 @@ N_PROMPTS, TOKENS = 50, 16
 CHUNK = 16                                          # the caches' max_chunk: drafts of up to 15 fit
 #: Prompt cache room for all N_PROMPTS states of one model and cache kind (the reference asserts it). An
 #: entry is a whole batch-1 cache: 11.3 MB for SmolLM2 with a full cache. 256 MB held 22 of SmolLM2's 50,
-#: and least-recently-used eviction over prompts taken in order then missed nearly every prompt: each cell prefilled them all again (a cell alone: 595
-#: steps; 276 with a window cache, whose 50 entries fitted).
+#: and least-recently-used eviction over prompts taken in order then missed nearly every prompt: each
+#: cell prefilled them all again (a cell alone: 595 steps; 276 with a window cache, whose 50 entries fitted).
 PROMPT_CACHE_MB = 2048.0
 
 

@@ -12,7 +12,8 @@ rows go in groups of ``rows`` (:class:`KernelPlan`) through a kernel that unpack
 for the whole group, then the remainder (fewer rows) through one kernel of its size; the kernel that
 reads a group's weights first also prefetches them :data:`PREFETCH_BYTES` ahead (the kinds of
 :data:`NO_PREFETCH`: :data:`MULTI_ROW_PREFETCH_BYTES`, and not at all with one row). A group's weights
-are read from memory once and stay in L1/L2 for every activation row of the call (prefill chunks and decode batches).
+are read from memory once and stay in L1/L2 for every activation row of the call (prefill chunks and
+decode batches).
 
 Batch invariance: an output element ``out[b, r]`` is always the same function of row ``r`` and
 activation row ``b`` alone — the blocks in column order into one float accumulator, whatever group
