@@ -124,7 +124,7 @@ def write_tiny_gguf(path, *, arch: str = "gemma3", n_layers: int = 6, d_model: i
     ``quant`` maps tensor names' last part (e.g. ``"ffn_down"``) to a GGUF type that gguf-py quantizes
     (``"Q4_1"``, ``"Q8_0"``, ...): those tensors are stored quantized (columns: a multiple of 32); or to
     one of :data:`RANDOM_BLOCKS` (K-quants, IQ4): random blocks of about the same spread. A key naming one
-layer's tensor (``"blk.2.attn_v"``) sets that tensor's type over its kind's.
+    layer's tensor (``"blk.2.attn_v"``) sets that tensor's type over its kind's.
 
     ``override`` maps metadata keys (e.g. ``"gemma3.block_count"``) to a value written instead of the
     default, with its own GGUF type inferred (a str stays a string: "a number stored as a string").
@@ -132,7 +132,9 @@ layer's tensor (``"blk.2.attn_v"``) sets that tensor's type over its kind's.
     ``tokens`` replaces the vocabulary's token list (its length need not match ``vocab``);
     ``extra_tensors`` maps names to (raw uint8 block bytes, GGUF type name) written as they are;
     ``tokenizer_from``: a GGUF whose ``tokenizer.*`` metadata is copied (a real vocabulary and its chat
-    tokens, so real text encodes; ``vocab`` becomes its token count) instead of the stand-in tokenizer.
+    tokens, so real text encodes; ``vocab`` becomes its token count) instead of the stand-in tokenizer;
+    ``embed_scale``: the token embeddings' standard deviation (small: a tied output head no longer echoes
+    the current token).
     """
     import gguf
     rng = np.random.default_rng(seed)
