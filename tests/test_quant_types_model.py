@@ -101,3 +101,34 @@ def test_a_matrix_type_without_a_kernel_is_refused_before_any_packing(tmp_path, 
         load_gguf(path)
     monkeypatch.undo()
     assert load_gguf(path, weights="f32").weights["blk.0.ffn_down.weight"].dtype == np.float32
+
+
+def test_matrices_of_two_kinds_run_compiled_with_the_array_layers_bits(tmp_path):
+    """Llama-3.2's Q4_K_M mix: q and k Q4_K beside a Q6_K v (three row groups of two kinds in one wqkv), here
+    also gate Q4_K beside up Q6_K (two). The array layers quantize the activations once for all the groups
+    (``Matmuls.pieces``: each group's columns the bits of a call on it alone); the compiled layers take every
+    layer and give the array layers' bits, on one thread and on two (each group's rows split over threads)."""
+    import numba
+    from streamattn.runtime.threads import many_threads
+    quant = {m: "Q4_K" for m in MATRICES if m != "token_embd"} | {"attn_v": "Q6_K", "ffn_up": "Q6_K"}
+    tf = Transformer(load_gguf(write_tiny_gguf(tmp_path / "q4_k_m.gguf", quant=quant, **SIZE)))
+    lw = tf.layers[0]
+    assert all(isinstance(lw.wqkv, tuple) and len(lw.wqkv) == 3 and isinstance(lw.wgu, tuple) for lw in tf.layers)
+    assert [w.kind for w in lw.wqkv] == ["q4k", "q4k", "q6k"]
+    x = np.random.default_rng(0).standard_normal((3, SIZE["d_model"]), dtype=np.float32)
+    got = tf.matmuls.pieces(qmatmul.NORM, x, lw.attn_norm, 1e-5, lw.wqkv)
+    np.testing.assert_array_equal(got, np.concatenate([tf.matmuls.norm(x, lw.attn_norm, 1e-5, w) for w in lw.wqkv], 1))
+    tf.compile_layers = False
+    want = logits(tf)
+    tf.compile_layers = True
+    np.testing.assert_array_equal(logits(tf), want)
+    assert tf._compiled is not None and all(w is not None for w in tf._compiled.weights)
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        assert many_threads()
+        np.testing.assert_array_equal(logits(tf), want)
+        tf.compile_layers = False
+        np.testing.assert_array_equal(logits(tf), want)
+    finally:
+        numba.set_num_threads(before)

@@ -28,6 +28,8 @@ def linear(xp, x, w, mm):
     the model's :class:`~streamattn.quant.matmul.Matmuls` (its kernel plan and bound drivers)."""
     if _int_kernel(w):
         return mm.plain(x, w)
+    if _int_pieces(w):
+        return mm.pieces(qmatmul.PLAIN, x, _NO_NORM, 0.0, w)
     if isinstance(w, QWeight):
         return qmatmul.qmatmul(x, w, group_rows=mm.plan.rows, vnni=mm.plan.vnni)
     if isinstance(w, GGUFMatrix):                # the file's blocks on the GPU: the packed GEMV kernels
@@ -43,11 +45,21 @@ def _int_kernel(w) -> bool:
     return isinstance(w, QWeight) and w.kind in INT_KINDS
 
 
+def _int_pieces(w) -> bool:
+    """Row groups of different kinds, each a packed integer weight: one activation quantization for all."""
+    return isinstance(w, tuple) and all(map(_int_kernel, w))
+
+
+_NO_NORM = np.zeros(1, np.float32)
+
+
 def norm_linear(xp, x, norm_w, eps, w, mm):
     """``rms_norm(x, norm_w) @ w.T``; on packed integer weights the norm is fused into the quantization
     of the activations (one compiled pass)."""
     if _int_kernel(w):
         return mm.norm(x, norm_w, eps, w)
+    if _int_pieces(w):
+        return mm.pieces(qmatmul.NORM, x, norm_w, eps, w)
     return linear(xp, rms_norm(xp, x, norm_w, eps), w, mm)
 
 
@@ -56,6 +68,8 @@ def glu_linear(xp, gu, activation, w, mm):
     :func:`norm_linear` on packed integer weights."""
     if _int_kernel(w):
         return mm.glu(gu, activation == "gelu_tanh", w)
+    if _int_pieces(w):
+        return mm.pieces(qmatmul.GELU if activation == "gelu_tanh" else qmatmul.SILU, gu, _NO_NORM, 0.0, w)
     d_ff = gu.shape[-1] // 2
     g, u = gu[..., :d_ff], gu[..., d_ff:]
     return linear(xp, (gelu_tanh(xp, g) if activation == "gelu_tanh" else silu(xp, g)) * u, w, mm)

@@ -113,12 +113,13 @@ def _untag(tag_type) -> tuple:
     return _KINDS[code // 2], _GROUPS[code % 2], R, lanes, vnni, amx
 
 
-def _matmul(w_type):
-    """The compiled ``x @ W.T`` (any driver mode) of a weight tuple of Numba type ``w_type``: the
-    drivers ``Matmuls`` calls, with its placeholder arrays, then the padding rows cut. On a ragged step
-    only the step's real rows go through the drivers (gathered, then scattered back; the other rows of
-    the result are 0 and never read): a row's result depends on that row alone (batch invariance,
-    :mod:`streamattn.quant.matmul`), so the real rows get the bits they get with every row computed."""
+def _drive(w_type):
+    """The compiled ``drive(mode, x, nw, eps, w, one_thread) -> [M, N]`` of a weight tuple of Numba type
+    ``w_type`` on every row of x: its drivers (serial where ``one_thread``) with ``Matmuls``'s placeholder
+    arrays. A matrix held as row groups of different kinds (a tuple of weight tuples) quantizes once and
+    runs each group's drivers on the activations, as ``Matmuls.pieces`` does (the same bits)."""
+    if isinstance(w_type.types[0], types.BaseTuple):
+        return _drive_pieces(w_type)
     serial, parallel = qmatmul.qdrivers(*_untag(w_type.types[4]))
 
     @njit
@@ -131,6 +132,63 @@ def _matmul(w_type):
             out = parallel(mode=mode, x=x, nw=nw, eps=eps, xq=e.view(np.int8), xd=e, xs=e, xc=e.view(np.int32),
                            qs=w[0], scale=w[1], minv=w[2], out=e)
         return out if out.shape[1] == w[3] else np.ascontiguousarray(out[:, :w[3]])
+    return drive
+
+
+def _piece(piece_type):
+    """``run(xq, xd, xs, xc, w, out, one_thread)``: one row group's drivers on given activations into the
+    columns ``out`` [M, its rows] (the padding rows of its last interleaved group cut)."""
+    R, lanes = _untag(piece_type.types[4])[2:4]
+    serial, parallel = qmatmul.qdrivers(*_untag(piece_type.types[4]))
+    given = np.int64(qmatmul.GIVEN)
+
+    @njit
+    def run(x, xq, xd, xs, xc, w, out, one_thread):
+        full = np.empty((xq.shape[0], w[0].shape[0] * lanes), np.float32)
+        if one_thread is None or one_thread:
+            serial(mode=given, x=x, nw=_EMPTY1, eps=0.0, xq=xq, xd=xd, xs=xs, xc=xc, qs=w[0], scale=w[1],
+                   minv=w[2], out=full)
+        else:
+            parallel(mode=given, x=x, nw=_EMPTY1, eps=0.0, xq=xq, xd=xd, xs=xs, xc=xc, qs=w[0], scale=w[1],
+                     minv=w[2], out=full)
+        out[:, :] = full[:, :w[3]]
+    return run
+
+
+def _drive_pieces(w_type):
+    """:func:`_drive` for a tuple of two or three row groups."""
+    n = len(w_type.types)
+    if n not in (2, 3):
+        raise TypeError(f"the compiled layer takes a matrix in 2 or 3 row groups (got {n})")
+    acts_serial, acts_parallel = qmatmul.activations_for
+    runs = [_piece(t) for t in w_type.types] + [None] * (3 - n)
+    r0, r1, r2 = runs
+    three = n == 3
+
+    @njit
+    def drive(mode, x, nw, eps, w, one_thread):
+        if one_thread is None or one_thread:
+            xq, xd, xs, xc = acts_serial(mode, x, nw, eps)
+        else:
+            xq, xd, xs, xc = acts_parallel(mode, x, nw, eps)
+        a, b = w[0][3], w[0][3] + w[1][3]
+        c = b + w[2][3] if three else b
+        out = np.empty((x.shape[0], c), np.float32)
+        r0(x, xq, xd, xs, xc, w[0], out[:, :a], one_thread)
+        r1(x, xq, xd, xs, xc, w[1], out[:, a:b], one_thread)
+        if three:
+            r2(x, xq, xd, xs, xc, w[2], out[:, b:c], one_thread)
+        return out
+    return drive
+
+
+def _matmul(w_type):
+    """The compiled ``x @ W.T`` (any driver mode) of a weight tuple of Numba type ``w_type`` (:func:`_drive`).
+    On a ragged step only the step's real rows go through the drivers (gathered, then scattered back; the
+    other rows of the result are 0 and never read): a row's result depends on that row alone (batch
+    invariance, :mod:`streamattn.quant.matmul`), so the real rows get the bits they get with every row
+    computed."""
+    drive = _drive(w_type)
 
     @njit
     def run(mode, x, nw, eps, w, step):
@@ -499,13 +557,21 @@ def run_layer(x, w, at):
 
 
 def _matrix(w, plan: qmatmul.KernelPlan):
-    """A packed integer weight as the compiled ops' tuple, its drivers chosen by ``plan``, or None for
-    anything else (float weights, row groups of mixed kinds, a CPU or plan the kernels do not run on)."""
+    """A packed integer weight as the compiled ops' tuple, its drivers chosen by ``plan`` (row groups of
+    different kinds: a tuple of two or three such tuples), or None for anything else (float weights, a CPU
+    or plan the kernels do not run on)."""
+    if isinstance(w, tuple):
+        parts = tuple(_matrix(p, plan) for p in w)
+        return parts if len(parts) in (2, 3) and None not in parts and not any(map(_grouped, parts)) else None
     if not (qmatmul.HAVE_KERNELS and isinstance(w, qmatmul.QWeight) and w.kind in _KINDS and w.lanes in _LANES
             and w.lanes <= plan.lanes and w.group in _GROUPS):
         return None
     return (w.qs, w.scale, _EMPTY2 if w.minv is None else w.minv, w.shape[0],
             _tag(w.kind, w.group, w.lanes, plan.rows, plan.vnni, plan.amx))
+
+
+def _grouped(m) -> bool:
+    return isinstance(m[0], tuple)
 
 
 def bind_weights(lw: LayerWeights, plan: qmatmul.KernelPlan | None = None):

@@ -260,6 +260,41 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int, vnni: bool, amx: bool):
     return _njit_drivers(loops, f"q_{kind}_{group}_{R}_{lanes}_{int(vnni)}_{int(amx)}")
 
 
+def _activation_kernels(split: bool):
+    """:func:`activations_for` (``split``: prompt rows quantized over threads, as the parallel drivers do)."""
+
+    def activations_for(mode, x, nw, eps):
+        """The activations a driver makes of ``x`` before it multiplies (``mode`` PLAIN, NORM, SILU or GELU,
+        as :func:`qdrivers`; the same functions, so the same bytes): (xq, xd, xs, xc) for the GIVEN mode,
+        so that the row groups of a matrix of several kinds (:meth:`Matmuls.pieces`) quantize once."""
+        M = x.shape[0]
+        K = x.shape[1] // 2 if mode >= SILU else x.shape[1]
+        xq = _lines(M, K).view(np.int8)
+        xd = np.empty((M, K // 32), np.float32)
+        xs = np.empty((M, K // 32), np.float32)
+        xc = np.empty((M, K // 16), np.int32)
+        pieces = split and M >= activations.SPLIT_ROWS
+        if mode == NORM:
+            if pieces:
+                norm_quantize_rows_parallel(x, nw, eps, xq, xd, xs, xc)
+            else:
+                norm_quantize_rows(x, nw, eps, xq, xd, xs, xc)
+        elif mode >= SILU:
+            if pieces:
+                glu_quantize_rows_parallel(x, mode == GELU, xq, xd, xs, xc)
+            else:
+                glu_quantize_rows(x, mode == GELU, xq, xd, xs, xc)
+        else:
+            quantize_rows(x, xq, xd, xs, xc)
+        return xq, xd, xs, xc
+    return activations_for
+
+
+#: (serial, parallel) :func:`activations_for`: the parallel one only quantizes prompt rows over threads.
+activations_for = (njit(cache=True)(variant(_activation_kernels(False), "serial")),
+                   njit(cache=True)(variant(_activation_kernels(True), "parallel")))
+
+
 @functools.cache
 def _fdrivers(kind: str, R: int):
     """As :func:`qdrivers` for float storage: out[b, r] = dot(w, r, x, b)."""
@@ -317,6 +352,29 @@ class Matmuls:
     def glu(self, gu, gelu: bool, w: QWeight):
         """``(act(g) * u) @ W.T`` for gu = [g | u]: float32 [..., 2F] and a "q4"/"q8" weight [N, F]."""
         return self._fused(GELU if gelu else SILU, gu, _EMPTY1, 0.0, w)
+
+    def pieces(self, mode: int, x, nw, eps: float, ws: tuple):
+        """What :meth:`norm`, :meth:`plain` or :meth:`glu` (``mode``: NORM, PLAIN, SILU, GELU) gives for a
+        matrix held as row groups of different kinds (``ws``: QWeights of the kernels' kinds, their rows
+        concatenated): the activations made once (:data:`activations_for`), each group's drivers on them,
+        the results side by side. Each group's columns are the bits a call on that group alone gives."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != np.float32 or not x2.flags.c_contiguous:
+            x2 = np.ascontiguousarray(x2, np.float32)
+        if nw.dtype != np.float32 or not nw.flags.c_contiguous:
+            nw = np.ascontiguousarray(nw, np.float32)
+        par = many_threads()
+        acts = activations_for[par](mode, x2, nw, eps)
+        outs = []
+        for w in ws:
+            b = self._bound.get(id(w))
+            if b is None or b[2] is not w.qs or b[3] is not w.scale or b[4] is not w.minv:
+                b = self._bind(w)
+            _, drivers, qs, scale, minv, n = b
+            out = np.empty((x2.shape[0], qs.shape[0] * w.lanes), np.float32)
+            drivers[par](GIVEN, _EMPTY, _EMPTY1, 0.0, *acts, qs, scale, _EMPTY if minv is None else minv, out)
+            outs.append(_real_rows(out, n))
+        return np.concatenate(outs, axis=1).reshape(*x.shape[:-1], -1)
 
     def drivers(self, w: QWeight) -> tuple:
         """The plan's (serial, group-parallel) drivers for w's kind (:func:`qdrivers`)."""
