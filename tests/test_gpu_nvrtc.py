@@ -43,13 +43,16 @@ def test_compiles_clean_without_spills(kind, arch):
 
 def test_every_backend_specialisation_is_checked():
     """The compile check covers what the plans can request: (5 dtypes (q8_0, q4_0 included) + 6 pairs of K and
-    V apart) x 3 head_dims x 2 kinds x (plain, soft-capped) + 3 merges, and 7 GGUF types x 5 batch widths of
-    the packed gemv."""
+    V apart) x 3 head_dims x 2 kinds x (plain, soft-capped) + 3 merges, 7 GGUF types x 5 batch widths of
+    the packed gemv, and the layer kernels: RMSNorm, the residual add with and without its post norm, heads
+    + RoPE (2 styles x with and without a per-head norm), GLU (silu, gelu-tanh)."""
     specs = gpu_source.all_specs()
-    assert len(specs) == len(set(specs)) == 135 + 35
+    assert len(specs) == len(set(specs)) == 135 + 35 + 9
     assert {"decode_q8_q4_hd64", "prefill_f16_q4_hd256_softcap", "decode_q4_f16_hd128"} <= set(specs)
     assert {f"gemv_{t.lower()}_nb{nb}" for t in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
             for nb in (1, 2, 4, 8, 16)} <= set(specs)
+    assert {"layer_norm", "layer_add", "layer_addnorm", "layer_glu_silu", "layer_glu_gelu"} | {
+        f"layer_heads_{style}{norm}" for style in ("interleaved", "neox") for norm in ("", "_qknorm")} <= set(specs)
     for dtype in ("float32", "float16", "uint16"):
         for hd in gpu_source.HEAD_DIMS:
             tag = gpu_source.storage_tag(dtype)

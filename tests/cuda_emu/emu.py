@@ -87,7 +87,7 @@ class Emulator:
         self.launches: list[str] = []  # names launched, in order (tests check the plan's choices)
 
     def launch(self, name: str, grid, block, args) -> None:
-        """Run kernel ``name`` on ``grid`` x ``block``; args: numpy arrays, np.int32, np.float32."""
+        """Run kernel ``name`` on ``grid`` x ``block``; args: numpy arrays, np.int32, np.float32, np.float64."""
         keep = []  # ctypes values must outlive the call
         for a in args:
             if isinstance(a, np.ndarray):
@@ -98,6 +98,8 @@ class Emulator:
                 keep.append(ctypes.c_int32(int(a)))
             elif isinstance(a, np.float32):
                 keep.append(ctypes.c_float(float(a)))
+            elif isinstance(a, np.float64):
+                keep.append(ctypes.c_double(float(a)))
             else:
                 raise TypeError(f"argument {len(keep)} of {name}: unsupported type {type(a).__name__}")
         argv = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.pointer(x), ctypes.c_void_p) for x in keep])

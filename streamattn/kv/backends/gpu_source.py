@@ -15,6 +15,7 @@ prefill  ``sa_prefill<KIND, HD>``              ``prefill_bf16_hd64``
 prefill  ``sa_prefill<KIND, HD, true>``        ``prefill_bf16_hd64_softcap``
 merge    ``sa_merge<HD>``                      ``merge_hd256``
 gemv     ``sa_gemv<TYPE, NB>``                 ``gemv_q4_k_nb4``
+layer    ``sa_rows<MODE>`` and others          ``layer_norm``, ``layer_heads_neox_qknorm``
 ======== ===================================== ==============================
 
 KIND is the K/V storage dtype: 0 float32, 1 float16, 2 bfloat16 (uint16 bits), 3 q8_0 and 4 q4_0 (uint8
@@ -23,7 +24,8 @@ kinds take both tags, K's first (``prefill_f16_q4_hd64``), for the pairs in :dat
 The ``_softcap`` variants soft-cap every score (Gemma-2); the plain ones are the same text without it
 (``if constexpr``), so models without a cap run exactly the kernels they ran before it existed.
 The gemv kernels (kernels/gemv_packed.cu) multiply a matrix held in a GGUF type of :data:`GEMV_TYPES`
-(TYPE: GGML's type id) by up to NB vectors of :data:`GEMV_BATCHES`.
+(TYPE: GGML's type id) by up to NB vectors of :data:`GEMV_BATCHES`. The layer kernels (kernels/layer_ops.cu)
+are the decoder layer's RMSNorm, residual add, heads split with RoPE, and GLU: :data:`LAYER_SPECS`.
 """
 from __future__ import annotations
 
@@ -38,13 +40,22 @@ QUANT_BLOCK_BYTES = {"q8": 34, "q4": 18}  # bytes per 32 values (streamattn.kv.s
 # (K, V) storage pairs of different kinds the kernels are instantiated for: a quantized side beside float16
 # or the other quantized kind (each pair is 12 more specialisations to compile and check)
 MIXED_PAIRS = (("f16", "q8"), ("f16", "q4"), ("q8", "f16"), ("q4", "f16"), ("q8", "q4"), ("q4", "q8"))
-SOURCES = {"decode": "decode.cu", "prefill": "prefill.cu", "merge": "merge.cu", "gemv": "gemv_packed.cu"}
+SOURCES = {"decode": "decode.cu", "prefill": "prefill.cu", "merge": "merge.cu", "gemv": "gemv_packed.cu",
+           "layer": "layer_ops.cu"}
 # GGUF type -> (GGML type id: the gemv template's TYPE, values per block, bytes per block) (ggml-common.h;
 # gguf.constants.GGML_QUANT_SIZES holds the same sizes)
 GEMV_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
               "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 GEMV_BATCHES = (1, 2, 4, 8, 16)  # NB: x vectors one gemv launch row multiplies (a batch takes the next one up)
 GEMV_THREADS = 128  # SA_GEMV_THREADS in kernels/gemv_packed.cu: 4 warps, one output row each
+# The layer kernels (kernels/layer_ops.cu): readable name -> name expression
+LAYER_SPECS = {"layer_norm": "sa_rows<0>", "layer_add": "sa_rows<1>", "layer_addnorm": "sa_rows<2>",
+               "layer_heads_interleaved": "sa_heads_rope<false, false>",
+               "layer_heads_interleaved_qknorm": "sa_heads_rope<false, true>",
+               "layer_heads_neox": "sa_heads_rope<true, false>", "layer_heads_neox_qknorm": "sa_heads_rope<true, true>",
+               "layer_glu_silu": "sa_glu<false>", "layer_glu_gelu": "sa_glu<true>"}
+LAYER_ROW_THREADS = 128  # SA_ROW_THREADS in kernels/layer_ops.cu
+LAYER_HEAD_WARPS = 4  # SA_HEAD_WARPS: heads one sa_heads_rope block handles, a warp each
 # Options for every NVRTC compile (backend and compile check alike); the arch is added per device.
 NVRTC_OPTIONS = ("-std=c++17",)
 # What cupy.RawModule appends on its own (CuPy 13/14 compiler.py): the compile check adds these too, so
@@ -103,7 +114,7 @@ def source(kind: str) -> str:
 
     Parameters
     ----------
-    kind : {"decode", "prefill", "merge", "gemv"}
+    kind : {"decode", "prefill", "merge", "gemv", "layer"}
 
     Returns
     -------
@@ -164,6 +175,8 @@ def gemv_name(gguf_type: str, nb: int) -> str:
 
 def name_expression(name: str) -> str:
     """C++ name expression (for NVRTC ``name_expressions``) of a readable specialisation name."""
+    if name in LAYER_SPECS:
+        return LAYER_SPECS[name]
     parts = name.split("_")
     if parts[0] == "gemv":                                # gemv_q4_k_nb4 -> sa_gemv<12, 4>
         return f"sa_gemv<{GEMV_TYPES['_'.join(parts[1:-1]).upper()][0]}, {int(parts[-1].removeprefix('nb'))}>"
@@ -185,7 +198,7 @@ def all_specs() -> list[str]:
     mixed = [spec_name(kind, hd, k, softcap=cap, v_tag=v) for kind in ("decode", "prefill") for cap in (False, True)
              for k, v in MIXED_PAIRS for hd in HEAD_DIMS]
     gemv = [gemv_name(t, nb) for t in GEMV_TYPES for nb in GEMV_BATCHES]
-    return names + [spec_name("merge", hd) for hd in HEAD_DIMS] + mixed + gemv
+    return names + [spec_name("merge", hd) for hd in HEAD_DIMS] + mixed + gemv + list(LAYER_SPECS)
 
 
 def choose_splits(max_keys: int, blocks_per_split: int, sm_count: int) -> int:
