@@ -1,4 +1,4 @@
-"""The oracle tests of test_gpu_emu.py and test_gpu_gemv.py again, through real CuPy on a CUDA device (marker
+"""The oracle tests of test_gpu_emu.py, test_gpu_gemv.py and test_gpu_layer.py again, through real CuPy on a CUDA device (marker
 ``gpu``).
 
 Skipped as a whole where CuPy sees no device: the CPU emulation runs the same kernel text there.
@@ -25,6 +25,10 @@ from test_gpu_emu import (  # noqa: E402,F401
 )
 from test_gpu_gemv import (  # noqa: E402,F401
     test_gemv_matches_the_float64_oracle, test_one_vector_gives_one_row_and_every_width_agrees,
+)
+from test_gpu_layer import (  # noqa: E402,F401
+    test_glu_matches_the_oracle, test_heads_rope_equals_the_cpu_path_at_its_tables, test_heads_rope_matches_the_oracle,
+    test_residual_add_with_and_without_the_post_norm, test_rms_norm_matches_the_oracle,
 )
 
 pytestmark = pytest.mark.gpu
@@ -53,6 +57,13 @@ class DeviceRunner:
         y = gpu_gemv.gemv_with(cupy, self._launch, gpu.upload(weight), cupy.asarray(x),
                                out=None if out is None else cupy.asarray(out))
         return y.get()
+
+    def layer(self, plan, *args, **kwargs):
+        """A plan of gpu_layer on device copies of the numpy arguments; its arrays back on the host."""
+        def dev(a):
+            return cupy.asarray(a) if isinstance(a, np.ndarray) else a
+        got = plan(cupy, self._launch, *map(dev, args), **{k: dev(a) for k, a in kwargs.items()})
+        return tuple(a.get() for a in got) if isinstance(got, tuple) else got.get()
 
 
 @pytest.fixture

@@ -30,7 +30,8 @@ def fake_env(emu_library):
 
 def test_device_tests_run_through_the_fake(fake_env):
     selection = ("sinks-bfloat16-128 or window-float16-64 or public or float16_queries or gqa_groups or float16_sinks "
-                 "or every_width_agrees or Q6_K-5-2-3 or (soft_capped and causal-float16)")
+                 "or every_width_agrees or Q6_K-5-2-3 or (soft_capped and causal-float16) or 64-neox-True "
+                 "or residual_add or glu_matches")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                            "tests/test_gpu_device.py", "-k", selection], cwd=ROOT, env=fake_env,
                           capture_output=True, text=True, timeout=300)

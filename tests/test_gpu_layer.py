@@ -1,6 +1,7 @@
 """The decoder layer's kernels (kernels/layer_ops.cu) without a GPU: the CPU emulation of the exact source
 text through the launch plan (streamattn.kv.backends.gpu_layer) against float64 oracles, one planted bug per
-kernel that the oracle catches, and the plan's refusals.
+kernel that the oracle catches, and the plan's refusals. The oracle tests run again on a device
+(tests/test_gpu_device.py imports them; ``runner.layer`` runs a plan there).
 
 The NVRTC compile check of these kernels (sm_80, sm_90, 0 spills) is tests/test_gpu_nvrtc.py's, which
 compiles every kind of ``gpu_source.SOURCES``, layer included. A whole model through them (GpuOps on the fake
@@ -112,8 +113,7 @@ def rows(rng, shape, spread=True):
 def test_rms_norm_matches_the_oracle(runner, shape):
     rng = np.random.default_rng(shape[-1])
     x, w = rows(rng, shape), rng.uniform(0.5, 2, shape[-1]).astype(np.float32)
-    out = np.full(shape, np.nan, np.float32)
-    assert gpu_layer.rms_norm_with(np, launcher(runner), x, w, 1e-6, out=out) is out
+    out = runner.layer(gpu_layer.rms_norm_with, x, w, 1e-6, out=np.full(shape, np.nan, np.float32))
     assert close(out, rms_oracle(x, w, 1e-6), shape[-1])
     assert runner.launches[-1] == "layer_norm"
 
@@ -125,8 +125,7 @@ def test_residual_add_with_and_without_the_post_norm(runner, shape, post):
     x, y = rows(rng, shape), rows(rng, shape)
     w = rng.uniform(0.5, 2, shape[-1]).astype(np.float32) if post else None
     want = x.astype(np.float64) + (rms_oracle(y, w, 1e-5) if post else y)
-    got = x.copy()
-    gpu_layer.residual_with(np, launcher(runner), got, y, w, 1e-5)
+    got = runner.layer(gpu_layer.residual_with, x.copy(), y, w, 1e-5)
     assert close(got, want, shape[-1])
     assert runner.launches[-1] == ("layer_addnorm" if post else "layer_add")
 
@@ -148,8 +147,8 @@ def test_heads_rope_matches_the_oracle(runner, B, T, H, Hk, hd, style, norm, fir
     inv = inverse_frequencies(1e4, hd, factors=rng.uniform(1, 8, hd // 2) if hd > 2 else None)
     qk_norm = rng.uniform(0.5, 2, (H + Hk, hd)).astype(np.float32) if norm else None
     scale = 1.0 if first % 2 == 0 else 1.0 + 0.1 * np.log(4.0)       # YaRN's attention factor on odd ones
-    q, k, v = gpu_layer.heads_rope_with(np, launcher(runner), h, pos, inv, style=style, n_heads=H, n_kv_heads=Hk,
-                                        qk_norm=qk_norm, eps=1e-6, scale=scale)
+    q, k, v = runner.layer(gpu_layer.heads_rope_with, h, pos, inv, style=style, n_heads=H, n_kv_heads=Hk,
+                           qk_norm=qk_norm, eps=1e-6, scale=scale)
     rq, rk, rv = heads_oracle(h, pos, inv, style, H, Hk, qk_norm, 1e-6, scale)
     assert q.shape == (B, H, T, hd) and k.shape == v.shape == (B, Hk, T, hd)
     for got, ref in ((q, rq), (k, rk)):
@@ -171,8 +170,8 @@ def test_heads_rope_equals_the_cpu_path_at_its_tables(runner):
     for style in ("interleaved", "neox"):
         cos, sin = rope_tables(pos[:, :, None], inv, style, 1.25)
         want = heads_rope(np, h, cos, sin, style=style, n_heads=H, n_kv_heads=Hk, qk_norm=qk_norm, eps=1e-6)
-        got = gpu_layer.heads_rope_with(np, launcher(runner), h, pos, inv, style=style, n_heads=H, n_kv_heads=Hk,
-                                        qk_norm=qk_norm, eps=1e-6, scale=1.25)
+        got = runner.layer(gpu_layer.heads_rope_with, h, pos, inv, style=style, n_heads=H, n_kv_heads=Hk,
+                           qk_norm=qk_norm, eps=1e-6, scale=1.25)
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=0, atol=8 * U * np.abs(b).max())
 
@@ -183,7 +182,7 @@ def test_heads_rope_equals_the_cpu_path_at_its_tables(runner):
 def test_glu_matches_the_oracle(runner, activation, shape):
     rng = np.random.default_rng(shape[-1])
     gu = (rng.standard_normal(shape) * 3).astype(np.float32)
-    got = gpu_layer.glu_with(np, launcher(runner), gu, activation)
+    got = runner.layer(gpu_layer.glu_with, gu, activation)
     assert got.shape == shape[:-1] + (shape[-1] // 2,)
     assert close(got, glu_oracle(gu, activation), 8)
 
@@ -244,3 +243,4 @@ def test_the_plan_refuses_bad_arguments_before_launching(runner):
     with pytest.raises(ValueError, match="odd last axis"):
         gpu_layer.glu_with(np, launch, np.ones((2, 7), np.float32), "silu")
     assert len(runner.launches) == before
+

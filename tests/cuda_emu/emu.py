@@ -3,7 +3,8 @@
 ``build`` writes the exact text the GPU backend compiles (streamattn.kv.backends.gpu_source.source) next
 to a generated translation unit that includes it after cuda_emu.h, and compiles a shared library with
 g++. ``Emulator.attend`` then runs streamattn.kv.backends.gpu_plan.attend_with, the GPU backend's own
-orchestration, with numpy arrays and this launcher (``Emulator.gemv``: gpu_gemv.gemv_with's).
+orchestration, with numpy arrays and this launcher (``Emulator.gemv``: gpu_gemv.gemv_with's; ``Emulator.layer``:
+gpu_layer's plans).
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def write_unit(out_dir: Path, *, sources: dict[str, str] | None = None, specs: l
 
 
 class Emulator:
-    """A loaded emulation library: ``launch`` runs one kernel, ``attend`` and ``gemv`` the backend's plans."""
+    """A loaded emulation library: ``launch`` runs one kernel, ``attend``, ``gemv`` and ``layer`` the backend's
+    plans."""
 
     def __init__(self, lib: Path, *, timeout_s: float = 60.0):
         self._lib = ctypes.CDLL(str(lib))
@@ -121,6 +123,10 @@ class Emulator:
     def gemv(self, weight, x, *, out=None):
         """The GPU backend's packed gemv, emulated (same plan, same kernels)."""
         return gpu_gemv.gemv_with(np, self.launch, weight, x, out=out)
+
+    def layer(self, plan, *args, **kwargs):
+        """A layer kernel's plan of streamattn.kv.backends.gpu_layer (e.g. ``rms_norm_with``), emulated."""
+        return plan(np, self.launch, *args, **kwargs)
 
 
 def build_tsan_program(out_dir: Path, *, sources: dict[str, str] | None = None) -> Path:
