@@ -205,3 +205,6 @@ class ArrayOps:
 
     def post_norm(self, x, norm_w):
         return x if norm_w is None else rms_norm(self.xp, x, norm_w, self.c.norm_eps)
+
+    def residual(self, x, y, norm_w):
+        x += self.post_norm(y, norm_w)

@@ -257,10 +257,13 @@ def _bias(x, b, at):
     return impl
 
 
-@overload(layer.post_norm)
-def _post_norm(x, norm_w, at):
-    def impl(x, norm_w, at):
-        return x if norm_w.shape[0] == 0 else rms_norm(x, norm_w, at[0].eps32)
+@overload(layer.residual)
+def _residual(x, y, norm_w, at):
+    def impl(x, y, norm_w, at):
+        if norm_w.shape[0] == 0:
+            x += y
+        else:
+            x += rms_norm(y, norm_w, at[0].eps32)
     return impl
 
 

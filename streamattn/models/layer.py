@@ -74,13 +74,14 @@ def bias(x, b, at):
     return at.bias(x, b)
 
 
-def post_norm(x, norm_w, at):
-    """``rms_norm(x, norm_w)``, or x itself where the layer has no such norm."""
-    return at.post_norm(x, norm_w)
+def residual(x, y, norm_w, at):
+    """``x += rms_norm(y, norm_w)`` in place, or ``x += y`` where the layer has no such post norm (one op: the
+    GPU runs it as one pass)."""
+    at.residual(x, y, norm_w)
 
 
 def decoder_layer(x, w, at):
     """One decoder layer on the residual rows ``x`` (in place): see the module docstring."""
     q, k, v = heads_rope(bias(norm_linear(x, w.attn_norm, w.wqkv, at), w.bqkv, at), w.qk_norm, at)
-    x += post_norm(linear(attend(q, k, v, at), w.wo, at), w.post_attn_norm, at)
-    x += post_norm(glu_linear(norm_linear(x, w.ffn_norm, w.wgu, at), w.wdown, at), w.post_ffw_norm, at)
+    residual(x, linear(attend(q, k, v, at), w.wo, at), w.post_attn_norm, at)
+    residual(x, glu_linear(norm_linear(x, w.ffn_norm, w.wgu, at), w.wdown, at), w.post_ffw_norm, at)
