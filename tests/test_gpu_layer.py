@@ -244,3 +244,48 @@ def test_the_plan_refuses_bad_arguments_before_launching(runner):
         gpu_layer.glu_with(np, launch, np.ones((2, 7), np.float32), "silu")
     assert len(runner.launches) == before
 
+
+# ------------------------------------------------------------------ GpuOps in a model
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2:yarn", "llama"])
+def test_gpu_ops_run_a_model_as_the_array_ops_do(runner, tmp_path, monkeypatch, arch):
+    """A two-layer model whose layers run through GpuOps (these kernels, emulated, on numpy arrays with the
+    CPU attention) gives the array ops' logits over greedy steps, RoPE from the device-side frequencies
+    alone (the host tables are taken away); under positions="cache" on a sinks cache the model keeps the
+    array ops, whose queries are also rotated at cache positions. The fake-CuPy runs of every architecture
+    are tests/test_model_gpu_dryrun.py's."""
+    from _model_util import write_tiny_gguf
+    from streamattn.gguf.loader import load_gguf
+    from streamattn.kv.backends import gpu
+    from streamattn.models.transformer import Transformer
+
+    name, _, scaling = arch.partition(":")
+    path = write_tiny_gguf(tmp_path / "t.gguf", arch=name, n_layers=2, d_model=32, n_heads=2, n_kv_heads=1,
+                           head_dim=64, d_ff=32, vocab=40, window=4, rope_freqs=name == "llama",
+                           rope_scaling=scaling or None)
+    ref, tf = Transformer(load_gguf(path)), Transformer(load_gguf(path))
+    for m in (ref, tf):
+        m.compile_layers = False
+    host_rope = tf._rope
+    tf.rope_device = {b: (inv, float(host_rope.scale[b])) for b, inv in host_rope.inv_freq.items()}
+    monkeypatch.setattr(gpu, "launch", launcher(runner))
+    tf._rope = None
+    rc, gc = ref.new_caches(batch=2, max_chunk=3), tf.new_caches(batch=2, max_chunk=3)
+    before = len(runner.launches)
+    toks = np.array([[3, 17, 5], [9, 1, 30]])
+    for _ in range(4):
+        a = ref.forward(toks, rc, backend="cpu", last_only=True)
+        b = tf.forward(toks, gc, backend="cpu", last_only=True)
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
+        toks = a.argmax(-1)[:, None]
+        assert (b.argmax(-1) == toks[:, 0]).all()
+    ran = set(runner.launches[before:])
+    assert {"layer_norm", f"layer_heads_{tf.config.rope_style}" + ("_qknorm" if tf.config.qk_norm else ""),
+            "layer_addnorm" if tf.config.post_norms else "layer_add"} <= ran, ran
+
+    tf._rope = host_rope
+    rc = ref.new_caches(batch=1, max_chunk=3, mode="sinks", window=2, sinks=1)
+    gc = tf.new_caches(batch=1, max_chunk=3, mode="sinks", window=2, sinks=1)
+    for toks in (np.array([[1, 2, 3]]), np.array([[4]]), np.array([[5]])):
+        a = ref.forward(toks, rc, backend="cpu", last_only=True, positions="cache")
+        b = tf.forward(toks, gc, backend="cpu", last_only=True, positions="cache")
+        np.testing.assert_array_equal(b, a)                     # the same array ops, the same bits

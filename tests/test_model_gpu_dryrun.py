@@ -36,6 +36,7 @@ path = write_tiny_gguf(sys.argv[1], arch=arch, n_layers=6, d_model=32, n_heads=2
                        head_dim=64, d_ff=32, vocab=40, window=4, rope_freqs=arch == "llama",
                        rope_scaling=scaling or None)
 cpu, gpu = Transformer(load_gguf(path)), Transformer(load_gguf(path)).to(cupy)
+gpu._rope = None                  # no host RoPE tables on the GPU path: the kernels rotate at device positions
 kv = dict(zip(("dtype", "dtype_v"), sys.argv[3].split(":"))) if len(sys.argv) > 3 else {}   # K:V storage
 cc, gc = cpu.new_caches(batch=2, max_chunk=3, **kv), gpu.new_caches(batch=2, max_chunk=3, **kv)
 assert all(c.device == "gpu" for c in gc)
@@ -49,6 +50,11 @@ for step, counts in enumerate([(3, 2), (3, 3), (1, 1), (0, 1), (1, 1)]):
     for s in range(2):
         if cnt[s]:
             np.testing.assert_allclose(b[s], a[s], rtol=1e-4, atol=1e-4)
+ran = set(cupy._emulator().launches)               # the layer's row work ran as the fused kernels
+c = gpu.config
+assert {"layer_norm", "layer_addnorm" if gpu.layers[0].post_attn_norm is not None else "layer_add",
+        "layer_glu_gelu" if c.activation == "gelu_tanh" else "layer_glu_silu",
+        f"layer_heads_{c.rope_style}" + ("_qknorm" if gpu.layers[0].qk_norm is not None else "")} <= ran, ran
 print("ok", int(gc[0].lengths[1]))
 """
 
@@ -104,6 +110,7 @@ gm = load_gguf(path, weights="gguf")
 packed = {n: w for n, w in gm.weights.items() if isinstance(w, GGUFMatrix)}
 assert {w.gguf_type for w in packed.values()} == set(types.values()), packed
 cpu, gpu = Transformer(load_gguf(path, weights="f32")), Transformer(gm).to(cupy)
+gpu._rope = None                  # no host RoPE tables on the GPU path
 assert all(isinstance(w.blocks, cupy.ndarray) for w in (gpu.layers[0].wo, gpu.embed))
 parts = [gpu.embed] + [p for lw in gpu.layers for v in vars(lw).values()
                         for p in (v if isinstance(v, tuple) else (v,))]       # row groups of mixed types: tuples

@@ -4,7 +4,8 @@
 context, so the same function runs two ways:
 
 * as Python, with ``at`` an object whose methods are array code on any ``xp`` (numpy, CuPy):
-  :class:`streamattn.models.array_ops.ArrayOps`, what ``Transformer.forward`` uses everywhere;
+  :class:`streamattn.models.array_ops.ArrayOps`, what ``Transformer.forward`` uses on numpy, or on the
+  GPU :class:`streamattn.models.gpu_ops.GpuOps`, whose row ops are fused kernels (kernels/layer_ops.cu);
 * compiled by Numba, with ``at`` a tuple of arrays and numbers: :mod:`streamattn.models.compiled`
   gives each op a Numba implementation (``numba.extending.overload``) over the same CPU kernels the
   array ops call, in the same order, so both give the same bits (tests/test_compiled_layer.py). The

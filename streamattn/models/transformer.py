@@ -5,7 +5,8 @@ The model owns weights and arithmetic; it never touches cache slots. ``forward``
 every layer, then the output norm and the logits (``hidden_states``: the same, on caches of its own,
 stopping after the norm: what embeddings pool). A layer is :func:`streamattn.models.layer.decoder_layer`,
 the one description of a block: run as array code (:class:`~streamattn.models.array_ops.ArrayOps`, on
-numpy or, once weights are moved with :meth:`Transformer.to`, CuPy), or on the CPU with packed integer
+numpy), on the GPU once weights are moved with :meth:`Transformer.to` (:class:`~streamattn.models.gpu_ops.GpuOps`:
+the row work as fused kernels, RoPE at positions uploaded once a call), or on the CPU with packed integer
 weights as one compiled call of the same function (:mod:`streamattn.models.compiled`; the same bits).
 RoPE at absolute positions (``cache.lengths`` before the append), "write, then attend". With
 ``positions="cache"`` a sinks cache also gets the query rotated at its position inside the cache,
@@ -42,7 +43,8 @@ from streamattn.models.feed import Feed
 from streamattn.runtime.arrays import to_host
 from streamattn.models import compiled
 from streamattn.models.architectures import ARCHITECTURES
-from streamattn.models.array_ops import ArrayOps, embed_rows, norm_linear, rms_norm
+from streamattn.models.array_ops import ArrayOps, embed_rows, rms_norm
+from streamattn.models.gpu_ops import GpuOps
 from streamattn.models.config import (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS, ROPE_LONG, ROPE_SHORT, ModelConfig,
                                       tensor_name)
 from streamattn.models.layer import LayerWeights, decoder_layer
@@ -179,6 +181,9 @@ class Transformer:
                                     dict(linear=c.rope_linear, factors=factors) if base == c.rope_base else {}))
                                  for base in {c.rope_base, c.rope_base_local}}, c.rope_style,
                                 scale={c.rope_base: c.rope_attn_factor})
+        #: On the GPU (after :meth:`to`): {base: (inverse frequencies float64 [hd/2] on the device, attention
+        #: factor)}, what the layer kernels rotate by (:class:`~streamattn.models.gpu_ops.GpuOps`); else None.
+        self.rope_device = None
 
     @property
     def plan(self) -> KernelPlan:
@@ -201,6 +206,8 @@ class Transformer:
                     setattr(lw, k, conv(v))
         self.xp = xp
         self._compiled = None
+        self.rope_device = None if xp is np else {
+            base: (xp.asarray(inv), float(self._rope.scale[base])) for base, inv in self._rope.inv_freq.items()}
         return self
 
     # ------------------------------------------------------------------ caches
@@ -432,15 +439,15 @@ class Transformer:
         -------
         logits : float32 [B, T, vocab], [B, vocab] (``feed.last_only``) or [N, vocab] (``feed.rows``)
         """
-        x, cnt = self._layers(feed.tokens, caches, counts=feed.counts, backend=backend, attn_hook=attn_hook,
-                              positions=positions)                               # [B, T, d]
+        x, cnt, ops = self._layers(feed.tokens, caches, counts=feed.counts, backend=backend, attn_hook=attn_hook,
+                                   positions=positions)                          # [B, T, d]
         xp, c, B = self.xp, self.config, x.shape[0]
         if feed.last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
         elif feed.rows is not None:
             x = x[xp.asarray(feed.rows), xp.asarray(feed.cols)]                          # [N, d]
         with head_threads() if head_threads is not None else contextlib.nullcontext():
-            logits = norm_linear(xp, x, self.output_norm, c.norm_eps, self.output, self.matmuls)   # [..., vocab]
+            logits = ops.norm_linear(x, self.output_norm, self.output)                 # [..., vocab]
         if c.final_softcap is not None:                     # gemma2: cap * tanh(logits / cap), in float32
             cap = np.float32(c.final_softcap)
             logits = xp.tanh(logits / cap) * cap
@@ -485,13 +492,14 @@ class Transformer:
         caches = self.new_caches(batch=1, max_chunk=min(chunk, T), max_len=T)
         out = xp.empty((T, c.d_model), np.float32)                                      # [T, d]
         for s in range(0, T, chunk):
-            x, _ = self._layers(tokens[None, s:s + chunk], caches, counts=None, backend=backend, attn_hook=None,
-                                positions="absolute")                                  # [1, t, d]
+            x, _, _ = self._layers(tokens[None, s:s + chunk], caches, counts=None, backend=backend, attn_hook=None,
+                                   positions="absolute")                               # [1, t, d]
             out[s:s + x.shape[1]] = rms_norm(xp, x[0], self.output_norm, c.norm_eps)
         return out
 
     def _layers(self, tokens, caches: list, *, counts, backend: str, attn_hook, positions: str):
-        """``forward`` up to the output head: (x float32 [B, T, d] after the last layer, cnt int [B])."""
+        """``forward`` up to the output head: (x float32 [B, T, d] after the last layer, cnt int [B], the call's
+        layer ops, whose ``norm_linear`` the output head runs)."""
         xp, c = self.xp, self.config
         tokens = np.asarray(tokens)
         if tokens.ndim != 2:
@@ -505,12 +513,20 @@ class Transformer:
             raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
         cnt = np.full(B, T, np.int64) if counts is None else np.asarray(counts, np.int64)
         pos = np.asarray(caches[0].lengths, np.int64)[:, None] + np.arange(T)[None, :]   # [B, T]
-        tables = {base: (xp.asarray(cos), xp.asarray(sin)) for base, (cos, sin) in self._rope(pos).items()}
         x = xp.asarray(embed_rows(xp, self.embed, tokens.reshape(-1))).reshape(B, T, c.d_model)  # [B, T, d]
         if c.embed_scale != 1.0:
             x = x * np.float32(c.embed_scale)
         attn_counts = None if counts is None or (cnt == T).all() else cnt    # None: every row real (one-call path)
-        ops = ArrayOps(self, caches, tables, pos, backend, attn_counts, attn_hook, positions)
+        if self.rope_device is not None and not (positions == "cache" and any(k.spec.sinks for k in caches)):
+            if pos.max() >= 2**31:
+                raise ValueError(f"positions must be below 2**31 for the GPU layer kernels (got {pos.max()})")
+            from streamattn.kv.backends import gpu
+            tables = None                       # RoPE from device positions: one upload for every layer
+            ops = GpuOps(self, caches, pos, backend, attn_counts, attn_hook, positions,
+                         xp.asarray(pos.astype(np.int32)), gpu.launch)
+        else:
+            tables = {base: (xp.asarray(cos), xp.asarray(sin)) for base, (cos, sin) in self._rope(pos).items()}
+            ops = ArrayOps(self, caches, tables, pos, backend, attn_counts, attn_hook, positions)
         counts_ok = (counts is None or np.asarray(counts).dtype.kind in "iu") and cnt.shape == (B,) \
             and cnt.min() >= 0 and cnt.max() <= T
         fast = self._compiled_layers(backend, counts_ok, attn_hook, positions, caches)
@@ -528,4 +544,4 @@ class Transformer:
                 if fast is not None and fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):
                     continue
                 decoder_layer(x, lw, ops.at_layer(i))
-        return x, cnt
+        return x, cnt, ops

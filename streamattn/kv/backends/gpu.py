@@ -67,6 +67,12 @@ def _launch(name: str, grid, block, args) -> None:
     kernel(name, device)(tuple(int(x) for x in grid), tuple(int(x) for x in block), tuple(args))
 
 
+def launch(name: str, grid, block, args) -> None:
+    """Run specialisation ``name`` of ``gpu_source.all_specs()`` on the current device, on the current
+    stream: the launcher the layer kernels' plans take (``gpu_layer``, ``streamattn.models.gpu_ops``)."""
+    _launch(name, grid, block, args)
+
+
 def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, splits: int | None = None,
            q_sink=None, kind: str | None = None, kind_v: str | None = None,
            softcap: float | None = None):
