@@ -50,6 +50,7 @@ from streamattn.models.config import (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS
 from streamattn.models.layer import LayerWeights, decoder_layer
 from streamattn.models.rope import RopeTables, inverse_frequencies, rope_tables, yarn_divisors
 from streamattn.quant.matmul import KernelPlan, Matmuls
+from streamattn.kv.backends import gpu
 from streamattn.kv.backends.gpu_gemv import GGUFMatrix
 from streamattn.quant.weights import QWeight, concat_rows
 from streamattn.runtime.threads import serial_kernels, thread_count
@@ -520,7 +521,6 @@ class Transformer:
         if self.rope_device is not None and not (positions == "cache" and any(k.spec.sinks for k in caches)):
             if pos.max() >= 2**31:
                 raise ValueError(f"positions must be below 2**31 for the GPU layer kernels (got {pos.max()})")
-            from streamattn.kv.backends import gpu
             tables = None                       # RoPE from device positions: one upload for every layer
             ops = GpuOps(self, caches, pos, backend, attn_counts, attn_hook, positions,
                          xp.asarray(pos.astype(np.int32)), gpu.launch)
