@@ -254,6 +254,7 @@ def test_gpu_ops_run_a_model_as_the_array_ops_do(runner, tmp_path, monkeypatch, 
     array ops, whose queries are also rotated at cache positions. The fake-CuPy runs of every architecture
     are tests/test_model_gpu_dryrun.py's."""
     from _model_util import write_tiny_gguf
+
     from streamattn.gguf.loader import load_gguf
     from streamattn.kv.backends import gpu
     from streamattn.models.transformer import Transformer
