@@ -87,6 +87,15 @@ template <typename T> T __shfl_xor_sync(unsigned, T value, int lane_mask, int = 
 }
 
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+using std::isfinite;
+// atomicMin on a 32-bit int, as the device's: returns the old value (kernels/append.cu's finite flag).
+inline int atomicMin(int* address, int value) {
+    std::atomic_ref<int> a(*address);
+    int old = a.load();
+    while (value < old && !a.compare_exchange_weak(old, value)) {}
+    return old;
+}
 inline float __fdividef(float a, float b) { return a / b; }  // the device's is within 2 ulp of this
 
 // IEEE binary16 bits -> float (what cvt.f32.f16 does on the GPU), exact for every input.

@@ -16,6 +16,7 @@ prefill  ``sa_prefill<KIND, HD, true>``        ``prefill_bf16_hd64_softcap``
 merge    ``sa_merge<HD>``                      ``merge_hd256``
 gemv     ``sa_gemv<TYPE, NB>``                 ``gemv_q4_k_nb4``
 layer    ``sa_rows<MODE>`` and others          ``layer_norm``, ``layer_heads_neox_qknorm``
+append   ``sa_append<KIND, VKIND, HD>``        ``append_q8_f16_hd128``, ``append_q4_hd64``
 ======== ===================================== ==============================
 
 KIND is the K/V storage dtype: 0 float32, 1 float16, 2 bfloat16 (uint16 bits), 3 q8_0 and 4 q4_0 (uint8
@@ -25,7 +26,9 @@ The ``_softcap`` variants soft-cap every score (Gemma-2); the plain ones are the
 (``if constexpr``), so models without a cap run exactly the kernels they ran before it existed.
 The gemv kernels (kernels/gemv_packed.cu) multiply a matrix held in a GGUF type of :data:`GEMV_TYPES`
 (TYPE: GGML's type id) by up to NB vectors of :data:`GEMV_BATCHES`. The layer kernels (kernels/layer_ops.cu)
-are the decoder layer's RMSNorm, residual add, heads split with RoPE, and GLU: :data:`LAYER_SPECS`.
+are the decoder layer's RMSNorm, residual add, heads split with RoPE, and GLU: :data:`LAYER_SPECS`. The
+append kernels (kernels/append.cu) write a step's K and V rows into the ring, cast or quantized as stored,
+for every K/V pair the attention kernels read.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ QUANT_BLOCK_BYTES = {"q8": 34, "q4": 18}  # bytes per 32 values (streamattn.kv.s
 # or the other quantized kind (each pair is 12 more specialisations to compile and check)
 MIXED_PAIRS = (("f16", "q8"), ("f16", "q4"), ("q8", "f16"), ("q4", "f16"), ("q8", "q4"), ("q4", "q8"))
 SOURCES = {"decode": "decode.cu", "prefill": "prefill.cu", "merge": "merge.cu", "gemv": "gemv_packed.cu",
-           "layer": "layer_ops.cu"}
+           "layer": "layer_ops.cu", "append": "append.cu"}
 # GGUF type -> (GGML type id: the gemv template's TYPE, values per block, bytes per block) (ggml-common.h;
 # gguf.constants.GGML_QUANT_SIZES holds the same sizes)
 GEMV_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
@@ -114,7 +117,7 @@ def source(kind: str) -> str:
 
     Parameters
     ----------
-    kind : {"decode", "prefill", "merge", "gemv", "layer"}
+    kind : {"decode", "prefill", "merge", "gemv", "layer", "append"}
 
     Returns
     -------
@@ -184,6 +187,9 @@ def name_expression(name: str) -> str:
     head_dim = int(parts[-2 if capped else -1].removeprefix("hd"))
     if parts[0] == "merge":
         return f"sa_merge<{head_dim}>"
+    if parts[0] == "append":                              # append_q8_f16_hd64 -> sa_append<3, 1, 64>
+        tags = parts[1:-1]
+        return f"sa_append<{KV_KINDS[tags[0]]}, {KV_KINDS[tags[-1]]}, {head_dim}>"
     template = {"decode": "sa_decode_split", "prefill": "sa_prefill"}[parts[0]]
     tags = parts[1:-2 if capped else -1]                  # K's tag, then V's where it differs
     if len(tags) == 2:
@@ -198,7 +204,8 @@ def all_specs() -> list[str]:
     mixed = [spec_name(kind, hd, k, softcap=cap, v_tag=v) for kind in ("decode", "prefill") for cap in (False, True)
              for k, v in MIXED_PAIRS for hd in HEAD_DIMS]
     gemv = [gemv_name(t, nb) for t in GEMV_TYPES for nb in GEMV_BATCHES]
-    return names + [spec_name("merge", hd) for hd in HEAD_DIMS] + mixed + gemv + list(LAYER_SPECS)
+    append = [spec_name("append", hd, k, v_tag=v) for hd in HEAD_DIMS for k, v in [(t, t) for t in KV_KINDS] + list(MIXED_PAIRS)]
+    return names + [spec_name("merge", hd) for hd in HEAD_DIMS] + mixed + gemv + list(LAYER_SPECS) + append
 
 
 def choose_splits(max_keys: int, blocks_per_split: int, sm_count: int) -> int:

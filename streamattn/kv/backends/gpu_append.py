@@ -1,0 +1,65 @@
+"""Launch plan of the K/V append kernel (kernels/append.cu), with no CuPy import.
+
+``append_with`` runs on any array module ``xp`` through a ``launch(name, grid, block, args)`` callable, as
+``gpu_plan.attend_with`` does: CuPy on a device (the GPU cache, streamattn/kv/cache.py), numpy in the CPU
+emulation of the tests, so both run this exact plan.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .gpu_source import HEAD_DIMS, KV_KINDS, MIXED_PAIRS, spec_name
+
+#: The storage dtype names of a CacheSpec -> the kernels' tags.
+TAGS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8", "q4_0": "q4"}
+#: The flag's value while no row was NaN or inf as stored (int32's largest: the kernel lowers it by atomicMin).
+FLAG_CLEAR = np.iinfo(np.int32).max
+
+
+def supports(kind: str, v_kind: str, head_dim: int) -> bool:
+    """True when an append kernel exists for K stored as ``kind``, V as ``v_kind`` (CacheSpec dtype names)
+    and ``head_dim``: the pairs the attention kernels read, head_dim in gpu_source.HEAD_DIMS."""
+    k, v = TAGS.get(kind), TAGS.get(v_kind)
+    return head_dim in HEAD_DIMS and k in KV_KINDS and v in KV_KINDS and (k == v or (k, v) in MIXED_PAIRS)
+
+
+def append_with(xp, launch, k, v, k_store, v_store, undo_k, undo_v, lengths, counts, flag, *, kind: str,
+                v_kind: str, sinks: int, ring: int, rotate_k: bool, code_base: int):
+    """Write row t < counts[b] of k, v to the slot of position lengths[b] + t, as stored.
+
+    Parameters
+    ----------
+    xp : module
+        Array module of the arrays (cupy, or numpy in the emulation).
+    launch : callable
+        ``launch(name, grid, block, args)`` runs specialisation ``name`` (``append_q8_f16_hd64``).
+    k, v : float [batch, kv_heads, T, head_dim] (cast to float32, C-contiguous, where they are not)
+    k_store, v_store : [batch, kv_heads, slots, width] C-contiguous storage (float32, float16, uint16
+        bfloat16 bits, or uint8 q8_0 / q4_0 rows)
+    undo_k, undo_v : [batch, kv_heads, T, width] C-contiguous, of the storage dtypes: receive the written
+        slots' old bytes (row t of sequence b, head h: the slot row t went to)
+    lengths, counts : int32 [batch] on the device: positions before the step, real rows of the step
+    flag : int32 [1] on the device: lowered to ``code_base + b`` where sequence b's K rows hold a NaN or
+        inf as stored, else to ``code_base + batch + b`` for its V rows; untouched when all is finite
+    kind, v_kind : K's and V's storage dtype names (CacheSpec's)
+    sinks, ring : the slot rule (``storage.slot_of``): sinks fixed slots, then a ring of ``ring``; a causal
+        cache passes 0 and its capacity
+    rotate_k : store ``k @ H`` (streamattn.kv.rotation) instead of k
+    code_base : int, see ``flag``
+
+    The bytes written equal the CPU cast's (streamattn.kv.storage.to_storage, rotation.rotate_rows), see
+    kernels/append.cu for the one exception on a device (float32 subnormals flushed to zero).
+    """
+    batch, kv_heads, T, head_dim = k.shape
+    if not supports(kind, v_kind, head_dim):
+        raise ValueError(f"no append kernel for K {kind}, V {v_kind}, head_dim {head_dim}")
+    for name, undo, store in (("undo_k", undo_k, k_store), ("undo_v", undo_v, v_store)):
+        if tuple(undo.shape) != (batch, kv_heads, T) + tuple(store.shape[3:]) or undo.dtype != store.dtype:
+            raise ValueError(f"{name} must be {store.dtype} {(batch, kv_heads, T) + tuple(store.shape[3:])} "
+                             f"(got {undo.dtype} {tuple(undo.shape)})")
+    k = xp.ascontiguousarray(k, dtype=xp.float32)     # [batch, kv_heads, T, head_dim]
+    v = xp.ascontiguousarray(v, dtype=xp.float32)
+    i32 = np.int32
+    launch(spec_name("append", head_dim, TAGS[kind], v_tag=TAGS[v_kind]), (T, kv_heads, batch), (head_dim, 1, 1),
+           [k, v, k_store, v_store, undo_k, undo_v, lengths, counts, flag, i32(kv_heads), i32(T),
+            i32(k_store.shape[2]), i32(sinks), i32(ring), i32(1 if rotate_k else 0), i32(code_base)])

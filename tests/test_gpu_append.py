@@ -1,0 +1,152 @@
+"""kernels/append.cu in the CPU emulation against the CPU cache's own bytes, and a planted bug it must catch.
+
+The kernel writes a step's K and V rows into the ring as stored: float32, float16, bfloat16, and q8_0 / q4_0
+blocks of keys rotated by the Hadamard H. Its bytes must equal what the CPU cache (numpy casts, the Numba
+quantizer, rotation.rotate_rows) stores for the same stream of appends, ring wraps and sinks included.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuda_emu import emu
+from streamattn.kv.backends import gpu_append, gpu_source
+from streamattn.kv.cache import KVCache
+from streamattn.kv.spec import CacheSpec
+from streamattn.kv.storage import bits, quantize
+
+pytestmark = pytest.mark.skipif(not emu.have_compiler(), reason="g++ (C++20) is needed for the emulation harness")
+
+PAIRS = [("float32", "float32"), ("float16", "float16"), ("bfloat16", "bfloat16"), ("q8_0", "q8_0"),
+         ("q4_0", "q4_0"), ("q8_0", "float16"), ("float16", "q4_0"), ("q4_0", "q8_0")]
+HD = 64
+TIE = "if (oa > a || (oa == a && oat < at)) { a = oa; at = oat; }"   # the first of equal magnitudes wins
+
+
+def _specs(head_dims=(HD,)):
+    return [gpu_source.spec_name("append", hd, gpu_append.TAGS[k], v_tag=gpu_append.TAGS[v])
+            for hd in head_dims for k, v in PAIRS]
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    """The append kernels (head_dim 64 for every pair, 128 for one) and a planted variant, in one small build."""
+    text = gpu_source.source("append")
+    assert text.count(TIE) == 1
+    bug = text.replace(TIE, TIE.replace("oat < at", "oat > at"))    # the last of equal magnitudes wins
+    entries = {n: ("append", gpu_source.name_expression(n)) for n in _specs() + ["append_q4_hd128"]}
+    entries["tie_bug:append_q4_hd64"] = ("append_bug", gpu_source.name_expression("append_q4_hd64"))
+    lib = emu.build(tmp_path_factory.mktemp("append_emu"), sources={"append": text, "append_bug": bug},
+                    entries=entries)
+    return emu.Emulator(lib)
+
+
+def _rows(rng, shape):
+    """float32 rows with what the casts must get right: magnitudes from 2^-30 to 2^11 (float16 subnormals and
+    rounding ties), exact zeros, a block of zeros, equal magnitudes of both signs, outlier channels."""
+    x = rng.standard_normal(shape).astype(np.float32) * np.exp2(rng.integers(-30, 12, shape)).astype(np.float32)
+    x[..., 3] = 0.0
+    x[..., 32:64] = 0.0 if shape[-1] > 64 else x[..., 32:64]
+    x[..., 5], x[..., 9] = -7.0, 7.0                              # a tie for the largest |x| of block 0
+    x[..., 40] = np.float32(2049.0)                               # float16 rounds it to even (2048)
+    return x
+
+
+def _run(emulator, cache, dev, k, v, counts, prefix=""):
+    """One append through the kernel on the emulated storage ``dev`` (a dict of arrays); returns the flag."""
+    spec = cache.spec
+    flag = np.full(1, gpu_append.FLAG_CLEAR, np.int32)
+    B, H, T, _ = k.shape
+    undo_k = np.empty((B, H, T) + dev["k"].shape[3:], dev["k"].dtype)
+    undo_v = np.empty((B, H, T) + dev["v"].shape[3:], dev["v"].dtype)
+    old_k, old_v = dev["k"].copy(), dev["v"].copy()
+    launch = lambda name, *a: emulator.launch(prefix + name, *a)     # noqa: E731
+    windowed = spec.window is not None
+    gpu_append.append_with(np, launch, k, v, dev["k"], dev["v"], undo_k, undo_v,
+                           dev["lengths"].astype(np.int32), np.asarray(counts, np.int32), flag,
+                           kind=spec.dtype, v_kind=spec.v_dtype, sinks=spec.sinks if windowed else 0,
+                           ring=cache.ring, rotate_k=spec.rotate_k, code_base=0)
+    for b in range(B):                       # the undo rows hold the slots' bytes from before the write
+        for t in range(int(counts[b])):
+            s = int(cache.slots_of(int(dev["lengths"][b]) + t))
+            assert np.array_equal(bits(undo_k[b, :, t]), bits(old_k[b, :, s]))
+            assert np.array_equal(bits(undo_v[b, :, t]), bits(old_v[b, :, s]))
+    dev["lengths"] += np.asarray(counts)
+    return int(flag[0])
+
+
+@pytest.mark.parametrize("kind,v_kind", PAIRS)
+@pytest.mark.parametrize("mode", ("causal", "window", "sinks"))
+def test_bytes_equal_the_cpu_cache(emulator, kind, v_kind, mode):
+    """A ragged stream of chunks (batch 2, T up to 3, padding rows) wrapping a ring several times: after every
+    append the emulated storage equals the CPU cache's, byte for byte."""
+    window = dict(causal=None, window=5, sinks=5)[mode]
+    spec = CacheSpec(batch=2, kv_heads=2, head_dim=HD, dtype=kind, dtype_v=v_kind, window=window,
+                     sinks=2 if mode == "sinks" else 0, max_chunk=3, sink_dtype=None,
+                     max_len=40 if mode == "causal" else None)
+    cache = KVCache(spec)
+    if mode == "causal":
+        cache.reserve(40)
+    dev = {"k": np.zeros_like(cache.k), "v": np.zeros_like(cache.v), "lengths": np.zeros(2, np.int64)}
+    rng = np.random.default_rng(len(kind) * 7 + len(v_kind) + len(mode))
+    for step in range(12):
+        T = 1 + step % 3
+        counts = np.array([T, rng.integers(0, T + 1)])
+        k, v = _rows(rng, (2, 2, T, HD)), _rows(rng, (2, 2, T, HD))
+        cache.append(k, v, counts)
+        assert _run(emulator, cache, dev, k, v, counts) == gpu_append.FLAG_CLEAR
+        assert np.array_equal(dev["lengths"], cache.lengths)
+        assert np.array_equal(bits(dev["k"]), bits(cache.k)), f"K differs after step {step}"
+        assert np.array_equal(bits(dev["v"]), bits(cache.v)), f"V differs after step {step}"
+    assert mode == "causal" or cache.lengths.max() > cache.slots      # the ring wrapped
+
+
+def test_head_dim_128_quantized_rotated(emulator):
+    """q4_0 at head_dim 128: four rotated blocks per row, equal to the CPU's bytes."""
+    spec = CacheSpec(batch=1, kv_heads=3, head_dim=128, dtype="q4_0", window=4, max_chunk=2)
+    cache = KVCache(spec)
+    dev = {"k": np.zeros_like(cache.k), "v": np.zeros_like(cache.v), "lengths": np.zeros(1, np.int64)}
+    rng = np.random.default_rng(5)
+    for _ in range(7):
+        k, v = _rows(rng, (1, 3, 2, 128)), _rows(rng, (1, 3, 2, 128))
+        cache.append(k, v)
+        _run(emulator, cache, dev, k, v, np.array([2]))
+    assert np.array_equal(dev["k"], cache.k) and np.array_equal(dev["v"], cache.v)
+
+
+@pytest.mark.parametrize("kind", ("float16", "q8_0", "q4_0"))
+def test_non_finite_rows_raise_the_flag(emulator, kind):
+    """NaN in sequence 1's V and an overflow in sequence 0's K: the flag names K of sequence 0 (the CPU
+    check reports K first); NaN in V alone names V of its sequence (batch + b); a quantized row gets the
+    CPU quantizer's NaN marker (scale 0x7E00) or its inf scale."""
+    spec = CacheSpec(batch=2, kv_heads=1, head_dim=HD, dtype=kind, window=4)
+    cache = KVCache(spec)
+    rng = np.random.default_rng(1)
+    k, v = _rows(rng, (2, 1, 1, HD)), _rows(rng, (2, 1, 1, HD))
+    v[1, 0, 0, 7] = np.nan
+    dev = {"k": np.zeros_like(cache.k), "v": np.zeros_like(cache.v), "lengths": np.zeros(2, np.int64)}
+    assert _run(emulator, cache, dev, k, v, [1, 1]) == 2 + 1
+    k[0, 0, 0, 2] = 7e4 if kind == "float16" else 1e30       # past float16 as a value or as a scale
+    dev["lengths"][:] = 0
+    assert _run(emulator, cache, dev, k, v, [1, 1]) == 0
+    if kind in ("q8_0", "q4_0"):
+        from streamattn.kv.rotation import rotate
+        assert np.array_equal(dev["k"][:, 0, 0], quantize(rotate(k[:, 0, 0]), kind)[0])
+        assert np.array_equal(dev["v"][:, 0, 0], quantize(v[:, 0, 0], kind)[0])
+        assert dev["v"][1, 0, 0, 1] == 0x7E and dev["v"][1, 0, 0, 0] == 0
+
+
+def test_planted_tie_bug_is_caught(emulator):
+    """The kernel with the last (not the first) of equal magnitudes as a q4_0 block's signed max: its bytes
+    differ from the CPU's on a row with a tie, while the real kernel's match (the check can fail)."""
+    spec = CacheSpec(batch=1, kv_heads=1, head_dim=HD, dtype="q4_0", window=4, rotate_k=False)
+    x = np.zeros((1, 1, 1, HD), np.float32)
+    x[..., 0], x[..., 1], x[..., 2] = -3.0, 3.0, 1.0                # signed max -3 (first), not +3
+    outs = []
+    for prefix in ("", "tie_bug:"):
+        cache = KVCache(spec)
+        dev = {"k": np.zeros_like(cache.k), "v": np.zeros_like(cache.v), "lengths": np.zeros(1, np.int64)}
+        cache.append(x, x)
+        _run(emulator, cache, dev, x, x, [1], prefix=prefix)
+        outs.append(np.array_equal(dev["k"], cache.k))
+    assert outs == [True, False]
