@@ -130,7 +130,7 @@ def bench_config(cp, spin, *, length, batch, dtype, launches, l2_bytes, sm_count
 
         def capture(name, grid, block, args, captured=captured):
             captured.append((gpu.kernel(name, cp.cuda.Device().id), tuple(grid), tuple(block), tuple(args)))
-            gpu._launch(name, grid, block, args)
+            gpu.launch(name, grid, block, args)
 
         out, lse = gpu_plan.attend_with(cp, capture, q, k, v, lengths, counts, window=0, sinks=0, scale=scale,
                                         sm_count=sm_count)

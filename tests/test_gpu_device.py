@@ -42,7 +42,7 @@ class DeviceRunner:
 
     def _launch(self, name, grid, block, args):
         self.launches.append(name)
-        gpu._launch(name, grid, block, args)
+        gpu.launch(name, grid, block, args)
 
     def attend(self, q, k, v, lengths, counts, *, window, sinks, scale, splits=None, q_sink=None, softcap=None):
         if k.dtype.name == "bfloat16":

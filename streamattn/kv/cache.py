@@ -47,6 +47,7 @@ import dataclasses
 import numpy as np
 
 from ..runtime.arrays import check_sequence_index, to_host
+from .device_step import DeviceCounters, DeviceStep
 from .rotation import rotate
 from .spec import QUANTIZED, CacheSpec
 from .storage import (EXPONENT_BITS, bits, check_stored_finite, non_finite_error, ring_slots, slot_positions,
@@ -77,6 +78,9 @@ class KVCache:
     view_of : KVCache or None, the cache whose first rows a :meth:`head` view shares (a view cannot grow)
     sink_k, sink_v : [batch, kv_heads, n_s, head_dim] of ``spec.sink_dtype``, the sink tokens' rows when
         it is "float16" or "float32" (then ``k``, ``v`` hold the ring's R slots only); else None
+    counters : streamattn.kv.device_step.DeviceCounters or None, a GPU cache's lengths and counts on the device
+    step : streamattn.kv.device_step.DeviceStep or None, the step a GPU cache's appends report to (its
+        finite check is then read once, at the step's end); None: each append checks at once
 
     Examples
     --------
@@ -118,6 +122,11 @@ class KVCache:
         self.last_counts = np.zeros(spec.batch, dtype=np.int64)  # [batch]
         self.held_from = np.full(spec.batch, spec.sinks, dtype=np.int64)  # [batch]
         self.view_of = None                                      # the cache a head() view shares storage with
+        # a GPU cache: lengths / counts also on the device (device_step.DeviceCounters), the step whose flag
+        # its appends lower (None: each append checks alone), the slots' old bytes of the last append
+        self.counters = DeviceCounters(self.xp, spec.batch) if device == "gpu" else None
+        self.step = None
+        self._undo = {}
 
     # -- geometry -------------------------------------------------------------------------------
     @property
@@ -187,6 +196,8 @@ class KVCache:
             if bad >= 0:
                 raise non_finite_error("kv"[bad % 2], bad // 2, spec.dtype)
             return
+        if ks is None:                            # the device kernel casts and writes (_write_device)
+            return self._write_device(k, v, counts)
         if spec.check_finite:
             check_stored_finite(ks, vs, counts, spec.dtype, xp, spec.v_dtype)
         for b in range(spec.batch):
@@ -206,6 +217,43 @@ class KVCache:
             np.maximum(self.held_from, self.lengths + counts - self.ring, out=self.held_from)
         self.lengths += counts
         self.last_counts[:] = counts           # in place: a head() view and its parent share the counters
+
+    def _device_append(self, v_rounding, k_search, k_queries) -> bool:
+        """True where the append kernel writes this GPU cache's rows: sinks inside the ring, a K/V pair and
+        head_dim it has, gguf's rounding (a fed V, a searched or query-recoded K round on the host)."""
+        from .backends.gpu_append import supports
+        spec = self.spec
+        return (self.counters is not None and self.sink_k is None and v_rounding is None and not k_search
+                and k_queries is None and supports(spec.dtype, spec.v_dtype, spec.head_dim))
+
+    def _write_device(self, k, v, counts) -> None:
+        """:meth:`_write` on the device, no sync: the append kernel casts (or quantizes, keys rotated) and writes
+        the rows, saving the slots' old bytes, and lowers the step's finite flag; the device lengths move by a
+        device add, the host copies here. Outside a :class:`DeviceStep` the append is its own step: its flag
+        is read at once, and a non-finite chunk is undone and refused as on the CPU."""
+        from .backends import gpu, gpu_append
+        spec, xp = self.spec, self.xp
+        T = k.shape[2]
+        step = self.step if self.step is not None else DeviceStep(xp=xp)
+        fresh = any(e[0] is self for e in step.entries)           # a second append in one step: its own undo
+        undo = None if fresh else self._undo.get(T)
+        if undo is None:
+            undo = tuple(xp.empty((spec.batch, spec.kv_heads, T) + a.shape[3:], dtype=a.dtype) for a in (self.k, self.v))
+            if not fresh:
+                self._undo = {T: undo}                            # [batch, kv_heads, T, width] each
+        flag, base = step.record(self, counts, *undo)
+        lengths, d_counts = self.counters.match(self.lengths, counts)
+        window = spec.window is not None
+        gpu_append.append_with(xp, gpu.launch, k, v, self.k, self.v, undo[0], undo[1], lengths, d_counts, flag,
+                               kind=spec.dtype, v_kind=spec.v_dtype, sinks=spec.sinks if window else 0,
+                               ring=self.ring, rotate_k=spec.rotate_k, code_base=base)
+        self.counters.advance()
+        if window:
+            np.maximum(self.held_from, self.lengths + counts - self.ring, out=self.held_from)
+        self.lengths += counts
+        self.last_counts[:] = counts
+        if self.step is None:
+            step.finish()
 
     def _write_split(self, k, v, ks, vs, counts) -> None:
         """:meth:`_write` for sinks apart: rows at positions < n_s go to the sink store (``spec.sink_dtype``),
@@ -253,6 +301,12 @@ class KVCache:
         for its own token's query group (:func:`streamattn.kv.storage.recode_for_queries`; the model passes
         them with ``k_search``, :meth:`~streamattn.models.transformer.Transformer.key_search`)."""
         xp, spec = self.xp, self.spec
+        if self._device_append(v_rounding, k_search, k_queries):   # the kernel rotates and casts: room only
+            if spec.window is None:
+                need = int((self.lengths + counts).max())
+                if need > self.slots:     # grown before the step's finite check: a rollback keeps the room
+                    self._grow(need)
+            return None, None
         if spec.rotate_k:                                # keys stored as k @ H (streamattn.kv.rotation)
             k = rotate(k, xp)                            # [batch, kv_heads, T, head_dim] float32
         if k.dtype == spec.storage_dtype and v.dtype == spec.storage_dtype_v:    # no cast: no overflow
@@ -343,6 +397,8 @@ class KVCache:
         view.sink_k, view.sink_v = (None, None) if self.sink_k is None else (self.sink_k[:n], self.sink_v[:n])
         view.lengths, view.last_counts, view.held_from = self.lengths[:n], self.last_counts[:n], self.held_from[:n]
         view.view_of = self
+        view.counters = None if self.counters is None else self.counters.head(n)
+        view.step, view._undo = self.step, {}
         return view
 
     def _grow(self, need: int) -> None:

@@ -199,11 +199,17 @@ def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, softcap, *, edge: 
     rule of :func:`attend`)."""
     spec = cache.spec
 
+    device = {}                                # a GPU cache's counters already on the device: no upload
+    if cache.counters is not None and cache.sink_k is None and getattr(fn, "reads_device_counters", False):
+        device = dict(zip(("device_lengths", "device_counts"), cache.counters.match(cache.lengths, counts)))
+
     def call(fn):
         if cache.sink_k is not None:           # sinks apart: two parts, merged exactly (docs/DESIGN.md §6)
             return attend_parts(fn, q, cache, scale=scale, counts=counts, q_sink=q_sink, softcap=softcap)
         return fn(q, cache.k, cache.v, cache.lengths, counts, window=spec.window or 0, sinks=spec.sinks,
-                  scale=scale, kind=spec.dtype, q_sink=q_sink, kind_v=spec.v_dtype, softcap=softcap)
+                  scale=scale, kind=spec.dtype, q_sink=q_sink, kind_v=spec.v_dtype, softcap=softcap,
+                  **(device if fn is backend else {}))
+    backend = fn
     out, lse = call(fn)
 
     def float32_edge(out, lse, real, bad):
@@ -219,22 +225,28 @@ def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, softcap, *, edge: 
             ref_out, _ = call(backends.get("reference", "cpu"))
             out[wrong] = ref_out[wrong]
         return out, lse
-    return _poison_non_finite(out, lse, counts, cache.xp, edge=float32_edge if edge else None)
+    return _poison_non_finite(out, lse, counts, cache.xp, edge=float32_edge if edge else None,
+                              device_counts=device.get("device_counts"))
 
 
-def _poison_non_finite(out, lse, counts, xp, edge=None):
+def _poison_non_finite(out, lse, counts, xp, edge=None, device_counts=None):
     """NaN on every real row whose log-sum-exp is not finite, as the float64 oracle answers.
 
     A real query always sees at least its own key, so its lse is finite unless a key or value it sees is
     NaN or inf (possible only with ``check_finite=False``) or the scores overflow float32. The kernels
     would answer zeros with lse = -inf there, which reads exactly like a padding row: a wrong number must
-    never look like a valid empty answer. Costs one pass over lse [batch, q_heads, T].
+    never look like a valid empty answer. Costs one pass over lse [batch, q_heads, T]. ``device_counts``:
+    counts as int32 [batch] on lse's device (a GPU cache's), so the mask of real rows is built there.
     """
-    if isinstance(lse, np.ndarray) and np.isfinite(lse).all() and (edge is None or np.isfinite(out).all()):
+    on_host = not hasattr(lse, "__cuda_array_interface__")     # (tests' stand-in device arrays are numpy's)
+    if on_host and np.isfinite(lse).all() and (edge is None or np.isfinite(out).all()):
         return out, lse                                     # no padding row, no bad row: the usual decode
     T = lse.shape[2]
+    if device_counts is not None and not on_host:
+        real = (xp.arange(T, dtype=xp.int32)[None, :] < device_counts[:, None])[:, None, :]  # [batch, 1, T]
+        return _poison_on_device(out, lse, real, xp)
     real = (np.arange(T)[None, :] < np.asarray(counts)[:, None])[:, None, :]      # [batch, 1, T], host
-    if isinstance(lse, np.ndarray):
+    if on_host:
         bad = real & ~np.isfinite(lse)                                            # [batch, q_heads, T]
         if edge is not None:
             out, lse = edge(out, lse, real, bad)

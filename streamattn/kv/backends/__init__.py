@@ -57,7 +57,10 @@ def get(name: str, device: str):
         return cpu.attend
     from . import gpu
 
-    def gpu_attend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None, softcap=None):
+    def gpu_attend(q, k, v, lengths, counts, *, window, sinks, scale, kind, q_sink=None, kind_v=None, softcap=None,
+                   device_lengths=None, device_counts=None):
         return gpu.attend(q, k, v, lengths, counts, window=window, sinks=sinks, scale=scale,
-                          q_sink=q_sink, kind=kind, kind_v=kind_v, softcap=softcap)
+                          q_sink=q_sink, kind=kind, kind_v=kind_v, softcap=softcap,
+                          device_lengths=device_lengths, device_counts=device_counts)
+    gpu_attend.reads_device_counters = True   # a GPU cache's counters on the device (streamattn.kv.dispatch)
     return gpu_attend

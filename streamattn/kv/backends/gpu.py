@@ -62,7 +62,8 @@ def sm_count(device: int) -> int:
     return int(_cupy().cuda.Device(device).attributes["MultiProcessorCount"])
 
 
-def _launch(name: str, grid, block, args) -> None:
+def launch(name: str, grid, block, args) -> None:
+    """Run specialisation ``name`` (gpu_source.spec_name) on the current device: grid, block, kernel args."""
     device = _cupy().cuda.Device().id
     kernel(name, device)(tuple(int(x) for x in grid), tuple(int(x) for x in block), tuple(args))
 
@@ -75,7 +76,7 @@ def launch(name: str, grid, block, args) -> None:
 
 def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, splits: int | None = None,
            q_sink=None, kind: str | None = None, kind_v: str | None = None,
-           softcap: float | None = None):
+           softcap: float | None = None, device_lengths=None, device_counts=None):
     """Attention of a chunk of queries against a ring KV cache on the GPU ("write, then attend").
 
     Parameters
@@ -109,6 +110,9 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
     softcap : float, optional
         Attention logit soft-capping: each scaled score s becomes softcap * tanh(s / softcap) before the
         softmax (the ``_softcap`` kernel variants); None (default): none.
+    device_lengths, device_counts : cupy.ndarray int32 [batch], optional
+        The same values already on the device (a GPU cache's ``counters``): the kernels read them and
+        nothing is uploaded; ``lengths`` and ``counts`` (host) still validate and size the launch.
 
     Returns
     -------
@@ -125,9 +129,13 @@ def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, s
     for name, arr in (("q", q), ("k", k), ("v", v)) + ((("q_sink", q_sink),) if q_sink is not None else ()):
         if not isinstance(arr, cupy.ndarray):
             raise TypeError(f"{name} must be a cupy.ndarray on the device (got {type(arr).__name__})")
-    return gpu_plan.attend_with(cupy, _launch, q, k, v, lengths, counts, window=window, sinks=sinks,
+    return gpu_plan.attend_with(cupy, launch, q, k, v, lengths, counts, window=window, sinks=sinks,
                                 scale=scale, sm_count=sm_count(cupy.cuda.Device().id), splits=splits,
-                                q_sink=q_sink, softcap=softcap)
+                                q_sink=q_sink, softcap=softcap, device_lengths=device_lengths,
+                                device_counts=device_counts)
+
+
+attend.reads_device_counters = True   # streamattn.kv.dispatch passes a GPU cache's device counters
 
 
 def upload(weight: gpu_gemv.GGUFMatrix) -> gpu_gemv.GGUFMatrix:
@@ -164,4 +172,4 @@ def gemv(weight: gpu_gemv.GGUFMatrix, x, *, out=None):
         if not isinstance(arr, cupy.ndarray):
             raise TypeError(f"{name} must be a cupy.ndarray on the device (got {type(arr).__name__}); "
                             "upload the weight once with gpu.upload")
-    return gpu_gemv.gemv_with(cupy, _launch, weight, x, out=out)
+    return gpu_gemv.gemv_with(cupy, launch, weight, x, out=out)

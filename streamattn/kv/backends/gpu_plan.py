@@ -89,7 +89,8 @@ def max_visible_keys(lengths, *, window: int, sinks: int, slots: int) -> int:
 
 
 def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int, scale: float,
-                sm_count: int, splits: int | None = None, q_sink=None, softcap: float | None = None):
+                sm_count: int, splits: int | None = None, q_sink=None, softcap: float | None = None,
+                device_lengths=None, device_counts=None):
     """Attention of q against the cache through ``launch``; see streamattn.kv.backends.gpu.attend.
 
     Parameters
@@ -108,6 +109,8 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
         The queries scored against sink keys (default q), as in ``streamattn.kv.backends.gpu.attend``.
     softcap : float, optional
         Attention logit soft-capping (None: none): launches the ``_softcap`` kernel variants.
+    device_lengths, device_counts : int32 [batch] arrays of ``xp``, optional
+        lengths and counts already on the device: the kernels read these, nothing is uploaded.
 
     Returns
     -------
@@ -128,8 +131,10 @@ def attend_with(xp, launch, q, k, v, lengths, counts, *, window: int, sinks: int
         k, v = k.view(np.uint16), v.view(np.uint16)
     qf = xp.ascontiguousarray(q, dtype=xp.float32)  # [batch, q_heads, T, head_dim]; q is tiny
     qsf = qf if q_sink is None else xp.ascontiguousarray(q_sink, dtype=xp.float32)  # [batch, q_heads, T, hd]
-    lens = xp.ascontiguousarray(xp.asarray(lengths), dtype=xp.int32)  # [batch]; host arrays are copied over
-    cnts = xp.ascontiguousarray(xp.asarray(counts), dtype=xp.int32)  # [batch]
+    lens = device_lengths if device_lengths is not None else \
+        xp.ascontiguousarray(xp.asarray(lengths), dtype=xp.int32)  # [batch]; host arrays are copied over
+    cnts = device_counts if device_counts is not None else \
+        xp.ascontiguousarray(xp.asarray(counts), dtype=xp.int32)  # [batch]
     i32, f32 = np.int32, np.float32
     scale_log2 = f32(scale * LOG2E)  # kernels work in log2 units: exp2f is one instruction
     cap = softcap is not None

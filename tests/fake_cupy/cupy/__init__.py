@@ -21,6 +21,11 @@ float16, float32, uint8, uint16, uint32, int32, int64 = (_np.float16, _np.float3
 float64, int8, nan = _np.float64, _np.int8, _np.nan   # (a KVCache on the device: tests/test_gpu_device.py)
 
 
+#: What a real device would pay for, counted: "sync" (a value read back to the host: get, bool, int, float,
+#: item, tolist) and "upload" (asarray of host data). Tests reset and read it (tests/test_gpu_cache.py).
+counts = {"sync": 0, "upload": 0}
+
+
 class ndarray(_np.ndarray):
     """numpy array that claims to live on a device."""
 
@@ -29,7 +34,35 @@ class ndarray(_np.ndarray):
         return self.__array_interface__
 
     def get(self):
+        counts["sync"] += 1
         return _np.array(self)
+
+    def _read(self, convert):
+        counts["sync"] += 1
+        return convert(_np.asarray(self))
+
+    def __bool__(self):
+        return self._read(bool)
+
+    def __int__(self):
+        return self._read(int)
+
+    def __float__(self):
+        return self._read(float)
+
+    def item(self, *args):
+        counts["sync"] += 1
+        return _np.asarray(self).item(*args)
+
+    def tolist(self):
+        counts["sync"] += 1
+        return _np.asarray(self).tolist()
+
+    def all(self, *args, **kwargs):     # 0-d on the "device", as CuPy's: reading it is a sync
+        return _dev(_np.asarray(_np.ndarray.all(_np.asarray(self), *args, **kwargs)))
+
+    def any(self, *args, **kwargs):
+        return _dev(_np.asarray(_np.ndarray.any(_np.asarray(self), *args, **kwargs)))
 
     @property
     def data(self):
@@ -48,11 +81,18 @@ def _dev(x):
     return _np.asarray(x).view(ndarray)
 
 
+def _upload(a):
+    if not isinstance(a, ndarray):
+        counts["upload"] += 1
+
+
 def asarray(a, dtype=None):
+    _upload(a)
     return _dev(_np.asarray(a, dtype=dtype))
 
 
 def ascontiguousarray(a, dtype=None):
+    _upload(a)
     return _dev(_np.ascontiguousarray(a, dtype=dtype))
 
 
@@ -61,7 +101,7 @@ def empty(shape, dtype=float32):
 
 
 for _name in ("repeat", "einsum", "exp", "log", "abs", "zeros", "zeros_like", "full", "full_like", "where", "maximum",
-              "isfinite", "isnan", "concatenate"):
+              "isfinite", "isnan", "concatenate", "arange"):
     setattr(sys.modules[__name__], _name, (lambda f: lambda *a, **k: _dev(f(*a, **k)))(getattr(_np, _name)))
 
 _rng = _np.random.default_rng(0)

@@ -1,0 +1,134 @@
+"""A GPU cache's counters on the device, and one finite check per step instead of two per layer.
+
+``DeviceCounters`` keeps int32 ``lengths`` and ``counts`` [batch] on the device beside the cache's int64 host
+copies (which the host schedules with, no sync needed): the append kernel (kernels/append.cu) reads them,
+``lengths += counts`` advances them on the device, and attention launches read them, so a decode step
+uploads nothing. A host copy of what the device holds (the mirror) tells when the host changed the
+counters some other way (reset, truncate, a restored state): then the next use uploads them, once.
+
+``DeviceStep`` is one step over any number of caches (a model's layers): every append lowers the step's
+device flag where a row is NaN or inf as stored, and :meth:`DeviceStep.finish` reads that flag once, at
+the step's end. A non-finite step is rolled back: the written slots get their old bytes back (the kernel
+saved them) and every cache's host counters return to before the step, so attention sees every cache
+exactly as before it; then the CPU path's error is raised (``storage.non_finite_error``, naming the
+first layer's K, else its V, and the sequence).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .backends.gpu_append import FLAG_CLEAR
+from .storage import non_finite_error
+
+
+class DeviceCounters:
+    """int32 device copies of a cache's ``lengths`` and ``last_counts`` [batch], and a host mirror of them.
+
+    ``lengths``, ``counts``: device int32 [batch]; ``mirror``: host int64 [2, batch], what they hold.
+    """
+
+    def __init__(self, xp, batch: int):
+        self.xp = xp
+        self.lengths = xp.zeros(batch, dtype=xp.int32)          # [batch] device
+        self.counts = xp.zeros(batch, dtype=xp.int32)           # [batch] device
+        self.mirror = np.zeros((2, batch), np.int64)            # [2, batch] host: lengths, counts as on device
+
+    def head(self, n: int) -> "DeviceCounters":
+        """The first n sequences' counters, sharing these arrays (a KVCache.head view)."""
+        view = object.__new__(DeviceCounters)
+        view.xp, view.lengths, view.counts, view.mirror = self.xp, self.lengths[:n], self.counts[:n], self.mirror[:, :n]
+        return view
+
+    def match(self, lengths, counts):
+        """The device arrays (lengths, counts), made to hold the host values given: uploaded only where the
+        mirror says they differ (the first step, after a reset or a restored state, a new count)."""
+        if not np.array_equal(self.mirror[0], lengths):
+            self.lengths[...] = self.xp.asarray(np.asarray(lengths, np.int32))
+            self.mirror[0] = lengths
+        if not np.array_equal(self.mirror[1], counts):
+            self.counts[...] = self.xp.asarray(np.asarray(counts, np.int32))
+            self.mirror[1] = counts
+        return self.lengths, self.counts
+
+    def advance(self) -> None:
+        """lengths += counts, on the device (no sync) and in the mirror."""
+        self.lengths += self.counts
+        self.mirror[0] += self.mirror[1]
+
+    def forget(self) -> None:
+        """Mark the device copies stale: the next :meth:`match` uploads."""
+        self.mirror[...] = -1
+
+
+class DeviceStep:
+    """One step's appends over GPU caches: a device flag, what each append changed, one read at the end.
+
+    Use as a context manager around a step (a model's layers), or call :meth:`finish`; a cache that appends
+    outside any step makes a step of its own append (one sync an append).
+
+    Examples
+    --------
+    >>> with DeviceStep(caches):                          # doctest: +SKIP
+    ...     logits = model.forward(tokens, caches)
+    """
+
+    def __init__(self, caches=(), xp=None):
+        self.caches = list(caches)
+        self.xp = xp if xp is not None else (self.caches[0].xp if self.caches else None)
+        self.flag = self.xp.full(1, FLAG_CLEAR, dtype=self.xp.int32)   # [1] device: lowest code seen
+        self.scratch = self.xp.full(1, FLAG_CLEAR, dtype=self.xp.int32)  # [1] device: caches that skip the check
+        self.entries = []      # (cache, code_base, counts, host lengths/last_counts/held_from before, undo_k, undo_v)
+        self.codes = 0
+
+    def __enter__(self):
+        for cache in self.caches:
+            cache.step = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        for cache in self.caches:
+            cache.step = None
+        if exc_type is None:
+            self.finish()
+        else:
+            self.entries.clear()
+        return False
+
+    def record(self, cache, counts, undo_k, undo_v):
+        """Note an append to ``cache`` of ``counts`` [batch] rows (before its host counters move); returns
+        (flag, code_base) for the kernel."""
+        before = (cache.lengths.copy(), cache.last_counts.copy(), cache.held_from.copy())
+        base = self.codes
+        self.codes += 2 * cache.spec.batch
+        self.entries.append((cache, base, np.array(counts, np.int64), before, undo_k, undo_v))
+        return (self.flag if cache.spec.check_finite else self.scratch), base
+
+    def finish(self) -> None:
+        """Read the flag (the step's one sync); if a row was NaN or inf, roll every append back and raise the
+        CPU path's ValueError; else forget the step."""
+        entries, self.entries, self.codes = self.entries, [], 0
+        if not entries:
+            return
+        code = int(self.flag.get()[0])
+        if code == FLAG_CLEAR:
+            return
+        self.flag[...] = FLAG_CLEAR
+        first = None
+        for cache, base, counts, before, undo_k, undo_v in reversed(entries):   # newest first
+            _restore(cache, counts, before, undo_k, undo_v)
+            if base <= code < base + 2 * cache.spec.batch:
+                side, b = divmod(code - base, cache.spec.batch)
+                first = non_finite_error("kv"[side], b, cache.spec.dtype if side == 0 else cache.spec.v_dtype)
+        raise first
+
+
+def _restore(cache, counts, before, undo_k, undo_v) -> None:
+    """Undo one append: the old bytes back into the slots it wrote, the host counters as they were."""
+    xp = cache.xp
+    lengths = before[0]
+    for b in np.nonzero(counts)[0]:
+        idx = xp.asarray(cache.slots_of(np.arange(lengths[b], lengths[b] + counts[b])))       # [c]
+        cache.k[b][:, idx] = undo_k[b, :, :counts[b]]
+        cache.v[b][:, idx] = undo_v[b, :, :counts[b]]
+    cache.lengths[:], cache.last_counts[:], cache.held_from[:] = before
+    cache.counters.forget()

@@ -1,0 +1,140 @@
+"""The GPU cache through the fake CuPy (run by tests/test_gpu_cache.py, with tests/fake_cupy first on the path).
+
+Device appends (kernels/append.cu in the emulation) against the CPU cache over a stream of appends, a
+non-finite step rolled back with the CPU path's error, and the host syncs and uploads of a decode step
+counted by the fake CuPy.
+"""
+from __future__ import annotations
+
+import cupy
+import numpy as np
+import pytest
+
+from streamattn.kv.cache import KVCache
+from streamattn.kv.device_step import DeviceStep
+from streamattn.kv.dispatch import append_attend
+from streamattn.kv.spec import CacheSpec
+
+assert cupy.__version__.endswith("fake"), "run with tests/fake_cupy first on PYTHONPATH"
+
+MODES = {"causal": dict(window=None), "window": dict(window=5), "sinks": dict(window=5, sinks=2)}
+CASES = [("float16", None, "causal"), ("q8_0", None, "window"), ("q4_0", None, "sinks"), ("q8_0", "float16", "window"),
+         ("float32", None, "sinks")]   # every storage kind, every mode (tests/test_gpu_append.py: every pair in each)
+
+
+def _spec(kind, v_kind, mode, batch=2):
+    return CacheSpec(batch=batch, kv_heads=2, head_dim=64, dtype=kind, dtype_v=v_kind, max_chunk=3, sink_dtype=None,
+                     **MODES[mode])
+
+
+def _state(cache):
+    return {n: np.array(a) for n, a in cache.export_state().items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("kind,v_kind,mode", CASES)
+def test_stream_equals_the_cpu_cache(kind, v_kind, mode):
+    """Ragged chunks (T 1..3, padding rows) wrapping the ring, a causal cache growing: after every
+    append_attend the GPU cache's state (bytes and counters) is the CPU cache's, its device counters hold
+    the host's, and its attention answers as the CPU backend does."""
+    spec = _spec(kind, v_kind, mode)
+    gpu_cache, cpu_cache = KVCache(spec, device="gpu"), KVCache(spec)
+    rng = np.random.default_rng(len(kind) + len(mode))
+    for step in range(8):
+        T = 1 + step % 3
+        counts = np.array([T, rng.integers(1, T + 1)])
+        q, k, v = (rng.standard_normal((2, h, T, 64)).astype(np.float32) for h in (4, 2, 2))
+        ref, _ = append_attend(q, k, v, cpu_cache, backend="cpu", scale=0.125, counts=counts)
+        out, _ = append_attend(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), gpu_cache, backend="gpu",
+                               scale=0.125, counts=counts)
+        assert _same(_state(gpu_cache), _state(cpu_cache)), f"state differs after step {step}"
+        assert np.array_equal(np.asarray(gpu_cache.counters.lengths), cpu_cache.lengths)
+        real = np.arange(T)[None, :] < counts[:, None]                               # [batch, T]
+        err = np.abs(np.asarray(out) - ref).max(axis=(1, 3))[real]
+        assert err.max() < 1e-4, f"attention differs after step {step}: {err.max()}"
+    assert mode == "causal" or cpu_cache.lengths.max() > cpu_cache.slots          # the ring wrapped
+
+
+@pytest.mark.parametrize("kind", ("float16", "q4_0"))
+def test_non_finite_step_is_rolled_back(kind):
+    """Three layers' caches in one DeviceStep, a NaN in layer 1's V of sequence 1 (and an overflow in layer 2's
+    K) after the ring wrapped: the step raises the CPU path's ValueError for layer 1's V, sequence 1, and
+    every cache is bit for bit as before the step; the next steps go on equal to a CPU cache fed the same."""
+    spec = _spec(kind, None, "window")
+    gpu, cpu = [KVCache(spec, device="gpu") for _ in range(3)], [KVCache(spec) for _ in range(3)]
+    rng = np.random.default_rng(2)
+
+    def chunk():
+        return [rng.standard_normal((2, 2, 1, 64)).astype(np.float32) for _ in range(2)]
+    for _ in range(9):
+        rows = [chunk() for _ in range(3)]
+        with DeviceStep(gpu):
+            for g, c, (k, v) in zip(gpu, cpu, rows):
+                g.append(cupy.asarray(k), cupy.asarray(v))
+                c.append(k, v)
+    before = [_state(g) for g in gpu]
+    rows = [chunk() for _ in range(3)]
+    rows[1][1][1, 0, 0, 5] = np.nan
+    rows[2][0][0, 1, 0, 3] = 1e30
+    with pytest.raises(ValueError) as cpu_error:       # the CPU path refuses layer 1's chunk
+        KVCache(spec).append(*rows[1])
+    with pytest.raises(ValueError) as gpu_error:
+        with DeviceStep(gpu):
+            for g, (k, v) in zip(gpu, rows):
+                g.append(cupy.asarray(k), cupy.asarray(v))
+    assert str(gpu_error.value) == str(cpu_error.value) and "v holds NaN or inf for sequence 1" in str(gpu_error.value)
+    assert all(_same(_state(g), b) for g, b in zip(gpu, before)), "a rolled-back step changed a cache"
+    for _ in range(3):
+        rows = [chunk() for _ in range(3)]
+        with DeviceStep(gpu):
+            for g, c, (k, v) in zip(gpu, cpu, rows):
+                g.append(cupy.asarray(k), cupy.asarray(v))
+                c.append(k, v)
+    assert all(_same(_state(g), _state(c)) for g, c in zip(gpu, cpu))
+
+
+def test_append_outside_a_step_checks_at_once():
+    """A lone append is its own step: a non-finite chunk raises at once, as on the CPU, and the wrapped ring's
+    overwritten slot gets its old bytes back."""
+    spec = _spec("q8_0", None, "window", batch=1)
+    g, c = KVCache(spec, device="gpu"), KVCache(spec)
+    rng = np.random.default_rng(4)
+    for _ in range(9):
+        k, v = (rng.standard_normal((1, 2, 2, 64)).astype(np.float32) for _ in range(2))
+        g.append(cupy.asarray(k), cupy.asarray(v))
+        c.append(k, v)
+    before = _state(g)
+    k[0, 0, 1, 0] = np.inf
+    with pytest.raises(ValueError, match="k holds NaN or inf for sequence 0; the cache is unchanged"):
+        g.append(cupy.asarray(k), cupy.asarray(v))
+    assert _same(_state(g), before) and _same(before, _state(c))
+
+
+def _decode_counts(layers, steps, device_append=True):
+    """(syncs, uploads) of ``steps`` decode steps over ``layers`` q8_0 caches, after one warm-up step; with
+    ``device_append`` False, the host path the cache took before the append kernel."""
+    spec = CacheSpec(batch=2, kv_heads=2, head_dim=64, dtype="q8_0", window=8)
+    caches = [KVCache(spec, device="gpu") for _ in range(layers)]
+    if not device_append:
+        for c in caches:
+            c._device_append = lambda *a: False
+    draw = lambda h: cupy.random.standard_normal((2, h, 1, 64))            # noqa: E731  (on the device)
+    for step in range(steps + 1):
+        if step == 1:
+            cupy.counts.update(sync=0, upload=0)
+        with DeviceStep(caches):
+            for c in caches:
+                append_attend(draw(4), draw(2), draw(2), c, backend="gpu", scale=0.125)
+    return cupy.counts["sync"], cupy.counts["upload"]
+
+
+def test_one_sync_a_step_and_no_uploads():
+    """Three decode steps over four layers: one host sync a step (the finite flag) and nothing uploaded
+    (lengths, counts and the mask of real rows live on the device); the host path before it synced at
+    least twice a layer (the finite checks of K and V) and uploaded every layer."""
+    assert _decode_counts(4, 3) == (3, 0)
+    syncs, uploads = _decode_counts(4, 3, device_append=False)
+    assert syncs >= 2 * 4 * 3 and uploads >= 4 * 3
