@@ -1,8 +1,8 @@
-"""The GPU cache through the fake CuPy (run by tests/test_gpu_cache.py, with tests/fake_cupy first on the path).
+"""The GPU cache against the CPU cache: through the fake CuPy (tests/test_gpu_cache.py runs this file with
+tests/fake_cupy first on the path) and on a device (tests/test_gpu_device.py imports the cases).
 
-Device appends (kernels/append.cu in the emulation) against the CPU cache over a stream of appends, a
-non-finite step rolled back with the CPU path's error, and the host syncs and uploads of a decode step
-counted by the fake CuPy.
+Device appends (kernels/append.cu) against the CPU cache over a stream of appends, a non-finite step rolled
+back with the CPU path's error, and the host syncs and uploads of a decode step counted by the fake CuPy.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from streamattn.kv.device_step import DeviceStep
 from streamattn.kv.dispatch import append_attend
 from streamattn.kv.spec import CacheSpec
 
-assert cupy.__version__.endswith("fake"), "run with tests/fake_cupy first on PYTHONPATH"
+FAKE = cupy.__version__.endswith("fake")   # tests/fake_cupy: it counts syncs and uploads
 
 MODES = {"causal": dict(window=None), "window": dict(window=5), "sinks": dict(window=5, sinks=2)}
 CASES = [("float16", None, "causal"), ("q8_0", None, "window"), ("q4_0", None, "sinks"), ("q8_0", "float16", "window"),
@@ -131,6 +131,7 @@ def _decode_counts(layers, steps, device_append=True):
     return cupy.counts["sync"], cupy.counts["upload"]
 
 
+@pytest.mark.skipif(not FAKE, reason="the counts are the fake CuPy's (tests/test_gpu_cache.py runs it)")
 def test_one_sync_a_step_and_no_uploads():
     """Three decode steps over four layers: one host sync a step (the finite flag) and nothing uploaded
     (lengths, counts and the mask of real rows live on the device); the host path before it synced at

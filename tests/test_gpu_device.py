@@ -23,6 +23,9 @@ from test_gpu_emu import (  # noqa: E402,F401
     test_float16_queries_and_many_empty_splits, test_gqa_groups, test_prefill_chunk, test_soft_capped_scores,
     test_streaming_chunks_through_the_ring,
 )
+from gpu_cache_cases import (  # noqa: E402,F401
+    test_append_outside_a_step_checks_at_once, test_non_finite_step_is_rolled_back, test_stream_equals_the_cpu_cache,
+)
 from test_gpu_gemv import (  # noqa: E402,F401
     test_gemv_matches_the_float64_oracle, test_one_vector_gives_one_row_and_every_width_agrees,
 )

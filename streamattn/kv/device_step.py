@@ -74,7 +74,9 @@ class DeviceStep:
 
     def __init__(self, caches=(), xp=None):
         self.caches = list(caches)
-        self.xp = xp if xp is not None else (self.caches[0].xp if self.caches else None)
+        if xp is None and not self.caches:
+            raise ValueError("DeviceStep needs the caches of the step or their array module xp (got neither)")
+        self.xp = xp if xp is not None else self.caches[0].xp
         self.flag = self.xp.full(1, FLAG_CLEAR, dtype=self.xp.int32)   # [1] device: lowest code seen
         self.scratch = self.xp.full(1, FLAG_CLEAR, dtype=self.xp.int32)  # [1] device: caches that skip the check
         self.entries = []      # (cache, code_base, counts, host lengths/last_counts/held_from before, undo_k, undo_v)

@@ -39,6 +39,7 @@ import numpy as np
 
 from streamattn import CacheSpec, KVCache
 from streamattn.kv import storage
+from streamattn.kv.device_step import DeviceStep
 from streamattn.models.feed import Feed
 from streamattn.runtime.arrays import to_host
 from streamattn.models import compiled
@@ -539,9 +540,10 @@ class Transformer:
         lanes = self._lanes(B, T, attn_counts) if fast is not None else 1
         if lanes > 1 and fast.accepts(caches, T):
             self._wavefront(x, pos, tables, caches, fast, backend, positions, lanes)
-        else:
-            for i, lw in enumerate(self.layers):
-                if fast is not None and fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):
-                    continue
-                decoder_layer(x, lw, ops.at_layer(i))
+        else:   # GPU caches: one finite check for all layers, at the step's end (kv.device_step)
+            with DeviceStep(caches) if caches[0].device == "gpu" else contextlib.nullcontext():
+                for i, lw in enumerate(self.layers):
+                    if fast is not None and fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):
+                        continue
+                    decoder_layer(x, lw, ops.at_layer(i))
         return x, cnt, ops
