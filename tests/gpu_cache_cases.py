@@ -139,3 +139,26 @@ def test_one_sync_a_step_and_no_uploads():
     assert _decode_counts(4, 3) == (3, 0)
     syncs, uploads = _decode_counts(4, 3, device_append=False)
     assert syncs >= 2 * 4 * 3 and uploads >= 4 * 3
+
+
+@pytest.mark.skipif(not FAKE, reason="the counts are the fake CuPy's (tests/test_gpu_cache.py runs it)")
+def test_model_decode_step_syncs_once(tmp_path):
+    """A 4-layer model's decode steps on q8_0 GPU caches (Transformer.forward): one host sync a step, the
+    finite flag read at the step's end, whatever the layer count."""
+    import sys
+    sys.path.insert(0, "tests")
+    from _model_util import write_tiny_gguf
+    from streamattn.gguf.loader import load_gguf
+    from streamattn.models.transformer import Transformer
+    for name in ("sqrt", "tanh"):              # the model's array code needs these too (as test_model_gpu_dryrun)
+        if not hasattr(cupy, name):
+            setattr(cupy, name, (lambda f: lambda *a, **k: cupy.asarray(f(*a, **k)))(getattr(np, name)))
+    path = write_tiny_gguf(tmp_path / "t.gguf", arch="llama", n_layers=4, d_model=32, n_heads=2, n_kv_heads=1,
+                           head_dim=64, d_ff=32, vocab=40, window=4)
+    model = Transformer(load_gguf(path)).to(cupy)
+    caches = model.new_caches(batch=1, max_chunk=1, dtype="q8_0")
+    for step in range(4):
+        if step == 1:
+            cupy.counts.update(sync=0, upload=0)
+        model.forward(np.array([[step + 1]]), caches, backend="gpu", last_only=True)
+    assert cupy.counts["sync"] == 3
