@@ -27,7 +27,7 @@
 #define SA_FADD(a, b) __fadd_rn(a, b)
 #endif
 
-// float32 -> float16 bits, rounded to nearest even, overflow to inf, NaN kept quiet (numpy's astype).
+// float32 -> float16 bits, rounded to nearest even, overflow to inf, NaN kept NaN (numpy's astype rule).
 __device__ __forceinline__ unsigned short sa_float_to_half(float f) {
     const unsigned x = __float_as_uint(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
     if (ax > 0x7f800000u) {                                      // NaN: the top mantissa bits, never inf

@@ -49,6 +49,7 @@ def _rows(rng, shape):
     x[..., 32:64] = 0.0 if shape[-1] > 64 else x[..., 32:64]
     x[..., 5], x[..., 9] = -7.0, 7.0                              # a tie for the largest |x| of block 0
     x[..., 40] = np.float32(2049.0)                               # float16 rounds it to even (2048)
+    x[..., 11], x[..., 12], x[..., 13] = 65519.0, 2.0 ** -25, 3 * 2.0 ** -25   # float16's largest; subnormal ties
     return x
 
 
