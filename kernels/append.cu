@@ -17,6 +17,13 @@
 // block's float16 scale) lowers *flag to code_base + b (K) or code_base + batch + b (V) by atomicMin:
 // the first K row, else the first V row, as the CPU check reports it; the caller reads the flag once a
 // step.
+//
+// Sinks apart (sink_kind 0 float32 / 1 float16; -1: none): a row at position < sinks goes to row pos of
+// sink_k / sink_v [batch, kv_heads, sinks, HD] in that kind (keys rotated as the ring's), and the ring's
+// slot of position pos >= sinks is (pos - sinks) mod ring. As on the CPU, every row is checked as
+// quantized too (a sink row's quantized bytes go to its undo row, which it does not otherwise use), and
+// a sink row NaN or inf in the sink kind lowers the flag to code_base + 2 batch + b (K) or + 3 batch + b
+// (V).
 #include "streamattn_common.cuh"
 
 #ifdef STREAMATTN_EMULATION
@@ -121,21 +128,37 @@ __global__ void __launch_bounds__(HD) sa_append(
     const int* __restrict__ lengths,       // [batch] tokens before this step
     const int* __restrict__ counts,        // [batch] real rows of this step
     int* __restrict__ flag,                // [1] lowest code of a non-finite row (INT_MAX: none)
-    int kv_heads, int T, int slots, int sinks, int ring, int rotate_k, int code_base) {
+    unsigned char* __restrict__ sink_k,    // [batch, kv_heads, sinks, HD] of sink_kind, or unused
+    unsigned char* __restrict__ sink_v,
+    int kv_heads, int T, int slots, int sinks, int ring, int rotate_k, int code_base, int sink_kind) {
     constexpr int KW = SaStore<KIND>::WIDTH(HD), VW = SaStore<VKIND>::WIDTH(HD);
     const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
     if (t >= counts[b]) return;                     // the whole block: a padding row
-    const int pos = lengths[b] + t;
-    const long long slot = pos < sinks ? pos : sinks + (pos - sinks) % ring;
+    const int pos = lengths[b] + t, batch = (int)gridDim.z;
+    const bool to_sink = sink_kind >= 0 && pos < sinks;                      // a sink row, kept apart
+    const long long slot = sink_kind >= 0 ? (to_sink ? 0 : (pos - sinks) % ring)
+                                          : (pos < sinks ? pos : sinks + (pos - sinks) % ring);
     const long long row = ((long long)b * kv_heads + h) * slots + slot;      // the slot's row
     const long long in = (((long long)b * kv_heads + h) * T + t);             // the chunk's row
-    unsigned char* ks = k_store + row * KW;
-    unsigned char* vs = v_store + row * VW;
-    for (int i = tid; i < KW; i += HD) undo_k[in * KW + i] = ks[i];
-    for (int i = tid; i < VW; i += HD) undo_v[in * VW + i] = vs[i];
+    unsigned char* ks = to_sink ? undo_k + in * KW : k_store + row * KW;     // a sink row: checked only
+    unsigned char* vs = to_sink ? undo_v + in * VW : v_store + row * VW;
+    if (!to_sink) {
+        for (int i = tid; i < KW; i += HD) undo_k[in * KW + i] = ks[i];
+        for (int i = tid; i < VW; i += HD) undo_v[in * VW + i] = vs[i];
+    }
     __syncthreads();                                // every old byte saved before any is overwritten
     float x = k_in[in * HD + tid];
+    const float y = v_in[in * HD + tid];
     if (rotate_k) x = sa_rotate32(x, tid & 31);
     if (sa_store_row<KIND>(x, ks, tid)) atomicMin(flag, code_base + b);
-    if (sa_store_row<VKIND>(v_in[in * HD + tid], vs, tid)) atomicMin(flag, code_base + (int)gridDim.z + b);
+    if (sa_store_row<VKIND>(y, vs, tid)) atomicMin(flag, code_base + batch + b);
+    if (to_sink) {
+        const long long srow = ((long long)b * kv_heads + h) * sinks + pos;  // [b, h, pos]
+        const bool bad_k = sink_kind == 1 ? sa_store_row<1>(x, sink_k + srow * 2 * HD, tid)
+                                          : sa_store_row<0>(x, sink_k + srow * 4 * HD, tid);
+        const bool bad_v = sink_kind == 1 ? sa_store_row<1>(y, sink_v + srow * 2 * HD, tid)
+                                          : sa_store_row<0>(y, sink_v + srow * 4 * HD, tid);
+        if (bad_k) atomicMin(flag, code_base + 2 * batch + b);
+        if (bad_v) atomicMin(flag, code_base + 3 * batch + b);
+    }
 }

@@ -17,14 +17,14 @@ from streamattn.kv.spec import CacheSpec
 
 FAKE = cupy.__version__.endswith("fake")   # tests/fake_cupy: it counts syncs and uploads
 
-MODES = {"causal": dict(window=None), "window": dict(window=5), "sinks": dict(window=5, sinks=2)}
+MODES = {"causal": dict(window=None), "window": dict(window=5), "sinks": dict(window=5, sinks=2, sink_dtype=None),
+         "sinks_apart": dict(window=5, sinks=2, sink_dtype="auto")}   # float16 sinks beside a quantized ring
 CASES = [("float16", None, "causal"), ("q8_0", None, "window"), ("q4_0", None, "sinks"), ("q8_0", "float16", "window"),
-         ("float32", None, "sinks")]   # every storage kind, every mode (tests/test_gpu_append.py: every pair in each)
+         ("float32", None, "sinks"), ("q8_0", None, "sinks_apart")]   # every kind and mode (test_gpu_append: all pairs)
 
 
 def _spec(kind, v_kind, mode, batch=2):
-    return CacheSpec(batch=batch, kv_heads=2, head_dim=64, dtype=kind, dtype_v=v_kind, max_chunk=3, sink_dtype=None,
-                     **MODES[mode])
+    return CacheSpec(batch=batch, kv_heads=2, head_dim=64, dtype=kind, dtype_v=v_kind, max_chunk=3, **MODES[mode])
 
 
 def _state(cache):
@@ -52,6 +52,7 @@ def test_stream_equals_the_cpu_cache(kind, v_kind, mode):
                                scale=0.125, counts=counts)
         assert _same(_state(gpu_cache), _state(cpu_cache)), f"state differs after step {step}"
         assert np.array_equal(np.asarray(gpu_cache.counters.lengths), cpu_cache.lengths)
+        assert (gpu_cache.sink_k is None) == (mode != "sinks_apart")
         real = np.arange(T)[None, :] < counts[:, None]                               # [batch, T]
         err = np.abs(np.asarray(out) - ref).max(axis=(1, 3))[real]
         assert err.max() < 1e-4, f"attention differs after step {step}: {err.max()}"
@@ -94,6 +95,32 @@ def test_non_finite_step_is_rolled_back(kind):
                 g.append(cupy.asarray(k), cupy.asarray(v))
                 c.append(k, v)
     assert all(_same(_state(g), _state(c)) for g, c in zip(gpu, cpu))
+
+
+def test_non_finite_sink_row_is_rolled_back():
+    """Sinks apart: a chunk whose first row (a sink, position 1) overflows the float16 sink store though its
+    q8_0 row is finite, its second row (a ring row) fine: refused with the CPU's error (naming the sink store's
+    dtype), the sink store zero again and the counters as before; then the same positions append equal to
+    the CPU cache."""
+    spec = _spec("q8_0", None, "sinks_apart", batch=1)
+    g, c = KVCache(spec, device="gpu"), KVCache(spec)
+    rng = np.random.default_rng(6)
+    k, v = (rng.standard_normal((1, 2, 1, 64)).astype(np.float32) for _ in range(2))
+    g.append(cupy.asarray(k), cupy.asarray(v))
+    c.append(k, v)
+    before = _state(g)
+    k, v = (rng.standard_normal((1, 2, 2, 64)).astype(np.float32) for _ in range(2))
+    bad = v.copy()
+    bad[0, 1, 0, 9] = 7e4                                   # past float16, not past q8_0's scale
+    with pytest.raises(ValueError) as cpu_error:
+        c.append(k, bad)
+    with pytest.raises(ValueError) as gpu_error:
+        g.append(cupy.asarray(k), cupy.asarray(bad))
+    assert str(gpu_error.value) == str(cpu_error.value) and "stored in float16" in str(gpu_error.value)
+    assert _same(_state(g), before) and _same(before, _state(c))
+    g.append(cupy.asarray(k), cupy.asarray(v))
+    c.append(k, v)
+    assert _same(_state(g), _state(c))
 
 
 def test_append_outside_a_step_checks_at_once():

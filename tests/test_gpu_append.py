@@ -66,10 +66,15 @@ def _run(emulator, cache, dev, k, v, counts, prefix=""):
     gpu_append.append_with(np, launch, k, v, dev["k"], dev["v"], undo_k, undo_v,
                            dev["lengths"].astype(np.int32), np.asarray(counts, np.int32), flag,
                            kind=spec.dtype, v_kind=spec.v_dtype, sinks=spec.sinks if windowed else 0,
-                           ring=cache.ring, rotate_k=spec.rotate_k, code_base=0)
+                           ring=cache.ring, rotate_k=spec.rotate_k, code_base=0, sink_k=dev.get("sink_k"),
+                           sink_v=dev.get("sink_v"))
+    apart = "sink_k" in dev
     for b in range(B):                       # the undo rows hold the slots' bytes from before the write
         for t in range(int(counts[b])):
-            s = int(cache.slots_of(int(dev["lengths"][b]) + t))
+            pos = int(dev["lengths"][b]) + t
+            if apart and pos < spec.sinks:
+                continue                     # a sink row: its undo row holds its quantized bytes
+            s = (pos - spec.sinks) % cache.ring if apart else int(cache.slots_of(pos))
             assert np.array_equal(bits(undo_k[b, :, t]), bits(old_k[b, :, s]))
             assert np.array_equal(bits(undo_v[b, :, t]), bits(old_v[b, :, s]))
     dev["lengths"] += np.asarray(counts)
@@ -100,6 +105,29 @@ def test_bytes_equal_the_cpu_cache(emulator, kind, v_kind, mode):
         assert np.array_equal(bits(dev["k"]), bits(cache.k)), f"K differs after step {step}"
         assert np.array_equal(bits(dev["v"]), bits(cache.v)), f"V differs after step {step}"
     assert mode == "causal" or cache.lengths.max() > cache.slots      # the ring wrapped
+
+
+@pytest.mark.parametrize("kind,v_kind,sink_dtype", [("q8_0", "q8_0", "auto"), ("q4_0", "q4_0", "float32"),
+                                                     ("float16", "q4_0", "auto"), ("q4_0", "q8_0", "auto")])
+def test_sinks_apart_equal_the_cpu_cache(emulator, kind, v_kind, sink_dtype):
+    """A quantized cache that keeps its sinks apart (float16 or float32 sink store): rows below n_s go there,
+    keys rotated as the ring's, the rest to ring slot (j - n_s) mod R; both stores equal the CPU's."""
+    spec = CacheSpec(batch=2, kv_heads=2, head_dim=HD, dtype=kind, dtype_v=v_kind, window=4, sinks=3, max_chunk=3,
+                     sink_dtype=sink_dtype)
+    cache = KVCache(spec)
+    assert cache.sink_k is not None
+    dev = {n: np.zeros_like(getattr(cache, n)) for n in ("k", "v", "sink_k", "sink_v")}
+    dev["lengths"] = np.zeros(2, np.int64)
+    rng = np.random.default_rng(len(kind) + len(sink_dtype))
+    for step in range(8):
+        T = 1 + (step + 1) % 3
+        counts = np.array([T, rng.integers(0, T + 1)])
+        k, v = _rows(rng, (2, 2, T, HD)), _rows(rng, (2, 2, T, HD))
+        cache.append(k, v, counts)
+        assert _run(emulator, cache, dev, k, v, counts) == gpu_append.FLAG_CLEAR
+        for n in ("k", "v", "sink_k", "sink_v"):
+            assert np.array_equal(bits(dev[n]), bits(getattr(cache, n))), f"{n} differs after step {step}"
+    assert cache.lengths.max() > cache.slots
 
 
 def test_head_dim_128_quantized_rotated(emulator):

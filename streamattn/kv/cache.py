@@ -183,6 +183,8 @@ class KVCache:
         the CPU the check, write and count are one compiled call, :func:`streamattn.kv.storage.write_rows`)."""
         xp, spec = self.xp, self.spec
         ks, vs = self.stage(k, v, counts, v_rounding, k_search, k_queries)
+        if ks is None:                            # the device kernel casts and writes (_write_device)
+            return self._write_device(k, v, counts)
         if self.sink_k is not None:
             return self._write_split(k, v, ks, vs, counts)
         if xp is np:                              # one compiled call: check as stored, write, count
@@ -196,8 +198,6 @@ class KVCache:
             if bad >= 0:
                 raise non_finite_error("kv"[bad % 2], bad // 2, spec.dtype)
             return
-        if ks is None:                            # the device kernel casts and writes (_write_device)
-            return self._write_device(k, v, counts)
         if spec.check_finite:
             check_stored_finite(ks, vs, counts, spec.dtype, xp, spec.v_dtype)
         for b in range(spec.batch):
@@ -219,12 +219,12 @@ class KVCache:
         self.last_counts[:] = counts           # in place: a head() view and its parent share the counters
 
     def _device_append(self, v_rounding, k_search, k_queries) -> bool:
-        """True where the append kernel writes this GPU cache's rows: sinks inside the ring, a K/V pair and
-        head_dim it has, gguf's rounding (a fed V, a searched or query-recoded K round on the host)."""
+        """True where the append kernel writes this GPU cache's rows: a K/V pair and head_dim it has, gguf's
+        rounding (a fed V, a searched or query-recoded K round on the host)."""
         from .backends.gpu_append import supports
         spec = self.spec
-        return (self.counters is not None and self.sink_k is None and v_rounding is None and not k_search
-                and k_queries is None and supports(spec.dtype, spec.v_dtype, spec.head_dim))
+        return (self.counters is not None and v_rounding is None and not k_search and k_queries is None
+                and supports(spec.dtype, spec.v_dtype, spec.head_dim))
 
     def _write_device(self, k, v, counts) -> None:
         """:meth:`_write` on the device, no sync: the append kernel casts (or quantizes, keys rotated) and writes
@@ -246,7 +246,8 @@ class KVCache:
         window = spec.window is not None
         gpu_append.append_with(xp, gpu.launch, k, v, self.k, self.v, undo[0], undo[1], lengths, d_counts, flag,
                                kind=spec.dtype, v_kind=spec.v_dtype, sinks=spec.sinks if window else 0,
-                               ring=self.ring, rotate_k=spec.rotate_k, code_base=base)
+                               ring=self.ring, rotate_k=spec.rotate_k, code_base=base, sink_k=self.sink_k,
+                               sink_v=self.sink_v)
         self.counters.advance()
         if window:
             np.maximum(self.held_from, self.lengths + counts - self.ring, out=self.held_from)

@@ -101,7 +101,7 @@ class DeviceStep:
         (flag, code_base) for the kernel."""
         before = (cache.lengths.copy(), cache.last_counts.copy(), cache.held_from.copy())
         base = self.codes
-        self.codes += 2 * cache.spec.batch
+        self.codes += _codes(cache)
         self.entries.append((cache, base, np.array(counts, np.int64), before, undo_k, undo_v))
         return (self.flag if cache.spec.check_finite else self.scratch), base
 
@@ -118,19 +118,34 @@ class DeviceStep:
         first = None
         for cache, base, counts, before, undo_k, undo_v in reversed(entries):   # newest first
             _restore(cache, counts, before, undo_k, undo_v)
-            if base <= code < base + 2 * cache.spec.batch:
-                side, b = divmod(code - base, cache.spec.batch)
-                first = non_finite_error("kv"[side], b, cache.spec.dtype if side == 0 else cache.spec.v_dtype)
+            if base <= code < base + _codes(cache):
+                check, b = divmod(code - base, cache.spec.batch)     # K, V as stored; K, V of the sink store
+                spec = cache.spec
+                first = non_finite_error("kvkv"[check], b, (spec.dtype, spec.v_dtype, spec.sink_dtype,
+                                                             spec.sink_dtype)[check])
         raise first
 
 
+def _codes(cache) -> int:
+    """Flag codes an append to ``cache`` takes: K and V of each sequence, twice with its sinks apart."""
+    return (2 if cache.sink_k is None else 4) * cache.spec.batch
+
+
 def _restore(cache, counts, before, undo_k, undo_v) -> None:
-    """Undo one append: the old bytes back into the slots it wrote, the host counters as they were."""
+    """Undo one append: the old bytes back into the slots it wrote, its sink rows (sinks apart) zero again
+    (a sink row is written once: before, it held nothing), the host counters as they were."""
     xp = cache.xp
-    lengths = before[0]
+    lengths, n_s = before[0], cache.spec.sinks
+    apart = cache.sink_k is not None
     for b in np.nonzero(counts)[0]:
-        idx = xp.asarray(cache.slots_of(np.arange(lengths[b], lengths[b] + counts[b])))       # [c]
-        cache.k[b][:, idx] = undo_k[b, :, :counts[b]]
-        cache.v[b][:, idx] = undo_v[b, :, :counts[b]]
+        L, c = int(lengths[b]), int(counts[b])
+        s = min(max(n_s - L, 0), c) if apart else 0             # rows that went to the sink store
+        if s:
+            cache.sink_k[b, :, L:L + s] = 0
+            cache.sink_v[b, :, L:L + s] = 0
+        pos = np.arange(L + s, L + c)                            # [c - s] ring positions
+        idx = xp.asarray((pos - n_s) % cache.ring if apart else cache.slots_of(pos))
+        cache.k[b][:, idx] = undo_k[b, :, s:c]
+        cache.v[b][:, idx] = undo_v[b, :, s:c]
     cache.lengths[:], cache.last_counts[:], cache.held_from[:] = before
     cache.counters.forget()

@@ -24,7 +24,7 @@ def supports(kind: str, v_kind: str, head_dim: int) -> bool:
 
 
 def append_with(xp, launch, k, v, k_store, v_store, undo_k, undo_v, lengths, counts, flag, *, kind: str,
-                v_kind: str, sinks: int, ring: int, rotate_k: bool, code_base: int):
+                v_kind: str, sinks: int, ring: int, rotate_k: bool, code_base: int, sink_k=None, sink_v=None):
     """Write row t < counts[b] of k, v to the slot of position lengths[b] + t, as stored.
 
     Parameters
@@ -46,6 +46,11 @@ def append_with(xp, launch, k, v, k_store, v_store, undo_k, undo_v, lengths, cou
         cache passes 0 and its capacity
     rotate_k : store ``k @ H`` (streamattn.kv.rotation) instead of k
     code_base : int, see ``flag``
+    sink_k, sink_v : float16 or float32 [batch, kv_heads, sinks, head_dim], optional: the sinks kept apart
+        (a CacheSpec's ``sink_dtype``). Then a row at position j < sinks goes to row j there (keys rotated),
+        position j >= sinks to ring slot (j - sinks) mod ring, every row is checked as quantized too (its
+        undo row receives those bytes), and a sink row NaN or inf in the sink dtype lowers the flag to
+        ``code_base + 2 batch + b`` (K) or ``code_base + 3 batch + b`` (V): the CPU's order of checks.
 
     The bytes written equal the CPU cast's (streamattn.kv.storage.to_storage, rotation.rotate_rows), see
     kernels/append.cu for the one exception on a device (float32 subnormals flushed to zero).
@@ -57,9 +62,18 @@ def append_with(xp, launch, k, v, k_store, v_store, undo_k, undo_v, lengths, cou
         if tuple(undo.shape) != (batch, kv_heads, T) + tuple(store.shape[3:]) or undo.dtype != store.dtype:
             raise ValueError(f"{name} must be {store.dtype} {(batch, kv_heads, T) + tuple(store.shape[3:])} "
                              f"(got {undo.dtype} {tuple(undo.shape)})")
+    sink_kind = -1
+    if sink_k is not None:
+        sink_kind = {"float32": 0, "float16": 1}.get(sink_k.dtype.name, -2)
+        if sink_kind < 0 or sink_v.dtype != sink_k.dtype or tuple(sink_k.shape) != (batch, kv_heads, sinks, head_dim) \
+                or tuple(sink_v.shape) != tuple(sink_k.shape):
+            raise ValueError(f"sink_k and sink_v must be float16 or float32 {(batch, kv_heads, sinks, head_dim)} "
+                             f"(got {sink_k.dtype} {tuple(sink_k.shape)}, {sink_v.dtype} {tuple(sink_v.shape)})")
     k = xp.ascontiguousarray(k, dtype=xp.float32)     # [batch, kv_heads, T, head_dim]
     v = xp.ascontiguousarray(v, dtype=xp.float32)
     i32 = np.int32
     launch(spec_name("append", head_dim, TAGS[kind], v_tag=TAGS[v_kind]), (T, kv_heads, batch), (head_dim, 1, 1),
-           [k, v, k_store, v_store, undo_k, undo_v, lengths, counts, flag, i32(kv_heads), i32(T),
-            i32(k_store.shape[2]), i32(sinks), i32(ring), i32(1 if rotate_k else 0), i32(code_base)])
+           [k, v, k_store, v_store, undo_k, undo_v, lengths, counts, flag,
+            k_store if sink_k is None else sink_k, v_store if sink_v is None else sink_v, i32(kv_heads), i32(T),
+            i32(k_store.shape[2]), i32(sinks), i32(ring), i32(1 if rotate_k else 0), i32(code_base),
+            i32(sink_kind)])
