@@ -126,7 +126,7 @@ class KVCache:
         # its appends lower (None: each append checks alone), the slots' old bytes of the last append
         self.counters = DeviceCounters(self.xp, spec.batch) if device == "gpu" else None
         self.step = None
-        self._undo = {}
+        self._undo, self._lone = {}, None
 
     # -- geometry -------------------------------------------------------------------------------
     @property
@@ -234,7 +234,9 @@ class KVCache:
         from .backends import gpu, gpu_append
         spec, xp = self.spec, self.xp
         T = k.shape[2]
-        step = self.step if self.step is not None else DeviceStep(xp=xp)
+        if self.step is None and self._lone is None:
+            self._lone = DeviceStep(xp=xp)                        # the step of appends outside any step
+        step = self.step if self.step is not None else self._lone
         fresh = any(e[0] is self for e in step.entries)           # a second append in one step: its own undo
         undo = None if fresh else self._undo.get(T)
         if undo is None:
@@ -300,7 +302,9 @@ class KVCache:
         ``k_queries``: None, or float32 [batch, heads, T, head_dim] queries of the chunk's own tokens in the frame
         the keys are stored in (rotated with them): a q4_0 K then has its codes rounded for them, each row
         for its own token's query group (:func:`streamattn.kv.storage.recode_for_queries`; the model passes
-        them with ``k_search``, :meth:`~streamattn.models.transformer.Transformer.key_search`)."""
+        them with ``k_search``, :meth:`~streamattn.models.transformer.Transformer.key_search`).
+        A GPU cache whose append kernel casts the rows itself (:meth:`_write_device`) gets room only, and
+        (None, None)."""
         xp, spec = self.xp, self.spec
         if self._device_append(v_rounding, k_search, k_queries):   # the kernel rotates and casts: room only
             if spec.window is None:
@@ -399,7 +403,7 @@ class KVCache:
         view.lengths, view.last_counts, view.held_from = self.lengths[:n], self.last_counts[:n], self.held_from[:n]
         view.view_of = self
         view.counters = None if self.counters is None else self.counters.head(n)
-        view.step, view._undo = self.step, {}
+        view.step, view._undo, view._lone = self.step, {}, None
         return view
 
     def _grow(self, need: int) -> None:
