@@ -63,15 +63,11 @@ def sm_count(device: int) -> int:
 
 
 def launch(name: str, grid, block, args) -> None:
-    """Run specialisation ``name`` (gpu_source.spec_name) on the current device: grid, block, kernel args."""
+    """Run specialisation ``name`` of ``gpu_source.all_specs()`` on the current device, on the current
+    stream: the launcher every plan takes (attention, gemv, ``gpu_layer``, ``gpu_append``,
+    ``streamattn.models.gpu_ops``)."""
     device = _cupy().cuda.Device().id
     kernel(name, device)(tuple(int(x) for x in grid), tuple(int(x) for x in block), tuple(args))
-
-
-def launch(name: str, grid, block, args) -> None:
-    """Run specialisation ``name`` of ``gpu_source.all_specs()`` on the current device, on the current
-    stream: the launcher the layer kernels' plans take (``gpu_layer``, ``streamattn.models.gpu_ops``)."""
-    _launch(name, grid, block, args)
 
 
 def attend(q, k, v, lengths, counts, *, window: int, sinks: int, scale: float, splits: int | None = None,
@@ -173,3 +169,4 @@ def gemv(weight: gpu_gemv.GGUFMatrix, x, *, out=None):
             raise TypeError(f"{name} must be a cupy.ndarray on the device (got {type(arr).__name__}); "
                             "upload the weight once with gpu.upload")
     return gpu_gemv.gemv_with(cupy, launch, weight, x, out=out)
+
