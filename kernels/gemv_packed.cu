@@ -106,7 +106,7 @@ __device__ __forceinline__ void sa_gemv_piece(const unsigned char* blk, int p, f
         // nibble bytes 4p .. 4p + 4: values 4p .. 4p + 4 (low nibbles) and 16 + 4p .. (high)
         const unsigned short* h = reinterpret_cast<const unsigned short*>(blk);
         const float d = sa_half_to_float(h[0]);
-        const float m = TYPE == SA_GGML_Q4_1 ? sa_half_to_float(h[1]) : 0.0f;
+        const float m = TYPE == SA_GGML_Q4_1 ? sa_half_to_float(h[1]) : 0.0f;  // Q4_1's min
         const float bias = TYPE == SA_GGML_Q4_0 ? SA_TWO23 + 8.0f : (TYPE == SA_GGML_Q5_0 ? SA_TWO23 + 16.0f : SA_TWO23);
         const unsigned u = TYPE == SA_GGML_Q4_1 ? reinterpret_cast<const unsigned*>(blk)[1 + p]
                                                  : sa_word16(h, (TYPE == SA_GGML_Q5_0 ? 3 : 1) + 2 * p);
@@ -116,7 +116,8 @@ __device__ __forceinline__ void sa_gemv_piece(const unsigned char* blk, int p, f
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const unsigned fifth = ((qh >> (16 * half + 4 * p + e)) & 1u) << 4;
-                w[4 * half + e] = sa_int_float(((u >> (8 * e + 4 * half)) & 15u) | fifth, bias) * d + m;
+                w[4 * half + e] = sa_int_float(((u >> (8 * e + 4 * half)) & 15u) | fifth, bias) * d;
+                if constexpr (TYPE == SA_GGML_Q4_1) w[4 * half + e] += m;  // not + 0 elsewhere: -0 stays -0
             }
             off[half] = 16 * half + 4 * p;
         }

@@ -163,7 +163,7 @@ def test_gemma3_file_rows(runner):
 
 BUGS = {  # name -> (GGUF type, exact text in gemv_packed.cu, planted text)
     "Q4_0 offset 7": ("Q4_0", "SA_GGML_Q4_0 ? SA_TWO23 + 8.0f", "SA_GGML_Q4_0 ? SA_TWO23 + 7.0f"),
-    "Q4_1 min dropped": ("Q4_1", "| fifth, bias) * d + m;", "| fifth, bias) * d;"),
+    "Q4_1 min dropped": ("Q4_1", "w[4 * half + e] += m;", "w[4 * half + e] += 0.0f;"),
     "Q5_0 fifth bits of the wrong half": ("Q5_0", "(qh >> (16 * half + 4 * p + e))", "(qh >> (4 * p + e))"),
     "Q8_0 second group at the first's columns": ("Q8_0", "off[i] = 8 * p + 4 * i;", "off[i] = 8 * p;"),
     "Q4_K 5-bit scales": ("Q4_K", "a = sa_kbyte(s0, s1, s2, j) & 63u;", "a = sa_kbyte(s0, s1, s2, j) & 31u;"),

@@ -46,9 +46,10 @@ def test_every_backend_specialisation_is_checked():
     V apart) x 3 head_dims x 2 kinds x (plain, soft-capped) + 3 merges, 7 GGUF types x 5 batch widths of
     the packed gemv, the layer kernels (RMSNorm, the residual add with and without its post norm, heads
     + RoPE (2 styles x with and without a per-head norm), GLU (silu, gelu-tanh)), and the K/V append for
-    every pair of K and V the attention kernels read, (5 + 6) x 3."""
+    every pair of K and V the attention kernels read, (5 + 6) x 3, and the embedding rows of the 7 GGUF types."""
     specs = gpu_source.all_specs()
-    assert len(specs) == len(set(specs)) == 135 + 35 + 9 + 33
+    assert len(specs) == len(set(specs)) == 135 + 35 + 9 + 33 + 7
+    assert {f"embed_{t.lower()}" for t in gpu_source.GEMV_TYPES} <= set(specs)
     assert {"append_q4_hd128", "append_q8_f16_hd64", "append_bf16_hd256"} <= set(specs)
     assert {"decode_q8_q4_hd64", "prefill_f16_q4_hd256_softcap", "decode_q4_f16_hd128"} <= set(specs)
     assert {f"gemv_{t.lower()}_nb{nb}" for t in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")

@@ -130,6 +130,8 @@ for step in range(int(sys.argv[2])):
     same += na == nb
     a_ids.append(na); b_ids.append(nb)
     feed_a, feed_b = np.array([[na]]), np.array([[nb]])
+ran = set(cupy._emulator().launches)        # the tokens' rows dequantized on the device, from device ids
+assert "embed_q5_0" in ran, ran
 print("ok", same, worst, a_ids == b_ids)
 """
 
@@ -140,7 +142,7 @@ STEPS = 5
 def test_packed_model_on_the_gpu_backend_equals_the_cpu_f32_path(tmp_path, emu_library):
     """A model loaded with weights="gguf" keeps its matrices as the file's blocks on the (fake) device, one
     type per tensor kind (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), multiplied by the packed GEMV kernels
-    (float32 sums): its logits are the CPU path's over float32 dequantized weights within 1e-3 of their
+    (float32 sums) and embedded by the embed kernel: its logits are the CPU path's over float32 dequantized weights within 1e-3 of their
     largest, and greedy steps pick the same ids. (One layer, five steps: the emulation starts an OS thread
     per CUDA thread, seconds a step here.)"""
     env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(emu_library),

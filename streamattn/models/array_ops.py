@@ -75,16 +75,23 @@ def glu_linear(xp, gu, activation, w, mm):
     return linear(xp, (gelu_tanh(xp, g) if activation == "gelu_tanh" else silu(xp, g)) * u, w, mm)
 
 
-def embed_rows(xp, w, ids):
-    """Rows ``ids`` (int [n]) of an embedding table (float array, :class:`QWeight` or a GGUFMatrix, whose
-    rows' blocks are dequantized on the host) as float32 [n, d]."""
+def embed_rows(xp, w, ids, scale: float = 1.0):
+    """Rows ``ids`` (int [n]) of an embedding table (float array, :class:`QWeight` or a GGUFMatrix) times
+    ``scale`` (the model's embedding scale, rounded once to float32) as float32 [n, d].
+
+    A GGUFMatrix on the device is dequantized there from device ids (``gpu.embed``: the same bits); on
+    the host, gguf-py dequantizes its rows' blocks."""
+    if isinstance(w, GGUFMatrix) and xp is not np:
+        from streamattn.kv.backends import gpu
+        return gpu.embed(w, xp.asarray(np.asarray(ids, np.int32)), scale=scale)
     if isinstance(w, QWeight):
-        return w.rows(ids)
-    if isinstance(w, GGUFMatrix):
-        blocks = w.blocks[xp.asarray(ids)]
-        host = blocks.get() if hasattr(blocks, "get") else np.asarray(blocks)
-        return xp.asarray(gguf.quants.dequantize(host, gguf.GGMLQuantizationType[w.gguf_type]).astype(np.float32))
-    return w[xp.asarray(ids)]
+        x = w.rows(ids)
+    elif isinstance(w, GGUFMatrix):
+        x = gguf.quants.dequantize(np.asarray(w.blocks)[np.asarray(ids)],
+                                   gguf.GGMLQuantizationType[w.gguf_type]).astype(np.float32)
+    else:
+        x = w[xp.asarray(ids)]
+    return x if scale == 1.0 else x * np.float32(scale)
 
 
 def rms_norm(xp, x, w, eps):

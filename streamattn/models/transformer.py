@@ -515,9 +515,8 @@ class Transformer:
             raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
         cnt = np.full(B, T, np.int64) if counts is None else np.asarray(counts, np.int64)
         pos = np.asarray(caches[0].lengths, np.int64)[:, None] + np.arange(T)[None, :]   # [B, T]
-        x = xp.asarray(embed_rows(xp, self.embed, tokens.reshape(-1))).reshape(B, T, c.d_model)  # [B, T, d]
-        if c.embed_scale != 1.0:
-            x = x * np.float32(c.embed_scale)
+        x = xp.asarray(embed_rows(xp, self.embed, tokens.reshape(-1), c.embed_scale))                 # [B*T, d]
+        x = x.reshape(B, T, c.d_model)                                                            # [B, T, d]
         attn_counts = None if counts is None or (cnt == T).all() else cnt    # None: every row real (one-call path)
         if self.rope_device is not None and not (positions == "cache" and any(k.spec.sinks for k in caches)):
             if pos.max() >= 2**31:

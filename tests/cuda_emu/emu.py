@@ -3,7 +3,7 @@
 ``build`` writes the exact text the GPU backend compiles (streamattn.kv.backends.gpu_source.source) next
 to a generated translation unit that includes it after cuda_emu.h, and compiles a shared library with
 g++. ``Emulator.attend`` then runs streamattn.kv.backends.gpu_plan.attend_with, the GPU backend's own
-orchestration, with numpy arrays and this launcher (``Emulator.gemv``: gpu_gemv.gemv_with's; ``Emulator.layer``:
+orchestration, with numpy arrays and this launcher (``Emulator.gemv``, ``Emulator.embed``: gpu_gemv's plans; ``Emulator.layer``:
 gpu_layer's plans).
 """
 from __future__ import annotations
@@ -123,6 +123,10 @@ class Emulator:
     def gemv(self, weight, x, *, out=None):
         """The GPU backend's packed gemv, emulated (same plan, same kernels)."""
         return gpu_gemv.gemv_with(np, self.launch, weight, x, out=out)
+
+    def embed(self, weight, ids, *, scale=1.0, out=None):
+        """The GPU backend's embedding rows of a packed matrix, emulated (same plan, same kernels)."""
+        return gpu_gemv.embed_with(np, self.launch, weight, ids, scale=scale, out=out)
 
     def layer(self, plan, *args, **kwargs):
         """A layer kernel's plan of streamattn.kv.backends.gpu_layer (e.g. ``rms_norm_with``), emulated."""

@@ -170,3 +170,12 @@ def gemv(weight: gpu_gemv.GGUFMatrix, x, *, out=None):
                             "upload the weight once with gpu.upload")
     return gpu_gemv.gemv_with(cupy, launch, weight, x, out=out)
 
+
+def embed(weight: gpu_gemv.GGUFMatrix, ids, *, scale: float = 1.0, out=None):
+    """Rows ``ids`` of a matrix kept in its GGUF type's blocks on the GPU, dequantized there, times ``scale``:
+    ``gpu_gemv.embed_with`` on the device (ids: cupy int32 [n]; returns cupy float32 [n, cols])."""
+    cupy = _cupy()
+    for name, arr in (("weight.blocks", getattr(weight, "blocks", None)), ("ids", ids)):
+        if not isinstance(arr, cupy.ndarray):
+            raise TypeError(f"{name} must be a cupy.ndarray on the device (got {type(arr).__name__})")
+    return gpu_gemv.embed_with(cupy, launch, weight, ids, scale=scale, out=out)

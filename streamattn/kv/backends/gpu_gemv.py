@@ -1,6 +1,6 @@
 """Launch plan of the packed GEMV kernels (kernels/gemv_packed.cu), with no CuPy import.
 
-A decode step multiplies each weight matrix by one activation row per sequence. :class:`GGUFMatrix` is a
+A decode step embeds its tokens (``embed_with``: the rows of their ids) and multiplies each weight matrix by one activation row per sequence. :class:`GGUFMatrix` is a
 matrix as its GGUF file stores it: the type's blocks, row by row, the bytes unchanged (the loader's
 ``GGUFFile`` tensors are views of exactly these bytes); the kernels dequantize them in registers, so a
 device holds the file's bytes and nothing wider. ``gemv_with`` runs on any array module ``xp`` through a
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .gpu_source import GEMV_BATCHES, GEMV_THREADS, GEMV_TYPES, gemv_name
+from .gpu_source import EMBED_THREADS, GEMV_BATCHES, GEMV_THREADS, GEMV_TYPES, embed_name, gemv_name
 
 
 @dataclass(frozen=True)
@@ -128,4 +128,54 @@ def gemv_with(xp, launch, weight: GGUFMatrix, x, *, out=None):
     i32 = np.int32
     launch(gemv_name(weight.gguf_type, nb), (math.ceil(rows * 32 / GEMV_THREADS), math.ceil(batch / nb), 1),
            (GEMV_THREADS, 1, 1), [weight.blocks, x, out, i32(rows), i32(cols), i32(batch)])
+    return out
+
+
+def embed_with(xp, launch, weight: GGUFMatrix, ids, *, scale: float = 1.0, out=None):
+    """Rows ``ids`` of a packed GGUF matrix as float32, times ``scale``, through ``launch``: the embedding of
+    a step's tokens, dequantized where the matrix lives (kernels/embed.cu).
+
+    Parameters
+    ----------
+    xp : module
+        Array module of the arguments (cupy, or numpy for the emulation harness).
+    launch : callable
+        ``launch(name, grid, block, args)``: runs embed specialisation ``name`` (gpu_source.embed_name).
+    weight : GGUFMatrix
+        ``[rows, cols]``; its blocks start on a 16-byte boundary.
+    ids : array int32 [n], C-contiguous, on ``xp``
+        Token ids; the kernel reads them, so the host never sees them. An id outside ``[0, rows)`` gives
+        a row of NaN (a step's finite check then refuses it), not an error.
+    scale : float
+        Multiplies every value (the model's embedding scale; Gemma's sqrt(d_model)), rounded once to float32
+        as the CPU path's ``rows * float32(scale)``.
+    out : array float32 [n, cols], optional
+        Written in place and returned (a decode loop allocates it once).
+
+    Returns
+    -------
+    array float32 [n, cols]
+        Equal bit for bit to ``gguf.quants.dequantize`` of the rows' blocks times ``float32(scale)``.
+    """
+    if not isinstance(weight, GGUFMatrix):
+        raise TypeError(f"weight must be a GGUFMatrix (got {type(weight).__name__})")
+    if getattr(ids, "ndim", None) != 1 or ids.dtype.name != "int32" or not ids.flags.c_contiguous:
+        raise TypeError(f"ids must be a C-contiguous 1-D int32 array (got {getattr(ids, 'dtype', type(ids).__name__)} "
+                        f"shape {tuple(getattr(ids, 'shape', ()))})")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float (got {scale!r})")
+    rows, cols = weight.shape
+    n = ids.shape[0]
+    if out is None:
+        out = xp.empty((n, cols), dtype=xp.float32)
+    elif tuple(out.shape) != (n, cols) or out.dtype.name != "float32" or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32 {(n, cols)} (got {out.dtype} {tuple(out.shape)})")
+    if _address(weight.blocks) % 16:
+        raise ValueError(f"weight.blocks must start on a 16-byte boundary for the kernels' loads "
+                         f"(address {_address(weight.blocks):#x})")
+    _, values, _ = GEMV_TYPES[weight.gguf_type]
+    piece = 8 if values == 32 else 16                 # SaGemvType<TYPE>::PIECE
+    if n:
+        launch(embed_name(weight.gguf_type), (n, math.ceil(cols // piece / EMBED_THREADS), 1), (EMBED_THREADS, 1, 1),
+               [weight.blocks, ids, out, np.int32(rows), np.int32(cols), np.float32(scale)])
     return out

@@ -17,6 +17,7 @@ merge    ``sa_merge<HD>``                      ``merge_hd256``
 gemv     ``sa_gemv<TYPE, NB>``                 ``gemv_q4_k_nb4``
 layer    ``sa_rows<MODE>`` and others          ``layer_norm``, ``layer_heads_neox_qknorm``
 append   ``sa_append<KIND, VKIND, HD>``        ``append_q8_f16_hd128``, ``append_q4_hd64``
+embed    ``sa_embed<TYPE>``                    ``embed_q4_k``
 ======== ===================================== ==============================
 
 KIND is the K/V storage dtype: 0 float32, 1 float16, 2 bfloat16 (uint16 bits), 3 q8_0 and 4 q4_0 (uint8
@@ -28,7 +29,8 @@ The gemv kernels (kernels/gemv_packed.cu) multiply a matrix held in a GGUF type 
 (TYPE: GGML's type id) by up to NB vectors of :data:`GEMV_BATCHES`. The layer kernels (kernels/layer_ops.cu)
 are the decoder layer's RMSNorm, residual add, heads split with RoPE, and GLU: :data:`LAYER_SPECS`. The
 append kernels (kernels/append.cu) write a step's K and V rows into the ring, cast or quantized as stored,
-for every K/V pair the attention kernels read.
+for every K/V pair the attention kernels read. The embed kernels (kernels/embed.cu) dequantize the rows of
+a step's token ids from a matrix in a type of :data:`GEMV_TYPES`.
 """
 from __future__ import annotations
 
@@ -44,13 +46,14 @@ QUANT_BLOCK_BYTES = {"q8": 34, "q4": 18}  # bytes per 32 values (streamattn.kv.s
 # or the other quantized kind (each pair is 12 more specialisations to compile and check)
 MIXED_PAIRS = (("f16", "q8"), ("f16", "q4"), ("q8", "f16"), ("q4", "f16"), ("q8", "q4"), ("q4", "q8"))
 SOURCES = {"decode": "decode.cu", "prefill": "prefill.cu", "merge": "merge.cu", "gemv": "gemv_packed.cu",
-           "layer": "layer_ops.cu", "append": "append.cu"}
+           "layer": "layer_ops.cu", "append": "append.cu", "embed": "embed.cu"}
 # GGUF type -> (GGML type id: the gemv template's TYPE, values per block, bytes per block) (ggml-common.h;
 # gguf.constants.GGML_QUANT_SIZES holds the same sizes)
 GEMV_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
               "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 GEMV_BATCHES = (1, 2, 4, 8, 16)  # NB: x vectors one gemv launch row multiplies (a batch takes the next one up)
 GEMV_THREADS = 128  # SA_GEMV_THREADS in kernels/gemv_packed.cu: 4 warps, one output row each
+EMBED_THREADS = 128  # SA_EMBED_THREADS in kernels/embed.cu: pieces of one row a block dequantizes
 # The layer kernels (kernels/layer_ops.cu): readable name -> name expression
 LAYER_SPECS = {"layer_norm": "sa_rows<0>", "layer_add": "sa_rows<1>", "layer_addnorm": "sa_rows<2>",
                "layer_heads_interleaved": "sa_heads_rope<false, false>",
@@ -117,7 +120,7 @@ def source(kind: str) -> str:
 
     Parameters
     ----------
-    kind : {"decode", "prefill", "merge", "gemv", "layer", "append"}
+    kind : {"decode", "prefill", "merge", "gemv", "layer", "append", "embed"}
 
     Returns
     -------
@@ -176,11 +179,20 @@ def gemv_name(gguf_type: str, nb: int) -> str:
     return f"gemv_{gguf_type.lower()}_nb{nb}"
 
 
+def embed_name(gguf_type: str) -> str:
+    """Readable name of the embed kernel for a GGUF type of :data:`GEMV_TYPES`, e.g. ``embed_q4_k``."""
+    if gguf_type not in GEMV_TYPES:
+        raise ValueError(f"the embed kernels read GGUF types {', '.join(GEMV_TYPES)} (got {gguf_type!r})")
+    return f"embed_{gguf_type.lower()}"
+
+
 def name_expression(name: str) -> str:
     """C++ name expression (for NVRTC ``name_expressions``) of a readable specialisation name."""
     if name in LAYER_SPECS:
         return LAYER_SPECS[name]
     parts = name.split("_")
+    if parts[0] == "embed":                               # embed_q4_k -> sa_embed<12>
+        return f"sa_embed<{GEMV_TYPES['_'.join(parts[1:]).upper()][0]}>"
     if parts[0] == "gemv":                                # gemv_q4_k_nb4 -> sa_gemv<12, 4>
         return f"sa_gemv<{GEMV_TYPES['_'.join(parts[1:-1]).upper()][0]}, {int(parts[-1].removeprefix('nb'))}>"
     capped = parts[-1] == "softcap"
@@ -205,7 +217,8 @@ def all_specs() -> list[str]:
              for k, v in MIXED_PAIRS for hd in HEAD_DIMS]
     gemv = [gemv_name(t, nb) for t in GEMV_TYPES for nb in GEMV_BATCHES]
     append = [spec_name("append", hd, k, v_tag=v) for hd in HEAD_DIMS for k, v in [(t, t) for t in KV_KINDS] + list(MIXED_PAIRS)]
-    return names + [spec_name("merge", hd) for hd in HEAD_DIMS] + mixed + gemv + list(LAYER_SPECS) + append
+    embed = [embed_name(t) for t in GEMV_TYPES]
+    return names + [spec_name("merge", hd) for hd in HEAD_DIMS] + mixed + gemv + list(LAYER_SPECS) + append + embed
 
 
 def choose_splits(max_keys: int, blocks_per_split: int, sm_count: int) -> int:
