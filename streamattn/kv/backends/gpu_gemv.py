@@ -1,11 +1,13 @@
-"""Launch plan of the packed GEMV kernels (kernels/gemv_packed.cu), with no CuPy import.
+"""Launch plan of the packed GEMV kernels (kernels/gemv_packed.cu) and the embedding rows (kernels/embed.cu),
+with no CuPy import.
 
-A decode step embeds its tokens (``embed_with``: the rows of their ids) and multiplies each weight matrix by one activation row per sequence. :class:`GGUFMatrix` is a
-matrix as its GGUF file stores it: the type's blocks, row by row, the bytes unchanged (the loader's
-``GGUFFile`` tensors are views of exactly these bytes); the kernels dequantize them in registers, so a
-device holds the file's bytes and nothing wider. ``gemv_with`` runs on any array module ``xp`` through a
-``launch(name, grid, block, args)`` callable, as ``gpu_plan.attend_with`` does: CuPy on a device
-(``streamattn.kv.backends.gpu.gemv``), numpy in the CPU emulation of the tests.
+A decode step embeds its tokens (``embed_with``: the rows of their ids) and multiplies each weight matrix by
+one activation row per sequence. :class:`GGUFMatrix` is a matrix as its GGUF file stores it: the type's
+blocks, row by row, the bytes unchanged (the loader's ``GGUFFile`` tensors are views of exactly these bytes);
+the kernels dequantize them in registers, so a device holds the file's bytes and nothing wider. ``gemv_with``
+runs on any array module ``xp`` through a ``launch(name, grid, block, args)`` callable, as
+``gpu_plan.attend_with`` does: CuPy on a device (``streamattn.kv.backends.gpu.gemv``), numpy in the CPU
+emulation of the tests.
 """
 from __future__ import annotations
 
