@@ -2,7 +2,7 @@
 
 Runs tests/gpu_cache_cases.py in a subprocess with tests/fake_cupy first on the path (numpy arrays, the CUDA
 kernels run by the CPU emulation), over a small emulation library: the append kernels and the attention
-kernels the cases launch.
+kernels the cases launch, and the layer kernels of the model case (GpuOps).
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def test_gpu_cache_through_the_fake_cupy(tmp_path):
     tags = ("f32", "f16", "q8", "q4")
     specs = [gpu_source.spec_name(kind, 64, t) for kind in ("append", "decode", "prefill") for t in tags]
     specs += [gpu_source.spec_name(kind, 64, "q8", v_tag="f16") for kind in ("append", "decode", "prefill")]
-    specs += [gpu_source.spec_name("merge", 64)]
-    lib = emu.build(tmp_path, sources={k: gpu_source.source(k) for k in ("append", "decode", "prefill", "merge")},
-                    specs=specs)
+    specs += [gpu_source.spec_name("merge", 64)] + list(gpu_source.LAYER_SPECS)   # a model's steps: GpuOps' kernels
+    kinds = ("append", "decode", "prefill", "merge", "layer")
+    lib = emu.build(tmp_path, sources={k: gpu_source.source(k) for k in kinds}, specs=specs)
     env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(lib), PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu_cache_cases.py"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
