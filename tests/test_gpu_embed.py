@@ -78,7 +78,10 @@ def test_planted_bug_is_caught(tmp_path):
 
 def test_plan_refuses_bad_arguments():
     w = GGUFMatrix(gguf_type="Q8_0", shape=(2, 32), blocks=aligned(np.zeros((2, 34), np.uint8)))
-    never = lambda *a: pytest.fail("launched")                       # noqa: E731
+
+    def never(*args):
+        pytest.fail("launched")
+
     with pytest.raises(TypeError, match="ids must be"):
         embed_with(np, never, w, np.array([0, 1], np.int64))
     with pytest.raises(TypeError, match="ids must be"):
