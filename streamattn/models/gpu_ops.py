@@ -5,7 +5,8 @@ RMSNorm five, RoPE a dozen over tables computed on the host every step, GLU six,
 Here each of RMSNorm + its matmul's input, heads split + per-head norm + RoPE, GLU, and the residual add
 with its post norm is one launch (:mod:`streamattn.kv.backends.gpu_layer`), RoPE reading positions from
 the device, uploaded once a step for every layer. The matmuls stay ``array_ops.linear`` (the packed GEMV
-kernels on the file's blocks, else cuBLAS) and attention stays ``append_attend``.
+kernels on the file's blocks, else cuBLAS) and attention stays ``append_attend``. With a
+:class:`~streamattn.models.gpu_graph.StepGraph` the row work between attentions runs as its CUDA graphs.
 """
 from __future__ import annotations
 
@@ -31,31 +32,52 @@ class GpuOps(ArrayOps):
     launch : callable
         ``launch(name, grid, block, args)``: ``streamattn.kv.backends.gpu.launch`` (a test passes the
         emulator's).
+    graph : streamattn.models.gpu_graph.StepGraph, optional
+        The decode step's graphs: each row op goes through ``graph.op`` (plain, captured or replayed), each
+        attention closes the segment before it and copies its output into ``graph.o``.
     """
 
-    def __init__(self, tf, caches, pos, backend, counts, hook, positions, pos_dev, launch):
+    def __init__(self, tf, caches, pos, backend, counts, hook, positions, pos_dev, launch, graph=None):
         if positions == "cache" and any(k.spec.sinks for k in caches):
             raise ValueError("GpuOps rotates queries at their text positions only; positions='cache' with a "
                              "sinks cache needs the array ops (ArrayOps)")
         super().__init__(tf, caches, None, pos, backend, counts, hook, positions)
-        self.pos_dev, self.launch, self.rope = pos_dev, launch, tf.rope_device
+        self.pos_dev, self.launch, self.rope, self.graph = pos_dev, launch, tf.rope_device, graph
         self.q_sink = None
+
+    def _op(self, name, args, run):
+        return run() if self.graph is None else self.graph.op(name, args, run)
 
     def norm_linear(self, x, norm_w, w):
         xp = self.xp
-        return self.linear(gpu_layer.rms_norm_with(xp, self.launch, xp.ascontiguousarray(x), norm_w,
-                                                   self.c.norm_eps), w)
+        return self._op("norm_linear", (x, norm_w, w), lambda: super(GpuOps, self).linear(
+            gpu_layer.rms_norm_with(xp, self.launch, xp.ascontiguousarray(x), norm_w, self.c.norm_eps), w))
 
     def heads_rope(self, h, qk_norm):
         c, xp = self.c, self.xp
         inv_freq, scale = self.rope[self.base]
-        return gpu_layer.heads_rope_with(xp, self.launch, xp.ascontiguousarray(h), self.pos_dev, inv_freq,
-                                         style=c.rope_style, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
-                                         qk_norm=qk_norm, eps=c.norm_eps, scale=scale)
+        return self._op("heads_rope", (h, qk_norm, self.base), lambda: gpu_layer.heads_rope_with(
+            xp, self.launch, xp.ascontiguousarray(h), self.pos_dev, inv_freq, style=c.rope_style, n_heads=c.n_heads,
+            n_kv_heads=c.n_kv_heads, qk_norm=qk_norm, eps=c.norm_eps, scale=scale))
 
     def glu_linear(self, gu, w):
         xp = self.xp
-        return self.linear(gpu_layer.glu_with(xp, self.launch, xp.ascontiguousarray(gu), self.c.activation), w)
+        return self._op("glu_linear", (gu, w), lambda: super(GpuOps, self).linear(
+            gpu_layer.glu_with(xp, self.launch, xp.ascontiguousarray(gu), self.c.activation), w))
+
+    def linear(self, x, w):
+        return self._op("linear", (x, w), lambda: super(GpuOps, self).linear(x, w))
 
     def residual(self, x, y, norm_w):
-        gpu_layer.residual_with(self.xp, self.launch, x, self.xp.ascontiguousarray(y), norm_w, self.c.norm_eps)
+        self._op("residual", (x, y, norm_w), lambda: gpu_layer.residual_with(
+            self.xp, self.launch, x, self.xp.ascontiguousarray(y), norm_w, self.c.norm_eps))
+
+    def attend(self, q, k, v):
+        """Attention as :class:`ArrayOps` runs it; with a graph, after the segment before it and with its
+        output copied into the graph's fixed buffer (what the next segment reads)."""
+        if self.graph is None:
+            return super().attend(q, k, v)
+        self.graph.close()
+        o = super().attend(q, k, v)                                                      # [B, T, H*hd]
+        self.graph.o[...] = o
+        return self.graph.o

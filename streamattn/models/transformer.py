@@ -45,6 +45,7 @@ from streamattn.runtime.arrays import to_host
 from streamattn.models import compiled
 from streamattn.models.architectures import ARCHITECTURES
 from streamattn.models.array_ops import ArrayOps, embed_rows, rms_norm
+from streamattn.models.gpu_graph import StepGraph, graphable
 from streamattn.models.gpu_ops import GpuOps
 from streamattn.models.config import (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS, ROPE_LONG, ROPE_SHORT, ModelConfig,
                                       tensor_name)
@@ -186,6 +187,11 @@ class Transformer:
         #: On the GPU (after :meth:`to`): {base: (inverse frequencies float64 [hd/2] on the device, attention
         #: factor)}, what the layer kernels rotate by (:class:`~streamattn.models.gpu_ops.GpuOps`); else None.
         self.rope_device = None
+        #: Run a GPU decode step's layer row work as CUDA graphs (:mod:`streamattn.models.gpu_graph`),
+        #: captured at a batch size's second step; off by default until a device run has checked it.
+        self.cuda_graphs = False
+        #: batch size -> its :class:`~streamattn.models.gpu_graph.StepGraph` (fixed buffers, segment graphs).
+        self.step_graphs = {}
 
     @property
     def plan(self) -> KernelPlan:
@@ -208,6 +214,7 @@ class Transformer:
                     setattr(lw, k, conv(v))
         self.xp = xp
         self._compiled = None
+        self.step_graphs = {}
         self.rope_device = None if xp is np else {
             base: (xp.asarray(inv), float(self._rope.scale[base])) for base, inv in self._rope.inv_freq.items()}
         return self
@@ -518,12 +525,21 @@ class Transformer:
         x = xp.asarray(embed_rows(xp, self.embed, tokens.reshape(-1), c.embed_scale))                 # [B*T, d]
         x = x.reshape(B, T, c.d_model)                                                            # [B, T, d]
         attn_counts = None if counts is None or (cnt == T).all() else cnt    # None: every row real (one-call path)
+        graph = None
         if self.rope_device is not None and not (positions == "cache" and any(k.spec.sinks for k in caches)):
             if pos.max() >= 2**31:
                 raise ValueError(f"positions must be below 2**31 for the GPU layer kernels (got {pos.max()})")
             tables = None                       # RoPE from device positions: one upload for every layer
-            ops = GpuOps(self, caches, pos, backend, attn_counts, attn_hook, positions,
-                         xp.asarray(pos.astype(np.int32)), gpu.launch)
+            if graphable(self, B, T, positions, caches):     # fixed buffers: the segments' graphs read them
+                graph = self.step_graphs.get(B) or self.step_graphs.setdefault(
+                    B, StepGraph(xp, B, c.d_model, c.n_heads * c.head_dim))
+                graph.x[...] = x
+                graph.pos[...] = pos.astype(np.int32)
+                x, pos_dev = graph.x, graph.pos
+                graph.begin_step()
+            else:
+                pos_dev = xp.asarray(pos.astype(np.int32))
+            ops = GpuOps(self, caches, pos, backend, attn_counts, attn_hook, positions, pos_dev, gpu.launch, graph)
         else:
             tables = {base: (xp.asarray(cos), xp.asarray(sin)) for base, (cos, sin) in self._rope(pos).items()}
             ops = ArrayOps(self, caches, tables, pos, backend, attn_counts, attn_hook, positions)
@@ -541,8 +557,17 @@ class Transformer:
             self._wavefront(x, pos, tables, caches, fast, backend, positions, lanes)
         else:   # GPU caches: one finite check for all layers, at the step's end (kv.device_step)
             with DeviceStep(caches) if caches[0].device == "gpu" else contextlib.nullcontext():
-                for i, lw in enumerate(self.layers):
-                    if fast is not None and fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):
-                        continue
-                    decoder_layer(x, lw, ops.at_layer(i))
+                try:
+                    for i, lw in enumerate(self.layers):
+                        if fast is not None and fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):
+                            continue
+                        decoder_layer(x, lw, ops.at_layer(i))
+                    if graph is not None:                 # the last segment; the output head runs plain
+                        graph.close()
+                        ops.graph = None
+                except BaseException:
+                    if graph is not None:                 # a capture cut short: this batch size starts over
+                        graph.abort()
+                        self.step_graphs.pop(B, None)
+                    raise
         return x, cnt, ops

@@ -22,23 +22,36 @@ float64, int8, nan = _np.float64, _np.int8, _np.nan   # (a KVCache on the device
 
 
 #: What a real device would pay for, counted: "sync" (a value read back to the host: get, bool, int, float,
-#: item, tolist) and "upload" (asarray of host data). Tests reset and read it (tests/test_gpu_cache.py).
+#: item, tolist) and "upload" (asarray of host data); "graph_launch" once a captured graph runs. Tests reset
+#: and read it (tests/test_gpu_cache.py).
 counts = {"sync": 0, "upload": 0}
 
 
+def _outside_capture(what: str) -> None:
+    """Raise if a stream capture is open: inside one only kernel launches may happen (a real capture would
+    fail on a sync, and an upload or an array op would not be the kernels the test means to prove)."""
+    if _state.get("capture") is not None:
+        raise RuntimeError(f"{what} inside a stream capture: a captured segment must be kernel launches only")
+
+
+def _sync() -> None:
+    _outside_capture("a host sync")
+    counts["sync"] += 1
+
+
 class ndarray(_np.ndarray):
-    """numpy array that claims to live on a device."""
+    """numpy array that claims to live on a device. Arithmetic and item assignment raise inside a capture."""
 
     @property
     def __cuda_array_interface__(self):
         return self.__array_interface__
 
     def get(self):
-        counts["sync"] += 1
+        _sync()
         return _np.array(self)
 
     def _read(self, convert):
-        counts["sync"] += 1
+        _sync()
         return convert(_np.asarray(self))
 
     def __bool__(self):
@@ -51,11 +64,11 @@ class ndarray(_np.ndarray):
         return self._read(float)
 
     def item(self, *args):
-        counts["sync"] += 1
+        _sync()
         return _np.asarray(self).item(*args)
 
     def tolist(self):
-        counts["sync"] += 1
+        _sync()
         return _np.asarray(self).tolist()
 
     def all(self, *args, **kwargs):     # 0-d on the "device", as CuPy's: reading it is a sync
@@ -77,22 +90,39 @@ class _Pointer:
         self.arr.view(_np.uint8).reshape(-1)[:nbytes] = src.arr.view(_np.uint8).reshape(-1)[:nbytes]
 
 
+def _guarded(name):
+    def op(self, *args, **kwargs):
+        _outside_capture(f"array operation {name}")
+        return getattr(_np.ndarray, name)(self, *args, **kwargs)
+    return op
+
+
+for _name in ("__setitem__", "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__",
+              "__rmul__", "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__matmul__", "__neg__", "copy"):
+    setattr(ndarray, _name, _guarded(_name))
+
+
 def _dev(x):
     return _np.asarray(x).view(ndarray)
 
 
 def _upload(a):
     if not isinstance(a, ndarray):
+        _outside_capture("an upload")
         counts["upload"] += 1
 
 
 def asarray(a, dtype=None):
     _upload(a)
+    if not (isinstance(a, ndarray) and (dtype is None or _np.dtype(dtype) == a.dtype)):
+        _outside_capture("a conversion")
     return _dev(_np.asarray(a, dtype=dtype))
 
 
 def ascontiguousarray(a, dtype=None):
     _upload(a)
+    if not (isinstance(a, ndarray) and a.flags.c_contiguous and (dtype is None or _np.dtype(dtype) == a.dtype)):
+        _outside_capture("a copy")
     return _dev(_np.ascontiguousarray(a, dtype=dtype))
 
 
@@ -100,9 +130,18 @@ def empty(shape, dtype=float32):
     return _dev(_np.empty(shape, dtype))
 
 
+def _array_function(name):
+    f = getattr(_np, name)
+
+    def run(*args, **kwargs):
+        _outside_capture(f"cupy.{name}")
+        return _dev(f(*args, **kwargs))
+    return run
+
+
 for _name in ("repeat", "einsum", "exp", "log", "abs", "zeros", "zeros_like", "full", "full_like", "where", "maximum",
               "isfinite", "isnan", "concatenate", "arange"):
-    setattr(sys.modules[__name__], _name, (lambda f: lambda *a, **k: _dev(f(*a, **k)))(getattr(_np, _name)))
+    setattr(sys.modules[__name__], _name, _array_function(_name))
 
 _rng = _np.random.default_rng(0)
 random = types.SimpleNamespace(
@@ -129,7 +168,61 @@ class RawModule:
 
     def get_function(self, expression):
         name = self._names[expression]
-        return lambda grid, block, args, **_: _emulator().launch(name, grid, block, list(args))
+        return lambda grid, block, args, **_: _launch(name, grid, block, list(args))
+
+
+def _launch(name, grid, block, args):
+    """Run a kernel on the emulator, or, inside a stream capture, add it to the capture's recording."""
+    capture = _state.get("capture")
+    if capture is not None:
+        capture.append((name, grid, block, args))
+    else:
+        _emulator().launch(name, grid, block, args)
+
+
+class _Graph:
+    """A captured recording of kernel launches; ``launch`` runs them again, in order, on the same arrays."""
+
+    def __init__(self, launches):
+        self.launches = launches
+
+    def launch(self, stream=None):
+        _outside_capture("a graph launch")
+        counts["graph_launch"] = counts.get("graph_launch", 0) + 1
+        for name, grid, block, args in self.launches:
+            _emulator().launch(name, grid, block, args)
+
+
+class _Stream:
+    """A stream that can capture: between ``begin_capture`` and ``end_capture`` launches are recorded, not
+    run, and a sync, an upload or an array op raises."""
+
+    def __init__(self, non_blocking=False, null=False, ptds=False):
+        self.capturing = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def begin_capture(self, mode=None):
+        if _state.get("capture") is not None:
+            raise RuntimeError("a stream capture is already open")
+        _state["capture"] = []
+        self.capturing = True
+
+    def end_capture(self):
+        if not self.capturing:
+            raise RuntimeError("end_capture without begin_capture on this stream")
+        launches, _state["capture"], self.capturing = _state["capture"], None, False
+        return _Graph(launches)
+
+    def is_capturing(self):
+        return self.capturing
+
+    def synchronize(self):
+        _outside_capture("a stream synchronize")
 
 
 class RawKernel:  # only the benchmark's spin kernel
@@ -175,7 +268,7 @@ def get_default_memory_pool():
 
 
 cuda = types.SimpleNamespace(
-    Device=_Device, Event=_Event, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
+    Device=_Device, Event=_Event, Stream=_Stream, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, runtimeGetVersion=lambda: 12090,
                                   getDeviceProperties=lambda d: {"name": b"fake GPU (numpy + CUDA emulation)"}),
     is_available=lambda: True)
