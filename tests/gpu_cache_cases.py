@@ -14,6 +14,7 @@ from streamattn.kv.cache import KVCache
 from streamattn.kv.device_step import DeviceStep
 from streamattn.kv.dispatch import append_attend
 from streamattn.kv.spec import CacheSpec
+from streamattn.runtime.arrays import to_host
 
 FAKE = cupy.__version__.endswith("fake")   # tests/fake_cupy: it counts syncs and uploads
 
@@ -51,10 +52,10 @@ def test_stream_equals_the_cpu_cache(kind, v_kind, mode):
         out, _ = append_attend(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), gpu_cache, backend="gpu",
                                scale=0.125, counts=counts)
         assert _same(_state(gpu_cache), _state(cpu_cache)), f"state differs after step {step}"
-        assert np.array_equal(np.asarray(gpu_cache.counters.lengths), cpu_cache.lengths)
+        assert np.array_equal(to_host(gpu_cache.counters.lengths), cpu_cache.lengths)
         assert (gpu_cache.sink_k is None) == (mode != "sinks_apart")
         real = np.arange(T)[None, :] < counts[:, None]                               # [batch, T]
-        err = np.abs(np.asarray(out) - ref).max(axis=(1, 3))[real]
+        err = np.abs(to_host(out) - ref).max(axis=(1, 3))[real]
         assert err.max() < 1e-4, f"attention differs after step {step}: {err.max()}"
     assert mode == "causal" or cpu_cache.lengths.max() > cpu_cache.slots          # the ring wrapped
 
