@@ -95,7 +95,7 @@ def test_bytes_equal_the_cpu_cache(emulator, kind, v_kind, mode):
         cache.reserve(40)
     dev = {"k": np.zeros_like(cache.k), "v": np.zeros_like(cache.v), "lengths": np.zeros(2, np.int64)}
     rng = np.random.default_rng(len(kind) * 7 + len(v_kind) + len(mode))
-    for step in range(12):
+    for step in range(9):
         T = 1 + step % 3
         counts = np.array([T, rng.integers(0, T + 1)])
         k, v = _rows(rng, (2, 2, T, HD)), _rows(rng, (2, 2, T, HD))
