@@ -24,6 +24,9 @@
 // quantized too (a sink row's quantized bytes go to its undo row, which it does not otherwise use), and
 // a sink row NaN or inf in the sink kind lowers the flag to code_base + 2 batch + b (K) or + 3 batch + b
 // (V).
+//
+// A fed q4_0 V (fed_v = 1, v_fed = U [kv_heads, HD, HD]): the row's codes are then chosen again in order
+// with each one's error pushed forward through U (storage.quantize_rows_fed, sa_fed_q4), the same bytes.
 #include "streamattn_common.cuh"
 
 #ifdef STREAMATTN_EMULATION
@@ -45,6 +48,23 @@ __device__ __forceinline__ unsigned short sa_float_to_half(float f) {
     if (ax >= 0x38800000u)                                           // a normal float16 (>= 2^-14)
         return (unsigned short)(sign | ((ax + 0xfffu + (ax >> 13 & 1u) - 0x38000000u) >> 13));
     return (unsigned short)(sign | (unsigned)rintf(__uint_as_float(ax) * 16777216.0f));  // units of 2^-24
+}
+
+// Over the warp's 32 values (one per lane): a = the largest |x| among the finite ones, xm = the first
+// value (lowest lane) of that magnitude, as gguf's quantizer scans a block; returns 1 when all are finite.
+__device__ __forceinline__ int sa_first_max(float x, int lane, float& a, float& xm) {
+    int finite = isfinite(x) ? 1 : 0;
+    a = finite ? fabsf(x) : 0.0f;
+    int at = lane;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        finite &= __shfl_xor_sync(0xffffffffu, finite, off);
+        const float oa = __shfl_xor_sync(0xffffffffu, a, off);
+        const int oat = __shfl_xor_sync(0xffffffffu, at, off);
+        if (oa > a || (oa == a && oat < at)) { a = oa; at = oat; }
+    }
+    xm = __shfl_xor_sync(0xffffffffu, x, lane ^ at);   // the value at lane `at`
+    return finite;
 }
 
 template <int KIND> struct SaStore {
@@ -73,17 +93,8 @@ template <int KIND> __device__ __forceinline__ bool sa_store_row(float x, unsign
     // q8_0 / q4_0: warp = block; the scale from the first value of largest magnitude (quantize_rows)
     const int lane = tid & 31;
     unsigned char* blk = out + (tid >> 5) * SaKind<KIND>::BLOCK;
-    int finite = isfinite(x) ? 1 : 0;
-    float a = finite ? fabsf(x) : 0.0f;
-    int at = lane;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        finite &= __shfl_xor_sync(0xffffffffu, finite, off);
-        const float oa = __shfl_xor_sync(0xffffffffu, a, off);
-        const int oat = __shfl_xor_sync(0xffffffffu, at, off);
-        if (oa > a || (oa == a && oat < at)) { a = oa; at = oat; }
-    }
-    const float xm_any = __shfl_xor_sync(0xffffffffu, x, lane ^ at);   // the value at lane `at`
+    float a, xm_any;
+    const int finite = sa_first_max(x, lane, a, xm_any);
     if (!finite) {                                  // the NaN marker: scale 0x7E00, quants 0 (q8_0) / 8 (q4_0)
         if (lane == 0) { blk[0] = 0x00; blk[1] = 0x7e; }
         if (KIND == 3) blk[2 + lane] = 0;
@@ -103,6 +114,48 @@ template <int KIND> __device__ __forceinline__ bool sa_store_row(float x, unsign
         if (lane < 16) blk[2 + lane] = (unsigned char)((unsigned)c | ((unsigned)hi << 4));
     }
     return (h & 0x7c00u) == 0x7c00u;
+}
+
+#ifdef STREAMATTN_EMULATION
+#define SA_DMUL(a, b) ((a) * (b))
+#define SA_DSUB(a, b) ((a) - (b))
+#define SA_DDIV(a, b) ((a) / (b))
+#else
+#define SA_DMUL(a, b) __dmul_rn(a, b)
+#define SA_DSUB(a, b) __dsub_rn(a, b)
+#define SA_DDIV(a, b) __ddiv_rn(a, b)
+#endif
+
+// A q4_0 row's codes chosen again in order, element 0 first, each one's rounding error pushed onto the
+// elements not yet rounded through U [HD, HD] (float64): storage.quantize_rows_fed, after sa_store_row<4>
+// wrote gguf's blocks to out. Thread tid owns element tid's running value w; one element a round, its
+// error broadcast through shared memory. Rows with a scale not finite keep gguf's bytes.
+template <int HD> __device__ __forceinline__ void sa_fed_q4(float x, unsigned char* out, const double* U, int tid) {
+    __shared__ double s_e;
+    const int lane = tid & 31;
+    float a, xm_any;                               // gguf's scale of this block before float16, as written
+    sa_first_max(x, lane, a, xm_any);
+    const float d = (a > 0.0f ? xm_any : 0.0f) / -8.0f;
+    const float inv = d == 0.0f ? 0.0f : 1.0f / d;
+    __syncthreads();                                // every block's scale written (sa_store_row)
+    bool ok = true;
+    for (int b = 0; b < HD / 32; ++b) ok = ok && (out[18 * b + 1] & 0x7c) != 0x7c;
+    if (!ok) return;                                // the same for every thread: no barrier skipped
+    const unsigned char* blk = out + 18 * (tid >> 5);
+    const double dq = (double)sa_half_to_float((unsigned short)(blk[0] | (blk[1] << 8)));
+    double w = (double)x;
+    for (int i = 0; i < HD; ++i) {
+        if (tid == i) {
+            const int c = (int)fminf(15.0f, fmaxf(0.0f, floorf(SA_FADD(SA_FMUL((float)w, inv), 8.5f))));
+            unsigned char* byte = out + 18 * (i >> 5) + 2 + (i & 15);
+            *byte = (i & 31) < 16 ? (unsigned char)((*byte & 0xf0) | c) : (unsigned char)((*byte & 0x0f) | (c << 4));
+            s_e = SA_DSUB(w, SA_DMUL(dq, (double)(c - 8)));      // the error, before / U[i, i]
+        }
+        __syncthreads();
+        const double e = SA_DDIV(s_e, U[(long long)i * HD + i]);  // every thread the same quotient
+        if (tid > i) w = SA_DSUB(w, SA_DMUL(e, U[(long long)i * HD + tid]));
+        __syncthreads();                            // s_e read by all before the next element sets it
+    }
 }
 
 // x @ H over this warp's 32 values (streamattn/kv/rotation.py): butterflies (a + b, a - b) in float64,
@@ -130,7 +183,9 @@ __global__ void __launch_bounds__(HD) sa_append(
     int* __restrict__ flag,                // [1] lowest code of a non-finite row (INT_MAX: none)
     unsigned char* __restrict__ sink_k,    // [batch, kv_heads, sinks, HD] of sink_kind, or unused
     unsigned char* __restrict__ sink_v,
-    int kv_heads, int T, int slots, int sinks, int ring, int rotate_k, int code_base, int sink_kind) {
+    const double* __restrict__ v_fed,      // [kv_heads, HD, HD] U of a fed q4_0 V (fed_v = 1), or unused
+    int kv_heads, int T, int slots, int sinks, int ring, int rotate_k, int code_base, int sink_kind,
+    int fed_v) {
     constexpr int KW = SaStore<KIND>::WIDTH(HD), VW = SaStore<VKIND>::WIDTH(HD);
     const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
     if (t >= counts[b]) return;                     // the whole block: a padding row
@@ -152,6 +207,9 @@ __global__ void __launch_bounds__(HD) sa_append(
     if (rotate_k) x = sa_rotate32(x, tid & 31);
     if (sa_store_row<KIND>(x, ks, tid)) atomicMin(flag, code_base + b);
     if (sa_store_row<VKIND>(y, vs, tid)) atomicMin(flag, code_base + batch + b);
+    if constexpr (VKIND == 4) {
+        if (fed_v) sa_fed_q4<HD>(y, vs, v_fed + (long long)h * HD * HD, tid);
+    }
     if (to_sink) {
         const long long srow = ((long long)b * kv_heads + h) * sinks + pos;  // [b, h, pos]
         const bool bad_k = sink_kind == 1 ? sa_store_row<1>(x, sink_k + srow * 2 * HD, tid)

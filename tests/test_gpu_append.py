@@ -13,7 +13,7 @@ from cuda_emu import emu
 from streamattn.kv.backends import gpu_append, gpu_source
 from streamattn.kv.cache import KVCache
 from streamattn.kv.spec import CacheSpec
-from streamattn.kv.storage import bits, quantize
+from streamattn.kv.storage import bits, quantize, rounding_factor
 
 pytestmark = pytest.mark.skipif(not emu.have_compiler(), reason="g++ (C++20) is needed for the emulation harness")
 
@@ -34,7 +34,7 @@ def emulator(tmp_path_factory):
     text = gpu_source.source("append")
     assert text.count(TIE) == 1
     bug = text.replace(TIE, TIE.replace("oat < at", "oat > at"))    # the last of equal magnitudes wins
-    entries = {n: ("append", gpu_source.name_expression(n)) for n in _specs() + ["append_q4_hd128"]}
+    entries = {n: ("append", gpu_source.name_expression(n)) for n in _specs() + ["append_q4_hd128", "append_q8_q4_hd64"]}
     entries["tie_bug:append_q4_hd64"] = ("append_bug", gpu_source.name_expression("append_q4_hd64"))
     lib = emu.build(tmp_path_factory.mktemp("append_emu"), sources={"append": text, "append_bug": bug},
                     entries=entries)
@@ -53,7 +53,7 @@ def _rows(rng, shape):
     return x
 
 
-def _run(emulator, cache, dev, k, v, counts, prefix=""):
+def _run(emulator, cache, dev, k, v, counts, prefix="", v_fed=None):
     """One append through the kernel on the emulated storage ``dev`` (a dict of arrays); returns the flag."""
     spec = cache.spec
     flag = np.full(1, gpu_append.FLAG_CLEAR, np.int32)
@@ -67,7 +67,7 @@ def _run(emulator, cache, dev, k, v, counts, prefix=""):
                            dev["lengths"].astype(np.int32), np.asarray(counts, np.int32), flag,
                            kind=spec.dtype, v_kind=spec.v_dtype, sinks=spec.sinks if windowed else 0,
                            ring=cache.ring, rotate_k=spec.rotate_k, code_base=0, sink_k=dev.get("sink_k"),
-                           sink_v=dev.get("sink_v"))
+                           sink_v=dev.get("sink_v"), v_fed=v_fed)
     apart = "sink_k" in dev
     for b in range(B):                       # the undo rows hold the slots' bytes from before the write
         for t in range(int(counts[b])):
@@ -128,6 +128,27 @@ def test_sinks_apart_equal_the_cpu_cache(emulator, kind, v_kind, sink_dtype):
         for n in ("k", "v", "sink_k", "sink_v"):
             assert np.array_equal(bits(dev[n]), bits(getattr(cache, n))), f"{n} differs after step {step}"
     assert cache.lengths.max() > cache.slots
+
+
+@pytest.mark.parametrize("kind,head_dim", [("q4_0", 64), ("q8_0", 64), ("q4_0", 128)])
+def test_fed_q4_values_equal_the_cpu_cache(emulator, kind, head_dim):
+    """A q4_0 V rounded through U (storage.quantize_rows_fed, the model's V rounding): the kernel's sequential
+    pass over each row gives the CPU's bytes; and its codes differ from gguf's rounding to nearest, so the
+    check can fail."""
+    rng = np.random.default_rng(head_dim)
+    spec = CacheSpec(batch=2, kv_heads=2, head_dim=head_dim, dtype=kind, dtype_v="q4_0", window=4, max_chunk=2)
+    a = rng.standard_normal((2, head_dim, head_dim))
+    U = np.stack([rounding_factor(m @ m.T) for m in a])                  # [kv_heads, D, D]
+    cache, plain = KVCache(spec), KVCache(spec)
+    dev = {"k": np.zeros_like(cache.k), "v": np.zeros_like(cache.v), "lengths": np.zeros(2, np.int64)}
+    for step in range(5):
+        k, v = (rng.standard_normal((2, 2, 2, head_dim)).astype(np.float32) for _ in range(2))
+        counts = np.array([2, step % 3])
+        cache.append_trusted(k, v, counts, v_rounding=U)
+        plain.append(k, v, counts)
+        _run(emulator, cache, dev, k, v, counts, v_fed=U)
+        assert np.array_equal(dev["k"], cache.k) and np.array_equal(dev["v"], cache.v), f"step {step}"
+    assert not np.array_equal(cache.v, plain.v)
 
 
 def test_head_dim_128_quantized_rotated(emulator):

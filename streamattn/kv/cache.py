@@ -126,7 +126,7 @@ class KVCache:
         # its appends lower (None: each append checks alone), the slots' old bytes of the last append
         self.counters = DeviceCounters(self.xp, spec.batch) if device == "gpu" else None
         self.step = None
-        self._undo, self._lone = {}, None
+        self._undo, self._lone, self._fed = {}, None, None   # _fed: (host factors, their device copy)
 
     # -- geometry -------------------------------------------------------------------------------
     @property
@@ -184,7 +184,7 @@ class KVCache:
         xp, spec = self.xp, self.spec
         ks, vs = self.stage(k, v, counts, v_rounding, k_search, k_queries)
         if ks is None:                            # the device kernel casts and writes (_write_device)
-            return self._write_device(k, v, counts)
+            return self._write_device(k, v, counts, None if v_rounding is None else self._fed[1])
         if self.sink_k is not None:
             return self._write_split(k, v, ks, vs, counts)
         if xp is np:                              # one compiled call: check as stored, write, count
@@ -220,17 +220,18 @@ class KVCache:
 
     def _device_append(self, v_rounding, k_search, k_queries) -> bool:
         """True where the append kernel writes this GPU cache's rows: a K/V pair and head_dim it has, gguf's
-        rounding (a fed V, a searched or query-recoded K round on the host)."""
+        rounding or a fed q4_0 V (a searched or query-recoded K rounds on the host)."""
         from .backends.gpu_append import supports
         spec = self.spec
-        return (self.counters is not None and v_rounding is None and not k_search and k_queries is None
-                and supports(spec.dtype, spec.v_dtype, spec.head_dim))
+        return (self.counters is not None and (v_rounding is None or spec.v_dtype == "q4_0") and not k_search
+                and k_queries is None and supports(spec.dtype, spec.v_dtype, spec.head_dim))
 
-    def _write_device(self, k, v, counts) -> None:
+    def _write_device(self, k, v, counts, v_fed=None) -> None:
         """:meth:`_write` on the device, no sync: the append kernel casts (or quantizes, keys rotated) and writes
         the rows, saving the slots' old bytes, and lowers the step's finite flag; the device lengths move by a
         device add, the host copies here. Outside a :class:`DeviceStep` the append is its own step: its flag
-        is read at once, and a non-finite chunk is undone and refused as on the CPU."""
+        is read at once, and a non-finite chunk is undone and refused as on the CPU. ``v_fed``: the device copy
+        of a q4_0 V's rounding factors (:meth:`stage` uploads them once)."""
         from .backends import gpu, gpu_append
         spec, xp = self.spec, self.xp
         T = k.shape[2]
@@ -249,7 +250,7 @@ class KVCache:
         gpu_append.append_with(xp, gpu.launch, k, v, self.k, self.v, undo[0], undo[1], lengths, d_counts, flag,
                                kind=spec.dtype, v_kind=spec.v_dtype, sinks=spec.sinks if window else 0,
                                ring=self.ring, rotate_k=spec.rotate_k, code_base=base, sink_k=self.sink_k,
-                               sink_v=self.sink_v)
+                               sink_v=self.sink_v, v_fed=v_fed)
         self.counters.advance()
         if window:
             np.maximum(self.held_from, self.lengths + counts - self.ring, out=self.held_from)
@@ -311,6 +312,8 @@ class KVCache:
                 need = int((self.lengths + counts).max())
                 if need > self.slots:     # grown before the step's finite check: a rollback keeps the room
                     self._grow(need)
+            if v_rounding is not None and (self._fed is None or self._fed[0] is not v_rounding):
+                self._fed = (v_rounding, xp.ascontiguousarray(xp.asarray(v_rounding), dtype=xp.float64))  # once
             return None, None
         if spec.rotate_k:                                # keys stored as k @ H (streamattn.kv.rotation)
             k = rotate(k, xp)                            # [batch, kv_heads, T, head_dim] float32
@@ -403,7 +406,7 @@ class KVCache:
         view.lengths, view.last_counts, view.held_from = self.lengths[:n], self.last_counts[:n], self.held_from[:n]
         view.view_of = self
         view.counters = None if self.counters is None else self.counters.head(n)
-        view.step, view._undo, view._lone = self.step, {}, None
+        view.step, view._undo, view._lone, view._fed = self.step, {}, None, self._fed
         return view
 
     def _grow(self, need: int) -> None:

@@ -24,7 +24,8 @@ def supports(kind: str, v_kind: str, head_dim: int) -> bool:
 
 
 def append_with(xp, launch, k, v, k_store, v_store, undo_k, undo_v, lengths, counts, flag, *, kind: str,
-                v_kind: str, sinks: int, ring: int, rotate_k: bool, code_base: int, sink_k=None, sink_v=None):
+                v_kind: str, sinks: int, ring: int, rotate_k: bool, code_base: int, sink_k=None, sink_v=None,
+                v_fed=None):
     """Write row t < counts[b] of k, v to the slot of position lengths[b] + t, as stored.
 
     Parameters
@@ -51,6 +52,8 @@ def append_with(xp, launch, k, v, k_store, v_store, undo_k, undo_v, lengths, cou
         position j >= sinks to ring slot (j - sinks) mod ring, every row is checked as quantized too (its
         undo row receives those bytes), and a sink row NaN or inf in the sink dtype lowers the flag to
         ``code_base + 2 batch + b`` (K) or ``code_base + 3 batch + b`` (V): the CPU's order of checks.
+    v_fed : float64 [kv_heads, head_dim, head_dim] C-contiguous on the device, optional (q4_0 V only): each
+        V row rounded through U[h] (streamattn.kv.storage.quantize_rows_fed), the same bytes
 
     The bytes written equal the CPU cast's (streamattn.kv.storage.to_storage, rotation.rotate_rows), see
     kernels/append.cu for the one exception on a device (float32 subnormals flushed to zero).
@@ -69,11 +72,16 @@ def append_with(xp, launch, k, v, k_store, v_store, undo_k, undo_v, lengths, cou
                 or tuple(sink_v.shape) != tuple(sink_k.shape):
             raise ValueError(f"sink_k and sink_v must be float16 or float32 {(batch, kv_heads, sinks, head_dim)} "
                              f"(got {sink_k.dtype} {tuple(sink_k.shape)}, {sink_v.dtype} {tuple(sink_v.shape)})")
+    if v_fed is not None and (v_kind != "q4_0" or v_fed.dtype.name != "float64"
+                              or tuple(v_fed.shape) != (kv_heads, head_dim, head_dim) or not v_fed.flags.c_contiguous):
+        raise ValueError(f"v_fed must be C-contiguous float64 {(kv_heads, head_dim, head_dim)} for a q4_0 V (got "
+                         f"{v_fed.dtype} {tuple(v_fed.shape)} for V {v_kind})")
     k = xp.ascontiguousarray(k, dtype=xp.float32)     # [batch, kv_heads, T, head_dim]
     v = xp.ascontiguousarray(v, dtype=xp.float32)
     i32 = np.int32
     launch(spec_name("append", head_dim, TAGS[kind], v_tag=TAGS[v_kind]), (T, kv_heads, batch), (head_dim, 1, 1),
            [k, v, k_store, v_store, undo_k, undo_v, lengths, counts, flag,
-            k_store if sink_k is None else sink_k, v_store if sink_v is None else sink_v, i32(kv_heads), i32(T),
+            k_store if sink_k is None else sink_k, v_store if sink_v is None else sink_v,
+            k_store if v_fed is None else v_fed, i32(kv_heads), i32(T),
             i32(k_store.shape[2]), i32(sinks), i32(ring), i32(1 if rotate_k else 0), i32(code_base),
-            i32(sink_kind)])
+            i32(sink_kind), i32(0 if v_fed is None else 1)])
