@@ -15,8 +15,8 @@ Layer (pre-norm; Gemma-3's extras are a per-head norm in ``heads_rope`` and the 
 are the identity on a llama-family layer; Qwen2's is the bias of q, k, v; Qwen3's the per-head norm)::
 
     q, k, v = heads_rope(rms_norm(x) @ Wqkv.T [+ bqkv])   # [q-norm, k-norm,] RoPE
-    x += post_norm(attend(q, k, v) @ Wo.T)           # attend: write k, v into the cache, then attend
-    x += post_norm(act(g) * u @ Wdown.T)             # g, u = rms_norm(x) @ Wgu.T; act: silu, gelu-tanh
+    residual(x, attend(q, k, v) @ Wo.T)              # x += post_norm(..); attend: write k, v, then attend
+    residual(x, act(g) * u @ Wdown.T)                # g, u = rms_norm(x) @ Wgu.T; act: silu, gelu-tanh
 
 ``x`` is the residual stream, updated in place. ``w`` has the fields of :class:`LayerWeights`.
 """
