@@ -10,10 +10,10 @@ alternated (the order flips every round), the read ceiling probed at each count 
 the ceiling over the weight bytes a step reads (every layer's matrices and the output head).
 
 ``--compare-mixed`` adds the variant ``array groups``: matrices held as row groups of different kinds (Llama's
-Q4_K_M: a Q6_K v beside Q4_K q and k) routed as before the compiled layer took them, the layer as array
-code, one activation quantization per group (its RMSNorm numpy's, so its logits differ from the compiled
-layer's in the last bits; the variant is timed, not compared). ``--parts`` first times each matmul of a step alone (every layer's, cycled so that
-the weights come from memory) at each count, and an empty parallel region.
+Q4_K_M: a Q6_K v beside Q4_K q and k) routed as before the compiled layer took them, the layer as array code,
+one activation quantization per group (its RMSNorm numpy's, so its logits differ from the compiled layer's in
+the last bits; the variant is timed, not compared). ``--parts`` first times each matmul of a step alone (every
+layer's, cycled so that the weights come from memory) at each count, and an empty parallel region.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The oracle tests of test_gpu_emu.py, test_gpu_gemv.py and test_gpu_layer.py again, through real CuPy on a CUDA device (marker
-``gpu``).
+"""The oracle tests of test_gpu_emu.py, test_gpu_gemv.py and test_gpu_layer.py again, through real CuPy on a
+CUDA device (marker ``gpu``).
 
 Skipped as a whole where CuPy sees no device: the CPU emulation runs the same kernel text there.
 """

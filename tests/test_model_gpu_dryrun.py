@@ -142,8 +142,8 @@ STEPS = 5
 def test_packed_model_on_the_gpu_backend_equals_the_cpu_f32_path(tmp_path, emu_library):
     """A model loaded with weights="gguf" keeps its matrices as the file's blocks on the (fake) device, one
     type per tensor kind (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), multiplied by the packed GEMV kernels
-    (float32 sums) and embedded by the embed kernel: its logits are the CPU path's over float32 dequantized weights within 1e-3 of their
-    largest, and greedy steps pick the same ids. (One layer, five steps: the emulation starts an OS thread
+    (float32 sums) and embedded by the embed kernel: its logits are the CPU path's over float32 dequantized
+    weights within 1e-3 of their largest, and greedy steps pick the same ids. (One layer, five steps: the emulation starts an OS thread
     per CUDA thread, seconds a step here.)"""
     env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(emu_library),
                PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")

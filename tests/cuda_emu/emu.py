@@ -1,10 +1,10 @@
 """Build and drive the CPU emulation of the CUDA kernels (cuda_emu.h) from Python through ctypes.
 
 ``build`` writes the exact text the GPU backend compiles (streamattn.kv.backends.gpu_source.source) next
-to a generated translation unit that includes it after cuda_emu.h, and compiles a shared library with
-g++. ``Emulator.attend`` then runs streamattn.kv.backends.gpu_plan.attend_with, the GPU backend's own
-orchestration, with numpy arrays and this launcher (``Emulator.gemv``, ``Emulator.embed``: gpu_gemv's plans; ``Emulator.layer``:
-gpu_layer's plans).
+to a generated translation unit that includes it after cuda_emu.h, and compiles a shared library with g++.
+``Emulator.attend`` then runs streamattn.kv.backends.gpu_plan.attend_with, the GPU backend's own
+orchestration, with numpy arrays and this launcher (``Emulator.gemv``, ``Emulator.embed``: gpu_gemv's plans;
+``Emulator.layer``: gpu_layer's plans).
 """
 from __future__ import annotations
 
