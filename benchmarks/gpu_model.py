@@ -20,7 +20,7 @@ tests' fake CuPy (the CUDA emulation, no device: wiring only, minutes a step at 
 skipped there).
 
 Usage: python benchmarks/gpu_model.py [--json out/gpu_model.json] [--models 1b 8b] [--batches 1 16]
-    [--steps 32] [--tokens 32] [--repeats 3] [--dir /tmp/gpu_model] [--skip-speed]
+    [--steps 32] [--tokens 32] [--repeats 3] [--dir /tmp/gpu_model] [--skip-speed] [--graphs]
 """
 from __future__ import annotations
 
@@ -51,9 +51,10 @@ CHECK_SHAPES = {False: dict(n_layers=4, d_model=512, n_heads=4, n_kv_heads=2, he
                 True: dict(n_layers=1, d_model=256, n_heads=2, n_kv_heads=1, head_dim=128, d_ff=256, vocab=48)}
 
 
-def check(cp, path: Path, steps: int, small: bool = False) -> dict:
+def check(cp, path: Path, steps: int, small: bool = False, graphs: bool = False) -> dict:
     """The GPU model against the CPU float32 path on a GGUF written at ``path``: worst relative logit error
-    and whether ``steps`` greedy ids agree."""
+    and whether ``steps`` greedy ids agree; ``graphs``: the GPU model's decode steps as CUDA graphs
+    (``Transformer.cuda_graphs``)."""
     from _model_util import write_tiny_gguf
     from streamattn.gguf.loader import load_gguf
     from streamattn.models.transformer import Transformer
@@ -62,6 +63,7 @@ def check(cp, path: Path, steps: int, small: bool = False) -> dict:
     write_tiny_gguf(str(path), arch="llama", quant=CHECK_TYPES, matrix_scale=0.05, **shape)
     cpu = Transformer(load_gguf(str(path), weights="f32", tokenizer=False))
     gpu = Transformer(load_gguf(str(path), weights="gguf", tokenizer=False)).to(cp)
+    gpu.cuda_graphs = graphs
     cc = cpu.new_caches(batch=1, max_chunk=8)
     gc = gpu.new_caches(batch=1, max_chunk=8)
     prompt = [i % shape["vocab"] for i in (3, 17, 5, 40, 9, 301, 77, 12)]
@@ -107,12 +109,13 @@ def step_bytes(model) -> int:
     return total
 
 
-def speed(cp, path: Path, batches: list, tokens: int, repeats: int, copy_gbs: float) -> list:
+def speed(cp, path: Path, batches: list, tokens: int, repeats: int, copy_gbs: float, graphs: bool = False) -> list:
     from streamattn.gguf.loader import load_gguf
     from streamattn.models.transformer import Transformer
 
     t0 = time.perf_counter()
     model = Transformer(load_gguf(str(path), weights="gguf", tokenizer=False)).to(cp)
+    model.cuda_graphs = graphs
     cp.cuda.Device().synchronize()
     load_s = time.perf_counter() - t0
     nbytes = step_bytes(model)
@@ -134,7 +137,7 @@ def speed(cp, path: Path, batches: list, tokens: int, repeats: int, copy_gbs: fl
             del caches
         step = statistics.median(times[1:])
         gbs = nbytes / step / 1e9
-        rows.append({"model": path.stem, "batch": batch, "step_ms": 1e3 * step, "tok_s": batch / step,
+        rows.append({"model": path.stem, "batch": batch, "graphs": graphs, "step_ms": 1e3 * step, "tok_s": batch / step,
                      "weight_bytes": nbytes, "weights_gb_s": gbs, "pct_copy": 100 * gbs / copy_gbs,
                      "load_s": load_s, "runs": times[1:]})
         print(f"{path.stem:24s} B={batch:<3d} {1e3 * step:8.2f} ms/step {batch / step:9.1f} tok/s "
@@ -154,6 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="where the fixtures are written (default: a temp dir)")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--graphs", action="store_true", help="decode steps as CUDA graphs (Transformer.cuda_graphs)")
     ap.add_argument("--fake", action="store_true", help="the tests' fake CuPy (no device): the check only")
     args = ap.parse_args(argv)
     if args.fake:
@@ -170,7 +174,7 @@ def main(argv=None) -> int:
         import cupy as cp
     work = args.dir or Path(tempfile.mkdtemp(prefix="gpu_model_"))
     work.mkdir(parents=True, exist_ok=True)
-    result = {"check": check(cp, work / "check.gguf", args.steps, small=args.fake)}
+    result = {"check": check(cp, work / "check.gguf", args.steps, small=args.fake, graphs=args.graphs)}
     c = result["check"]
     print(f"check: {c['steps']} greedy steps, ids equal {c['ids_equal']}, worst logit error "
           f"{c['worst_rel_err']:.2e} of the largest (limit 1e-3): {'ok' if c['ok'] else 'FAILED'}", flush=True)
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
                 t = time.perf_counter()
                 write_model(MODELS[SPEED_MODELS[m]], "q4_k_m", path, vocab)
                 print(f"{path.name}: written in {time.perf_counter() - t:.0f} s", flush=True)
-            result["speed"] += speed(cp, path, args.batches, args.tokens, args.repeats, copy_gbs)
+            result["speed"] += speed(cp, path, args.batches, args.tokens, args.repeats, copy_gbs, args.graphs)
             path.unlink()                       # (the 8B file is 4.9 GB)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@
 # For a machine with an NVIDIA GPU and CuPy, pytest and hypothesis preinstalled: no network, no pip installs,
 # nothing but this repository's files. Every step runs even when one before it failed; each step's exit
 # status and time go to one summary file, and the script exits non-zero when any step failed. The three
-# steps stop at 80 s, 150 s and 60 s, under 5 minutes in all (not yet run on a device).
+# steps stop at 80 s, 140 s, 20 s and 60 s, 5 minutes in all (not yet run on a device).
 #   bash scripts/gpu_check.sh            # results in out/: summary.txt, gpu_tests.xml, gpu_model.json,
 #                                        # gpu_decode.json
 #   OUT=/some/dir bash scripts/gpu_check.sh
@@ -61,8 +61,13 @@ else
 fi
 
 # 2. a whole model: equal to the CPU path, then its decode speed at 1B and 8B shapes
-model() { timeout 150 python benchmarks/gpu_model.py --json "$OUT/gpu_model.json" | tee "$OUT/gpu_model.txt"; }
+model() { timeout 140 python benchmarks/gpu_model.py --json "$OUT/gpu_model.json" | tee "$OUT/gpu_model.txt"; }
 step "model (benchmarks/gpu_model.py)" model
+
+# 2b. the same check with the decode steps' layer work as CUDA graphs (off by default until this passes)
+graphs() { timeout 20 python benchmarks/gpu_model.py --graphs --skip-speed --json "$OUT/gpu_model_graphs.json" \
+           | tee "$OUT/gpu_model_graphs.txt"; }
+step "model with CUDA graphs (benchmarks/gpu_model.py --graphs)" graphs
 
 # 3. attention bandwidth: decode vs a D2D copy measured in the same run
 bench() { timeout 60 python benchmarks/gpu_decode.py --lengths 4096 32768 --json "$OUT/gpu_decode.json" \

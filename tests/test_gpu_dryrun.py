@@ -57,7 +57,7 @@ def test_benchmark_runs_through_the_fake(fake_env, tmp_path):
 
 def test_gpu_check_keeps_going_and_writes_one_summary(tmp_path):
     """scripts/gpu_check.sh on the fake device with every step failing (a `timeout` on PATH that exits 3 at
-    once): all three steps still run, each is recorded FAILED in the one summary file, and the script exits 1."""
+    once): all four steps still run, each is recorded FAILED in the one summary file, and the script exits 1."""
     shim = tmp_path / "bin"
     shim.mkdir()
     (shim / "timeout").write_text("#!/bin/sh\necho \"ran: $*\"\nexit 3\n")
@@ -67,12 +67,13 @@ def test_gpu_check_keeps_going_and_writes_one_summary(tmp_path):
     done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
-    for ran in ("ran: 80 python -m pytest", "ran: 150 python benchmarks/gpu_model.py",
-                "ran: 60 python benchmarks/gpu_decode.py"):
+    for ran in ("ran: 80 python -m pytest", "ran: 140 python benchmarks/gpu_model.py --json",
+                "ran: 20 python benchmarks/gpu_model.py --graphs", "ran: 60 python benchmarks/gpu_decode.py"):
         assert ran in done.stdout, done.stdout
     summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("device: fake GPU")
     assert summary[1].startswith("oracle tests (tests/test_gpu_device.py): FAILED (exit 3)")
     assert summary[2].startswith("model (benchmarks/gpu_model.py): FAILED (exit 3)")
-    assert summary[3].startswith("decode benchmark (benchmarks/gpu_decode.py): FAILED (exit 3)")
-    assert summary[4].endswith("some step FAILED")
+    assert summary[3].startswith("model with CUDA graphs (benchmarks/gpu_model.py --graphs): FAILED (exit 3)")
+    assert summary[4].startswith("decode benchmark (benchmarks/gpu_decode.py): FAILED (exit 3)")
+    assert summary[5].endswith("some step FAILED")
