@@ -68,7 +68,9 @@ __device__ __forceinline__ int sa_first_max(float x, int lane, float& a, float& 
 }
 
 template <int KIND> struct SaStore {
-    static constexpr int WIDTH(int hd) { return KIND == 0 ? 4 * hd : KIND <= 2 ? 2 * hd : hd / 32 * SaKind<KIND>::BLOCK; }
+    static constexpr int WIDTH(int hd) {
+        return KIND == 0 ? 4 * hd : KIND <= 2 ? 2 * hd : hd / 32 * SaKind<KIND>::BLOCK;
+    }
 };
 
 // Row x (lane i of warp w holds element 32 w + i) into row bytes out of storage KIND; returns true when
@@ -86,7 +88,11 @@ template <int KIND> __device__ __forceinline__ bool sa_store_row(float x, unsign
     }
     if (KIND == 2) {
         const unsigned u = __float_as_uint(x);
-        const unsigned short h = (unsigned short)((u + ((u >> 16) & 1u) + 0x7fffu) >> 16);
+        // to_storage's rule: nearest even, and a NaN kept NaN (quiet, signed); the rounding carry would turn
+        // 0x7fffffff, the NaN every float op here produces, into 0x8000 (-0.0) and pass the finite check
+        const unsigned short h = (u & 0x7fffffffu) > 0x7f800000u
+            ? (unsigned short)((u >> 16) | 0x40u)
+            : (unsigned short)((u + ((u >> 16) & 1u) + 0x7fffu) >> 16);
         reinterpret_cast<unsigned short*>(out)[tid] = h;
         return (h & 0x7f80u) == 0x7f80u;
     }
@@ -148,7 +154,8 @@ template <int HD> __device__ __forceinline__ void sa_fed_q4(float x, unsigned ch
         if (tid == i) {
             const int c = (int)fminf(15.0f, fmaxf(0.0f, floorf(SA_FADD(SA_FMUL((float)w, inv), 8.5f))));
             unsigned char* byte = out + 18 * (i >> 5) + 2 + (i & 15);
-            *byte = (i & 31) < 16 ? (unsigned char)((*byte & 0xf0) | c) : (unsigned char)((*byte & 0x0f) | (c << 4));
+            *byte = (i & 31) < 16 ? (unsigned char)((*byte & 0xf0) | c)
+                                  : (unsigned char)((*byte & 0x0f) | (c << 4));
             s_e = SA_DSUB(w, SA_DMUL(dq, (double)(c - 8)));      // the error, before / U[i, i]
         }
         __syncthreads();

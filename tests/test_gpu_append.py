@@ -53,6 +53,19 @@ def _rows(rng, shape):
     return x
 
 
+# NaNs of every payload (0x7FFFFFFF: the NaN every CUDA float op produces, whose bfloat16 rounding carry once
+# wrapped to -0.0), +-inf, the largest finite float32 values and the largest that bfloat16 keeps finite
+SPECIAL = (0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF,
+           0x7F7F7FFF)
+
+
+def _special_rows(rng, shape, pattern, at):
+    """:func:`_rows` with the float32 bit pattern ``pattern`` at index ``at``."""
+    x = _rows(rng, shape)
+    x.view(np.uint32)[at] = pattern
+    return x
+
+
 def _run(emulator, cache, dev, k, v, counts, prefix="", v_fed=None):
     """One append through the kernel on the emulated storage ``dev`` (a dict of arrays); returns the flag."""
     spec = cache.spec
@@ -184,6 +197,35 @@ def test_non_finite_rows_raise_the_flag(emulator, kind):
         assert np.array_equal(dev["k"][:, 0, 0], quantize(rotate(k[:, 0, 0]), kind)[0])
         assert np.array_equal(dev["v"][:, 0, 0], quantize(v[:, 0, 0], kind)[0])
         assert dev["v"][1, 0, 0, 1] == 0x7E and dev["v"][1, 0, 0, 0] == 0
+
+
+@pytest.mark.parametrize("kind", ("float32", "bfloat16"))
+def test_special_values_stored_and_flagged_as_the_cpu(emulator, kind):
+    """Each of SPECIAL in sequence 1's K, then in sequence 0's V: the kernel stores the CPU cache's bytes (a
+    NaN stays NaN) and raises the flag (K: b, V: batch + b) exactly when the CPU cache refuses the chunk."""
+    rng = np.random.default_rng(11)
+    fired = set()
+    for pattern in SPECIAL:
+        for which, at, flagged in (("k", (1, 0, 0, 20), 1), ("v", (0, 0, 0, 33), 2 + 0)):
+            spec = CacheSpec(batch=2, kv_heads=1, head_dim=HD, dtype=kind, window=4)
+            stored = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=HD, dtype=kind, window=4, check_finite=False))
+            k = _special_rows(rng, (2, 1, 1, HD), pattern, at) if which == "k" else _rows(rng, (2, 1, 1, HD))
+            v = _special_rows(rng, (2, 1, 1, HD), pattern, at) if which == "v" else _rows(rng, (2, 1, 1, HD))
+            try:
+                KVCache(spec).append(k, v)
+                refused = False
+            except ValueError:
+                refused = True
+            stored.append(k, v)
+            dev = {"k": np.zeros_like(stored.k), "v": np.zeros_like(stored.v), "lengths": np.zeros(2, np.int64)}
+            flag = _run(emulator, stored, dev, k, v, [1, 1])
+            assert flag == (flagged if refused else gpu_append.FLAG_CLEAR), (hex(pattern), which, flag)
+            assert np.array_equal(bits(dev["k"]), bits(stored.k)), (hex(pattern), which)
+            assert np.array_equal(bits(dev["v"]), bits(stored.v)), (hex(pattern), which)
+            fired.add((pattern, refused))
+    nans = {p for p in SPECIAL if (p & 0x7FFFFFFF) > 0x7F800000}
+    assert all(refused for p, refused in fired if p in nans or (p & 0x7FFFFFFF) == 0x7F800000)
+    assert (0x7F7F7FFF, False) in fired                        # the largest finite that stays finite passes
 
 
 def test_planted_tie_bug_is_caught(emulator):

@@ -472,9 +472,14 @@ def to_storage(x, dtype: str, xp, rounding=None, search: bool = False):
     if dtype == "bfloat16":
         if x.dtype.name == "bfloat16":  # ml_dtypes input: already bf16
             return x.view(xp.uint16)
+        # Round to nearest even by adding 0x7FFF plus the kept half's low bit. A NaN would carry into the
+        # exponent or wrap past the sign (0x7FFFFFFF, the NaN of every CUDA float op, gives 0x8000: -0.0,
+        # which the finite check passes), so a NaN keeps its top half with the quiet bit set instead.
+        # kernels/append.cu and models.compiled.stored_16 apply the same rule.
         bits = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
-        rounding = ((bits >> 16) & 1) + 0x7FFF
-        return ((bits + rounding) >> 16).astype(xp.uint16)
+        rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(xp.uint16)
+        quiet = ((bits >> 16) | 0x40).astype(xp.uint16)
+        return xp.where((bits & 0x7FFFFFFF) > 0x7F800000, quiet, rounded)
     return x.astype(dtype, copy=False)
 
 

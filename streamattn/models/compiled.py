@@ -302,7 +302,10 @@ def _staging_kernels(items):
             for i in range(1024 * p, min(n, 1024 * p + 1024)):
                 if kind == 2:
                     b = np.int64(u[i])
-                    out[i] = ((b + ((b >> 16) & 1) + 0x7FFF) & 0xFFFFFFFF) >> 16
+                    if (b & 0x7FFFFFFF) > 0x7F800000:      # NaN: quiet, sign kept (to_storage's rule)
+                        out[i] = (b >> 16) | 0x40
+                    else:
+                        out[i] = ((b + ((b >> 16) & 1) + 0x7FFF) & 0xFFFFFFFF) >> 16
                 else:
                     out[i] = _half_bits(flat[i])
         return out.reshape(x.shape)
