@@ -49,8 +49,8 @@ SOURCES = {"decode": "decode.cu", "prefill": "prefill.cu", "merge": "merge.cu", 
            "layer": "layer_ops.cu", "append": "append.cu", "embed": "embed.cu"}
 # GGUF type -> (GGML type id: the gemv template's TYPE, values per block, bytes per block) (ggml-common.h;
 # gguf.constants.GGML_QUANT_SIZES holds the same sizes)
-GEMV_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
-              "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+GEMV_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34),
+              "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 GEMV_BATCHES = (1, 2, 4, 8, 16)  # NB: x vectors one gemv launch row multiplies (a batch takes the next one up)
 GEMV_THREADS = 128  # SA_GEMV_THREADS in kernels/gemv_packed.cu: 4 warps, one output row each
 EMBED_THREADS = 128  # SA_EMBED_THREADS in kernels/embed.cu: pieces of one row a block dequantizes
@@ -58,7 +58,8 @@ EMBED_THREADS = 128  # SA_EMBED_THREADS in kernels/embed.cu: pieces of one row a
 LAYER_SPECS = {"layer_norm": "sa_rows<0>", "layer_add": "sa_rows<1>", "layer_addnorm": "sa_rows<2>",
                "layer_heads_interleaved": "sa_heads_rope<false, false>",
                "layer_heads_interleaved_qknorm": "sa_heads_rope<false, true>",
-               "layer_heads_neox": "sa_heads_rope<true, false>", "layer_heads_neox_qknorm": "sa_heads_rope<true, true>",
+               "layer_heads_neox": "sa_heads_rope<true, false>",
+               "layer_heads_neox_qknorm": "sa_heads_rope<true, true>",
                "layer_glu_silu": "sa_glu<false>", "layer_glu_gelu": "sa_glu<true>"}
 LAYER_ROW_THREADS = 128  # SA_ROW_THREADS in kernels/layer_ops.cu
 LAYER_HEAD_WARPS = 4  # SA_HEAD_WARPS: heads one sa_heads_rope block handles, a warp each
@@ -216,7 +217,8 @@ def all_specs() -> list[str]:
     mixed = [spec_name(kind, hd, k, softcap=cap, v_tag=v) for kind in ("decode", "prefill") for cap in (False, True)
              for k, v in MIXED_PAIRS for hd in HEAD_DIMS]
     gemv = [gemv_name(t, nb) for t in GEMV_TYPES for nb in GEMV_BATCHES]
-    append = [spec_name("append", hd, k, v_tag=v) for hd in HEAD_DIMS for k, v in [(t, t) for t in KV_KINDS] + list(MIXED_PAIRS)]
+    append = [spec_name("append", hd, k, v_tag=v) for hd in HEAD_DIMS
+              for k, v in [(t, t) for t in KV_KINDS] + list(MIXED_PAIRS)]
     embed = [embed_name(t) for t in GEMV_TYPES]
     return names + [spec_name("merge", hd) for hd in HEAD_DIMS] + mixed + gemv + list(LAYER_SPECS) + append + embed
 
