@@ -242,3 +242,37 @@ def test_planted_tie_bug_is_caught(emulator):
         _run(emulator, cache, dev, x, x, [1], prefix=prefix)
         outs.append(np.array_equal(dev["k"], cache.k))
     assert outs == [True, False]
+
+
+def _good_args(B=2, H=2, T=3, slots=8):
+    """append_with's arguments for q8_0 K, float16 V, head_dim 64, as numpy arrays (nothing launches)."""
+    k, v = (np.zeros((B, H, T, HD), np.float32) for _ in range(2))
+    k_store, v_store = np.zeros((B, H, slots, 68), np.uint8), np.zeros((B, H, slots, HD), np.float16)
+    undo_k, undo_v = np.zeros((B, H, T, 68), np.uint8), np.zeros((B, H, T, HD), np.float16)
+    lengths, counts, flag = np.zeros(B, np.int32), np.full(B, T, np.int32), np.zeros(1, np.int32)
+    return dict(k=k, v=v, k_store=k_store, v_store=v_store, undo_k=undo_k, undo_v=undo_v, lengths=lengths,
+                counts=counts, flag=flag)
+
+
+@pytest.mark.parametrize("name,bad,expected", [
+    ("v", np.zeros((2, 2, 2, HD), np.float32), "v must have k's shape (2, 2, 3, 64) (got (2, 2, 2, 64))"),
+    ("k_store", np.zeros((2, 2, 8, 64), np.uint8), "k_store must be [2, 2, slots, 68] for q8_0 rows"),
+    ("v_store", np.zeros((2, 2, 8, 128), np.float16), "v_store must be [2, 2, slots, 64] for float16 rows"),
+    ("k_store", np.zeros((1, 2, 8, 68), np.uint8), "(got (1, 2, 8, 68))"),
+    ("lengths", np.zeros(2, np.int64), "lengths must be int32 [2] (got int64 (2,))"),
+    ("counts", np.zeros(3, np.int32), "counts must be int32 [2] (got int32 (3,))"),
+    ("flag", np.zeros((1, 1), np.int32), "flag must be int32 [1] (got int32 (1, 1))"),
+])
+def test_bad_arguments_are_refused_before_any_launch(name, bad, expected):
+    """Each argument of the wrong shape or dtype raises ValueError naming it, what was expected and what
+    was given, and nothing launches; the good arguments launch once."""
+    launched = []
+    args = _good_args()
+    gpu_append.append_with(np, lambda *a: launched.append(a), **args, kind="q8_0", v_kind="float16", sinks=0,
+                           ring=8, rotate_k=False, code_base=0)
+    assert len(launched) == 1
+    args[name] = bad
+    with pytest.raises(ValueError) as error:
+        gpu_append.append_with(np, lambda *a: launched.append(a), **args, kind="q8_0", v_kind="float16", sinks=0,
+                               ring=8, rotate_k=False, code_base=0)
+    assert expected in str(error.value) and len(launched) == 1

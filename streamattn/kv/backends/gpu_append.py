@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..spec import row_width
 from .gpu_source import HEAD_DIMS, KV_KINDS, MIXED_PAIRS, spec_name
 
 #: The storage dtype names of a CacheSpec -> the kernels' tags.
@@ -59,8 +60,18 @@ def append_with(xp, launch, k, v, k_store, v_store, undo_k, undo_v, lengths, cou
     kernels/append.cu for the one exception on a device (float32 subnormals flushed to zero).
     """
     batch, kv_heads, T, head_dim = k.shape
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)} (got {tuple(v.shape)})")
     if not supports(kind, v_kind, head_dim):
         raise ValueError(f"no append kernel for K {kind}, V {v_kind}, head_dim {head_dim}")
+    for name, store, dtype in (("k_store", k_store, kind), ("v_store", v_store, v_kind)):
+        width = row_width(dtype, head_dim)
+        if store.ndim != 4 or tuple(store.shape[:2]) != (batch, kv_heads) or store.shape[3] != width:
+            raise ValueError(f"{name} must be [{batch}, {kv_heads}, slots, {width}] for {dtype} rows of head_dim "
+                             f"{head_dim} (got {tuple(store.shape)})")
+    for name, a, n in (("lengths", lengths, batch), ("counts", counts, batch), ("flag", flag, 1)):
+        if a.dtype != np.int32 or tuple(a.shape) != (n,):
+            raise ValueError(f"{name} must be int32 [{n}] (got {a.dtype} {tuple(a.shape)})")
     for name, undo, store in (("undo_k", undo_k, k_store), ("undo_v", undo_v, v_store)):
         if tuple(undo.shape) != (batch, kv_heads, T) + tuple(store.shape[3:]) or undo.dtype != store.dtype:
             raise ValueError(f"{name} must be {store.dtype} {(batch, kv_heads, T) + tuple(store.shape[3:])} "
@@ -68,18 +79,20 @@ def append_with(xp, launch, k, v, k_store, v_store, undo_k, undo_v, lengths, cou
     sink_kind = -1
     if sink_k is not None:
         sink_kind = {"float32": 0, "float16": 1}.get(sink_k.dtype.name, -2)
-        if sink_kind < 0 or sink_v.dtype != sink_k.dtype or tuple(sink_k.shape) != (batch, kv_heads, sinks, head_dim) \
+        sink_shape = (batch, kv_heads, sinks, head_dim)
+        if sink_kind < 0 or sink_v.dtype != sink_k.dtype or tuple(sink_k.shape) != sink_shape \
                 or tuple(sink_v.shape) != tuple(sink_k.shape):
             raise ValueError(f"sink_k and sink_v must be float16 or float32 {(batch, kv_heads, sinks, head_dim)} "
                              f"(got {sink_k.dtype} {tuple(sink_k.shape)}, {sink_v.dtype} {tuple(sink_v.shape)})")
-    if v_fed is not None and (v_kind != "q4_0" or v_fed.dtype.name != "float64"
-                              or tuple(v_fed.shape) != (kv_heads, head_dim, head_dim) or not v_fed.flags.c_contiguous):
+    if v_fed is not None and (v_kind != "q4_0" or v_fed.dtype.name != "float64" or not v_fed.flags.c_contiguous
+                              or tuple(v_fed.shape) != (kv_heads, head_dim, head_dim)):
         raise ValueError(f"v_fed must be C-contiguous float64 {(kv_heads, head_dim, head_dim)} for a q4_0 V (got "
                          f"{v_fed.dtype} {tuple(v_fed.shape)} for V {v_kind})")
     k = xp.ascontiguousarray(k, dtype=xp.float32)     # [batch, kv_heads, T, head_dim]
     v = xp.ascontiguousarray(v, dtype=xp.float32)
     i32 = np.int32
-    launch(spec_name("append", head_dim, TAGS[kind], v_tag=TAGS[v_kind]), (T, kv_heads, batch), (head_dim, 1, 1),
+    launch(spec_name("append", head_dim, TAGS[kind], v_tag=TAGS[v_kind]), (T, kv_heads, batch),
+           (head_dim, 1, 1),
            [k, v, k_store, v_store, undo_k, undo_v, lengths, counts, flag,
             k_store if sink_k is None else sink_k, v_store if sink_v is None else sink_v,
             k_store if v_fed is None else v_fed, i32(kv_heads), i32(T),
