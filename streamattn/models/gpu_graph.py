@@ -60,6 +60,7 @@ class StepGraph:
         self.stream = xp.cuda.Stream(non_blocking=False)   # blocking: orders with the null stream's work
         self.steps = 0
         self.segments = []     # [(graph, [(op name, argument addresses, result)])], in step order
+        self.kept = []         # the captured ops' temporaries (see keep): every replay writes them again
         self._next = 0         # the segment the running step reaches next
         self._open = None      # the segment being captured or replayed: its index
         self._calls = None     # capture: the open segment's calls so far; replay: the next call's index
@@ -103,6 +104,14 @@ class StepGraph:
         result = calls[self._calls][2]
         self._calls += 1
         return result
+
+    def keep(self, a):
+        """Hold ``a``, a temporary that an op's captured launches write (an input it makes for the next
+        launch), as long as the graph: a replay writes the same address, which must not go back to the
+        memory pool when the op returns. Returns ``a``."""
+        if self.mode == "capture":
+            self.kept.append(a)
+        return a
 
     def close(self) -> None:
         """End the segment now reached (at an attention, or after the last layer): capture makes and launches

@@ -48,22 +48,27 @@ class GpuOps(ArrayOps):
     def _op(self, name, args, run):
         return run() if self.graph is None else self.graph.op(name, args, run)
 
+    def _keep(self, a):
+        """``a``, a temporary the op's launches write and read: with a graph, held as long as it (a replay
+        writes it again), not freed to the memory pool when the op returns."""
+        return a if self.graph is None else self.graph.keep(a)
+
     def norm_linear(self, x, norm_w, w):
         xp = self.xp
-        return self._op("norm_linear", (x, norm_w, w), lambda: super(GpuOps, self).linear(
-            gpu_layer.rms_norm_with(xp, self.launch, xp.ascontiguousarray(x), norm_w, self.c.norm_eps), w))
+        return self._op("norm_linear", (x, norm_w, w), lambda: super(GpuOps, self).linear(self._keep(
+            gpu_layer.rms_norm_with(xp, self.launch, xp.ascontiguousarray(x), norm_w, self.c.norm_eps)), w))
 
     def heads_rope(self, h, qk_norm):
         c, xp = self.c, self.xp
         inv_freq, scale = self.rope[self.base]
         return self._op("heads_rope", (h, qk_norm, self.base), lambda: gpu_layer.heads_rope_with(
-            xp, self.launch, xp.ascontiguousarray(h), self.pos_dev, inv_freq, style=c.rope_style, n_heads=c.n_heads,
-            n_kv_heads=c.n_kv_heads, qk_norm=qk_norm, eps=c.norm_eps, scale=scale))
+            xp, self.launch, xp.ascontiguousarray(h), self.pos_dev, inv_freq, style=c.rope_style,
+            n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, qk_norm=qk_norm, eps=c.norm_eps, scale=scale))
 
     def glu_linear(self, gu, w):
         xp = self.xp
-        return self._op("glu_linear", (gu, w), lambda: super(GpuOps, self).linear(
-            gpu_layer.glu_with(xp, self.launch, xp.ascontiguousarray(gu), self.c.activation), w))
+        return self._op("glu_linear", (gu, w), lambda: super(GpuOps, self).linear(self._keep(
+            gpu_layer.glu_with(xp, self.launch, xp.ascontiguousarray(gu), self.c.activation)), w))
 
     def linear(self, x, w):
         return self._op("linear", (x, w), lambda: super(GpuOps, self).linear(x, w))

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import types
+import weakref
 from pathlib import Path
 
 import numpy as _np
@@ -98,7 +99,8 @@ def _guarded(name):
 
 
 for _name in ("__setitem__", "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__",
-              "__rmul__", "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__matmul__", "__neg__", "copy"):
+              "__rmul__", "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__matmul__", "__neg__",
+              "copy"):
     setattr(ndarray, _name, _guarded(_name))
 
 
@@ -139,8 +141,8 @@ def _array_function(name):
     return run
 
 
-for _name in ("repeat", "einsum", "exp", "log", "abs", "zeros", "zeros_like", "full", "full_like", "where", "maximum",
-              "isfinite", "isnan", "concatenate", "arange"):
+for _name in ("repeat", "einsum", "exp", "log", "abs", "zeros", "zeros_like", "full", "full_like", "where",
+              "maximum", "isfinite", "isnan", "concatenate", "arange"):
     setattr(sys.modules[__name__], _name, _array_function(_name))
 
 _rng = _np.random.default_rng(0)
@@ -181,16 +183,45 @@ def _launch(name, grid, block, args):
 
 
 class _Graph:
-    """A captured recording of kernel launches; ``launch`` runs them again, in order, on the same arrays."""
+    """A captured recording of kernel launches; ``launch`` runs them again, in order, on the same memory.
+
+    As a real graph, it holds the arguments' addresses, not the arrays: each array argument is kept as a weak
+    reference to the array owning its memory and its place there, so a launch whose memory was freed since
+    the capture (a temporary nobody kept) raises instead of writing into it."""
 
     def __init__(self, launches):
-        self.launches = launches
+        self.launches = [(name, grid, block, [_Address(a) if isinstance(a, _np.ndarray) else a for a in args])
+                         for name, grid, block, args in launches]
 
     def launch(self, stream=None):
         _outside_capture("a graph launch")
         counts["graph_launch"] = counts.get("graph_launch", 0) + 1
         for name, grid, block, args in self.launches:
-            _emulator().launch(name, grid, block, args)
+            _emulator().launch(name, grid, block, [a.array(name, i) if isinstance(a, _Address) else a
+                                                   for i, a in enumerate(args)])
+
+
+class _Address:
+    """Where an array argument of a captured launch lives: its memory's owner (weakly) and its place there."""
+
+    def __init__(self, a):
+        root = a
+        while isinstance(root.base, _np.ndarray):
+            root = root.base
+        self.strong = None if root.flags.c_contiguous else a      # a strided owner: kept (not rebuilt)
+        self.owner = weakref.ref(root)
+        self.offset = a.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+        self.shape, self.dtype = a.shape, a.dtype
+
+    def array(self, name, i):
+        if self.strong is not None:
+            return self.strong
+        root = self.owner()
+        if root is None:
+            raise RuntimeError(f"graph launch: argument {i} of {name} is memory freed since the capture")
+        flat = root.reshape(-1).view(_np.uint8)
+        return flat[self.offset:self.offset + self.dtype.itemsize * int(_np.prod(self.shape))].view(
+            self.dtype).reshape(self.shape)
 
 
 class _Stream:
