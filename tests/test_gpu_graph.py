@@ -73,7 +73,8 @@ def emu_library(tmp_path_factory):
     """The emulation library of the kernels these models launch alone (float32 caches, head_dim 64, four
     GGUF types): a fraction of the full library's build."""
     used = ("gemv_q8_0", "gemv_q4_0", "gemv_q4_1", "gemv_q5_0", "layer_", "embed_q8_0", "decode_f32_hd64",
-            "decode_f32_hd64_softcap", "merge_hd64", "prefill_f32_hd64", "prefill_f32_hd64_softcap", "append_f32_hd64")
+            "decode_f32_hd64_softcap", "merge_hd64", "prefill_f32_hd64", "prefill_f32_hd64_softcap",
+            "append_f32_hd64")
     specs = [n for n in gpu_source.all_specs() if n.startswith(used)]
     kinds = {n.split("_")[0] for n in specs}
     return emu.build(tmp_path_factory.mktemp("graph_emu"), sources={k: gpu_source.source(k) for k in kinds},
@@ -121,14 +122,24 @@ class _Stream:
 
     def end_capture(self):
         recorded, self.open = self.open, None
-        return types.SimpleNamespace(launch=lambda stream=None: [f() for f in recorded])
+        return types.SimpleNamespace(launch=lambda stream=None: LAUNCHED.append(stream) or [f() for f in recorded])
+
+    def record(self):
+        return self
+
+    def wait_event(self, event):
+        pass
+
+
+LAUNCHED = []                 # the streams the stand-in graphs were launched on
 
 
 def test_step_graph_replays_results_and_refuses_other_buffers():
     """Plain, capture, replay: on replay an op's Python does not run and gets the capture's result; the same
     op on another buffer, or a segment closed before all its ops, raises instead of replaying stale work."""
+    current = _Stream()
     xp = types.SimpleNamespace(zeros=np.zeros, float32=np.float32, int32=np.int32,
-                               cuda=types.SimpleNamespace(Stream=_Stream))
+                               cuda=types.SimpleNamespace(Stream=_Stream, get_current_stream=lambda: current))
     g = StepGraph(xp, 2, 4, 4)
     a, b = np.ones(4, np.float32), np.ones(4, np.float32)
     ran = []
@@ -142,6 +153,7 @@ def test_step_graph_replays_results_and_refuses_other_buffers():
     first, second, third = step(a), step(a), step(a)
     assert ran == ["plain", "capture"] and third is second and np.array_equal(first, second)
     assert len(g.segments) == 1 and g.mode == "replay"
+    assert LAUNCHED == [current, current]      # on the step's stream (after its attention), not the graph's
     with pytest.raises(RuntimeError, match="other buffers"):
         step(b)
     g.abort()

@@ -12,7 +12,7 @@ same addresses. :class:`StepGraph` holds those inputs in fixed device buffers an
 step    what runs
 ======  =====================================================================
 first   plain launches (kernels built, the memory pool warmed by the step)
-second  each segment captured on the graph's stream, then launched
+second  each segment captured on the graph's stream, then launched on the current stream
 later   each segment's graph launched; the ops' Python only looks up results
 ======  =====================================================================
 
@@ -57,7 +57,7 @@ class StepGraph:
         self.x = xp.zeros((B, 1, d_model), dtype=xp.float32)         # [B, 1, d]
         self.pos = xp.zeros((B, 1), dtype=xp.int32)                   # [B, 1]
         self.o = xp.zeros((B, 1, o_width), dtype=xp.float32)          # [B, 1, H*hd]
-        self.stream = xp.cuda.Stream(non_blocking=False)   # blocking: orders with the null stream's work
+        self.stream = xp.cuda.Stream(non_blocking=True)    # captures; ordered with the step by events
         self.steps = 0
         self.segments = []     # [(graph, [(op name, argument addresses, result)])], in step order
         self.kept = []         # the captured ops' temporaries (see keep): every replay writes them again
@@ -81,8 +81,12 @@ class StepGraph:
         (replay)."""
         mode = self.mode
         if mode == "plain":             # on the graph's stream too: CuPy's pool keeps free blocks per stream,
-            with self.stream:           # so this step warms what the capture will allocate from
-                return run()
+            step = self.xp.cuda.get_current_stream()    # so this step warms what the capture allocates from;
+            self.stream.wait_event(step.record())       # after the step's work so far, before what follows
+            with self.stream:
+                result = run()
+            step.wait_event(self.stream.record())
+            return result
         keys = tuple(_address(a) for a in args)
         if mode == "capture":
             if self._open is None:
@@ -129,8 +133,8 @@ class StepGraph:
             ran = self._calls if self._open is not None else 0
             if ran != len(calls):
                 raise RuntimeError(f"decode step graph: segment {self._next} ran {ran} of its {len(calls)} ops")
-        if mode != "plain" and graph is not None:
-            graph.launch(stream=self.stream)
+        if mode != "plain" and graph is not None:       # on the step's stream: after the attention before it
+            graph.launch(stream=self.xp.cuda.get_current_stream())
         self._open, self._next = None, self._next + 1
 
     def abort(self) -> None:

@@ -255,6 +255,17 @@ class _Stream:
     def synchronize(self):
         _outside_capture("a stream synchronize")
 
+    def record(self, event=None):
+        _outside_capture("an event record across streams")
+        event = event if event is not None else _Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event):
+        _outside_capture("a wait on an event")
+        if not isinstance(event, _Event) or not hasattr(event, "t"):
+            raise RuntimeError("wait_event on an event never recorded")
+
 
 class RawKernel:  # only the benchmark's spin kernel
     def __init__(self, code, name):
@@ -298,8 +309,10 @@ def get_default_memory_pool():
     return _Pool()
 
 
+_null_stream = _Stream(null=True)
+
 cuda = types.SimpleNamespace(
-    Device=_Device, Event=_Event, Stream=_Stream, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
+    Device=_Device, Event=_Event, Stream=_Stream, get_current_stream=lambda: _null_stream, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, runtimeGetVersion=lambda: 12090,
                                   getDeviceProperties=lambda d: {"name": b"fake GPU (numpy + CUDA emulation)"}),
     is_available=lambda: True)
