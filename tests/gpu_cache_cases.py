@@ -141,6 +141,26 @@ def test_append_outside_a_step_checks_at_once():
     assert _same(_state(g), before) and _same(before, _state(c))
 
 
+def test_exception_inside_a_step_rolls_back():
+    """An exception raised inside a DeviceStep after two layers' appends (an out-of-memory growth, an
+    interrupt): the step rolls both back, newest first, and every cache is bit for bit as before the step."""
+    spec = _spec("q8_0", None, "window")
+    gpu = [KVCache(spec, device="gpu") for _ in range(3)]
+    rng = np.random.default_rng(8)
+    draw = lambda: cupy.asarray(rng.standard_normal((2, 2, 1, 64)).astype(np.float32))   # noqa: E731
+    for _ in range(7):                                      # the ring wrapped: the undo bytes matter
+        with DeviceStep(gpu):
+            for g in gpu:
+                g.append(draw(), draw())
+    before = [_state(g) for g in gpu]
+    with pytest.raises(KeyboardInterrupt):
+        with DeviceStep(gpu):
+            gpu[0].append(draw(), draw())
+            gpu[1].append(draw(), draw())
+            raise KeyboardInterrupt
+    assert all(_same(_state(g), b) for g, b in zip(gpu, before)), "a step that raised changed a cache"
+
+
 def _decode_counts(layers, steps, device_append=True):
     """(syncs, uploads) of ``steps`` decode steps over ``layers`` q8_0 caches, after one warm-up step; with
     ``device_append`` False, the host path the cache took before the append kernel."""

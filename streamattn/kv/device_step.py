@@ -93,8 +93,16 @@ class DeviceStep:
         if exc_type is None:
             self.finish()
         else:
-            self.entries.clear()
+            self.undo()
         return False
+
+    def undo(self) -> None:
+        """Roll every append of the step back, newest first, without reading the flag: a step that raised
+        (an out-of-memory growth at some layer, a graph error, an interrupt) leaves the caches as before it."""
+        entries, self.entries, self.codes = self.entries, [], 0
+        for cache, _, counts, before, undo_k, undo_v in reversed(entries):
+            _restore(cache, counts, before, undo_k, undo_v)
+        self.flag[...] = FLAG_CLEAR
 
     def record(self, cache, counts, undo_k, undo_v):
         """Note an append to ``cache`` of ``counts`` [batch] rows (before its host counters move); returns
