@@ -161,6 +161,37 @@ def test_exception_inside_a_step_rolls_back():
     assert all(_same(_state(g), b) for g, b in zip(gpu, before)), "a step that raised changed a cache"
 
 
+def test_a_failed_launch_leaves_no_step_entry(monkeypatch):
+    """A lone append whose launch raises keeps no entry in its step (its undo rows were never written), so a
+    later non-finite lone append restores only what it wrote; a flag code no append owns is a RuntimeError."""
+    from streamattn.kv.backends import gpu_append
+    spec = _spec("q8_0", None, "window", batch=1)
+    g = KVCache(spec, device="gpu")
+    rng = np.random.default_rng(9)
+    for _ in range(6):
+        k, v = (rng.standard_normal((1, 2, 1, 64)).astype(np.float32) for _ in range(2))
+        g.append(cupy.asarray(k), cupy.asarray(v))
+    before = _state(g)
+    launch = gpu_append.append_with
+
+    def fail(*a, **kw):
+        raise MemoryError("planted")
+    monkeypatch.setattr(gpu_append, "append_with", fail)
+    with pytest.raises(MemoryError):
+        g.append(cupy.asarray(k), cupy.asarray(v))
+    assert g._lone.entries == [] and _same(_state(g), before)
+    monkeypatch.setattr(gpu_append, "append_with", launch)
+    k[0, 1, 0, 2] = np.nan
+    with pytest.raises(ValueError, match="k holds NaN or inf for sequence 0"):
+        g.append(cupy.asarray(k), cupy.asarray(v))
+    assert _same(_state(g), before)
+    step = DeviceStep(xp=cupy)
+    step.record(g, np.array([1]), *g._undo[1])
+    step.flag[...] = 99
+    with pytest.raises(RuntimeError, match="code 99"):
+        step.finish()
+
+
 def _decode_counts(layers, steps, device_append=True):
     """(syncs, uploads) of ``steps`` decode steps over ``layers`` q8_0 caches, after one warm-up step; with
     ``device_append`` False, the host path the cache took before the append kernel."""

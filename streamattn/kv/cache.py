@@ -241,16 +241,22 @@ class KVCache:
         fresh = any(e[0] is self for e in step.entries)           # a second append in one step: its own undo
         undo = None if fresh else self._undo.get(T)
         if undo is None:
-            undo = tuple(xp.empty((spec.batch, spec.kv_heads, T) + a.shape[3:], dtype=a.dtype) for a in (self.k, self.v))
+            undo = tuple(xp.empty((spec.batch, spec.kv_heads, T) + a.shape[3:], dtype=a.dtype)
+                         for a in (self.k, self.v))
             if not fresh:
                 self._undo = {T: undo}                            # [batch, kv_heads, T, width] each
-        flag, base = step.record(self, counts, *undo)
         lengths, d_counts = self.counters.match(self.lengths, counts)
+        flag, base = step.record(self, counts, *undo)
         window = spec.window is not None
-        gpu_append.append_with(xp, gpu.launch, k, v, self.k, self.v, undo[0], undo[1], lengths, d_counts, flag,
-                               kind=spec.dtype, v_kind=spec.v_dtype, sinks=spec.sinks if window else 0,
-                               ring=self.ring, rotate_k=spec.rotate_k, code_base=base, sink_k=self.sink_k,
-                               sink_v=self.sink_v, v_fed=v_fed)
+        try:
+            gpu_append.append_with(xp, gpu.launch, k, v, self.k, self.v, undo[0], undo[1], lengths, d_counts, flag,
+                                   kind=spec.dtype, v_kind=spec.v_dtype, sinks=spec.sinks if window else 0,
+                                   ring=self.ring, rotate_k=spec.rotate_k, code_base=base, sink_k=self.sink_k,
+                                   sink_v=self.sink_v, v_fed=v_fed)
+        except BaseException:                 # not launched: its undo rows hold nothing to restore
+            step.entries.pop()
+            step.codes = base
+            raise
         self.counters.advance()
         if window:
             np.maximum(self.held_from, self.lengths + counts - self.ring, out=self.held_from)

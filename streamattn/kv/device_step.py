@@ -131,6 +131,8 @@ class DeviceStep:
                 spec = cache.spec
                 first = non_finite_error("kvkv"[check], b, (spec.dtype, spec.v_dtype, spec.sink_dtype,
                                                              spec.sink_dtype)[check])
+        if first is None:
+            raise RuntimeError(f"DeviceStep: the finite flag holds code {code}, which no append of the step owns")
         raise first
 
 
