@@ -192,6 +192,16 @@ def test_a_failed_launch_leaves_no_step_entry(monkeypatch):
         step.finish()
 
 
+def test_counters_past_int32_are_refused():
+    """Host lengths + counts reaching 2**31 raise ValueError naming the position, device counters unchanged."""
+    from streamattn.kv.device_step import DeviceCounters
+    counters = DeviceCounters(cupy, 2)
+    counters.match(np.array([5, 7]), np.array([1, 1]))
+    with pytest.raises(ValueError, match="positions up to 2147483648"):
+        counters.match(np.array([2 ** 31 - 1, 3]), np.array([1, 0]))
+    assert np.array_equal(to_host(counters.lengths), [5, 7]) and np.array_equal(counters.mirror, [[5, 7], [1, 1]])
+
+
 def _decode_counts(layers, steps, device_append=True):
     """(syncs, uploads) of ``steps`` decode steps over ``layers`` q8_0 caches, after one warm-up step; with
     ``device_append`` False, the host path the cache took before the append kernel."""

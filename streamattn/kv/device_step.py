@@ -41,7 +41,12 @@ class DeviceCounters:
 
     def match(self, lengths, counts):
         """The device arrays (lengths, counts), made to hold the host values given: uploaded only where the
-        mirror says they differ (the first step, after a reset or a restored state, a new count)."""
+        mirror says they differ (the first step, after a reset or a restored state, a new count). Raises
+        ValueError, changing nothing, where a position would pass int32 (the device counters' type)."""
+        end = int(np.max(lengths, initial=0)) + int(np.max(counts, initial=0))
+        if end >= 2 ** 31:
+            raise ValueError(f"positions up to {end} (lengths + counts) reach the device counters' int32 limit "
+                             f"2**31; a GPU cache holds positions < 2**31")
         if not np.array_equal(self.mirror[0], lengths):
             self.lengths[...] = self.xp.asarray(np.asarray(lengths, np.int32))
             self.mirror[0] = lengths
