@@ -20,8 +20,9 @@ FAKE = cupy.__version__.endswith("fake")   # tests/fake_cupy: it counts syncs an
 
 MODES = {"causal": dict(window=None), "window": dict(window=5), "sinks": dict(window=5, sinks=2, sink_dtype=None),
          "sinks_apart": dict(window=5, sinks=2, sink_dtype="auto")}   # float16 sinks beside a quantized ring
-CASES = [("float16", None, "causal"), ("q8_0", None, "window"), ("q4_0", None, "sinks"), ("q8_0", "float16", "window"),
-         ("float32", None, "sinks"), ("q8_0", None, "sinks_apart")]   # every kind and mode (test_gpu_append: all pairs)
+# every kind and mode (test_gpu_append: all pairs)
+CASES = [("float16", None, "causal"), ("q8_0", None, "window"), ("q4_0", None, "sinks"),
+         ("q8_0", "float16", "window"), ("float32", None, "sinks"), ("q8_0", None, "sinks_apart")]
 
 
 def _spec(kind, v_kind, mode, batch=2):
@@ -87,7 +88,8 @@ def test_non_finite_step_is_rolled_back(kind):
         with DeviceStep(gpu):
             for g, (k, v) in zip(gpu, rows):
                 g.append(cupy.asarray(k), cupy.asarray(v))
-    assert str(gpu_error.value) == str(cpu_error.value) and "v holds NaN or inf for sequence 1" in str(gpu_error.value)
+    assert str(gpu_error.value) == str(cpu_error.value)
+    assert "v holds NaN or inf for sequence 1" in str(gpu_error.value)
     assert all(_same(_state(g), b) for g, b in zip(gpu, before)), "a rolled-back step changed a cache"
     for _ in range(3):
         rows = [chunk() for _ in range(3)]

@@ -34,7 +34,8 @@ def emulator(tmp_path_factory):
     text = gpu_source.source("append")
     assert text.count(TIE) == 1
     bug = text.replace(TIE, TIE.replace("oat < at", "oat > at"))    # the last of equal magnitudes wins
-    entries = {n: ("append", gpu_source.name_expression(n)) for n in _specs() + ["append_q4_hd128", "append_q8_q4_hd64"]}
+    names = _specs() + ["append_q4_hd128", "append_q8_q4_hd64"]
+    entries = {n: ("append", gpu_source.name_expression(n)) for n in names}
     entries["tie_bug:append_q4_hd64"] = ("append_bug", gpu_source.name_expression("append_q4_hd64"))
     lib = emu.build(tmp_path_factory.mktemp("append_emu"), sources={"append": text, "append_bug": bug},
                     entries=entries)

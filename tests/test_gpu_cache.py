@@ -28,8 +28,9 @@ def test_gpu_cache_through_the_fake_cupy(tmp_path):
     kinds = ("append", "decode", "prefill", "merge", "layer")
     lib = emu.build(tmp_path, sources={k: gpu_source.source(k) for k in kinds}, specs=specs)
     env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(lib), PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu_cache_cases.py"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/gpu_cache_cases.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout and "skipped" not in done.stdout
     assert "15 passed" in done.stdout

@@ -27,9 +27,10 @@ Every mutation validates first and writes second: a rejected call leaves the cac
 
 What a window ring still holds: ``held_from[b]``. A write at position j destroys position j - R (R = slots - n_s),
 so after appends alone the ring holds the last R positions, ``max(n_s, L - R) .. L - 1``. A rewind
-(``truncate``, called by streamattn.kv.state.rewind) lowers L but cannot bring back what the dropped tokens overwrote, so the cache records the
-oldest ring position it still holds for each sequence; ``answerable()`` and ``state.rewind`` derive from it
-which queries can still be attended exactly. Slots that hold no current position are zero.
+(``truncate``, called by streamattn.kv.state.rewind) lowers L but cannot bring back what the dropped tokens
+overwrote, so the cache records the oldest ring position it still holds for each sequence; ``answerable()``
+and ``state.rewind`` derive from it which queries can still be attended exactly. Slots that hold no current
+position are zero.
 
 Sinks apart (``spec.sink_dtype`` "float16" or "float32": a sinks cache with quantized K or V). The n_s sink
 tokens live in ``sink_k``, ``sink_v`` (of that dtype, row j = position j) and ``k``, ``v`` hold only the ring:
@@ -116,8 +117,8 @@ class KVCache:
             self.sink_v = storage_zeros(self.xp, sink_shape, spec.sink_storage)
             slots -= spec.sinks                            # k, v: the ring's R slots
         shape = (spec.batch, spec.kv_heads, slots)
-        self.k = storage_zeros(self.xp, shape + (spec.k_width,), spec.storage_dtype)  # [batch, kv_heads, slots, k_width]
-        self.v = storage_zeros(self.xp, shape + (spec.v_width,), spec.storage_dtype_v)  # [batch, kv_heads, slots, v_width]
+        self.k = storage_zeros(self.xp, shape + (spec.k_width,), spec.storage_dtype)    # [batch, kv_heads, slots,
+        self.v = storage_zeros(self.xp, shape + (spec.v_width,), spec.storage_dtype_v)  # k_width / v_width]
         self.lengths = np.zeros(spec.batch, dtype=np.int64)      # [batch]
         self.last_counts = np.zeros(spec.batch, dtype=np.int64)  # [batch]
         self.held_from = np.full(spec.batch, spec.sinks, dtype=np.int64)  # [batch]
@@ -400,8 +401,9 @@ class KVCache:
 
         Appending to and attending the view is appending to and attending those rows here: a step that
         runs only the first n sequences computes no rows for idle ones after them (the server's engine);
-        rows n.. are untouched (a full-batch append would set their ``last_counts`` to 0). A view cannot grow (that would detach it): ``reserve`` room on this cache first. Use a view for
-        one step and drop it; a later ``reserve`` here leaves older views stale.
+        rows n.. are untouched (a full-batch append would set their ``last_counts`` to 0). A view cannot grow
+        (that would detach it): ``reserve`` room on this cache first. Use a view for one step and drop it; a
+        later ``reserve`` here leaves older views stale.
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.spec.batch:
             raise ValueError(f"n must be an integer in 1..batch={self.spec.batch} (got {n!r})")

@@ -36,7 +36,8 @@ class DeviceCounters:
     def head(self, n: int) -> "DeviceCounters":
         """The first n sequences' counters, sharing these arrays (a KVCache.head view)."""
         view = object.__new__(DeviceCounters)
-        view.xp, view.lengths, view.counts, view.mirror = self.xp, self.lengths[:n], self.counts[:n], self.mirror[:, :n]
+        view.xp, view.lengths, view.counts = self.xp, self.lengths[:n], self.counts[:n]
+        view.mirror = self.mirror[:, :n]
         return view
 
     def match(self, lengths, counts):
@@ -84,7 +85,8 @@ class DeviceStep:
         self.xp = xp if xp is not None else self.caches[0].xp
         self.flag = self.xp.full(1, FLAG_CLEAR, dtype=self.xp.int32)   # [1] device: lowest code seen
         self.scratch = self.xp.full(1, FLAG_CLEAR, dtype=self.xp.int32)  # [1] device: caches that skip the check
-        self.entries = []      # (cache, code_base, counts, host lengths/last_counts/held_from before, undo_k, undo_v)
+        # (cache, code_base, counts, host lengths/last_counts/held_from before, undo_k, undo_v)
+        self.entries = []
         self.codes = 0
 
     def __enter__(self):

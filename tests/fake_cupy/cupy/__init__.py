@@ -312,7 +312,8 @@ def get_default_memory_pool():
 _null_stream = _Stream(null=True)
 
 cuda = types.SimpleNamespace(
-    Device=_Device, Event=_Event, Stream=_Stream, get_current_stream=lambda: _null_stream, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
+    Device=_Device, Event=_Event, Stream=_Stream, get_current_stream=lambda: _null_stream,
+    get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, runtimeGetVersion=lambda: 12090,
                                   getDeviceProperties=lambda d: {"name": b"fake GPU (numpy + CUDA emulation)"}),
     is_available=lambda: True)
