@@ -125,6 +125,7 @@ class StepGraph:
         if mode == "capture":
             graph = None if self._open is None else self.stream.end_capture()
             self.segments.append((graph, self._calls if self._open is not None else []))
+            self._open = None          # the capture has ended: an abort after a failed launch must not end it again
         elif mode == "replay":
             if self._next >= len(self.segments):
                 raise RuntimeError(f"decode step graph: segment {self._next} was not captured; the graph's key "
