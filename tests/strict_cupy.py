@@ -10,7 +10,7 @@ not that CUDA runs them: the real check is tests/test_state_fuzz.py::test_state_
 import numpy as np
 
 __name__ = "cupy"  # noqa: A001  (KVCache's error messages print xp.__name__)
-uint16, uint32, float32 = np.uint16, np.uint32, np.float32
+uint16, uint32, int32, float32 = np.uint16, np.uint32, np.int32, np.float32
 
 
 def _host_refused(what):
@@ -71,6 +71,8 @@ class ndarray:
     __rshift__ = lambda self, o: self._op(o, np.right_shift)      # noqa: E731
     __lshift__ = lambda self, o: self._op(o, np.left_shift)       # noqa: E731
     __and__ = lambda self, o: self._op(o, np.bitwise_and)         # noqa: E731
+    __or__ = lambda self, o: self._op(o, np.bitwise_or)           # noqa: E731
+    __gt__ = lambda self, o: self._op(o, np.greater)              # noqa: E731
     __add__ = lambda self, o: self._op(o, np.add)                 # noqa: E731
     __radd__ = __add__
 
@@ -87,6 +89,14 @@ def asarray(x, dtype=None):
 
 def ascontiguousarray(x, dtype=None):
     return ndarray(np.ascontiguousarray(_unwrap(x, "argument"), dtype=dtype))
+
+
+def where(condition, x, y):
+    return ndarray(np.where(_unwrap(condition, "condition"), _unwrap(x, "x"), _unwrap(y, "y")))
+
+
+def full(shape, fill_value, dtype=None):
+    return ndarray(np.full(shape, fill_value, dtype))
 
 
 def isfinite(x):

@@ -29,8 +29,8 @@ class DeviceCounters:
 
     def __init__(self, xp, batch: int):
         self.xp = xp
-        self.lengths = xp.zeros(batch, dtype=xp.int32)          # [batch] device
-        self.counts = xp.zeros(batch, dtype=xp.int32)           # [batch] device
+        self.lengths = xp.zeros(batch, dtype=np.int32)          # [batch] device
+        self.counts = xp.zeros(batch, dtype=np.int32)           # [batch] device
         self.mirror = np.zeros((2, batch), np.int64)            # [2, batch] host: lengths, counts as on device
 
     def head(self, n: int) -> "DeviceCounters":
@@ -83,8 +83,8 @@ class DeviceStep:
         if xp is None and not self.caches:
             raise ValueError("DeviceStep needs the caches of the step or their array module xp (got neither)")
         self.xp = xp if xp is not None else self.caches[0].xp
-        self.flag = self.xp.full(1, FLAG_CLEAR, dtype=self.xp.int32)   # [1] device: lowest code seen
-        self.scratch = self.xp.full(1, FLAG_CLEAR, dtype=self.xp.int32)  # [1] device: caches that skip the check
+        self.flag = self.xp.full(1, FLAG_CLEAR, dtype=np.int32)   # [1] device: lowest code seen
+        self.scratch = self.xp.full(1, FLAG_CLEAR, dtype=np.int32)  # [1] device: caches that skip the check
         # (cache, code_base, counts, host lengths/last_counts/held_from before, undo_k, undo_v)
         self.entries = []
         self.codes = 0
