@@ -160,3 +160,22 @@ def test_step_graph_replays_results_and_refuses_other_buffers():
     g.begin_step()
     with pytest.raises(RuntimeError, match="ran 0 of its 1 ops"):      # the segment's op never asked for
         g.close()
+
+
+def test_sink_queries_keep_a_call_on_the_array_ops():
+    """One rule (array_ops.rotates_sink_queries) sends a call whose queries are also rotated at sinks-cache
+    positions to the array ops: the step graphs stand aside and GpuOps refuses it, other calls go on."""
+    from streamattn.models.array_ops import rotates_sink_queries
+    from streamattn.models.gpu_graph import graphable
+    from streamattn.models.gpu_ops import GpuOps
+
+    def caches(*sinks):
+        return [types.SimpleNamespace(spec=types.SimpleNamespace(sinks=s)) for s in sinks]
+
+    tf = types.SimpleNamespace(cuda_graphs=True, layers=[])
+    for positions, sinks, rotates in [("cache", (0, 2), True), ("cache", (0, 0), False), ("absolute", (2, 2), False)]:
+        cc = caches(*sinks)
+        assert rotates_sink_queries(positions, cc) is rotates
+        assert graphable(tf, 1, 1, positions, cc) is not rotates
+    with pytest.raises(ValueError, match="positions='cache' with a sinks cache"):
+        GpuOps(None, caches(1), None, "gpu", None, None, "cache", None, None)

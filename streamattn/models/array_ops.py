@@ -158,6 +158,13 @@ def _heads_rope_xp(xp, h, cos, sin, *, style, n_heads, n_kv_heads, qk_norm, eps)
     return q, k, v
 
 
+def rotates_sink_queries(positions: str, caches) -> bool:
+    """True where a ``forward`` call also rotates its queries at their positions inside a sinks cache
+    (``positions="cache"`` and some cache keeps sinks): only :class:`ArrayOps` does that second rotation,
+    so the compiled layers, the GPU ops and the step graphs stand aside for such a call."""
+    return positions == "cache" and any(k.spec.sinks for k in caches)
+
+
 class ArrayOps:
     """The ops of :func:`streamattn.models.layer.decoder_layer` as array code on the model's ``xp``, for
     one ``forward`` call; :meth:`at_layer` points them at a layer."""

@@ -11,7 +11,7 @@ kernels on the file's blocks, else cuBLAS) and attention stays ``append_attend``
 from __future__ import annotations
 
 from streamattn.kv.backends import gpu_layer
-from streamattn.models.array_ops import ArrayOps
+from streamattn.models.array_ops import ArrayOps, rotates_sink_queries
 
 
 class GpuOps(ArrayOps):
@@ -38,7 +38,7 @@ class GpuOps(ArrayOps):
     """
 
     def __init__(self, tf, caches, pos, backend, counts, hook, positions, pos_dev, launch, graph=None):
-        if positions == "cache" and any(k.spec.sinks for k in caches):
+        if rotates_sink_queries(positions, caches):
             raise ValueError("GpuOps rotates queries at their text positions only; positions='cache' with a "
                              "sinks cache needs the array ops (ArrayOps)")
         super().__init__(tf, caches, None, pos, backend, counts, hook, positions)

@@ -44,7 +44,7 @@ from streamattn.models.feed import Feed
 from streamattn.runtime.arrays import to_host
 from streamattn.models import compiled
 from streamattn.models.architectures import ARCHITECTURES
-from streamattn.models.array_ops import ArrayOps, embed_rows, rms_norm
+from streamattn.models.array_ops import ArrayOps, embed_rows, rms_norm, rotates_sink_queries
 from streamattn.models.gpu_graph import StepGraph, graphable
 from streamattn.models.gpu_ops import GpuOps
 from streamattn.models.config import (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS, ROPE_LONG, ROPE_SHORT, ModelConfig,
@@ -330,7 +330,7 @@ class Transformer:
         with float16 sinks (attended in two parts by streamattn.kv.dispatch) — else None (the array layers
         then raise what is wrong)."""
         if not (self.compile_layers and self.xp is np and backend in ("cpu", "auto") and counts_ok
-                and hook is None and (positions == "absolute" or not any(k.spec.sinks for k in caches))
+                and hook is None and not rotates_sink_queries(positions, caches)
                 and not any(k.sink_k is not None for k in caches)):
             return None
         if self._compiled is None:
@@ -526,7 +526,7 @@ class Transformer:
         x = x.reshape(B, T, c.d_model)                                                            # [B, T, d]
         attn_counts = None if counts is None or (cnt == T).all() else cnt    # None: every row real (one-call path)
         graph = None
-        if self.rope_device is not None and not (positions == "cache" and any(k.spec.sinks for k in caches)):
+        if self.rope_device is not None and not rotates_sink_queries(positions, caches):
             if pos.max() >= 2**31:
                 raise ValueError(f"positions must be below 2**31 for the GPU layer kernels (got {pos.max()})")
             tables = None                       # RoPE from device positions: one upload for every layer
