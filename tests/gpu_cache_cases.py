@@ -248,8 +248,41 @@ def test_model_decode_step_syncs_once(tmp_path):
                            head_dim=64, d_ff=32, vocab=40, window=4)
     model = Transformer(load_gguf(path)).to(cupy)
     caches = model.new_caches(batch=1, max_chunk=1, dtype="q8_0")
-    for step in range(4):
+    allocs = []
+    for step in range(6):
         if step == 1:
             cupy.counts.update(sync=0, upload=0)
+        if step == 5:
+            model.device_step = None     # a fresh DeviceStep, as each step made before: its flag allocated again
+        before = cupy.counts["alloc"]
         model.forward(np.array([[step + 1]]), caches, backend="gpu", last_only=True)
-    assert cupy.counts["sync"] == 3
+        allocs.append(cupy.counts["alloc"] - before)
+        if step == 4:
+            assert cupy.counts["sync"] == 4
+    first = model.device_step
+    model.forward(np.array([[7]]), model.new_caches(batch=1, max_chunk=1, dtype="q8_0"), backend="gpu")
+    assert model.device_step is first                # other caches, the same step object and flag
+    # the model's DeviceStep allocates its flag at the first step only: later steps allocate the same (the
+    # layers' temporaries), and the step after it was dropped one more (the flag again)
+    assert allocs[2] == allocs[3] == allocs[4] and allocs[5] == allocs[4] + 1, allocs
+
+
+def test_a_device_step_is_one_step_at_a_time():
+    """A DeviceStep entered while open, or pointed at other caches with appends held, raises and changes
+    nothing; after its step it serves the next."""
+    spec = CacheSpec(batch=1, kv_heads=2, head_dim=64, dtype="q8_0", window=8)
+    caches = [KVCache(spec, device="gpu") for _ in range(2)]
+    step = DeviceStep(caches)
+    with step:
+        with pytest.raises(RuntimeError, match="while its step is open"):
+            step.__enter__()
+        caches[0].append(cupy.random.standard_normal((1, 2, 1, 64)), cupy.random.standard_normal((1, 2, 1, 64)))
+        with pytest.raises(RuntimeError, match="still open"):
+            step.over(caches[1:])
+        assert step.caches == caches and caches[1].step is step
+    assert step.over(caches[1:]) is step and not step.entries and caches[0].step is None
+    with step:
+        caches[1].append(cupy.random.standard_normal((1, 2, 1, 64)), cupy.full((1, 2, 1, 64), np.nan, np.float32))
+        with pytest.raises(ValueError, match="holds NaN or inf"):
+            step.finish()
+    assert [int(c.lengths[0]) for c in caches] == [1, 0]

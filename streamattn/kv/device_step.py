@@ -70,7 +70,9 @@ class DeviceStep:
     """One step's appends over GPU caches: a device flag, what each append changed, one read at the end.
 
     Use as a context manager around a step (a model's layers), or call :meth:`finish`; a cache that appends
-    outside any step makes a step of its own append (one sync an append).
+    outside any step makes a step of its own append (one sync an append). One object serves step after step:
+    its device flag is allocated once, and :meth:`over` points it at the next step's caches (a model whose
+    caches are new views each step keeps one). It is one step at a time: entering it while open raises.
 
     Examples
     --------
@@ -83,18 +85,34 @@ class DeviceStep:
         if xp is None and not self.caches:
             raise ValueError("DeviceStep needs the caches of the step or their array module xp (got neither)")
         self.xp = xp if xp is not None else self.caches[0].xp
-        self.flag = self.xp.full(1, FLAG_CLEAR, dtype=np.int32)   # [1] device: lowest code seen
-        self.scratch = self.xp.full(1, FLAG_CLEAR, dtype=np.int32)  # [1] device: caches that skip the check
+        flags = self.xp.full(2, FLAG_CLEAR, dtype=np.int32)     # [2] device, one allocation for every step:
+        self.flag = flags[0:1]          # [1] the lowest code seen (FLAG_CLEAR again after each step)
+        self.scratch = flags[1:2]       # [1] what caches that skip the check lower (never read)
         # (cache, code_base, counts, host lengths/last_counts/held_from before, undo_k, undo_v)
         self.entries = []
         self.codes = 0
+        self.open = False               # inside ``with``: the caches report their appends here
+
+    def over(self, caches) -> "DeviceStep":
+        """This step object, its device flag kept, for a step over ``caches`` (same array module); returns
+        self. Raises RuntimeError, changing nothing, while a step is open or holds appends."""
+        if self.open or self.entries:
+            raise RuntimeError("DeviceStep.over: a step is still open on this object; finish it first, or use "
+                               "a DeviceStep of its own for a step inside another")
+        self.caches = list(caches)
+        return self
 
     def __enter__(self):
+        if self.open:
+            raise RuntimeError("DeviceStep entered while its step is open; a step inside another needs a "
+                               "DeviceStep of its own")
+        self.open = True
         for cache in self.caches:
             cache.step = self
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        self.open = False
         for cache in self.caches:
             cache.step = None
         if exc_type is None:

@@ -192,6 +192,9 @@ class Transformer:
         self.cuda_graphs = False
         #: batch size -> its :class:`~streamattn.models.gpu_graph.StepGraph` (fixed buffers, segment graphs).
         self.step_graphs = {}
+        #: The GPU decode steps' :class:`~streamattn.kv.device_step.DeviceStep` (its finite flag allocated
+        #: once, pointed at each call's caches); None before the first step on the device.
+        self.device_step = None
 
     @property
     def plan(self) -> KernelPlan:
@@ -215,6 +218,7 @@ class Transformer:
         self.xp = xp
         self._compiled = None
         self.step_graphs = {}
+        self.device_step = None
         self.rope_device = None if xp is np else {
             base: (xp.asarray(inv), float(self._rope.scale[base])) for base, inv in self._rope.inv_freq.items()}
         return self
@@ -336,6 +340,14 @@ class Transformer:
         if self._compiled is None:
             self._compiled = compiled.CompiledLayers(self)
         return self._compiled
+
+    def _device_step(self, caches) -> DeviceStep:
+        """The step over GPU ``caches``: :attr:`device_step`, pointed at them; a fresh one where that is open
+        (a forward inside another's step, from a hook) or on another array module."""
+        step = self.device_step
+        if step is None or step.xp is not caches[0].xp:
+            step = self.device_step = DeviceStep(xp=caches[0].xp)
+        return step.over(caches) if not (step.open or step.entries) else DeviceStep(caches)
 
     @staticmethod
     def _lanes(B: int, T: int, attn_counts) -> int:
@@ -556,7 +568,7 @@ class Transformer:
         if lanes > 1 and fast.accepts(caches, T):
             self._wavefront(x, pos, tables, caches, fast, backend, positions, lanes)
         else:   # GPU caches: one finite check for all layers, at the step's end (kv.device_step)
-            with DeviceStep(caches) if caches[0].device == "gpu" else contextlib.nullcontext():
+            with self._device_step(caches) if caches[0].device == "gpu" else contextlib.nullcontext():
                 try:
                     for i, lw in enumerate(self.layers):
                         if fast is not None and fast.run(i, x2, caches[i], steps[self.rope_base_of(i)]):

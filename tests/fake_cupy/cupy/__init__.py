@@ -23,9 +23,10 @@ float64, int8, nan = _np.float64, _np.int8, _np.nan   # (a KVCache on the device
 
 
 #: What a real device would pay for, counted: "sync" (a value read back to the host: get, bool, int, float,
-#: item, tolist) and "upload" (asarray of host data); "graph_launch" once a captured graph runs. Tests reset
-#: and read it (tests/test_gpu_cache.py).
-counts = {"sync": 0, "upload": 0}
+#: item, tolist), "upload" (asarray of host data) and "alloc" (a new array from empty, zeros, full and their
+#: _like forms: memory from the pool and, but for empty, a fill launch); "graph_launch" once a captured graph
+#: runs. Tests reset and read it (tests/gpu_cache_cases.py).
+counts = {"sync": 0, "upload": 0, "alloc": 0}
 
 
 def _outside_capture(what: str) -> None:
@@ -129,7 +130,11 @@ def ascontiguousarray(a, dtype=None):
 
 
 def empty(shape, dtype=float32):
+    counts["alloc"] += 1
     return _dev(_np.empty(shape, dtype))
+
+
+_ALLOCATE = ("zeros", "zeros_like", "full", "full_like")
 
 
 def _array_function(name):
@@ -137,12 +142,14 @@ def _array_function(name):
 
     def run(*args, **kwargs):
         _outside_capture(f"cupy.{name}")
+        if name in _ALLOCATE:
+            counts["alloc"] += 1
         return _dev(f(*args, **kwargs))
     return run
 
 
-for _name in ("repeat", "einsum", "exp", "log", "abs", "zeros", "zeros_like", "full", "full_like", "where",
-              "maximum", "isfinite", "isnan", "concatenate", "arange"):
+for _name in _ALLOCATE + ("repeat", "einsum", "exp", "log", "abs", "where", "maximum", "isfinite", "isnan",
+                          "concatenate", "arange"):
     setattr(sys.modules[__name__], _name, _array_function(_name))
 
 _rng = _np.random.default_rng(0)
