@@ -10,7 +10,8 @@
 //                         MODE 2: dst += src * (1 / sqrt(mean(src^2) + eps)) * w   (Gemma's post norms)
 //                       grid (rows), SA_ROW_THREADS threads; one block a row of n values.
 //   sa_heads_rope<NEOX, QKNORM>
-//                       the fused q/k/v rows h [B, T, (H + 2 Hk) hd] split into heads: q [B, H, T, hd],
+//                       the fused q/k/v rows h [B, T, (H + 2 Hk) hd] [plus the bias [(H + 2 Hk) hd] where
+//                       `biased` (Qwen2's q/k/v bias), one float32 add] split into heads: q [B, H, T, hd],
 //                       k, v [B, Hk, T, hd]; q and k [RMSNormed per head by qk_norm [H + Hk, hd] (Gemma-3,
 //                       Qwen3),] rotated at the token's position pos [B, T] (int32, on the device).
 //                       grid (B T, ceil((H + 2 Hk) / SA_HEAD_WARPS)), one warp a head; lane l takes the
@@ -69,16 +70,20 @@ template <bool NEOX, bool QKNORM>
 __global__ void __launch_bounds__(SA_HEAD_WARPS * 32)
 sa_heads_rope(const float* __restrict__ h, const float* __restrict__ qk_norm, const int* __restrict__ pos,
               const double* __restrict__ inv_freq, float* __restrict__ q, float* __restrict__ k,
-              float* __restrict__ v, int T, int H, int Hk, int hd, float eps, double scale) {
+              float* __restrict__ v, int T, int H, int Hk, int hd, float eps, double scale,
+              const float* __restrict__ bias, int biased) {
     const int head = blockIdx.y * SA_HEAD_WARPS + (threadIdx.x >> 5);  // 0 .. H + 2 Hk
     const int lane = threadIdx.x & 31;
     const int bt = blockIdx.x;                                          // b * T + t
     if (head >= H + 2 * Hk) return;                                     // whole warps leave together
     const int b = bt / T, t = bt - b * T;
     const float* x = h + (long long)bt * (H + 2 * Hk) * hd + (long long)head * hd;
+    const float* bh = bias + (long long)head * hd;                      // read only where biased
+    // h[i] + bias[i] as array code adds them (no add where not biased: a -0 stays -0)
+    auto at = [&](int i) { return biased ? x[i] + bh[i] : x[i]; };
     if (head >= H + Hk) {                                               // a v head: copied
         float* out = v + (((long long)b * Hk + (head - H - Hk)) * T + t) * hd;
-        for (int i = lane; i < hd; i += 32) out[i] = x[i];
+        for (int i = lane; i < hd; i += 32) out[i] = at(i);
         return;
     }
     float* out = head < H ? q + (((long long)b * H + head) * T + t) * hd
@@ -87,14 +92,17 @@ sa_heads_rope(const float* __restrict__ h, const float* __restrict__ qk_norm, co
     float inv = 1.0f;
     if constexpr (QKNORM) {
         float sq = 0.0f;
-        for (int i = lane; i < hd; i += 32) sq += x[i] * x[i];
+        for (int i = lane; i < hd; i += 32) {
+            const float xi = at(i);
+            sq += xi * xi;
+        }
         inv = 1.0f / sqrtf(sa_warp_sum(sq) * (1.0f / (float)hd) + eps);
     }
     const float* nw = QKNORM ? qk_norm + (long long)head * hd : nullptr;
     const double p = (double)pos[bt];
     for (int i = lane; i < half; i += 32) {
         const int ia = NEOX ? i : 2 * i, ib = NEOX ? i + half : 2 * i + 1;
-        float a = x[ia], c = x[ib];
+        float a = at(ia), c = at(ib);
         if constexpr (QKNORM) {
             a = a * inv * nw[ia];
             c = c * inv * nw[ib];

@@ -84,11 +84,13 @@ def _run(tmp_path, lib, arch: str, variant: str):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_graphed_decode_equals_plain_launches(tmp_path, emu_library):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_graphed_decode_equals_plain_launches(tmp_path, emu_library, arch):
     """Four decode steps of batch 2: the first plain, the second captured, the rest replayed; three segments
     a step (before the first attention, between, after the last); the attention's split count grows from 1
-    to 2 on the way (the threshold lowered for a tiny context)."""
-    done = _run(tmp_path, emu_library, "llama", "")
+    to 2 on the way (the threshold lowered for a tiny context). Qwen2's q/k/v bias is added by the heads
+    kernel, so its steps are graphed too."""
+    done = _run(tmp_path, emu_library, arch, "")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     word, same, one_sync, steps, segments, launches, split_change = done.stdout.split()
     assert (word, same, one_sync, split_change) == ("ok", "True", "True", "True"), done.stdout

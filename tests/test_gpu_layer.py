@@ -28,6 +28,10 @@ PLANTED = {
     "rope_angle_in_float32": ("layer_heads_neox", "const double ang = p * inv_freq[i];",
                               "const double ang = (float)p * (float)inv_freq[i];"),
     "rope_sine_sign": ("layer_heads_interleaved", "out[ia] = a * cs + c * -sn;", "out[ia] = a * cs + c * sn;"),
+    "bias_left_off_v": ("layer_heads_neox", "for (int i = lane; i < hd; i += 32) out[i] = at(i);",
+                        "for (int i = lane; i < hd; i += 32) out[i] = x[i];"),
+    "bias_left_off_a_pair_half": ("layer_heads_interleaved", "float a = at(ia), c = at(ib);",
+                                  "float a = at(ia), c = x[ib];"),
     "silu_sign": ("layer_glu_silu", "a = g / (1.0f + expf(-g));", "a = g / (1.0f + expf(g));"),
     "gelu_constant": ("layer_glu_gelu", "(g + 0.044715f * g * g * g)", "(g + 0.44715f * g * g * g)"),
 }
@@ -59,10 +63,10 @@ def rms_oracle(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def heads_oracle(h, pos, inv_freq, style, H, Hk, qk_norm, eps, scale):
+def heads_oracle(h, pos, inv_freq, style, H, Hk, qk_norm, eps, scale, bias=None):
     B, T, width = h.shape
     hd = width // (H + 2 * Hk)
-    x = h.astype(np.float64).reshape(B, T, H + 2 * Hk, hd)
+    x = (h.astype(np.float64) + (0.0 if bias is None else bias)).reshape(B, T, H + 2 * Hk, hd)
     qk = x[:, :, :H + Hk]
     if qk_norm is not None:
         qk = rms_oracle(qk, qk_norm, eps)
@@ -157,6 +161,24 @@ def test_heads_rope_matches_the_oracle(runner, B, T, H, Hk, hd, style, norm, fir
     assert runner.launches[-1] == f"layer_heads_{style}" + ("_qknorm" if norm else "")
 
 
+@pytest.mark.parametrize("B,T,H,Hk,hd,style,norm,first", [HEADS[1], (2, 1, 2, 1, 64, "neox", False, 70_000)])
+def test_heads_rope_adds_the_bias(runner, B, T, H, Hk, hd, style, norm, first):
+    """Qwen2's q/k/v bias added in the kernel, before the per-head norm and the rotation, and to the v heads:
+    the oracle over ``h + bias`` (a bias of the rows' size, so leaving it off anywhere is seen)."""
+    rng = np.random.default_rng(hd + 1)
+    h = rows(rng, (B, T, (H + 2 * Hk) * hd))
+    bias = rows(rng, ((H + 2 * Hk) * hd,), spread=False)
+    pos = (first + rng.integers(0, 50, (B, 1)) + np.arange(T)).astype(np.int32)
+    inv = inverse_frequencies(1e6, hd)
+    qk_norm = rng.uniform(0.5, 2, (H + Hk, hd)).astype(np.float32) if norm else None
+    q, k, v = runner.layer(gpu_layer.heads_rope_with, h, pos, inv, style=style, n_heads=H, n_kv_heads=Hk,
+                           qk_norm=qk_norm, eps=1e-6, bias=bias)
+    rq, rk, rv = heads_oracle(h, pos, inv, style, H, Hk, qk_norm, 1e-6, 1.0, bias)
+    for got, ref in ((q, rq), (k, rk)):
+        assert close(got, ref, hd)
+    assert np.array_equal(v, (h + bias).reshape(B, T, H + 2 * Hk, hd)[:, :, H + Hk:].transpose(0, 2, 1, 3))
+
+
 def test_heads_rope_equals_the_cpu_path_at_its_tables(runner):
     """The kernel and array_ops.heads_rope over rope_tables at the same positions: the same float32 steps, so
     within a few roundings of each other (the sums of squares are reduced in another order)."""
@@ -203,11 +225,13 @@ def _planted_case(runner, bug):
     if name.startswith("layer_heads"):
         style = name.split("_")[-1]
         h, hd = rows(rng, (1, 2, 3 * 64)), 64
+        bias = rows(rng, (3 * 64,), spread=False)
         pos = np.array([[100_000, 100_001]], np.int32)
         inv = inverse_frequencies(1e4, hd)
-        q, k, _ = gpu_layer.heads_rope_with(np, launch, h, pos, inv, style=style, n_heads=1, n_kv_heads=1)
-        rq, rk, _ = heads_oracle(h, pos, inv, style, 1, 1, None, 0.0, 1.0)
-        return np.concatenate([q, k]), np.concatenate([rq, rk]), hd
+        q, k, v = gpu_layer.heads_rope_with(np, launch, h, pos, inv, style=style, n_heads=1, n_kv_heads=1,
+                                            bias=bias)
+        rq, rk, rv = heads_oracle(h, pos, inv, style, 1, 1, None, 0.0, 1.0, bias)
+        return np.concatenate([q, k, v]), np.concatenate([rq, rk, rv]), hd
     gu = (rng.standard_normal((2, 2 * 40)) * 3).astype(np.float32)
     act = "silu" if name.endswith("silu") else "gelu_tanh"
     return gpu_layer.glu_with(np, launch, gu, act), glu_oracle(gu, act), 8
@@ -238,6 +262,9 @@ def test_the_plan_refuses_bad_arguments_before_launching(runner):
     with pytest.raises(TypeError, match="pos must be a C-contiguous int32"):
         gpu_layer.heads_rope_with(np, launch, np.ones((1, 1, 12), np.float32), np.zeros((1, 1), np.int64),
                                   np.ones(2), style="neox", n_heads=1, n_kv_heads=1)
+    with pytest.raises(ValueError, match=r"bias must have shape \(12,\)"):
+        gpu_layer.heads_rope_with(np, launch, np.ones((1, 1, 12), np.float32), np.zeros((1, 1), np.int32),
+                                  np.ones(2), style="neox", n_heads=1, n_kv_heads=1, bias=np.ones(4, np.float32))
     with pytest.raises(ValueError, match="activation must be one of"):
         gpu_layer.glu_with(np, launch, x, "relu")
     with pytest.raises(ValueError, match="odd last axis"):

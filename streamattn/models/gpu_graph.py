@@ -29,12 +29,11 @@ from streamattn.models.array_ops import rotates_sink_queries
 
 def graphable(tf, B: int, T: int, positions: str, caches) -> bool:
     """True where the step can run as :class:`StepGraph` segments: graphs switched on (``tf.cuda_graphs``),
-    a decode step (T = 1), every layer matrix in GGUF blocks (the packed GEMV kernels; a float matrix is a
-    cuBLAS call, a row group tuple a concatenation) and no q/k/v bias (an array add)."""
+    a decode step (T = 1) and every layer matrix in GGUF blocks (the packed GEMV kernels; a float matrix is a
+    cuBLAS call, a row group tuple a concatenation). A q/k/v bias is added by the heads kernel."""
     if not tf.cuda_graphs or T != 1 or B < 1 or rotates_sink_queries(positions, caches):
         return False
-    return all(isinstance(getattr(lw, f), GGUFMatrix) for lw in tf.layers for f in ("wqkv", "wo", "wgu", "wdown")) \
-        and all(lw.bqkv is None for lw in tf.layers)
+    return all(isinstance(getattr(lw, f), GGUFMatrix) for lw in tf.layers for f in ("wqkv", "wo", "wgu", "wdown"))
 
 
 class StepGraph:

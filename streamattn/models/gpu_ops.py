@@ -2,8 +2,8 @@
 
 :class:`~streamattn.models.array_ops.ArrayOps` on CuPy runs a layer as about fifty array operations (each
 RMSNorm five, RoPE a dozen over tables computed on the host every step, GLU six, the residual adds).
-Here each of RMSNorm + its matmul's input, heads split + per-head norm + RoPE, GLU, and the residual add
-with its post norm is one launch (:mod:`streamattn.kv.backends.gpu_layer`), RoPE reading positions from
+Here each of RMSNorm + its matmul's input, q/k/v bias + heads split + per-head norm + RoPE, GLU, and the
+residual add with its post norm is one launch (:mod:`streamattn.kv.backends.gpu_layer`), RoPE reading positions from
 the device, uploaded once a step for every layer. The matmuls stay ``array_ops.linear`` (the packed GEMV
 kernels on the file's blocks, else cuBLAS) and attention stays ``append_attend``. With a
 :class:`~streamattn.models.gpu_graph.StepGraph` the row work between attentions runs as its CUDA graphs.
@@ -44,6 +44,7 @@ class GpuOps(ArrayOps):
         super().__init__(tf, caches, None, pos, backend, counts, hook, positions)
         self.pos_dev, self.launch, self.rope, self.graph = pos_dev, launch, tf.rope_device, graph
         self.q_sink = None
+        self.held_bias = None           # (rows, bias) from bias(), for the next heads_rope's kernel to add
 
     def _op(self, name, args, run):
         return run() if self.graph is None else self.graph.op(name, args, run)
@@ -58,12 +59,24 @@ class GpuOps(ArrayOps):
         return self._op("norm_linear", (x, norm_w, w), lambda: super(GpuOps, self).linear(self._keep(
             gpu_layer.rms_norm_with(xp, self.launch, xp.ascontiguousarray(x), norm_w, self.c.norm_eps)), w))
 
+    def bias(self, x, b):
+        """``x`` itself: the q/k/v bias ``b`` (Qwen2) is added by the kernel of the :meth:`heads_rope` that
+        follows on these rows (``decoder_layer`` calls the two in turn), not by an array add."""
+        self.held_bias = None if b is None else (x, b)
+        return x
+
     def heads_rope(self, h, qk_norm):
         c, xp = self.c, self.xp
         inv_freq, scale = self.rope[self.base]
-        return self._op("heads_rope", (h, qk_norm, self.base), lambda: gpu_layer.heads_rope_with(
+        bias, self.held_bias = self.held_bias, None
+        if bias is not None:
+            if bias[0] is not h:
+                raise RuntimeError("GpuOps.heads_rope: the q/k/v bias held by bias() belongs to other rows; "
+                                   "bias() must come right before heads_rope on the same rows")
+            bias = bias[1]
+        return self._op("heads_rope", (h, qk_norm, self.base, bias), lambda: gpu_layer.heads_rope_with(
             xp, self.launch, xp.ascontiguousarray(h), self.pos_dev, inv_freq, style=c.rope_style,
-            n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, qk_norm=qk_norm, eps=c.norm_eps, scale=scale))
+            n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, qk_norm=qk_norm, eps=c.norm_eps, scale=scale, bias=bias))
 
     def glu_linear(self, gu, w):
         xp = self.xp

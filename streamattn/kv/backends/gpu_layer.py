@@ -88,12 +88,12 @@ def residual_with(xp, launch, x, y, w=None, eps: float = 0.0):
 
 
 def heads_rope_with(xp, launch, h, pos, inv_freq, *, style: str, n_heads: int, n_kv_heads: int, qk_norm=None,
-                    eps: float = 0.0, scale: float = 1.0):
-    """The fused q/k/v rows as heads, [per-head RMSNorm of q and k,] RoPE at device positions.
+                    eps: float = 0.0, scale: float = 1.0, bias=None):
+    """The fused q/k/v rows [plus their bias] as heads, [per-head RMSNorm of q and k,] RoPE at device positions.
 
     What ``streamattn.models.array_ops.heads_rope`` computes from the tables of
-    ``streamattn.models.rope.rope_tables(pos, inv_freq, style, scale)``, with no tables: each angle in
-    float64, its cosine and sine times ``scale`` rounded to float32, the rotation in float32.
+    ``streamattn.models.rope.rope_tables(pos, inv_freq, style, scale)`` (on ``h + bias``), with no tables:
+    each angle in float64, its cosine and sine times ``scale`` rounded to float32, the rotation in float32.
 
     Parameters
     ----------
@@ -110,6 +110,8 @@ def heads_rope_with(xp, launch, h, pos, inv_freq, *, style: str, n_heads: int, n
         Per-head RMSNorm weights of the q heads, then the k heads, with ``eps``.
     scale : float
         The attention factor both tables carry (1: none).
+    bias : float32 [(H + 2 Hk) hd], optional
+        Added to every row of ``h`` first, in float32 (Qwen2's q/k/v bias: no array add before the launch).
 
     Returns
     -------
@@ -130,6 +132,8 @@ def heads_rope_with(xp, launch, h, pos, inv_freq, *, style: str, n_heads: int, n
     _check("inv_freq", inv_freq, "float64", (hd // 2,))
     if qk_norm is not None:
         _check("qk_norm", qk_norm, shape=(n_heads + n_kv_heads, hd))
+    if bias is not None:
+        _check("bias", bias, shape=(width,))
     q = xp.empty((B, n_heads, T, hd), dtype=xp.float32)
     k = xp.empty((B, n_kv_heads, T, hd), dtype=xp.float32)
     v = xp.empty((B, n_kv_heads, T, hd), dtype=xp.float32)
@@ -138,7 +142,8 @@ def heads_rope_with(xp, launch, h, pos, inv_freq, *, style: str, n_heads: int, n
         launch(name, (B * T, math.ceil((n_heads + 2 * n_kv_heads) / LAYER_HEAD_WARPS), 1),
                (LAYER_HEAD_WARPS * 32, 1, 1),
                [h, h if qk_norm is None else qk_norm, pos, inv_freq, q, k, v, np.int32(T), np.int32(n_heads),
-                np.int32(n_kv_heads), np.int32(hd), np.float32(eps), np.float64(scale)])
+                np.int32(n_kv_heads), np.int32(hd), np.float32(eps), np.float64(scale), h if bias is None else bias,
+                np.int32(bias is not None)])
     return q, k, v
 
 
