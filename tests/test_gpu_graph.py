@@ -60,8 +60,24 @@ for step in range(4):
     feeds = [o.argmax(-1)[:, None] for o in out]
     same &= np.array_equal(feeds[0], feeds[1])
 g = graphed.step_graphs[2]
-print("ok", same, syncs == [1] * 3, g.steps, len(g.segments), cupy.counts.get("graph_launch", 0),
-      len(set(splits)) > 1)
+steps, launched = g.steps, cupy.counts.get("graph_launch", 0)
+uploads, ids = [], cupy.asarray(feeds[1])
+for step in range(3):        # greedy ids picked on the device: the step uploads nothing (ids, positions, rows)
+    a = plain.forward(feeds[0], caches[0], backend="gpu", last_only=True)
+    before = cupy.counts["upload"]
+    b = graphed.forward(ids, caches[1], backend="gpu", last_only=True)
+    uploads.append(cupy.counts["upload"] - before)
+    ids = b.argmax(-1)[:, None]                                  # on the device
+    same &= hasattr(ids, "__cuda_array_interface__") and np.array_equal(a.get(), b.get())
+    feeds[0] = a.get().argmax(-1)[:, None]
+held = [c.lengths.copy() for c in caches[1]]
+try:                         # an id outside the 40-token table, on the device: a NaN row the step refuses
+    graphed.forward(cupy.asarray(np.array([[3], [40]])), caches[1], backend="gpu", last_only=True)
+    refused = False
+except ValueError:
+    refused = all(np.array_equal(c.lengths, h) for c, h in zip(caches[1], held))
+print("ok", same, syncs == [1] * 3, steps, len(g.segments), launched, len(set(splits)) > 1, uploads == [0] * 3,
+      refused)
 """
 
 
@@ -89,11 +105,13 @@ def test_graphed_decode_equals_plain_launches(tmp_path, emu_library, arch):
     """Four decode steps of batch 2: the first plain, the second captured, the rest replayed; three segments
     a step (before the first attention, between, after the last); the attention's split count grows from 1
     to 2 on the way (the threshold lowered for a tiny context). Qwen2's q/k/v bias is added by the heads
-    kernel, so its steps are graphed too."""
+    kernel, so its steps are graphed too. Then three steps fed the ids of a device argmax: the same logits as
+    host ids, and nothing uploaded (ids, positions from the device lengths, the last rows by a slice); an id
+    outside the table, on the device, is refused by the step's finite check, the caches as before."""
     done = _run(tmp_path, emu_library, arch, "")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    word, same, one_sync, steps, segments, launches, split_change = done.stdout.split()
-    assert (word, same, one_sync, split_change) == ("ok", "True", "True", "True"), done.stdout
+    word, same, one_sync, steps, segments, launches, split_change, no_upload, refused = done.stdout.split()
+    assert (word, same, one_sync, split_change, no_upload, refused) == ("ok",) + ("True",) * 5, done.stdout
     assert (int(steps), int(segments)) == (4, 3)
     assert int(launches) == 3 * 3                 # captured at step 2, replayed at 3 and 4
 
@@ -172,7 +190,8 @@ def test_sink_queries_keep_a_call_on_the_array_ops():
         return [types.SimpleNamespace(spec=types.SimpleNamespace(sinks=s)) for s in sinks]
 
     tf = types.SimpleNamespace(cuda_graphs=True, layers=[])
-    for positions, sinks, rotates in [("cache", (0, 2), True), ("cache", (0, 0), False), ("absolute", (2, 2), False)]:
+    for positions, sinks, rotates in [("cache", (0, 2), True), ("cache", (0, 0), False),
+                                      ("absolute", (2, 2), False)]:
         cc = caches(*sinks)
         assert rotates_sink_queries(positions, cc) is rotates
         assert graphable(tf, 1, 1, positions, cc) is not rotates

@@ -79,11 +79,13 @@ def embed_rows(xp, w, ids, scale: float = 1.0):
     """Rows ``ids`` (int [n]) of an embedding table (float array, :class:`QWeight` or a GGUFMatrix) times
     ``scale`` (the model's embedding scale, rounded once to float32) as float32 [n, d].
 
-    A GGUFMatrix on the device is dequantized there from device ids (``gpu.embed``: the same bits); on
-    the host, gguf-py dequantizes its rows' blocks."""
+    A GGUFMatrix on the device is dequantized there from device ids (``gpu.embed``: the same bits; ids
+    already on the device are not uploaded); on the host, gguf-py dequantizes its rows' blocks."""
     if isinstance(w, GGUFMatrix) and xp is not np:
         from streamattn.kv.backends import gpu
-        return gpu.embed(w, xp.asarray(np.asarray(ids, np.int32)), scale=scale)
+        ids = ids.astype(np.int32, copy=False) if hasattr(ids, "__cuda_array_interface__") else \
+            xp.asarray(np.asarray(ids, np.int32))
+        return gpu.embed(w, xp.ascontiguousarray(ids), scale=scale)
     if isinstance(w, QWeight):
         x = w.rows(ids)
     elif isinstance(w, GGUFMatrix):

@@ -14,7 +14,10 @@ class Feed:
     Attributes
     ----------
     tokens : int array [B, T]
-        New tokens; row b's first ``counts[b]`` entries are real, the rest padding.
+        New tokens; row b's first ``counts[b]`` entries are real, the rest padding. On the GPU, with the
+        embedding kept packed there, a device array (a device argmax's ids) is read there, not uploaded;
+        its ids are not checked on the host: one outside the vocabulary embeds as a NaN row, which the
+        step's finite check refuses (ValueError, the caches unchanged).
     counts : int array [B] or None
         Real tokens per row (a ragged batch); None: all T.
     rows, cols : int arrays [N] or None

@@ -349,6 +349,15 @@ class Transformer:
             step = self.device_step = DeviceStep(xp=caches[0].xp)
         return step.over(caches) if not (step.open or step.entries) else DeviceStep(caches)
 
+    def _device_positions(self, caches, pos, cnt):
+        """The tokens' positions ``pos`` [B, T] as device int32: the first cache's device lengths (which its
+        append reads too: uploaded only where the host changed them) plus 0..T-1, else one upload."""
+        counters, T = caches[0].counters, pos.shape[1]
+        if counters is None or counters.lengths.shape[0] != pos.shape[0]:
+            return self.xp.asarray(pos.astype(np.int32))
+        lengths, _ = counters.match(caches[0].lengths, cnt)                               # [B] int32
+        return lengths[:, None] + self.xp.arange(T, dtype=np.int32)[None, :]
+
     @staticmethod
     def _lanes(B: int, T: int, attn_counts) -> int:
         """How many row blocks a chunk runs in as a wavefront: the thread count, where that is 2..
@@ -463,7 +472,10 @@ class Transformer:
         x, cnt, ops = self._layers(feed.tokens, caches, counts=feed.counts, backend=backend, attn_hook=attn_hook,
                                    positions=positions)                          # [B, T, d]
         xp, c, B = self.xp, self.config, x.shape[0]
-        if feed.last_only:
+        T = x.shape[1]
+        if feed.last_only and xp is not np and (T == 1 or (cnt == T).all()):   # on the device, no index
+            x = xp.ascontiguousarray(x[:, T - 1])                                       # array uploaded: [B, d]
+        elif feed.last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
         elif feed.rows is not None:
             x = x[xp.asarray(feed.rows), xp.asarray(feed.cols)]                          # [N, d]
@@ -522,13 +534,19 @@ class Transformer:
         """``forward`` up to the output head: (x float32 [B, T, d] after the last layer, cnt int [B], the call's
         layer ops, whose ``norm_linear`` the output head runs)."""
         xp, c = self.xp, self.config
-        tokens = np.asarray(tokens)
+        on_device = hasattr(tokens, "__cuda_array_interface__")      # ids from a device argmax: not uploaded
+        if on_device and not (self.rope_device is not None and isinstance(self.embed, GGUFMatrix)):
+            tokens, on_device = to_host(tokens), False   # a float table is indexed by ids checked on the host
+        tokens = tokens if on_device else np.asarray(tokens)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, T] (got shape {tokens.shape})")
         B, T = tokens.shape
         if len(caches) != c.n_layers:
             raise ValueError(f"caches has {len(caches)} entries, expected one per layer ({c.n_layers})")
-        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
+        if on_device:                  # read on the device: an id outside the table embeds as a NaN row, which
+            if tokens.dtype.kind not in "iu":          # the step's finite check refuses (caches unchanged)
+                raise ValueError(f"tokens on the device must be integer ids (got dtype {tokens.dtype})")
+        elif tokens.min() < 0 or tokens.max() >= c.vocab_size:
             raise ValueError(f"token ids must be in 0..{c.vocab_size - 1} (got {tokens.min()}..{tokens.max()})")
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
@@ -541,16 +559,15 @@ class Transformer:
         if self.rope_device is not None and not rotates_sink_queries(positions, caches):
             if pos.max() >= 2**31:
                 raise ValueError(f"positions must be below 2**31 for the GPU layer kernels (got {pos.max()})")
-            tables = None                       # RoPE from device positions: one upload for every layer
+            tables = None                       # RoPE from device positions, for every layer
+            pos_dev = self._device_positions(caches, pos, cnt)                              # [B, T] int32
             if graphable(self, B, T, positions, caches):     # fixed buffers: the segments' graphs read them
                 graph = self.step_graphs.get(B) or self.step_graphs.setdefault(
                     B, StepGraph(xp, B, c.d_model, c.n_heads * c.head_dim))
                 graph.x[...] = x
-                graph.pos[...] = pos.astype(np.int32)
+                graph.pos[...] = pos_dev
                 x, pos_dev = graph.x, graph.pos
                 graph.begin_step()
-            else:
-                pos_dev = xp.asarray(pos.astype(np.int32))
             ops = GpuOps(self, caches, pos, backend, attn_counts, attn_hook, positions, pos_dev, gpu.launch, graph)
         else:
             tables = {base: (xp.asarray(cos), xp.asarray(sin)) for base, (cos, sin) in self._rope(pos).items()}
