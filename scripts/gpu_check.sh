@@ -6,8 +6,9 @@
 # bfloat16, q8_0 and q4_0 K/V at 4k and 32k, each kind's tok/s against float16's in the same run.
 # For a machine with an NVIDIA GPU and CuPy, pytest and hypothesis preinstalled: no network, no pip installs,
 # nothing but this repository's files. Every step runs even when one before it failed; each step's exit
-# status and time go to one summary file, and the script exits non-zero when any step failed. The three
-# steps stop at 80 s, 140 s, 20 s and 60 s, 5 minutes in all (not yet run on a device).
+# status and time go to one summary file (with the model steps' figures: the check's line, the copy
+# bandwidth, each decode row), and the script exits non-zero when any step failed. The four steps stop at
+# 80 s, 140 s, 20 s and 60 s, 5 minutes in all (not yet run on a device).
 #   bash scripts/gpu_check.sh            # results in out/: summary.txt, gpu_tests.xml, gpu_model.json,
 #                                        # gpu_decode.json
 #   OUT=/some/dir bash scripts/gpu_check.sh
@@ -63,11 +64,14 @@ fi
 # 2. a whole model: equal to the CPU path, then its decode speed at 1B and 8B shapes
 model() { timeout 140 python benchmarks/gpu_model.py --json "$OUT/gpu_model.json" | tee "$OUT/gpu_model.txt"; }
 step "model (benchmarks/gpu_model.py)" model
+figures() { grep -sE '^(check:|device-to-device copy:)|% of copy$' "$1" | sed 's/^/    /' >> "$SUMMARY"; }
+figures "$OUT/gpu_model.txt"
 
 # 2b. the same check with the decode steps' layer work as CUDA graphs (off by default until this passes)
 graphs() { timeout 20 python benchmarks/gpu_model.py --graphs --skip-speed --json "$OUT/gpu_model_graphs.json" \
            | tee "$OUT/gpu_model_graphs.txt"; }
 step "model with CUDA graphs (benchmarks/gpu_model.py --graphs)" graphs
+figures "$OUT/gpu_model_graphs.txt"
 
 # 3. attention bandwidth: decode vs a D2D copy measured in the same run
 bench() { timeout 60 python benchmarks/gpu_decode.py --lengths 4096 32768 --json "$OUT/gpu_decode.json" \
