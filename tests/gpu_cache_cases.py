@@ -204,17 +204,18 @@ def test_counters_past_int32_are_refused():
     assert np.array_equal(to_host(counters.lengths), [5, 7]) and np.array_equal(counters.mirror, [[5, 7], [1, 1]])
 
 
-def _decode_counts(layers, steps, device_append=True):
-    """(syncs, uploads) of ``steps`` decode steps over ``layers`` q8_0 caches, after one warm-up step; with
-    ``device_append`` False, the host path the cache took before the append kernel."""
-    spec = CacheSpec(batch=2, kv_heads=2, head_dim=64, dtype="q8_0", window=8)
+def _decode_counts(layers, steps, device_append=True, spec=None, warm=1):
+    """(syncs, uploads) of ``steps`` decode steps over ``layers`` caches of ``spec`` (default q8_0, window 8),
+    after ``warm`` warm-up steps; with ``device_append`` False, the host path the cache took before the append
+    kernel."""
+    spec = spec or CacheSpec(batch=2, kv_heads=2, head_dim=64, dtype="q8_0", window=8)
     caches = [KVCache(spec, device="gpu") for _ in range(layers)]
     if not device_append:
         for c in caches:
             c._device_append = lambda *a: False
     draw = lambda h: cupy.random.standard_normal((2, h, 1, 64))            # noqa: E731  (on the device)
-    for step in range(steps + 1):
-        if step == 1:
+    for step in range(steps + warm):
+        if step == warm:
             cupy.counts.update(sync=0, upload=0)
         with DeviceStep(caches):
             for c in caches:
@@ -230,6 +231,17 @@ def test_one_sync_a_step_and_no_uploads():
     assert _decode_counts(4, 3) == (3, 0)
     syncs, uploads = _decode_counts(4, 3, device_append=False)
     assert syncs >= 2 * 4 * 3 and uploads >= 4 * 3
+
+
+@pytest.mark.skipif(not FAKE, reason="the counts are the fake CuPy's (tests/test_gpu_cache.py runs it)")
+def test_sinks_apart_decode_uploads_nothing():
+    """Float16 sinks kept apart beside a q8_0 ring: once every new row is past the sinks, the two parts read
+    the cache's device counters and every row is real (no mask): one sync a step, nothing uploaded. Before
+    that (rows landing among the sinks) the parts' lengths are the host's."""
+    spec = CacheSpec(batch=2, kv_heads=2, head_dim=64, dtype="q8_0", window=8, sinks=2, sink_dtype="auto")
+    assert _decode_counts(2, 3, spec=spec, warm=3) == (3, 0)
+    syncs, uploads = _decode_counts(2, 2, spec=spec, warm=0)          # the sink rows' steps: uploads
+    assert syncs == 2 and uploads > 0
 
 
 @pytest.mark.skipif(not FAKE, reason="the counts are the fake CuPy's (tests/test_gpu_cache.py runs it)")

@@ -199,8 +199,8 @@ def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, softcap, *, edge: 
     rule of :func:`attend`)."""
     spec = cache.spec
 
-    device = {}                                # a GPU cache's counters already on the device: no upload
-    if cache.counters is not None and cache.sink_k is None and getattr(fn, "reads_device_counters", False):
+    device = {}          # a GPU cache's counters already on the device: no upload (sinks apart: the mask of
+    if cache.counters is not None and getattr(fn, "reads_device_counters", False):     # real rows below)
         device = dict(zip(("device_lengths", "device_counts"), cache.counters.match(cache.lengths, counts)))
 
     def call(fn):

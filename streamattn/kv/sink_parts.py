@@ -54,13 +54,19 @@ def attend_parts(fn, q, cache, *, scale: float, counts, q_sink, softcap):
     qs = q if q_sink is None else q_sink
     kw = dict(scale=scale, softcap=softcap, q_sink=None)
     sink_kw = dict(window=0, sinks=0, kind=spec.sink_dtype, kind_v=spec.sink_dtype, **kw)   # the sink store
+    dev_sink, dev_ring = {}, {}       # every row past the sinks (decode): the parts' counters from the device's
+    if cache.counters is not None and getattr(fn, "reads_device_counters", False) and not early.any():
+        d_len, d_cnt = cache.counters.match(lengths, counts)                       # [batch] int32 each
+        dev_sink = dict(device_lengths=xp.full(B, n_s, np.int32), device_counts=(d_cnt > 0).astype(np.int32))
+        dev_ring = dict(device_lengths=xp.maximum(d_len - np.int32(n_s), 0).astype(np.int32, copy=False),
+                        device_counts=d_cnt)                                       # late = counts here
     s_out = xp.zeros((B, Hq, T, D), np.float32)                  # [batch, q_heads, T, head_dim] the sink part
     s_lse = xp.full((B, Hq, T), -np.inf, np.float32)             # [batch, q_heads, T]
     r_out, r_lse = xp.zeros_like(s_out), xp.full_like(s_lse, -np.inf)   # the ring part
     if late.any():
         heads = xp.ascontiguousarray(qs).reshape(B, Hq * T, 1, D)          # row (h, t) as head h * T + t
         o, lse = fn(heads, cache.sink_k, cache.sink_v, np.full(B, n_s, np.int64), (late > 0).astype(np.int64),
-                    **sink_kw)
+                    **sink_kw, **dev_sink)
         s_out[...], s_lse[...] = o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
         shift = np.where(late > 0, early, 0)                     # rows before a sequence's first ring query
         qr = q
@@ -69,7 +75,7 @@ def attend_parts(fn, q, cache, *, scale: float, counts, q_sink, softcap):
             for b in np.nonzero(late)[0]:
                 qr[b, :, :late[b]] = q[b, :, shift[b]:shift[b] + late[b]]
         o, lse = fn(qr, cache.k, cache.v, np.maximum(lengths - n_s, 0), late, window=spec.window, sinks=0,
-                    kind=spec.dtype, kind_v=spec.v_dtype, **kw)
+                    kind=spec.dtype, kind_v=spec.v_dtype, **kw, **dev_ring)
         if shift.any():
             for b in np.nonzero(late)[0]:
                 r_out[b, :, shift[b]:shift[b] + late[b]] = o[b, :, :late[b]]
@@ -81,6 +87,9 @@ def attend_parts(fn, q, cache, *, scale: float, counts, q_sink, softcap):
         for b in np.nonzero(early)[0]:
             s_out[b, :, :early[b]] = o[b, :, :early[b]]
             s_lse[b, :, :early[b]] = lse[b, :, :early[b]]
+    if (counts == T).all():                     # every row real (decode): no mask to upload
+        out, lse = merge(s_out, s_lse, r_out, r_lse, xp)
+        return out.astype(q.dtype, copy=False), lse
     real = xp.asarray(np.arange(T)[None, :] < counts[:, None])[:, None, :]     # [batch, 1, T]
     s_lse = xp.where(real, s_lse, -np.inf)      # rows past counts[b] ran in the sink call too: not answers
     out, lse = merge(s_out, s_lse, r_out, r_lse, xp)

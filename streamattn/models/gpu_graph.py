@@ -17,7 +17,8 @@ later   each segment's graph launched; the ops' Python only looks up results
 ======  =====================================================================
 
 Attention stays outside: its split count follows the context length, its cache appends move host
-counters, and a sinks cache uploads its parts' lengths, so it is launched as before, between segments.
+counters (and sinks kept apart upload their parts' lengths while a text's first rows fill them), so it is
+launched as before, between segments.
 """
 from __future__ import annotations
 
