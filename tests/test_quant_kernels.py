@@ -15,7 +15,7 @@ from streamattn.quant.matmul import (GROUP_ROWS, HAVE_KERNELS, glu_quantize_rows
                                        quantize_activations)
 from streamattn.quant import amx
 from streamattn.quant import matmul as qm
-from streamattn.quant.kernels import LANES, LANES_VNNI
+from streamattn.quant.kernels import LANES, LANES_VNNI, make_qdot
 from streamattn.quant.weights import (INT_KINDS, SUPPORTED_TYPES, QWeight, UnsupportedWeightType, compact, concat_rows,
                                      floats, interleave, move_planes, pack, row_slice, widen_k, widen_q5_0)
 
@@ -665,3 +665,11 @@ def test_file_bytes_kinds_give_the_bits_of_the_layout_before(type_name):
                                                   qmatmul(x[:m], wide, parallel=False, group_rows=r, vnni=vnni),
                                                   err_msg=f"lanes={lanes} vnni={vnni} R={r} M={m}")
         np.testing.assert_array_equal(qmatmul(x, w, parallel=True), qmatmul(x, wide, parallel=False))
+
+
+def test_touch_is_refused_for_kinds_without_it():
+    """Only the "q4k" and "q6k" kernels take ``touch`` (a line a block prefetched ahead); another kind
+    asked for it says so instead of compiling a kernel that ignores it."""
+    with pytest.raises(ValueError, match=r"touch is for the 'q4k' and 'q6k' kinds \(got kind 'q8', touch=4096\)"):
+        make_qdot("q8", 32, 1, touch=4096)
+    assert make_qdot("q4k", 32, 1, touch=4096) is not make_qdot("q4k", 32, 1)

@@ -163,6 +163,8 @@ def _apply_sign(builder, x, w, lanes: int):
 
 
 def _prefetch(builder, ptr):
+    """Prefetch the line at ptr for reading (``prefetcht1``: into L2; a page walk if its translation
+    is not cached)."""
     fn = llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
     builder.call(fn, [builder.bitcast(ptr, I8.as_pointer()), ir.Constant(I32, 0), ir.Constant(I32, 2),
                       ir.Constant(I32, 1)])
@@ -185,7 +187,7 @@ def _zero_accumulators(builder, ty, n: int) -> list:
 
 @functools.cache
 def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: bool = LANES_VNNI,
-              prefetch: int = 0):
+              prefetch: int = 0, touch: int = 0):
     """Intrinsic dot(qs, scale, minv, g, xq, xd, xs, xc, m, out) -> None: ``out[m + j, lanes g + n]`` for
     n < lanes and j < R: weight rows lanes g .. lanes g + lanes - 1 (interleaved group g of a packed
     weight of an integer kind: :mod:`streamattn.quant.weights`) times quantized activation rows
@@ -209,12 +211,17 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
     in block order whatever R, the lane width or the integer route is (S is an exact integer however
     it is summed), so an activation row gets the same bits alone or in any group, and a weight row
     the same in any group of rows. ``prefetch``: bytes ahead of the weight and scale reads to
-    prefetch (the one-row decode kernel reads from memory; 0: none).
+    prefetch (the one-row decode kernel reads from memory; 0: none). ``touch`` ("q4k" and "q6k"
+    only; 0: none): bytes ahead of each block's weights to prefetch one line of, so that the page
+    there is translated and its first line on the way before the reads reach it (the hardware
+    prefetcher follows the reads within a 4 KiB page but does not cross into the next one).
     """
     if kind == "q6k":
-        return _make_qdot_q6k(group, R, lanes, vnni, prefetch)
+        return _make_qdot_q6k(group, R, lanes, vnni, prefetch, touch)
     if kind == "q4k":
-        return _make_qdot_q4k(group, R, lanes, vnni, prefetch)
+        return _make_qdot_q4k(group, R, lanes, vnni, prefetch, touch)
+    if touch:
+        raise ValueError(f"touch is for the 'q4k' and 'q6k' kinds (got kind {kind!r}, touch={touch})")
     G = lanes
     VG, VGI, VB = ir.VectorType(F32, G), ir.VectorType(I32, G), ir.VectorType(I8, 4 * G)
     nibbles, mins, biased = kind in ("q4", "nl", "q5", "q4s"), kind in ("q4", "q5", "q4s"), kind in ("q8", "nl")
@@ -287,7 +294,7 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
     return _stable(qdot, f"qdot:{kind}:{group}:{R}:{G}:{int(vnni)}:{prefetch}:{run16}:psign")
 
 
-def _make_qdot_q6k(group: int, R: int, lanes: int, vnni: bool, prefetch: int):
+def _make_qdot_q6k(group: int, R: int, lanes: int, vnni: bool, prefetch: int, touch: int):
     """:func:`make_qdot` for the "q6k" kind (Q6_K held in its file's bytes, :mod:`streamattn.quant.weights`).
 
     The loop takes 128 columns (half a super-block) at a time: per row of the group 26 four-byte vectors,
@@ -330,6 +337,8 @@ def _make_qdot_q6k(group: int, R: int, lanes: int, vnni: bool, prefetch: int):
                         _prefetch(builder, addr(builder, qa, g0, builder.add(wcol, _i64(prefetch + t)), I8))
                     ahead = builder.mul(builder.udiv(builder.add(u, _i64(ahead_units)), _i64(2)), _i64(G))
                     _prefetch(builder, addr(builder, sa, g0, ahead, I8))
+                if touch:                                  # past the row's end: the next group's bytes
+                    _prefetch(builder, addr(builder, qa, g0, builder.add(wcol, _i64(touch)), I8))
                 d = _load_floats(builder, sa, g0, builder.mul(builder.udiv(u, _i64(2)), _i64(G)), G)
 
                 def word(at):                              # lane n: row n's four bytes from file byte ``at``
@@ -367,10 +376,10 @@ def _make_qdot_q6k(group: int, R: int, lanes: int, vnni: bool, prefetch: int):
                 store_outputs(builder, oa, rows[j], g0, accs[j], None)
             return context.get_dummy_value()
         return types.void(qs, scale, minv, g, xq, xd, xs, xc, m, out), codegen
-    return _stable(qdot, f"qdot:q6k:{group}:{R}:{G}:{int(vnni)}:{prefetch}:{run16}")
+    return _stable(qdot, f"qdot:q6k:{group}:{R}:{G}:{int(vnni)}:{prefetch}:{run16}:{touch}")
 
 
-def _make_qdot_q4k(group: int, R: int, lanes: int, vnni: bool, prefetch: int):
+def _make_qdot_q4k(group: int, R: int, lanes: int, vnni: bool, prefetch: int, touch: int):
     """:func:`make_qdot` for the "q4k" kind (Q4_K held in its file's bytes, :mod:`streamattn.quant.weights`).
 
     The loop takes a super-block (256 columns) at a time: per row of the group 35 four-byte vectors, the
@@ -412,6 +421,8 @@ def _make_qdot_q4k(group: int, R: int, lanes: int, vnni: bool, prefetch: int):
                     ahead = builder.mul(builder.add(k, _i64(ahead_blocks)), _i64(G))
                     for p in (sa, ma):
                         _prefetch(builder, addr(builder, p, g0, ahead, I8))
+                if touch:                                  # past the row's end: the next group's bytes
+                    _prefetch(builder, addr(builder, qa, g0, builder.add(wcol, _i64(touch)), I8))
                 kG = builder.mul(k, _i64(G))
                 d, dmin = _load_floats(builder, sa, g0, kG, G), _load_floats(builder, ma, g0, kG, G)
                 w0, w1, w2 = (builder.bitcast(_load(builder, qa, g0, builder.add(wcol, _i64(4 * G * v)), VB), VGI)
@@ -453,7 +464,7 @@ def _make_qdot_q4k(group: int, R: int, lanes: int, vnni: bool, prefetch: int):
                 store_outputs(builder, oa, rows[j], g0, accs[j], accms[j])
             return context.get_dummy_value()
         return types.void(qs, scale, minv, g, xq, xd, xs, xc, m, out), codegen
-    return _stable(qdot, f"qdot:q4k:{group}:{R}:{G}:{int(vnni)}:{prefetch}:{run16}")
+    return _stable(qdot, f"qdot:q4k:{group}:{R}:{G}:{int(vnni)}:{prefetch}:{run16}:{touch}")
 
 
 def block_steps(builder, kind: str, group: int, qa, g, wcol, G):

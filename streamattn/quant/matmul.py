@@ -63,6 +63,12 @@ NO_PREFETCH = ("q6k", "q4k")
 #: prefetching a pass read from memory at half the one-row rate or less; about ten 128-column units ahead it
 #: runs near the one-row time (measured: docs/PERF.md).
 MULTI_ROW_PREFETCH_BYTES = 16384
+#: How far ahead of each block the one-row kernels of these kinds prefetch one line (``touch`` of
+#: :func:`~streamattn.quant.kernels.make_qdot`). Weights mapped from a file sit in 4 KiB pages, and the
+#: hardware prefetcher, which follows a group's reads within a page, starts each next page cold: one line
+#: a block this far ahead brought the one-row GEMV from memory from 20-22 to 26-28 GB/s for Q4_K on such
+#: pages (measured: docs/PERF.md). Read when a weight kind's drivers are first built.
+TOUCH_BYTES = {"q4k": 32768, "q6k": 16384}
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
@@ -163,10 +169,10 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int, vnni: bool, amx: bool):
     ``vnni``: which integer dot product (:func:`~streamattn.quant.kernels.make_qdot`; the same results);
     ``amx``: the rows in whole 16s by tile multiplies first where the kind takes them
     (:func:`streamattn.quant.amx.tiled`; the same results). The kernel that reads a group's weights first
-    prefetches them (:data:`PREFETCH_BYTES`, :data:`MULTI_ROW_PREFETCH_BYTES`; the R-row kernel's later
-    passes find them in cache), as a decode batch of R rows reads them once. Under
-    R = 4 (the AVX2 plan) a decode batch of 8-15 rows takes its first 8 in one 8-row pass, then 4 and
-    the rest (faster for that step; prompt chunks keep R = 4, where 8 rows a pass measured slower:
+    prefetches them (:data:`PREFETCH_BYTES`, :data:`MULTI_ROW_PREFETCH_BYTES`; the one-row kernels of the
+    kinds of :data:`TOUCH_BYTES` one line a block, that far ahead; the R-row kernel's later passes find
+    them in cache), as a decode batch of R rows reads them once. Under R = 4 (the AVX2 plan) a decode
+    batch of 8-15 rows takes its first 8 in one 8-row pass, then 4 and the rest (faster for that step; prompt chunks keep R = 4, where 8 rows a pass measured slower:
     docs/perf/2026-12-03.md).
 
     One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
@@ -174,15 +180,19 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int, vnni: bool, amx: bool):
     two dispatches, lookups) ran with its data evicted (docs/DESIGN.md §23; measured: docs/PERF.md)."""
     def ahead(n):                              # bytes a first pass of n rows prefetches
         return (0 if n == 1 else MULTI_ROW_PREFETCH_BYTES) if kind in NO_PREFETCH else PREFETCH_BYTES
-    dot_r = make_qdot(kind, group, R, lanes, vnni)
-    dot_rp = make_qdot(kind, group, R, lanes, vnni, ahead(R))    # a group's first R rows
+
+    def touch(n):                              # bytes ahead a kernel of n rows touches one line a block
+        return TOUCH_BYTES.get(kind, 0) if n == 1 else 0
+    dot_r = make_qdot(kind, group, R, lanes, vnni, 0, touch(R))
+    dot_rp = make_qdot(kind, group, R, lanes, vnni, ahead(R), touch(R))    # a group's first R rows
     batch = R == 4                             # decode batches of 8-15 rows: the first 8 in one pass
-    dot_8p = make_qdot(kind, group, 8 if batch else R, lanes, vnni, ahead(8 if batch else R))
-    dot_4 = make_qdot(kind, group, min(R, 4), lanes, vnni, ahead(min(R, 4)))
+    n8 = 8 if batch else R
+    dot_8p = make_qdot(kind, group, n8, lanes, vnni, ahead(n8), touch(n8))
+    dot_4 = make_qdot(kind, group, min(R, 4), lanes, vnni, ahead(min(R, 4)), touch(min(R, 4)))
 
     def rest(n):                               # the kernel of the last n < R rows (1-row where none is used)
         n = n if n < R else 1
-        return make_qdot(kind, group, n, lanes, vnni, ahead(n))
+        return make_qdot(kind, group, n, lanes, vnni, ahead(n), touch(n))
     dot_1, dot_2, dot_3, dot_5, dot_6, dot_7 = (rest(n) for n in (1, 2, 3, 5, 6, 7))
     if amx:                                    # (None otherwise: the branch below is pruned, never compiled)
         tiles, dot_t, unpack = (amx_kernels.make_config(), amx_kernels.make_qdot_tiles(kind),
