@@ -54,10 +54,15 @@ GROUP_ROWS = (1, 2, 4, 8)
 #: of 4 KiB: exactly one page ahead read slower (measured: docs/perf/2026-12-05.md). Read when a weight
 #: kind's drivers are first built (:func:`qdrivers` is cached).
 PREFETCH_BYTES = 3584
-#: Kinds whose one-row kernels prefetch nothing: "q6k" and "q4k" read each row group's blocks forwards (their
-#: words in the order the kernel first takes them), which the hardware prefetcher follows; PREFETCH_BYTES
-#: ahead made their one-row GEMV 1.5-3x slower on the 16-lane route (measured: docs/PERF.md).
+#: Kinds whose one-row kernels do not prefetch PREFETCH_BYTES ahead: "q6k" and "q4k" read each row group's
+#: blocks forwards (their words in the order the kernel first takes them), which the hardware prefetcher
+#: follows within a page; PREFETCH_BYTES ahead made their one-row GEMV 1.5-3x slower on the 16-lane route
+#: (measured: docs/PERF.md). What they do instead: :data:`ONE_ROW_PREFETCH_BYTES`, :data:`TOUCH_BYTES`.
 NO_PREFETCH = ("q6k", "q4k")
+#: How far ahead the one-row kernels of these kinds prefetch every line of a group's weights: "q6k" from
+#: 4 KiB pages (a file's) read 15-17 GB/s with only a line a block touched 16 KiB ahead, 18-20 with
+#: every line 32 KiB ahead (measured: docs/PERF.md).
+ONE_ROW_PREFETCH_BYTES = {"q6k": 32768}
 #: How far ahead the multi-row kernels of the :data:`NO_PREFETCH` kinds prefetch a group's weights on its first
 #: pass: with 2-8 activation rows a block takes several times the one-row kernel's instructions, and without
 #: prefetching a pass read from memory at half the one-row rate or less; about ten 128-column units ahead it
@@ -67,8 +72,9 @@ MULTI_ROW_PREFETCH_BYTES = 16384
 #: :func:`~streamattn.quant.kernels.make_qdot`). Weights mapped from a file sit in 4 KiB pages, and the
 #: hardware prefetcher, which follows a group's reads within a page, starts each next page cold: one line
 #: a block this far ahead brought the one-row GEMV from memory from 20-22 to 26-28 GB/s for Q4_K on such
-#: pages (measured: docs/PERF.md). Read when a weight kind's drivers are first built.
-TOUCH_BYTES = {"q4k": 32768, "q6k": 16384}
+#: pages, where every line prefetched ahead ran at 18 (measured: docs/PERF.md). Read when a weight kind's
+#: drivers are first built, as the other distances.
+TOUCH_BYTES = {"q4k": 32768}
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
@@ -169,17 +175,20 @@ def _qdrivers(kind: str, group: int, R: int, lanes: int, vnni: bool, amx: bool):
     ``vnni``: which integer dot product (:func:`~streamattn.quant.kernels.make_qdot`; the same results);
     ``amx``: the rows in whole 16s by tile multiplies first where the kind takes them
     (:func:`streamattn.quant.amx.tiled`; the same results). The kernel that reads a group's weights first
-    prefetches them (:data:`PREFETCH_BYTES`, :data:`MULTI_ROW_PREFETCH_BYTES`; the one-row kernels of the
-    kinds of :data:`TOUCH_BYTES` one line a block, that far ahead; the R-row kernel's later passes find
-    them in cache), as a decode batch of R rows reads them once. Under R = 4 (the AVX2 plan) a decode
-    batch of 8-15 rows takes its first 8 in one 8-row pass, then 4 and the rest (faster for that step; prompt chunks keep R = 4, where 8 rows a pass measured slower:
-    docs/perf/2026-12-03.md).
+    prefetches them (:data:`PREFETCH_BYTES`, :data:`MULTI_ROW_PREFETCH_BYTES`,
+    :data:`ONE_ROW_PREFETCH_BYTES`; the one-row kernels of the kinds of :data:`TOUCH_BYTES` one line a
+    block, that far ahead; the R-row kernel's later passes find them in cache), as a decode batch of R
+    rows reads them once. Under R = 4 (the AVX2 plan) a decode batch of 8-15 rows takes its first 8 in
+    one 8-row pass, then 4 and the rest (faster for that step; prompt chunks keep R = 4, where 8 rows a
+    pass measured slower: docs/perf/2026-12-03.md).
 
     One compiled call for the model's whole ``norm -> quantize -> matmul``: between two such calls a
     decode step streams megabytes of weights, and the Python of a call made of several (numpy buffers,
     two dispatches, lookups) ran with its data evicted (docs/DESIGN.md §23; measured: docs/PERF.md)."""
     def ahead(n):                              # bytes a first pass of n rows prefetches
-        return (0 if n == 1 else MULTI_ROW_PREFETCH_BYTES) if kind in NO_PREFETCH else PREFETCH_BYTES
+        if kind not in NO_PREFETCH:
+            return PREFETCH_BYTES
+        return ONE_ROW_PREFETCH_BYTES.get(kind, 0) if n == 1 else MULTI_ROW_PREFETCH_BYTES
 
     def touch(n):                              # bytes ahead a kernel of n rows touches one line a block
         return TOUCH_BYTES.get(kind, 0) if n == 1 else 0
