@@ -481,3 +481,48 @@ def test_a_failed_deletion_keeps_the_rebuilt_file(tiny, tmp_path, writes, monkey
         warnings.simplefilter("error")
         load_gguf(tiny, packed_cache=cache)
     assert len(writes) == 2 and os.path.exists(other) and os.path.exists(path)
+
+
+def _vm_flags(address: int) -> list:
+    """The VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        lines = f.readlines()
+    for line in lines:
+        head = line.split()
+        if not line[0].isupper() or ":" not in head[0]:          # a mapping's first line: start-end ...
+            start, end = (int(x, 16) for x in head[0].split("-"))
+            inside = start <= address < end
+        elif inside and head[0] == "VmFlags:":
+            return head[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/smaps"),
+                    reason="huge-page advice and smaps are Linux's")
+def test_a_mapped_model_asks_for_huge_pages(tiny, tmp_path):
+    """The packed file's map (and the model file's, for the planes it holds) carries the huge-page advice
+    (smaps' ``hg``): the kernel may then map the page cache's 2 MiB folios whole."""
+    cache = tmp_path / "cache"
+    load_gguf(tiny, packed_cache=cache)
+    warm = load_gguf(tiny, packed_cache=cache)
+    w = warm.weights["blk.0.attn_q.weight"]
+    assert mapped_file_of(w.qs) is not None
+    assert "hg" in _vm_flags(w.qs.ctypes.data)
+    embd = warm.weights["token_embd.weight"]                 # a plane of the GGUF's own bytes
+    assert "hg" in _vm_flags(embd.qs.ctypes.data)
+
+
+def test_advice_the_kernel_refuses_leaves_loading_working(tiny, tmp_path, monkeypatch):
+    """An advice value the kernel does not know (EINVAL) is skipped: the weights load, the same bits."""
+    cache = tmp_path / "cache"
+    want = planes(load_gguf(tiny, packed_cache=False))
+    load_gguf(tiny, packed_cache=cache)
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF, raising=False)
+    with open(the_file(cache), "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    took = packed_file._advise(mm)
+    mm.close()
+    assert "MADV_HUGEPAGE" not in took
+    assert took == (["MADV_WILLNEED"] if hasattr(mmap, "MADV_WILLNEED") else [])
+    assert planes(load_gguf(tiny, packed_cache=cache)) == want

@@ -187,11 +187,7 @@ def read(path, key: dict, *, source=None, verify: bool | str = True, threads: in
     end = index["end"]
     if not PAGE <= end <= at:
         raise Miss(f"{path}: payload end {end} outside {PAGE}..{at}: damaged")
-    if hasattr(mmap, "MADV_WILLNEED"):        # read ahead now, in the background, not page by page at first use
-        try:
-            mm.madvise(mmap.MADV_WILLNEED)
-        except OSError:
-            pass
+    _advise(mm)
     status = _status(st, digest)
     if verify is True or (verify == "changed" and _stamp(path) != status):
         _verify(path, mm, whole[PAGE:end], index, threads)
@@ -202,8 +198,37 @@ def read(path, key: dict, *, source=None, verify: bool | str = True, threads: in
         if source is None:
             raise ValueError(f"{path} holds planes of its model file's bytes: give the model file as source=")
         with open(os.fspath(source), "rb") as f:
-            src = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), np.uint8)
+            smm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        _advise(smm, ADVICE[:1])          # huge pages only: most of the model file is not weights read here
+        src = np.frombuffer(smm, np.uint8)
     return [_entry(path, e, whole, end, src) for e in index["weights"]]
+
+
+#: The advice a map of weights gets, in this order, where the platform has it: huge pages (a 2 MiB page
+#: cache folio mapped whole; the hardware prefetcher stops at every page's end, docs/PERF.md "One-thread
+#: K-quant GEMV and a file's 4 KiB pages"), then read-ahead now, in the background.
+ADVICE = ("MADV_HUGEPAGE", "MADV_WILLNEED")
+
+
+def _advise(mm: mmap.mmap, names=None) -> list:
+    """Give the map ``mm`` each advice of ``names`` (:data:`ADVICE`) the platform has; the names the kernel took.
+
+    Advice is a hint: one the kernel refuses (OSError, e.g. huge pages disabled) is skipped and the map
+    works as before. Huge pages keep the pages the page cache's (shared by every process mapping the file):
+    the kernel maps its large folios with PMD entries where the map's address and the file offset are both
+    2 MiB-aligned, and places a file map of 2 MiB or more at such an address itself.
+    """
+    took = []
+    for name in ADVICE if names is None else names:
+        advice = getattr(mmap, name, None)
+        if advice is None:
+            continue
+        try:
+            mm.madvise(advice)
+        except OSError:
+            continue
+        took.append(name)
+    return took
 
 
 def key_of(path) -> dict:
