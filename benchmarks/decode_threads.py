@@ -54,6 +54,19 @@ def weight_bytes(tf) -> int:
         _nbytes(tf.output)
 
 
+def regions(tf) -> str:
+    """The matmuls' parallel regions of a two-thread decode step through the compiled layers: one a matrix
+    (row groups of mixed kinds: one over all its groups, split by bytes), against one a row group (as
+    before, and as the array code's ``Matmuls.pieces`` still runs them); with each region's interleaved
+    groups a thread (Numba's static schedule: half of a matrix's groups each)."""
+    mats = [getattr(lw, n) for lw in tf.layers for n in ("wqkv", "wo", "wgu", "wdown")] + [tf.output]
+    groups = lambda w: w.qs.shape[0]                                     # noqa: E731
+    per = ["+".join(str(groups(p)) for p in w) for w in mats[:4 * 2] if isinstance(w, tuple)]
+    by_group = sum(len(w) if isinstance(w, tuple) else 1 for w in mats)
+    return (f"matmul regions a step: {len(mats)} one a matrix, {by_group} one a row group; interleaved groups "
+            f"of the mixed matrices of layers 0-1: {', '.join(per)}")
+
+
 def decode(tf, steps: int) -> tuple:
     """Seconds of each of ``steps`` greedy decode steps after a 64-token prompt, and the calling thread's CPU
     seconds of each (on one thread the step's work without the time the host took the CPU away)."""
@@ -129,6 +142,7 @@ def main():
     wbytes = weight_bytes(tf)
     variants = ["current"] + (["array groups"] if args.compare_mixed else [])
     print(f"{args.model}: {wbytes / 1e6:.1f} MB of weights a step; load {open('/proc/loadavg').read().strip()}")
+    print(regions(tf))
     if args.parts:
         parts(tf, counts, args.rounds)
     for n in counts:                                        # warm-up: every variant compiled at every count

@@ -42,6 +42,9 @@ from llvmlite import ir
 from numba import njit, prange, typeof, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+# the thread count as the parfors' own code reads it: by symbol name (numba.get_num_threads calls a ctypes pointer,
+# which a function cached on disk cannot hold)
+from numba.np.ufunc.parallel import _iget_num_threads
 
 from streamattn.runtime import kernel_cache
 from streamattn.kv import storage
@@ -136,27 +139,48 @@ def _drive(w_type):
 
 
 def _piece(piece_type):
-    """``run(xq, xd, xs, xc, w, out, one_thread)``: one row group's drivers on given activations into the
-    columns ``out`` [M, its rows] (the padding rows of its last interleaved group cut)."""
-    R, lanes = _untag(piece_type.types[4])[2:4]
-    serial, parallel = qmatmul.qdrivers(*_untag(piece_type.types[4]))
+    """``run(x, xq, xd, xs, xc, qs, scale, minv, rows, g0, g1, out)``: one row group's serial drivers over its
+    interleaved groups g0 .. g1 - 1 (planes ``qs``, ``scale``, ``minv`` of its weight tuple, ``rows`` real
+    rows) on given activations, into the columns of ``out`` [M, rows] that they make (lanes g0 on; the
+    padding rows of its last interleaved group cut). A group's columns are the bits of a call over every
+    group: each output element is one kernel call on its own group and row
+    (:func:`streamattn.quant.kernels.make_qdot`)."""
+    kind, group, R, lanes, vnni, amx = _untag(piece_type.types[4])
+    serial = qmatmul.qdrivers(kind, group, R, lanes, vnni, amx)[0]
     given = np.int64(qmatmul.GIVEN)
 
     @njit
-    def run(x, xq, xd, xs, xc, w, out, one_thread):
-        full = np.empty((xq.shape[0], w[0].shape[0] * lanes), np.float32)
-        if one_thread is None or one_thread:
-            serial(mode=given, x=x, nw=_EMPTY1, eps=0.0, xq=xq, xd=xd, xs=xs, xc=xc, qs=w[0], scale=w[1],
-                   minv=w[2], out=full)
-        else:
-            parallel(mode=given, x=x, nw=_EMPTY1, eps=0.0, xq=xq, xd=xd, xs=xs, xc=xc, qs=w[0], scale=w[1],
-                     minv=w[2], out=full)
-        out[:, :] = full[:, :w[3]]
+    def run(x, xq, xd, xs, xc, qs, scale, minv, rows, g0, g1, out):
+        if g1 <= g0:
+            return
+        part = np.empty((xq.shape[0], (g1 - g0) * lanes), np.float32)         # [M, its groups' rows]
+        serial(mode=given, x=x, nw=_EMPTY1, eps=0.0, xq=xq, xd=xd, xs=xs, xc=xc, qs=qs[g0:g1],
+               scale=scale[g0:g1], minv=minv[g0:g1] if minv.shape[0] == qs.shape[0] else minv, out=part)
+        n = min(g1 * lanes, rows) - g0 * lanes                                 # its real rows
+        out[:, g0 * lanes:g0 * lanes + n] = part[:, :n]
     return run
 
 
+@njit(cache=True)
+def group_bytes(qs, scale, minv) -> int:
+    """Bytes one interleaved group of a packed weight reads: its row of each plane (``minv`` where it has
+    one, i.e. as many rows as ``qs``)."""
+    return qs.strides[0] + scale.strides[0] + (minv.strides[0] if minv.shape[0] == qs.shape[0] else 0)
+
+
+@njit(cache=True)
+def share(start, per, n, lo, hi) -> tuple:
+    """(g0, g1): the groups g0 .. g1 - 1 of a row group of ``n`` interleaved groups of ``per`` bytes, its
+    first at byte ``start`` of the matmul, whose first byte lies in [lo, hi). Bytes [0, total) cut at
+    ascending points give each group to exactly one part."""
+    return (min(max(-((start - lo) // per), 0), n), min(max(-((start - hi) // per), 0), n))
+
+
 def _drive_pieces(w_type):
-    """:func:`_drive` for a tuple of two or three row groups."""
+    """:func:`_drive` for a tuple of two or three row groups: the activations made once; on one thread each
+    group's serial drivers in turn; on more, one parallel region in which thread t of T runs every group's
+    interleaved groups whose first byte lies in [total t / T, total (t + 1) / T) of the groups' bytes
+    (one region where each group had its own: docs/PERF.md). The bits are the same either way."""
     n = len(w_type.types)
     if n not in (2, 3):
         raise TypeError(f"the compiled layer takes a matrix in 2 or 3 row groups (got {n})")
@@ -165,19 +189,45 @@ def _drive_pieces(w_type):
     r0, r1, r2 = runs
     three = n == 3
 
+    # (a parallel region takes arrays and numbers, not the weight tuples: hence the planes one by one)
+    @njit(parallel=True)
+    def split(x, xq, xd, xs, xc, out, qs0, sc0, mn0, n0, qs1, sc1, mn1, n1, qs2, sc2, mn2, n2):
+        p0, p1, p2 = group_bytes(qs0, sc0, mn0), group_bytes(qs1, sc1, mn1), group_bytes(qs2, sc2, mn2)
+        G0, G1, G2 = qs0.shape[0], qs1.shape[0], qs2.shape[0] if three else 0
+        a, b = n0, n0 + n1
+        c = b + n2 if three else b
+        s1 = G0 * p0
+        s2 = s1 + G1 * p1
+        total = s2 + G2 * p2
+        T = _iget_num_threads()
+        for t in prange(T):                                  # T parts: one a thread (a static schedule)
+            lo, hi = total * t // T, total * (t + 1) // T
+            g0, g1 = share(0, p0, G0, lo, hi)
+            r0(x, xq, xd, xs, xc, qs0, sc0, mn0, n0, g0, g1, out[:, :a])
+            g0, g1 = share(s1, p1, G1, lo, hi)
+            r1(x, xq, xd, xs, xc, qs1, sc1, mn1, n1, g0, g1, out[:, a:b])
+            if three:
+                g0, g1 = share(s2, p2, G2, lo, hi)
+                r2(x, xq, xd, xs, xc, qs2, sc2, mn2, n2, g0, g1, out[:, b:c])
+
     @njit
     def drive(mode, x, nw, eps, w, one_thread):
-        if one_thread is None or one_thread:
+        w0, w1 = w[0], w[1]
+        w2 = w[2] if three else w[1]
+        a, b = w0[3], w0[3] + w1[3]
+        c = b + w2[3] if three else b
+        if one_thread is None or one_thread:                 # (None: pruned when typed, see Step)
             xq, xd, xs, xc = acts_serial(mode, x, nw, eps)
+            out = np.empty((x.shape[0], c), np.float32)
+            r0(x, xq, xd, xs, xc, w0[0], w0[1], w0[2], w0[3], 0, w0[0].shape[0], out[:, :a])
+            r1(x, xq, xd, xs, xc, w1[0], w1[1], w1[2], w1[3], 0, w1[0].shape[0], out[:, a:b])
+            if three:
+                r2(x, xq, xd, xs, xc, w2[0], w2[1], w2[2], w2[3], 0, w2[0].shape[0], out[:, b:c])
         else:
             xq, xd, xs, xc = acts_parallel(mode, x, nw, eps)
-        a, b = w[0][3], w[0][3] + w[1][3]
-        c = b + w[2][3] if three else b
-        out = np.empty((x.shape[0], c), np.float32)
-        r0(x, xq, xd, xs, xc, w[0], out[:, :a], one_thread)
-        r1(x, xq, xd, xs, xc, w[1], out[:, a:b], one_thread)
-        if three:
-            r2(x, xq, xd, xs, xc, w[2], out[:, b:c], one_thread)
+            out = np.empty((x.shape[0], c), np.float32)
+            split(x=x, xq=xq, xd=xd, xs=xs, xc=xc, out=out, qs0=w0[0], sc0=w0[1], mn0=w0[2], n0=w0[3],
+                  qs1=w1[0], sc1=w1[1], mn1=w1[2], n1=w1[3], qs2=w2[0], sc2=w2[1], mn2=w2[2], n2=w2[3])
         return out
     return drive
 
