@@ -65,11 +65,11 @@ def pieces(rows: tuple, types: tuple, seed: int = 0) -> tuple:
     return tuple(pack("t", t, random_blocks(t, n, K, rng), (n, K)) for n, t in zip(rows, types))
 
 
-@pytest.mark.parametrize("mode", [qmatmul.NORM, qmatmul.SILU])
-def test_pieces_give_each_groups_own_bits_on_one_and_two_threads(mode):
+def test_pieces_give_each_groups_own_bits_on_one_and_two_threads():
     """Odd row counts (a last interleaved group with padding rows), a part's boundary inside a row group;
-    1, 3 and 9 activation rows (the drivers' 1-row, R-row and 8-row passes). (One matrix type: the driver
-    of each is compiled in the test's process. Two row groups: tests/test_quant_types_model.py's gate/up.)"""
+    1, 3 and 9 activation rows (the drivers' 1-row, R-row and 8-row passes); a norm and a gated activation
+    quantized first. (One matrix type: its driver is compiled in the test's process, not cached. Two row
+    groups: tests/test_quant_types_model.py's gate/up.)"""
     rows = (37, 19, 21)
     ws = pieces(rows, ("Q4_K", "Q4_K", "Q6_K"))
     mm = qmatmul.Matmuls(qmatmul.KernelPlan())
@@ -79,7 +79,7 @@ def test_pieces_give_each_groups_own_bits_on_one_and_two_threads(mode):
     before = numba.get_num_threads()
     counts = [1] + ([2] if numba.config.NUMBA_NUM_THREADS >= 2 else [])
     try:
-        for M in (1, 3, 9):
+        for mode, M in [(qmatmul.NORM, 1), (qmatmul.NORM, 3), (qmatmul.SILU, 9), (qmatmul.SILU, 1)]:
             x = np.random.default_rng(M).standard_normal((M, K * (2 if mode == qmatmul.SILU else 1)),
                                                          dtype=np.float32)
             nw = np.linspace(0.5, 1.5, K, dtype=np.float32)
