@@ -160,3 +160,22 @@ def test_causal_cpu_chunks_take_the_one_compiled_call(monkeypatch):
     window = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, **SPECS["window"]))
     append_attend(chunk(rng, 2, 2, 1), chunk(rng, 2, 1, 1), chunk(rng, 2, 1, 1), window, backend="cpu", scale=0.5)
     assert len(calls) == 1
+
+
+
+def test_the_one_compiled_call_reuses_the_kernels_attend_compiles(monkeypatch):
+    """write_attend hands its constants (no sinks, no window) on as int64 and bool, not as Numba's literal
+    types, so it runs the write_rows and attend_all that ``attend`` and the compiled layer run: no copy of
+    the attention kernels is compiled only for it."""
+    from numba import njit, types
+    from streamattn.kv import storage
+    from streamattn.kv.backends import cpu
+    # A dispatcher of its own: its callees are typed here, where the cached one would load them with it.
+    monkeypatch.setattr(cpu, "write_attend", njit(cpu.write_attend.py_func))
+    rng = np.random.default_rng(9)
+    causal = KVCache(CacheSpec(batch=2, kv_heads=1, head_dim=16, dtype="float16"))
+    append_attend(chunk(rng, 2, 2, 3), chunk(rng, 2, 1, 3), chunk(rng, 2, 1, 3), causal, backend="cpu", scale=0.5)
+    assert cpu.write_attend.signatures
+    for kernel in (storage.write_rows, cpu.attend_all):
+        literal = [sig for sig in kernel.signatures if any(isinstance(t, types.Literal) for t in sig)]
+        assert kernel.signatures and not literal, f"{kernel.py_func.__name__} compiled for literals: {literal}"

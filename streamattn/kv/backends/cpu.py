@@ -298,11 +298,15 @@ def write_attend(q, scale, kst, vst, ks, vs, ka, va, lengths, counts, last_count
     with its data evicted inside a model's step; measured: docs/perf/2026-12-01.md).
     Returns (bad, out, lse, finite): bad >= 0 names the refused rows (nothing written; out, lse empty);
     finite: every lse is finite (else the caller applies the NaN rule)."""
-    bad = write_rows(kst, vst, ks, vs, lengths, counts, last_counts, held_from, 0, ring, False, check, expbits)
+    # The constants as int64 and bool, not Numba's literal types: these calls then reuse the write_rows,
+    # attend_all and attend_pages that Python and the compiled layer call, not copies compiled for them.
+    no_sinks, no_window = np.int64(0), np.bool_(False)
+    bad = write_rows(kst, vst, ks, vs, lengths, counts, last_counts, held_from, no_sinks, ring, no_window, check,
+                     expbits)
     if bad >= 0:
         return bad, np.empty((0, 0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), True
     qs = q * np.float32(scale)
-    out, lse = attend_all(qs, qs, ka, va, lengths, counts, 0, 0, kind, kind_v, softcap, serial)
+    out, lse = attend_all(qs, qs, ka, va, lengths, counts, no_sinks, no_sinks, kind, kind_v, softcap, serial)
     return bad, out, lse, bool(np.isfinite(lse).all())
 
 
