@@ -179,3 +179,23 @@ def test_the_one_compiled_call_reuses_the_kernels_attend_compiles(monkeypatch):
     for kernel in (storage.write_rows, cpu.attend_all):
         literal = [sig for sig in kernel.signatures if any(isinstance(t, types.Literal) for t in sig)]
         assert kernel.signatures and not literal, f"{kernel.py_func.__name__} compiled for literals: {literal}"
+
+
+def test_the_score_tiles_compile_one_row_kernel_per_storage():
+    """tile_scores passes its row index and the tail's 16 keys as int64: one copy of each row kernel
+    per storage, none for Numba's literal types (a first ``r = 0`` would be typed Literal[int](0))."""
+    from numba import njit, types
+    from streamattn.kv.backends import cpu_tiles
+    tile_scores = njit(cpu_tiles.tile_scores.py_func)    # typed here, not loaded whole from the disk cache
+    rng = np.random.default_rng(10)
+    for rows in (7, 3):                                  # rows 4, 2, 1, and the 3-row kernel
+        qf = rng.standard_normal((rows, 16)).astype(np.float32)
+        kt = rng.standard_normal((21, 16)).astype(np.float32)          # 16 keys and a tail of 5
+        sc = np.zeros((rows, 48), np.float32)
+        tile_scores(qf, kt, 21, sc, 0, np.zeros((16, 16), np.float32), np.zeros((rows, 16), np.float32))
+        np.testing.assert_allclose(sc[:, :21], qf.astype(np.float64) @ kt.T.astype(np.float64), rtol=1e-5,
+                                   atol=1e-5)
+    for kernel, keys in ((cpu_tiles._qk_rows, 3), (cpu_tiles._qk_rows3, 2)):     # keys: kt's place
+        literal = [sig for sig in kernel.signatures if any(isinstance(t, types.Literal) for t in sig)]
+        assert not literal, f"{kernel.py_func.__name__} compiled for literals: {literal}"
+        assert len(kernel.signatures) == len({sig[keys] for sig in kernel.signatures}) >= 1   # one per storage

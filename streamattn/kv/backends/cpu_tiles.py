@@ -281,18 +281,20 @@ def tile_scores(qf, kt, n, sc, kind, kpad, stail):
     if tail:
         kpad[:tail] = kt[nb:n]
         kpad[tail:] = 0
-    r = 0
+    # r and the tail's 16 as int64, not Numba's literal types (r's first value would be typed
+    # Literal[int](0)): one copy of each row kernel per storage, not four (docs/DESIGN.md §29).
+    r, block = np.int64(0), np.int64(16)
     while r < rows:
         if rows - r == 3:
             _qk_rows3(qf, r, kt, nb, sc, kind)
             if tail:
-                _qk_rows3(qf, r, kpad, 16, stail, kind)
+                _qk_rows3(qf, r, kpad, block, stail, kind)
             r += 3
             continue
         R = 4 if rows - r >= 4 else (2 if rows - r >= 2 else 1)
         _qk_rows(R, qf, r, kt, nb, sc, kind)
         if tail:
-            _qk_rows(R, qf, r, kpad, 16, stail, kind)
+            _qk_rows(R, qf, r, kpad, block, stail, kind)
         r += R
     if tail:
         for r in range(rows):
