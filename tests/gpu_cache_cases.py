@@ -276,6 +276,29 @@ def test_model_decode_step_syncs_once(tmp_path):
     assert allocs[2] == allocs[3] == allocs[4] and allocs[5] == allocs[4] + 1, allocs
 
 
+@pytest.mark.skipif(not FAKE, reason="the fake CuPy's counters (tests/test_gpu_cache.py runs it)")
+def test_model_counts_of_the_wrong_shape_get_the_named_error(tmp_path):
+    """A GPU forward whose counts are not [B] in 0..T raises the named counts error before the device
+    counters are touched, the caches as before; the next good step runs."""
+    import sys
+    sys.path.insert(0, "tests")
+    from _model_util import write_tiny_gguf
+    from streamattn.gguf.loader import load_gguf
+    from streamattn.models.transformer import Transformer
+    path = write_tiny_gguf(tmp_path / "t.gguf", arch="llama", n_layers=2, d_model=32, n_heads=2, n_kv_heads=1,
+                           head_dim=64, d_ff=32, vocab=40)
+    model = Transformer(load_gguf(path)).to(cupy)
+    caches = model.new_caches(batch=2, max_chunk=1, dtype="q8_0")
+    model.forward(np.array([[1], [2]]), caches, backend="gpu")
+    held = [_state(c) for c in caches]
+    for counts in (np.array([1, 1, 1]), np.array([1, 2]), np.array([-1, 1])):
+        with pytest.raises(ValueError, match="counts must"):
+            model.forward(np.array([[3], [4]]), caches, counts=counts, backend="gpu")
+        assert all(_same(_state(c), h) for c, h in zip(caches, held))
+    model.forward(np.array([[3], [4]]), caches, backend="gpu")
+    assert [int(c.lengths[0]) for c in caches] == [2, 2]
+
+
 def test_a_device_step_is_one_step_at_a_time():
     """A DeviceStep entered while open, or pointed at other caches with appends held, raises and changes
     nothing; after its step it serves the next."""

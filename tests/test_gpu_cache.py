@@ -33,4 +33,4 @@ def test_gpu_cache_through_the_fake_cupy(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout and "skipped" not in done.stdout
-    assert "17 passed" in done.stdout
+    assert "18 passed" in done.stdout

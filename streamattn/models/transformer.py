@@ -556,10 +556,16 @@ class Transformer:
         x = x.reshape(B, T, c.d_model)                                                            # [B, T, d]
         attn_counts = None if counts is None or (cnt == T).all() else cnt    # None: every row real (one-call path)
         graph = None
+        counts_ok = (counts is None or np.asarray(counts).dtype.kind in "iu") and cnt.shape == (B,) \
+            and cnt.min() >= 0 and cnt.max() <= T
         if self.rope_device is not None and not rotates_sink_queries(positions, caches):
             if pos.max() >= 2**31:
                 raise ValueError(f"positions must be below 2**31 for the GPU layer kernels (got {pos.max()})")
             tables = None                       # RoPE from device positions, for every layer
+            if not counts_ok:           # before the device counters take them (state unchanged)
+                raise ValueError(f"counts must be an int array of shape ({B},) in 0..T={T} (got dtype "
+                                 f"{np.asarray(counts).dtype}, shape {cnt.shape}, values "
+                                 f"{cnt.min(initial=0)}..{cnt.max(initial=0)})")
             pos_dev = self._device_positions(caches, pos, cnt)                              # [B, T] int32
             if graphable(self, B, T, positions, caches):     # fixed buffers: the segments' graphs read them
                 graph = self.step_graphs.get(B) or self.step_graphs.setdefault(
@@ -572,8 +578,6 @@ class Transformer:
         else:
             tables = {base: (xp.asarray(cos), xp.asarray(sin)) for base, (cos, sin) in self._rope(pos).items()}
             ops = ArrayOps(self, caches, tables, pos, backend, attn_counts, attn_hook, positions)
-        counts_ok = (counts is None or np.asarray(counts).dtype.kind in "iu") and cnt.shape == (B,) \
-            and cnt.min() >= 0 and cnt.max() <= T
         fast = self._compiled_layers(backend, counts_ok, attn_hook, positions, caches)
         if fast is not None:                          # the compiled layers' RoPE rows, per base: [B*T, hd]
             serial, status = serial_kernels(), np.zeros(1, np.int64)
