@@ -274,6 +274,11 @@ def test_model_decode_step_syncs_once(tmp_path):
     # the model's DeviceStep allocates its flag at the first step only: later steps allocate the same (the
     # layers' temporaries), and the step after it was dropped one more (the flag again)
     assert allocs[2] == allocs[3] == allocs[4] and allocs[5] == allocs[4] + 1, allocs
+    with cupy.cuda.Device(1):                         # caches on a second GPU: a step (and flag) of their own
+        other = model.new_caches(batch=1, max_chunk=1, dtype="q8_0")
+    model.forward(np.array([[7]]), other, backend="gpu")
+    assert model.device_step is not first and model.device_step.flag.device.id == 1
+    assert first.flag.device.id == 0
 
 
 @pytest.mark.skipif(not FAKE, reason="the fake CuPy's counters (tests/test_gpu_cache.py runs it)")

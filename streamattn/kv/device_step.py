@@ -15,6 +15,8 @@ first layer's K, else its V, and the sequence).
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .backends.gpu_append import FLAG_CLEAR
@@ -85,7 +87,10 @@ class DeviceStep:
         if xp is None and not self.caches:
             raise ValueError("DeviceStep needs the caches of the step or their array module xp (got neither)")
         self.xp = xp if xp is not None else self.caches[0].xp
-        flags = self.xp.full(2, FLAG_CLEAR, dtype=np.int32)     # [2] device, one allocation for every step:
+        # [2] on the caches' GPU (CuPy's a.device is its context manager), one allocation for every step
+        device = getattr(getattr(self.caches[0], "k", None), "device", None) if self.caches else None
+        with device if hasattr(device, "__enter__") else contextlib.nullcontext():
+            flags = self.xp.full(2, FLAG_CLEAR, dtype=np.int32)
         self.flag = flags[0:1]          # [1] the lowest code seen (FLAG_CLEAR again after each step)
         self.scratch = flags[1:2]       # [1] what caches that skip the check lower (never read)
         # (cache, code_base, counts, host lengths/last_counts/held_from before, undo_k, undo_v)

@@ -130,6 +130,11 @@ def _to_device(xp, w):
     return xp.asarray(w)
 
 
+def _device_id(a):
+    """The id of the GPU holding array ``a`` (CuPy's ``a.device.id``), None where it has no device."""
+    return getattr(getattr(a, "device", None), "id", None)
+
+
 class Transformer:
     """A GGUF model ready to run on streamattn caches.
 
@@ -343,10 +348,11 @@ class Transformer:
 
     def _device_step(self, caches) -> DeviceStep:
         """The step over GPU ``caches``: :attr:`device_step`, pointed at them; a fresh one where that is open
-        (a forward inside another's step, from a hook) or on another array module."""
+        (a forward inside another's step, from a hook), on another array module or another device (the
+        flag must live where the caches' append kernels write it)."""
         step = self.device_step
-        if step is None or step.xp is not caches[0].xp:
-            step = self.device_step = DeviceStep(xp=caches[0].xp)
+        if step is None or step.xp is not caches[0].xp or _device_id(step.flag) != _device_id(caches[0].k):
+            step = self.device_step = DeviceStep(caches)
         return step.over(caches) if not (step.open or step.entries) else DeviceStep(caches)
 
     def _device_positions(self, caches, pos, cnt):

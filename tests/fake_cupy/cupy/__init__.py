@@ -83,6 +83,14 @@ class ndarray(_np.ndarray):
     def data(self):
         return _Pointer(self)
 
+    @property
+    def device(self):
+        """The device current when the array (or the one it views) was made: cupy.cuda.Device(n) sets it."""
+        return _Device(getattr(self, "_device_id", 0))
+
+    def __array_finalize__(self, obj):
+        self._device_id = getattr(obj, "_device_id", _state.get("device", 0))
+
 
 class _Pointer:
     def __init__(self, arr):
@@ -299,9 +307,12 @@ class _Device:
         self.attributes = {"MultiProcessorCount": 4, "L2CacheSize": 1 << 16}
 
     def __enter__(self):
+        self.before = _state.get("device", 0)
+        _state["device"] = self.id                # arrays made inside are on this device
         return self
 
     def __exit__(self, *exc):
+        _state["device"] = self.before
         return False
 
     def synchronize(self):
