@@ -314,7 +314,7 @@ def test_a_device_step_is_one_step_at_a_time():
         with pytest.raises(RuntimeError, match="while its step is open"):
             step.__enter__()
         caches[0].append(cupy.random.standard_normal((1, 2, 1, 64)), cupy.random.standard_normal((1, 2, 1, 64)))
-        with pytest.raises(RuntimeError, match="still open"):
+        with pytest.raises(RuntimeError, match="is open"):
             step.over(caches[1:])
         assert step.caches == caches and caches[1].step is step
     assert step.over(caches[1:]) is step and not step.entries and caches[0].step is None
@@ -323,3 +323,10 @@ def test_a_device_step_is_one_step_at_a_time():
         with pytest.raises(ValueError, match="holds NaN or inf"):
             step.finish()
     assert [int(c.lengths[0]) for c in caches] == [1, 0]
+    step.record(caches[0], np.array([1]), None, None)       # appends held by a closed step (no finish yet)
+    with pytest.raises(RuntimeError, match="holds 1 unfinished appends: call finish"):
+        step.over(caches)
+    step.finish()
+    assert step.over(caches) is step
+    with pytest.raises(ValueError, match="caches on array module cupy, this step's flag on numpy"):
+        DeviceStep(xp=np).over(caches)

@@ -100,11 +100,19 @@ class DeviceStep:
 
     def over(self, caches) -> "DeviceStep":
         """This step object, its device flag kept, for a step over ``caches`` (same array module); returns
-        self. Raises RuntimeError, changing nothing, while a step is open or holds appends."""
+        self. Raises, changing nothing, RuntimeError while a step is open or holds appends, ValueError where
+        a cache's ``xp`` is not this step's."""
         if self.open or self.entries:
-            raise RuntimeError("DeviceStep.over: a step is still open on this object; finish it first, or use "
-                               "a DeviceStep of its own for a step inside another")
-        self.caches = list(caches)
+            state = "is open" if self.open else f"holds {len(self.entries)} unfinished appends: call finish()"
+            raise RuntimeError(f"DeviceStep.over: the step on this object {state}; a step inside another "
+                               "needs a DeviceStep of its own")
+        caches = list(caches)
+        other = [c.xp for c in caches if c.xp is not self.xp]
+        if other:
+            raise ValueError(f"DeviceStep.over: caches on array module {getattr(other[0], '__name__', other[0])}, "
+                             f"this step's flag on {getattr(self.xp, '__name__', self.xp)}: one step is one "
+                             "array module")
+        self.caches = caches
         return self
 
     def __enter__(self):
