@@ -54,16 +54,17 @@ def attend_parts(fn, q, cache, *, scale: float, counts, q_sink, softcap):
     qs = q if q_sink is None else q_sink
     kw = dict(scale=scale, softcap=softcap, q_sink=None)
     sink_kw = dict(window=0, sinks=0, kind=spec.sink_dtype, kind_v=spec.sink_dtype, **kw)   # the sink store
-    dev_sink, dev_ring = {}, {}       # every row past the sinks (decode): the parts' counters from the device's
-    if cache.counters is not None and getattr(fn, "reads_device_counters", False) and not early.any():
-        d_len, d_cnt = cache.counters.match(lengths, counts)                       # [batch] int32 each
-        dev_sink = dict(device_lengths=xp.full(B, n_s, np.int32), device_counts=(d_cnt > 0).astype(np.int32))
-        dev_ring = dict(device_lengths=xp.maximum(d_len - np.int32(n_s), 0).astype(np.int32, copy=False),
-                        device_counts=d_cnt)                                       # late = counts here
     s_out = xp.zeros((B, Hq, T, D), np.float32)                  # [batch, q_heads, T, head_dim] the sink part
     s_lse = xp.full((B, Hq, T), -np.inf, np.float32)             # [batch, q_heads, T]
     r_out, r_lse = xp.zeros_like(s_out), xp.full_like(s_lse, -np.inf)   # the ring part
     if late.any():
+        # every row past the sinks (decode): the parts' counters made on the device from the cache's
+        dev_sink, dev_ring = {}, {}
+        if cache.counters is not None and getattr(fn, "reads_device_counters", False) and not early.any():
+            d_len, d_cnt = cache.counters.match(lengths, counts)                   # [batch] int32 each
+            dev_sink = dict(device_lengths=xp.full(B, n_s, np.int32), device_counts=(d_cnt > 0).astype(np.int32))
+            dev_ring = dict(device_lengths=xp.maximum(d_len - np.int32(n_s), 0).astype(np.int32, copy=False),
+                            device_counts=d_cnt)                                   # late = counts here
         heads = xp.ascontiguousarray(qs).reshape(B, Hq * T, 1, D)          # row (h, t) as head h * T + t
         o, lse = fn(heads, cache.sink_k, cache.sink_v, np.full(B, n_s, np.int64), (late > 0).astype(np.int64),
                     **sink_kw, **dev_sink)
