@@ -139,8 +139,9 @@ def speed(cp, path: Path, batches: list, tokens: int, repeats: int, copy_gbs: fl
             del caches
         step = statistics.median(times[1:])
         gbs = nbytes / step / 1e9
-        rows.append({"model": path.stem, "batch": batch, "graphs": graphs, "step_ms": 1e3 * step, "tok_s": batch / step,
-                     "weight_bytes": nbytes, "weights_gb_s": gbs, "pct_copy": 100 * gbs / copy_gbs,
+        rows.append({"model": path.stem, "batch": batch, "graphs": graphs, "step_ms": 1e3 * step,
+                     "tok_s": batch / step, "weight_bytes": nbytes, "weights_gb_s": gbs,
+                     "pct_copy": 100 * gbs / copy_gbs,
                      "load_s": load_s, "runs": times[1:]})
         print(f"{path.stem:24s} B={batch:<3d} {1e3 * step:8.2f} ms/step {batch / step:9.1f} tok/s "
               f"{gbs:7.1f} GB/s {100 * gbs / copy_gbs:5.1f}% of copy", flush=True)
@@ -176,7 +177,8 @@ def main(argv=None) -> int:
     result = {"check": check(cp, work / "check.gguf", args.steps, small=args.fake, graphs=args.graphs)}
     c = result["check"]
     print(f"check: {c['steps']} greedy steps (ids from a device argmax), ids equal {c['ids_equal']}, "
-          f"worst logit error {c['worst_rel_err']:.2e} of the largest (limit 1e-3): {'ok' if c['ok'] else 'FAILED'}", flush=True)
+          f"worst logit error {c['worst_rel_err']:.2e} of the largest (limit 1e-3): "
+          f"{'ok' if c['ok'] else 'FAILED'}", flush=True)
     if not args.skip_speed:
         from gpu_decode import copy_bandwidth
         from make_real_size_gguf import MODELS, write_model

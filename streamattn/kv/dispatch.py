@@ -199,8 +199,9 @@ def _run(fn, q, cache: KVCache, scale: float, counts, q_sink, softcap, *, edge: 
     rule of :func:`attend`)."""
     spec = cache.spec
 
-    device = {}          # a GPU cache's counters already on the device: no upload (sinks apart: the mask of
-    if cache.counters is not None and getattr(fn, "reads_device_counters", False):     # real rows below)
+    # a GPU cache's counters already on the device: no upload (sinks apart: the mask of real rows below)
+    device = {}
+    if cache.counters is not None and getattr(fn, "reads_device_counters", False):
         device = dict(zip(("device_lengths", "device_counts"), cache.counters.match(cache.lengths, counts)))
 
     def call(fn):

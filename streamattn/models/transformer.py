@@ -479,8 +479,9 @@ class Transformer:
                                    positions=positions)                          # [B, T, d]
         xp, c, B = self.xp, self.config, x.shape[0]
         T = x.shape[1]
-        if feed.last_only and xp is not np and (T == 1 or (cnt == T).all()):   # on the device, no index
-            x = xp.ascontiguousarray(x[:, T - 1])                                       # array uploaded: [B, d]
+        if feed.last_only and xp is not np and (T == 1 or (cnt == T).all()):
+            # on the device, no index array uploaded
+            x = xp.ascontiguousarray(x[:, T - 1])                                       # [B, d]
         elif feed.last_only:
             x = x[xp.arange(B), xp.asarray(cnt - 1)]                                    # [B, d]
         elif feed.rows is not None:
