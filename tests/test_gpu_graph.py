@@ -5,6 +5,7 @@ with graphs gives the same logits, bit for bit, and the same greedy ids as witho
 attention changes its split count as the context grows; a replayed step syncs the host once."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not emu.have_compiler(), reason="g++ (C++20) is needed for the emulation harness")
 
 CHILD = r"""
+import json
 import sys
 import numpy as np
 import cupy
@@ -29,55 +31,82 @@ sys.path.insert(0, "tests")
 from _model_util import write_tiny_gguf
 from streamattn.gguf.loader import load_gguf
 from streamattn.kv.backends import gpu_plan, gpu_source
+from streamattn.models import gpu_ops
 from streamattn.models.transformer import Transformer
 
-gpu_source.MIN_KEYS_PER_SPLIT = 2            # the split count grows within a few steps of a tiny context
+gpu_source.MIN_KEYS_PER_SPLIT = 1            # the split count grows step by step in a tiny context
 splits = []
 choose = gpu_plan.choose_splits
 gpu_plan.choose_splits = lambda *a: splits.append(choose(*a)) or splits[-1]
 types = dict(attn_q="Q8_0", attn_k="Q8_0", attn_v="Q8_0", attn_output="Q5_0", ffn_gate="Q4_0", ffn_up="Q4_0",
              ffn_down="Q4_1", token_embd="Q8_0")     # one type a fused matrix (a row group tuple is not graphed)
-path = write_tiny_gguf(sys.argv[1], arch=sys.argv[2], n_layers=2, d_model=32, n_heads=1, n_kv_heads=1, head_dim=64,
-                       d_ff=32, vocab=40, quant=types, matrix_scale=0.1)
-plain, graphed = (Transformer(load_gguf(path, weights="gguf")).to(cupy) for _ in range(2))
-graphed.cuda_graphs = True
-if sys.argv[3] == "planted":                 # an array op in the row work: the capture must refuse it
-    from streamattn.models import gpu_ops
-    gpu_ops.GpuOps.residual = lambda self, x, y, w: self._op("residual", (x, y, w), lambda: x.__iadd__(y))
-    plain.cuda_graphs = True
-caches = [m.new_caches(batch=2, max_chunk=3) for m in (plain, graphed)]
-feeds = [np.array([[3], [9]])] * 2
-syncs, same = [], True
-for step in range(4):
-    out = []
-    for m, cc, feed in zip((plain, graphed), caches, feeds):
-        before = cupy.counts["sync"]
-        logits = m.forward(feed, cc, backend="gpu", last_only=True)
-        if m is graphed and step:
-            syncs.append(cupy.counts["sync"] - before)
-        out.append(logits.get())
-    same &= np.array_equal(out[0], out[1])
-    feeds = [o.argmax(-1)[:, None] for o in out]
-    same &= np.array_equal(feeds[0], feeds[1])
-g = graphed.step_graphs[2]
-steps, launched = g.steps, cupy.counts.get("graph_launch", 0)
-uploads, ids = [], cupy.asarray(feeds[1])
-for step in range(3):        # greedy ids picked on the device: the step uploads nothing (ids, positions, rows)
+
+
+def models(arch):
+    path = write_tiny_gguf(f"{sys.argv[1]}/{arch}.gguf", arch=arch, n_layers=2, d_model=32, n_heads=1,
+                           n_kv_heads=1, head_dim=64, d_ff=32, vocab=40, quant=types, matrix_scale=0.1)
+    plain, graphed = (Transformer(load_gguf(path, weights="gguf")).to(cupy) for _ in range(2))
+    graphed.cuda_graphs = True
+    return plain, graphed
+
+
+def refused(model, ids, caches):
+    held = [c.lengths.copy() for c in caches]
+    try:
+        model.forward(ids, caches, backend="gpu", last_only=True)
+        return False
+    except ValueError:
+        return all(np.array_equal(c.lengths, h) for c, h in zip(caches, held))
+
+
+report = {}
+for arch in ("llama", "qwen2"):
+    splits.clear()
+    plain, graphed = models(arch)
+    caches = [m.new_caches(batch=2, max_chunk=3) for m in (plain, graphed)]
+    feeds = [np.array([[3], [9]])] * 2
+    syncs, same, launched = [], True, cupy.counts.get("graph_launch", 0)
+    for step in range(3):                    # plain, captured, replayed
+        out = []
+        for m, cc, feed in zip((plain, graphed), caches, feeds):
+            before = cupy.counts["sync"]
+            logits = m.forward(feed, cc, backend="gpu", last_only=True)
+            if m is graphed and step:
+                syncs.append(cupy.counts["sync"] - before)
+            out.append(logits.get())
+        same &= np.array_equal(out[0], out[1])
+        feeds = [o.argmax(-1)[:, None] for o in out]
+        same &= np.array_equal(feeds[0], feeds[1])
+    g = graphed.step_graphs[2]
+    r = report[arch] = dict(same=bool(same), syncs=syncs, steps=g.steps, segments=len(g.segments),
+                            launched=cupy.counts.get("graph_launch", 0) - launched, splits=sorted(set(splits)))
+    if arch != "llama":
+        continue
+    # greedy ids picked on the device (the replayed step's argmax): the step uploads nothing (ids,
+    # positions, rows)
+    ids = logits.argmax(-1)[:, None]
     a = plain.forward(feeds[0], caches[0], backend="gpu", last_only=True)
     before = cupy.counts["upload"]
     b = graphed.forward(ids, caches[1], backend="gpu", last_only=True)
-    uploads.append(cupy.counts["upload"] - before)
-    ids = b.argmax(-1)[:, None]                                  # on the device
-    same &= hasattr(ids, "__cuda_array_interface__") and np.array_equal(a.get(), b.get())
-    feeds[0] = a.get().argmax(-1)[:, None]
-held = [c.lengths.copy() for c in caches[1]]
-try:                         # an id outside the 40-token table, on the device: a NaN row the step refuses
-    graphed.forward(cupy.asarray(np.array([[3], [40]])), caches[1], backend="gpu", last_only=True)
-    refused = False
-except ValueError:
-    refused = all(np.array_equal(c.lengths, h) for c, h in zip(caches[1], held))
-print("ok", same, syncs == [1] * 3, steps, len(g.segments), launched, len(set(splits)) > 1, uploads == [0] * 3,
-      refused)
+    on_device = hasattr(ids, "__cuda_array_interface__")
+    r.update(device_same=bool(same and on_device and np.array_equal(a.get(), b.get())),
+             uploads=[cupy.counts["upload"] - before])
+    # ids outside the 40-token table, on the device: NaN rows the step refuses, the caches as before; an
+    # int64 id past int32 (2**32 + 3) must not wrap into row 3
+    r["refused"] = [refused(graphed, cupy.asarray(np.array([[3], [v]], dt)), caches[1])
+                    for v, dt in ((40, np.int32), (2**32 + 3, np.int64))]
+# an array op in the row work: the capture must refuse it
+gpu_ops.GpuOps.residual = lambda self, x, y, w: self._op("residual", (x, y, w), lambda: x.__iadd__(y))
+plain, _ = models("llama")
+plain.cuda_graphs = True
+caches = plain.new_caches(batch=2, max_chunk=3)
+try:
+    for step in range(2):
+        plain.forward(np.array([[3], [9]]), caches, backend="gpu", last_only=True)
+    report["planted"] = "not refused"
+except RuntimeError as e:
+    report["planted"] = str(e)
+print(json.dumps(report))
 """
 
 
@@ -94,32 +123,43 @@ def emu_library(tmp_path_factory):
                      specs=specs)
 
 
-def _run(tmp_path, lib, arch: str, variant: str):
-    env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(lib), PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
-    return subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "g.gguf"), arch, variant], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, emu_library):
+    """One child for every model run here (the fake CuPy is process-wide): its JSON report."""
+    env = dict(os.environ, STREAMATTN_FAKE_CUPY_LIB=str(emu_library),
+               PYTHONPATH=f"{ROOT / 'tests' / 'fake_cupy'}:{ROOT}")
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path_factory.mktemp("graph_models"))], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_graphed_decode_equals_plain_launches(tmp_path, emu_library, arch):
-    """Four decode steps of batch 2: the first plain, the second captured, the rest replayed; three segments
-    a step (before the first attention, between, after the last); the attention's split count grows from 1
-    to 2 on the way (the threshold lowered for a tiny context). Qwen2's q/k/v bias is added by the heads
-    kernel, so its steps are graphed too. Then three steps fed the ids of a device argmax: the same logits as
-    host ids, and nothing uploaded (ids, positions from the device lengths, the last rows by a slice); an id
-    outside the table, on the device, is refused by the step's finite check, the caches as before."""
-    done = _run(tmp_path, emu_library, arch, "")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    word, same, one_sync, steps, segments, launches, split_change, no_upload, refused = done.stdout.split()
-    assert (word, same, one_sync, split_change, no_upload, refused) == ("ok",) + ("True",) * 5, done.stdout
-    assert (int(steps), int(segments)) == (4, 3)
-    assert int(launches) == 3 * 3                 # captured at step 2, replayed at 3 and 4
+def test_graphed_decode_equals_plain_launches(report, arch):
+    """Three decode steps of batch 2: the first plain, the second captured, the third replayed, each with
+    the same logits and greedy ids as plain launches and one host sync; three segments a step (before the
+    first attention, between, after the last); the attention's split count (outside the graphs) grows on
+    the way, the threshold lowered for a tiny context. Qwen2's q/k/v bias is added by the heads kernel, so
+    its steps are graphed too."""
+    r = report[arch]
+    assert r["same"] and r["syncs"] == [1, 1], r
+    assert (r["steps"], r["segments"]) == (3, 3)
+    assert r["launched"] == 3 * 2                 # each segment launched at its capture and its replay
+    assert len(r["splits"]) > 1, r
 
 
-def test_an_array_op_inside_a_capture_is_refused(tmp_path, emu_library):
-    done = _run(tmp_path, emu_library, "llama", "planted")
-    assert done.returncode != 0
-    assert "array operation __iadd__ inside a stream capture" in done.stderr, done.stderr[-3000:]
+def test_device_ids_upload_nothing_and_bad_ids_are_refused(report):
+    """A step fed the ids of a device argmax: the same logits as host ids, and nothing uploaded (ids,
+    positions from the device lengths, the last rows by a slice). Ids outside the table on the device (an
+    int32 40, an int64 2**32 + 3 that an int32 cast would wrap into row 3) are refused by the step's finite
+    check, the caches as before."""
+    r = report["llama"]
+    assert r["device_same"] and r["uploads"] == [0], r
+    assert r["refused"] == [True, True], r
+
+
+def test_an_array_op_inside_a_capture_is_refused(report):
+    assert "array operation __iadd__ inside a stream capture" in report["planted"], report["planted"]
 
 
 class _Stream:

@@ -80,11 +80,17 @@ def embed_rows(xp, w, ids, scale: float = 1.0):
     ``scale`` (the model's embedding scale, rounded once to float32) as float32 [n, d].
 
     A GGUFMatrix on the device is dequantized there from device ids (``gpu.embed``: the same bits; ids
-    already on the device are not uploaded); on the host, gguf-py dequantizes its rows' blocks."""
+    already on the device are not uploaded, nor checked: one outside 0..rows-1, of any integer dtype, gets a
+    NaN row, which a step refuses where a cache checks finiteness); on the host, gguf-py dequantizes its
+    rows' blocks."""
     if isinstance(w, GGUFMatrix) and xp is not np:
         from streamattn.kv.backends import gpu
-        ids = ids.astype(np.int32, copy=False) if hasattr(ids, "__cuda_array_interface__") else \
-            xp.asarray(np.asarray(ids, np.int32))
+        if not hasattr(ids, "__cuda_array_interface__"):
+            ids = xp.asarray(np.asarray(ids, np.int32))
+        elif ids.dtype.itemsize < 4 or ids.dtype == np.int32:
+            ids = ids.astype(np.int32, copy=False)                     # every value kept
+        else:   # int64 or uint32: an id past int32 must not wrap into the table; -1 is out of it (no sync)
+            ids = xp.where((ids < 0) | (ids >= w.shape[0]), -1, ids).astype(np.int32)
         return gpu.embed(w, xp.ascontiguousarray(ids), scale=scale)
     if isinstance(w, QWeight):
         x = w.rows(ids)

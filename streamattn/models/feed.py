@@ -16,8 +16,10 @@ class Feed:
     tokens : int array [B, T]
         New tokens; row b's first ``counts[b]`` entries are real, the rest padding. On the GPU, with the
         embedding kept packed there, a device array (a device argmax's ids) is read there, not uploaded;
-        its ids are not checked on the host: one outside the vocabulary embeds as a NaN row, which the
-        step's finite check refuses (ValueError, the caches unchanged).
+        its ids are not checked on the host: one outside the vocabulary (any integer dtype) embeds as a
+        NaN row, which the step's finite check refuses (ValueError, the caches unchanged) where a cache
+        checks finiteness (``CacheSpec.check_finite``, the default; one layer's suffices, as the row
+        reaches every layer); where none does, that row's logits are NaN and no error is raised.
     counts : int array [B] or None
         Real tokens per row (a ragged batch); None: all T.
     rows, cols : int arrays [N] or None

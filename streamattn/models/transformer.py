@@ -550,8 +550,10 @@ class Transformer:
         B, T = tokens.shape
         if len(caches) != c.n_layers:
             raise ValueError(f"caches has {len(caches)} entries, expected one per layer ({c.n_layers})")
-        if on_device:                  # read on the device: an id outside the table embeds as a NaN row, which
-            if tokens.dtype.kind not in "iu":          # the step's finite check refuses (caches unchanged)
+        if on_device:
+            # read on the device: an id outside the table embeds as a NaN row, which the step's finite
+            # check refuses (caches unchanged) where a cache checks finiteness (else NaN logits, no error)
+            if tokens.dtype.kind not in "iu":
                 raise ValueError(f"tokens on the device must be integer ids (got dtype {tokens.dtype})")
         elif tokens.min() < 0 or tokens.max() >= c.vocab_size:
             raise ValueError(f"token ids must be in 0..{c.vocab_size - 1} (got {tokens.min()}..{tokens.max()})")
