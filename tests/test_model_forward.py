@@ -189,6 +189,10 @@ def test_forward_argument_errors(tmp_path):
         tf.forward(np.array([[64]]), caches)
     with pytest.raises(ValueError, match="one per layer"):
         tf.forward(np.array([[1]]), caches[:2])
+    for bad in (np.array([1, 1]), np.array([2]), np.array([-1]), np.array([1.0]), [[1], [1, 1]], np.array([True])):
+        with pytest.raises(ValueError, match=r"counts must be an int array of shape \(1,\) in 0..T=1 \(got "):
+            tf.forward(np.array([[1]]), caches, counts=bad)       # [1, 1]: every value T, the wrong length
+    assert [int(k.lengths[0]) for k in caches] == [0] * len(caches)
     with pytest.raises(ValueError, match="mode='window' needs window >= 1"):
         tf.new_caches(mode="window")
     with pytest.raises(ValueError, match="mode must be one of"):

@@ -135,6 +135,21 @@ def _device_id(a):
     return getattr(getattr(a, "device", None), "id", None)
 
 
+def _checked_counts(counts, B: int, T: int) -> np.ndarray:
+    """``counts`` as int64 [B], each in 0..T; else ValueError naming what came (before any state moves, on
+    every path: a wrong length whose values all equal T would otherwise pass as "every row real")."""
+    try:
+        raw = np.asarray(counts)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"counts must be an int array of shape ({B},) in 0..T={T} (got {type(counts).__name__}: "
+                         f"{e})") from None
+    if not (raw.dtype.kind in "iu" and raw.shape == (B,) and raw.min(initial=0) >= 0 and raw.max(initial=0) <= T):
+        values = f", values {raw.min()}..{raw.max()}" if raw.dtype.kind in "iuf" and raw.size else ""
+        raise ValueError(f"counts must be an int array of shape ({B},) in 0..T={T} (got dtype {raw.dtype}, "
+                         f"shape {raw.shape}{values})")
+    return raw.astype(np.int64)
+
+
 class Transformer:
     """A GGUF model ready to run on streamattn caches.
 
@@ -333,12 +348,11 @@ class Transformer:
         same bytes."""
         return spec.dtype == "q4_0"
 
-    def _compiled_layers(self, backend, counts_ok, hook, positions, caches):
+    def _compiled_layers(self, backend, hook, positions, caches):
         """The compiled layers (:mod:`streamattn.models.compiled`) where this call may use them — CPU
-        arrays, the CPU backend, counts [B] each in 0..T, no hook, no query rotated for sinks, no cache
-        with float16 sinks (attended in two parts by streamattn.kv.dispatch) — else None (the array layers
-        then raise what is wrong)."""
-        if not (self.compile_layers and self.xp is np and backend in ("cpu", "auto") and counts_ok
+        arrays, the CPU backend, no hook, no query rotated for sinks, no cache with float16 sinks (attended in
+        two parts by streamattn.kv.dispatch) — else None (the array layers then raise what is wrong)."""
+        if not (self.compile_layers and self.xp is np and backend in ("cpu", "auto")
                 and hook is None and not rotates_sink_queries(positions, caches)
                 and not any(k.sink_k is not None for k in caches)):
             return None
@@ -559,22 +573,16 @@ class Transformer:
             raise ValueError(f"token ids must be in 0..{c.vocab_size - 1} (got {tokens.min()}..{tokens.max()})")
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS} (got {positions!r})")
-        cnt = np.full(B, T, np.int64) if counts is None else np.asarray(counts, np.int64)
+        cnt = np.full(B, T, np.int64) if counts is None else _checked_counts(counts, B, T)     # [B] int64
         pos = np.asarray(caches[0].lengths, np.int64)[:, None] + np.arange(T)[None, :]   # [B, T]
         x = xp.asarray(embed_rows(xp, self.embed, tokens.reshape(-1), c.embed_scale))                 # [B*T, d]
         x = x.reshape(B, T, c.d_model)                                                            # [B, T, d]
         attn_counts = None if counts is None or (cnt == T).all() else cnt    # None: every row real (one-call path)
         graph = None
-        counts_ok = (counts is None or np.asarray(counts).dtype.kind in "iu") and cnt.shape == (B,) \
-            and cnt.min() >= 0 and cnt.max() <= T
         if self.rope_device is not None and not rotates_sink_queries(positions, caches):
             if pos.max() >= 2**31:
                 raise ValueError(f"positions must be below 2**31 for the GPU layer kernels (got {pos.max()})")
             tables = None                       # RoPE from device positions, for every layer
-            if not counts_ok:           # before the device counters take them (state unchanged)
-                raise ValueError(f"counts must be an int array of shape ({B},) in 0..T={T} (got dtype "
-                                 f"{np.asarray(counts).dtype}, shape {cnt.shape}, values "
-                                 f"{cnt.min(initial=0)}..{cnt.max(initial=0)})")
             pos_dev = self._device_positions(caches, pos, cnt)                              # [B, T] int32
             if graphable(self, B, T, positions, caches):     # fixed buffers: the segments' graphs read them
                 graph = self.step_graphs.get(B) or self.step_graphs.setdefault(
@@ -587,7 +595,7 @@ class Transformer:
         else:
             tables = {base: (xp.asarray(cos), xp.asarray(sin)) for base, (cos, sin) in self._rope(pos).items()}
             ops = ArrayOps(self, caches, tables, pos, backend, attn_counts, attn_hook, positions)
-        fast = self._compiled_layers(backend, counts_ok, attn_hook, positions, caches)
+        fast = self._compiled_layers(backend, attn_hook, positions, caches)
         if fast is not None:                          # the compiled layers' RoPE rows, per base: [B*T, hd]
             serial, status = serial_kernels(), np.zeros(1, np.int64)
             real = np.flatnonzero(np.arange(T)[None, :] < cnt[:, None])   # [n] real rows of [B*T]
