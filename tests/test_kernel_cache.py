@@ -115,6 +115,35 @@ def test_only_kernel_cache_touches_numbas_caching_internals(tmp_path):
     assert _numba_cache_uses(probe) == [1, 2, 2]
 
 
+def _numba_private_imports(path: Path) -> list:
+    """Lines of ``path`` that import a private name of Numba's (a name or module path part with a leading
+    underscore: ``from numba.np.ufunc.parallel import _iget_num_threads``, ``import numba._helperlib``)."""
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "numba":
+            if any(p.startswith("_") for p in node.module.split(".")) or \
+                    any(a.name.startswith("_") for a in node.names):
+                hits.append(node.lineno)
+        elif isinstance(node, ast.Import) and any(
+                a.name.split(".")[0] == "numba" and any(p.startswith("_") for p in a.name.split("."))
+                for a in node.names):
+            hits.append(node.lineno)
+    return hits
+
+
+def test_only_runtime_imports_numbas_private_names(tmp_path):
+    """Numba's private names move between versions: runtime/ adapts to them (with a fallback where one
+    moved), so a Numba upgrade cannot break the import of the rest (issue 54)."""
+    uses = {name: lines for name, path in modules().items()
+            if not name.startswith("streamattn.runtime.") and (lines := _numba_private_imports(path))}
+    assert not uses, f"Numba's private names imported outside runtime/ (module: lines): {uses}"
+    assert _numba_private_imports(ROOT / "runtime" / "threads.py")          # (the scan sees them where they are)
+    probe = tmp_path / "probe.py"
+    probe.write_text("from numba.np.ufunc.parallel import _iget_num_threads\nimport numba._helperlib\n"
+                     "from numba import njit, prange\nimport numba.np.ufunc\n")
+    assert _numba_private_imports(probe) == [1, 2]
+
+
 def _fake_module(monkeypatch, path: Path, text: str):
     """A module named after ``path``'s stem, its source ``text`` written there, in sys.modules."""
     path.write_text(text)

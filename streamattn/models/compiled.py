@@ -42,11 +42,9 @@ from llvmlite import ir
 from numba import njit, prange, typeof, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
-# the thread count as the parfors' own code reads it: by symbol name (numba.get_num_threads calls a ctypes pointer,
-# which a function cached on disk cannot hold)
-from numba.np.ufunc.parallel import _iget_num_threads
 
 from streamattn.runtime import kernel_cache
+from streamattn.runtime.threads import kernel_thread_count     # (cacheable: see there)
 from streamattn.kv import storage
 from streamattn.kv.backends import cpu
 from streamattn.runtime.kernel_cache import variant
@@ -199,7 +197,7 @@ def _drive_pieces(w_type):
         s1 = G0 * p0
         s2 = s1 + G1 * p1
         total = s2 + G2 * p2
-        T = _iget_num_threads()
+        T = kernel_thread_count()
         for t in prange(T):                                  # T parts: one a thread (a static schedule)
             lo, hi = total * t // T, total * (t + 1) // T
             g0, g1 = share(0, p0, G0, lo, hi)

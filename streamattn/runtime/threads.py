@@ -151,6 +151,28 @@ def thread_count() -> int:
     return _thread_count()
 
 
+def _kernel_thread_count():
+    """The getter behind :data:`kernel_thread_count`: Numba's intrinsic that the parfors' own code calls,
+    which names Numba's C getter by symbol (the public ``numba.get_num_threads`` holds a ctypes pointer,
+    and a function holding one is not cached on disk); where that internal moved, the public one."""
+    try:
+        from numba.np.ufunc.parallel import _iget_num_threads
+        return _iget_num_threads
+    except ImportError:                                  # numba internals moved: works, but uncached
+        import numba
+        return numba.get_num_threads
+
+
+def __getattr__(name):
+    """``kernel_thread_count``: the thread count inside a compiled function, valid only within a
+    ``parallel=True`` function (which launches the pool before it runs). Imported on first use, so that
+    importing this module loads no Numba (:data:`RUNTIME_ENV` must come first)."""
+    if name == "kernel_thread_count":
+        globals()[name] = value = _kernel_thread_count()
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def many_threads() -> bool:
     """Whether Numba runs more than one thread for this Python thread: what the kernels' drivers ask before
     each call (:func:`thread_count`)."""
