@@ -66,7 +66,7 @@ def pieces(rows: tuple, types: tuple, seed: int = 0) -> tuple:
 
 
 def test_pieces_give_each_groups_own_bits_on_one_and_two_threads():
-    """Odd row counts (a last interleaved group with padding rows), a part's boundary inside a row group;
+    """Odd row counts (a last interleaved group with padding rows), the two threads' boundary inside a row group;
     1, 3 and 9 activation rows (the drivers' 1-row, R-row and 8-row passes); a norm and a gated activation
     quantized first. (One matrix type: its driver is compiled in the test's process, not cached. Two row
     groups: tests/test_quant_types_model.py's gate/up.)"""
@@ -75,9 +75,15 @@ def test_pieces_give_each_groups_own_bits_on_one_and_two_threads():
     mm = qmatmul.Matmuls(qmatmul.KernelPlan())
     wt = compiled._matrix(ws, mm.plan)
     assert wt is not None
+    per = [compiled.group_bytes(w[0], w[1], w[2]) for w in wt]
+    starts = np.concatenate([[0], np.cumsum([p * w[0].shape[0] for p, w in zip(per, wt)])])
+    cut = int(starts[-1]) // 2                               # the two threads' boundary
+    inside = [compiled.share(int(a), int(p), w[0].shape[0], 0, cut) for a, p, w in zip(starts, per, wt)]
+    assert any(0 < g1 < w[0].shape[0] for (_, g1), w in zip(inside, wt)), (per, starts, inside)
     drive = compiled._drive(typeof(wt))
     before = numba.get_num_threads()
-    counts = [1] + ([2] if numba.config.NUMBA_NUM_THREADS >= 2 else [])
+    two = numba.config.NUMBA_NUM_THREADS >= 2
+    counts = [1, 2] if two else [1]
     try:
         for mode, M in [(qmatmul.NORM, 1), (qmatmul.NORM, 3), (qmatmul.SILU, 9), (qmatmul.SILU, 1)]:
             x = np.random.default_rng(M).standard_normal((M, K * (2 if mode == qmatmul.SILU else 1)),
@@ -95,3 +101,8 @@ def test_pieces_give_each_groups_own_bits_on_one_and_two_threads():
                     np.testing.assert_array_equal(drive(np.int64(mode), x, nw, 1e-5, wt, one_thread), want)
     finally:
         numba.set_num_threads(before)
+    # the parallel region reads the thread count by symbol, not through a ctypes pointer (which would keep
+    # the compiled layer holding such a matrix off the disk cache)
+    assert drive.overloads and not any(c.library.has_dynamic_globals for c in drive.overloads.values())
+    if not two:
+        pytest.skip("checked on one thread only: two need NUMBA_NUM_THREADS >= 2")

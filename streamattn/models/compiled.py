@@ -154,7 +154,7 @@ def _piece(piece_type):
         part = np.empty((xq.shape[0], (g1 - g0) * lanes), np.float32)         # [M, its groups' rows]
         serial(mode=given, x=x, nw=_EMPTY1, eps=0.0, xq=xq, xd=xd, xs=xs, xc=xc, qs=qs[g0:g1],
                scale=scale[g0:g1], minv=minv[g0:g1] if minv.shape[0] == qs.shape[0] else minv, out=part)
-        n = min(g1 * lanes, rows) - g0 * lanes                                 # its real rows
+        n = max(min(g1 * lanes, rows) - g0 * lanes, 0)                         # its real rows
         out[:, g0 * lanes:g0 * lanes + n] = part[:, :n]
     return run
 
@@ -171,6 +171,7 @@ def share(start, per, n, lo, hi) -> tuple:
     """(g0, g1): the groups g0 .. g1 - 1 of a row group of ``n`` interleaved groups of ``per`` bytes, its
     first at byte ``start`` of the matmul, whose first byte lies in [lo, hi). Bytes [0, total) cut at
     ascending points give each group to exactly one part."""
+    per = max(per, 1)                                        # (every group reads bytes: a guard)
     return (min(max(-((start - lo) // per), 0), n), min(max(-((start - hi) // per), 0), n))
 
 
