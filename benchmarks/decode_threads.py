@@ -57,8 +57,9 @@ def weight_bytes(tf) -> int:
 def regions(tf) -> str:
     """The matmuls' parallel regions of a two-thread decode step through the compiled layers: one a matrix
     (row groups of mixed kinds: one over all its groups, split by bytes), against one a row group (as
-    before, and as the array code's ``Matmuls.pieces`` still runs them); with each region's interleaved
-    groups a thread (Numba's static schedule: half of a matrix's groups each)."""
+    before, and as the array code's ``Matmuls.pieces`` still runs them). A matrix of one kind: Numba's
+    static schedule, half of its interleaved groups a thread; of mixed kinds: half of its bytes a thread,
+    cut at an interleaved group (the kinds' groups differ in bytes, so not half the groups)."""
     mats = [getattr(lw, n) for lw in tf.layers for n in ("wqkv", "wo", "wgu", "wdown")] + [tf.output]
     groups = lambda w: w.qs.shape[0]                                     # noqa: E731
     per = ["+".join(str(groups(p)) for p in w) for w in mats[:4 * 2] if isinstance(w, tuple)]
