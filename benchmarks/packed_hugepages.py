@@ -3,15 +3,16 @@
     PYTHONPATH=. python benchmarks/packed_hugepages.py [--model /work/fixtures/llama-3.2-1b-q4_k_m.gguf]
         [--runs 3] [--rounds 2] [--steps 24]
 
-:func:`streamattn.quant.packed_file.read` asks for huge pages on the packed file's map (``ADVICE``); the
-variant ``4k`` leaves that out (read-ahead only, as before). The map is made once a process, so each run is
-a process of its own: the packed file is built once in a folder under /tmp, then each run drops that
-file's pages from the page cache (``posix_fadvise(DONTNEED)``, no root needed: a fresh read decides the
-folio sizes), loads the model, decodes ``--steps`` greedy steps ``--rounds`` times after a 64-token prompt
+:func:`streamattn.quant.packed_file.read` asks for huge pages on the packed file's map (``ADVICE``) and
+on the model file's (``SOURCE_ADVICE``); the variant ``4k`` leaves both out (read-ahead on the packed file's
+map only, as before). The map is made once a process, so each run is a process of its own: the packed file
+is built once in a folder under /tmp, then each run drops the pages of that file and of the model file from
+the page cache (``posix_fadvise(DONTNEED)``, no root needed: a fresh read decides the folio sizes), loads
+the model, decodes ``--steps`` greedy steps ``--rounds`` times after a 64-token prompt
 (``decode_threads.py``'s step, one thread), then times every matmul of a step alone, one after another
-(thread CPU time, as GB/s of their weights: the GEMV's read rate from the map), and prints both with how much of the map the kernel maps
-with 2 MiB entries (``FilePmdMapped`` of /proc/self/smaps). Variants alternate, the load average is printed
-with each run.
+(thread CPU time, as GB/s of their weights: the GEMV's read rate from the map), and prints both with how
+much of the packed file's map the kernel maps with 2 MiB entries (``FilePmdMapped`` of /proc/self/smaps).
+Variants alternate, the load average is printed with each run.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = {"4k": ("MADV_WILLNEED",), "huge": None}        # None: packed_file's own ADVICE
+#: Each variant's (ADVICE, SOURCE_ADVICE): "4k" as before the huge-page advice (read-ahead on the packed
+#: file's map, none on the model file's), "huge" packed_file's own (None: left as it is).
+VARIANTS = {"4k": (("MADV_WILLNEED",), ()), "huge": None}
 
 
 def _child(model: str, folder: str, variant: str, rounds: int, steps: int) -> None:
@@ -39,12 +42,11 @@ def _child(model: str, folder: str, variant: str, rounds: int, steps: int) -> No
     from streamattn.runtime.threads import set_threads
 
     if VARIANTS[variant] is not None:
-        packed_file.ADVICE = VARIANTS[variant]
-    for name in os.listdir(folder):
-        if name.endswith(".packed"):
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+        packed_file.ADVICE, packed_file.SOURCE_ADVICE = VARIANTS[variant]
+    for path in [model, *(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".packed"))]:
+        fd = os.open(path, os.O_RDONLY)            # both maps' pages: the packed file's and the model file's
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
     set_threads(1)
     tf = Transformer(load_gguf(model, tokenizer=False, packed_cache=folder))
     MODES = {"wqkv": qm.NORM, "wo": qm.PLAIN, "wgu": qm.NORM, "wdown": qm.SILU}
@@ -107,7 +109,9 @@ def main():
                 with open("/proc/loadavg") as f:
                     load = f.read().split()[:3]
                 got.setdefault(v + " matmuls GB/s", []).append(res["matmul_gb_s"])
-                print(f"run {r} {v:4s}: {res['tok_s']:5.1f} tok/s, matmuls {res['matmul_gb_s']:4.1f} GB/s (rounds {', '.join(f'{x:.1f}' for x in res['runs'])});"
+                rounds = ", ".join(f"{x:.1f}" for x in res["runs"])
+                print(f"run {r} {v:4s}: {res['tok_s']:5.1f} tok/s, matmuls {res['matmul_gb_s']:4.1f} GB/s"
+                      f" (rounds {rounds});"
                       f" PMD-mapped {res.get('FilePmdMapped', 0) / 1e3:.0f} of {res.get('Rss', 0) / 1e3:.0f} MB;"
                       f" load {load}", flush=True)
         print("medians: " + ", ".join(f"{v} {statistics.median(x):.1f}" for v, x in got.items()))

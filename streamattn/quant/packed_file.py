@@ -199,7 +199,7 @@ def read(path, key: dict, *, source=None, verify: bool | str = True, threads: in
             raise ValueError(f"{path} holds planes of its model file's bytes: give the model file as source=")
         with open(os.fspath(source), "rb") as f:
             smm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        _advise(smm, ADVICE[:1])          # huge pages only: most of the model file is not weights read here
+        _advise(smm, SOURCE_ADVICE)
         src = np.frombuffer(smm, np.uint8)
     return [_entry(path, e, whole, end, src) for e in index["weights"]]
 
@@ -208,6 +208,10 @@ def read(path, key: dict, *, source=None, verify: bool | str = True, threads: in
 #: cache folio mapped whole; the hardware prefetcher stops at every page's end, docs/PERF.md "One-thread
 #: K-quant GEMV and a file's 4 KiB pages"), then read-ahead now, in the background.
 ADVICE = ("MADV_HUGEPAGE", "MADV_WILLNEED")
+
+#: The advice the model file's own map gets (for the planes the packed file leaves in it): huge pages only,
+#: no read-ahead, as most of the model file is not weights read from that map.
+SOURCE_ADVICE = ("MADV_HUGEPAGE",)
 
 
 def _advise(mm: mmap.mmap, names=None) -> list:
