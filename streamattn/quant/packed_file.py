@@ -223,6 +223,8 @@ def _advise(mm: mmap.mmap, names=None) -> list:
     2 MiB-aligned, and places a file map of 2 MiB or more at such an address itself.
     """
     took = []
+    if not hasattr(mm, "madvise"):             # Windows' mmap has none
+        return took
     for name in ADVICE if names is None else names:
         advice = getattr(mmap, name, None)
         if advice is None:
