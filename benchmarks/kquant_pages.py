@@ -88,8 +88,9 @@ def main():
                 runs[v], outs[v] = _driver(dot), np.zeros((1, qs.shape[0] * LANES), np.float32)
                 runs[v](qs, scale, m, xq, xd, xs, xc, outs[v])
             assert np.array_equal(outs["none"], outs["plan"]), name    # a prefetch changes no result
-            first = QWeight(kind, (LANES, k), qs[:1], scale[:1], None if minv is None else minv[:1], group=group,
-                            source=name, lanes=LANES)                  # the harness calls the kernel as qmatmul does
+            # the harness calls the kernel as qmatmul does
+            first = QWeight(kind, (LANES, k), qs[:1], scale[:1], None if minv is None else minv[:1],
+                            group=group, source=name, lanes=LANES)
             assert np.array_equal(outs["none"][:, :LANES], qm.qmatmul(x, first, parallel=False)), name
             times = {v: [] for v in kernels}
             for _ in range(args.repeats):
