@@ -214,7 +214,9 @@ def make_qdot(kind: str, group: int = 32, R: int = 1, lanes: int = LANES, vnni: 
     prefetch (the one-row decode kernel reads from memory; 0: none). ``touch`` ("q4k" and "q6k"
     only; 0: none): bytes ahead of each block's weights to prefetch one line of, so that the page
     there is translated and its first line on the way before the reads reach it (the hardware
-    prefetcher follows the reads within a 4 KiB page but does not cross into the next one).
+    prefetcher follows the reads within a 4 KiB page but does not cross into the next one). It must
+    stay a prefetch (``llvm.prefetch``), never a load: that address may lie past the buffer's end,
+    where a load would fault.
     """
     if kind == "q6k":
         return _make_qdot_q6k(group, R, lanes, vnni, prefetch, touch)

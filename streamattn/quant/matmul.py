@@ -56,12 +56,12 @@ GROUP_ROWS = (1, 2, 4, 8)
 PREFETCH_BYTES = 3584
 #: Kinds whose one-row kernels do not prefetch PREFETCH_BYTES ahead: "q6k" and "q4k" read each row group's
 #: blocks forwards (their words in the order the kernel first takes them), which the hardware prefetcher
-#: follows within a page; PREFETCH_BYTES ahead made their one-row GEMV 1.5-3x slower on the 16-lane route
+#: follows within a page; PREFETCH_BYTES ahead made their one-row GEMV slower on the 16-lane route
 #: (measured: docs/PERF.md). What they do instead: :data:`ONE_ROW_PREFETCH_BYTES`, :data:`TOUCH_BYTES`.
 NO_PREFETCH = ("q6k", "q4k")
 #: How far ahead the one-row kernels of these kinds prefetch every line of a group's weights: "q6k" from
-#: 4 KiB pages (a file's) read 15-17 GB/s with only a line a block touched 16 KiB ahead, 18-20 with
-#: every line 32 KiB ahead (measured: docs/PERF.md).
+#: 4 KiB pages (a file's) read faster with every line this far ahead than with only a line a block
+#: touched 16 KiB ahead (measured: docs/PERF.md, section "One-thread K-quant GEMV and a file's 4 KiB pages").
 ONE_ROW_PREFETCH_BYTES = {"q6k": 32768}
 #: How far ahead the multi-row kernels of the :data:`NO_PREFETCH` kinds prefetch a group's weights on its first
 #: pass: with 2-8 activation rows a block takes several times the one-row kernel's instructions, and without
@@ -71,10 +71,10 @@ MULTI_ROW_PREFETCH_BYTES = 16384
 #: How far ahead of each block the one-row kernels of these kinds prefetch one line (``touch`` of
 #: :func:`~streamattn.quant.kernels.make_qdot`). Weights mapped from a file sit in 4 KiB pages, and the
 #: hardware prefetcher, which follows a group's reads within a page, starts each next page cold: one line
-#: a block this far ahead brought the one-row GEMV from memory from 20-22 to 26-28 GB/s for Q4_K on such
-#: pages, where every line prefetched ahead ran at 18 (measured: docs/PERF.md). Read when a weight kind's
-#: drivers are first built, as the other distances.
-TOUCH_BYTES = {"q4k": 32768}
+#: a block this far ahead made the one-row Q4_K GEMV from memory faster on such pages, where every line
+#: prefetched ahead made it slower (measured: docs/PERF.md, section "One-thread K-quant GEMV and a file's
+#: 4 KiB pages"). Read when a weight kind's drivers are first built, as the other distances.
+TOUCH_BYTES = {"q4k": 32768}          # a prefetch, never a load: past a buffer's end a load would fault
 _FKINDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
